@@ -1,0 +1,52 @@
+"""DSec: an open sandbox platform for agentic reinforcement learning.
+
+The public surface is small: the SDK clients (``DSecClient`` async, ``DSec`` sync), sandbox
+handles, per-backend arguments, and the error tree rooted at ``DSecError`` (documented in
+``dsec.protocol.errors``). Everything in a module or package whose name starts with ``_`` or
+outside this list may change without notice.
+"""
+
+from dsec.protocol.errors import (
+    CapacityExhausted,
+    CommandTimeout,
+    Conflict,
+    DSecError,
+    FileNotFound,
+    Forbidden,
+    InfraFailure,
+    InvalidRequest,
+    LayerNotFound,
+    QuotaExceeded,
+    SandboxNotFound,
+    SessionLost,
+    Unauthorized,
+)
+from dsec.protocol.models import CommandResult, FileStat, LayerInfo, SandboxInfo, SandboxState
+from dsec.sdk import DSec, DSecClient, DSecContainerRunArgs, ExecChunk, Sandbox, SyncSandbox
+
+__all__ = [
+    "CapacityExhausted",
+    "CommandResult",
+    "CommandTimeout",
+    "Conflict",
+    "DSec",
+    "DSecClient",
+    "DSecContainerRunArgs",
+    "DSecError",
+    "ExecChunk",
+    "FileNotFound",
+    "FileStat",
+    "Forbidden",
+    "InfraFailure",
+    "InvalidRequest",
+    "LayerInfo",
+    "LayerNotFound",
+    "QuotaExceeded",
+    "Sandbox",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SandboxState",
+    "SessionLost",
+    "SyncSandbox",
+    "Unauthorized",
+]

@@ -1,0 +1,278 @@
+"""The HTTP API: the only path from trusted clients to sandboxes.
+
+It keeps no per-sandbox state: every request names a sandbox ID, the ID names its node and
+that node's epoch, and the request goes straight there. Creates go through placement and are
+retried on another node when an edge rejects them for capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from dsec.edge.edge import Edge
+from dsec.iam.store import IamStore
+from dsec.images.store import LayerStore
+from dsec.placement.placement import Placement
+from dsec.protocol.errors import (
+    CapacityExhausted,
+    DSecError,
+    InfraFailure,
+    InvalidRequest,
+    SandboxNotFound,
+)
+from dsec.protocol.ids import SandboxId
+from dsec.protocol.models import CreateRequest, ExecRequest, ShellRequest, invalid_request
+
+log = logging.getLogger("dsec.apiserver")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_CHUNK = 1 << 20
+
+IAM_KEY = web.AppKey("iam", IamStore)
+API_KEY = web.AppKey("api", "ApiServer")
+
+
+def _json(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
+    if isinstance(model, BaseModel):
+        text = model.model_dump_json()
+    else:
+        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model]) if (
+            isinstance(model, list)
+        ) else json.dumps(model)
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except DSecError as exc:
+        return web.json_response(exc.to_wire(), status=exc.status)
+    except ValidationError as exc:
+        err = invalid_request(exc)
+        return web.json_response(err.to_wire(), status=err.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err = InvalidRequest(exc.reason) if exc.status < 500 else InfraFailure(exc.reason, reason="http")
+        return web.json_response(err.to_wire(), status=exc.status)
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        err = InfraFailure(f"internal error: {type(exc).__name__}: {exc}", reason="apiserver")
+        return web.json_response(err.to_wire(), status=500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    header = request.headers.get("Authorization", "")
+    key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
+    request["principal"] = request.app[IAM_KEY].authenticate(key)
+    return await handler(request)
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError:
+        raise
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _query(request: web.Request, name: str) -> str:
+    value = request.query.get(name)
+    if not value:
+        raise InvalidRequest(f"query parameter {name!r} is required")
+    return value
+
+
+class ApiServer:
+    def __init__(self, edges: dict[str, Edge], placement: Placement, store: LayerStore, iam: IamStore) -> None:
+        self.edges = edges
+        self.placement = placement
+        self.store = store
+        self.iam = iam
+
+    def edge_for(self, sandbox_id: str) -> Edge:
+        sid = SandboxId.parse(sandbox_id)
+        edge = self.edges.get(sid.node)
+        if edge is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id}: node {sid.node!r} is not part of this cluster")
+        if edge.epoch != sid.epoch:
+            raise SandboxNotFound(
+                f"sandbox {sandbox_id} belonged to an earlier incarnation of node {sid.node!r}"
+                f" (epoch {sid.epoch}, now {edge.epoch}): it no longer exists"
+            )
+        return edge
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=64 << 20)
+        app[IAM_KEY] = self.iam
+        r = app.router
+        r.add_get("/v1/health", self.health)
+        r.add_post("/v1/sandboxes", self.create)
+        r.add_get("/v1/sandboxes", self.list)
+        r.add_get("/v1/sandboxes/{id}", self.get)
+        r.add_delete("/v1/sandboxes/{id}", self.stop)
+        r.add_post("/v1/sandboxes/{id}/shell", self.shell)
+        r.add_post("/v1/sandboxes/{id}/exec", self.exec)
+        r.add_get("/v1/sandboxes/{id}/files/content", self.download)
+        r.add_put("/v1/sandboxes/{id}/files/content", self.upload)
+        r.add_get("/v1/sandboxes/{id}/files/stat", self.stat)
+        r.add_get("/v1/sandboxes/{id}/files/list", self.list_dir)
+        r.add_post("/v1/sandboxes/{id}/files/mkdir", self.mkdir)
+        r.add_delete("/v1/sandboxes/{id}/files", self.remove)
+        r.add_get("/v1/layers", self.layers)
+        r.add_post("/v1/layers", self.import_layer)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"ok": True, "nodes": self.placement.watcher.snapshot})
+
+    # -- sandboxes --------------------------------------------------------------------------
+
+    async def create(self, request: web.Request) -> web.Response:
+        req: CreateRequest = await _body(request, CreateRequest)
+        tried: set[str] = set()
+        async with asyncio.timeout(req.timeout):
+            while True:
+                node = self.placement.choose(req.spec.type, tried)
+                with self.placement.reserve(node):
+                    try:
+                        info = await self.edges[node].create(req.spec)
+                    except CapacityExhausted:
+                        tried.add(node)  # the edge has the final word; try the next node
+                        continue
+                return _json(info, status=201)
+
+    async def list(self, request: web.Request) -> web.Response:
+        labels = {}
+        for item in request.query.getall("label", []):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise InvalidRequest(f"label filter {item!r} must be key=value")
+            labels[key] = value
+        out = [info for edge in self.edges.values() for info in edge.list(labels)]
+        return _json(out)
+
+    async def get(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        return _json(self.edge_for(sid).get(sid))
+
+    async def stop(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        return _json(await self.edge_for(sid).stop(sid))
+
+    async def shell(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        edge = self.edge_for(sid)
+        req: ShellRequest = await _body(request, ShellRequest)
+        return _json(await edge.run_shell(sid, req))
+
+    async def exec(self, request: web.Request) -> web.StreamResponse:
+        sid = request.match_info["id"]
+        edge = self.edge_for(sid)
+        req: ExecRequest = await _body(request, ExecRequest)
+        try:
+            stdin = base64.b64decode(req.stdin_b64, validate=True) if req.stdin_b64 is not None else None
+        except ValueError as exc:
+            raise InvalidRequest("stdin_b64 is not valid base64") from exc
+        events = edge.exec_stream(
+            sid, req.argv, stdin=stdin, env=req.env, cwd=req.cwd, timeout=req.timeout,
+            max_output=req.max_output_bytes,
+        )
+        first = await anext(events)  # errors before any output still become a proper 4xx/5xx
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await resp.write(first.model_dump_json(exclude_none=True).encode() + b"\n")
+        async for event in events:
+            await resp.write(event.model_dump_json(exclude_none=True).encode() + b"\n")
+        await resp.write_eof()
+        return resp
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        sid = request.match_info["id"]
+        files = self.edge_for(sid).files(sid)
+        path = _query(request, "path")
+        fh = await asyncio.to_thread(files.open_read, path)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            await resp.prepare(request)
+            while chunk := await asyncio.to_thread(fh.read, _CHUNK):
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        finally:
+            fh.close()
+
+    async def upload(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        files = self.edge_for(sid).files(sid)
+        path = _query(request, "path")
+        try:
+            mode = int(request.query.get("mode", "644"), 8)
+        except ValueError as exc:
+            raise InvalidRequest("mode must be octal, e.g. 644") from exc
+        writer = await asyncio.to_thread(files.open_write, path, mode)
+        try:
+            async for chunk in request.content.iter_chunked(_CHUNK):
+                await asyncio.to_thread(writer.write, chunk)
+            await asyncio.to_thread(writer.commit)
+        except BaseException:
+            await asyncio.to_thread(writer.abort)
+            raise
+        return _json(await asyncio.to_thread(files.stat, path), status=201)
+
+    async def stat(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        files = self.edge_for(sid).files(sid)
+        return _json(await asyncio.to_thread(files.stat, _query(request, "path")))
+
+    async def list_dir(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        files = self.edge_for(sid).files(sid)
+        return _json(await asyncio.to_thread(files.list_dir, _query(request, "path")))
+
+    async def mkdir(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        files = self.edge_for(sid).files(sid)
+        path = _query(request, "path")
+        parents = request.query.get("parents", "true") == "true"
+        await asyncio.to_thread(files.mkdir, path, parents)
+        return _json(await asyncio.to_thread(files.stat, path), status=201)
+
+    async def remove(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        files = self.edge_for(sid).files(sid)
+        recursive = request.query.get("recursive", "false") == "true"
+        await asyncio.to_thread(files.remove, _query(request, "path"), recursive)
+        return _json({"removed": True})
+
+    # -- layers -----------------------------------------------------------------------------
+
+    async def layers(self, request: web.Request) -> web.Response:
+        return _json(await asyncio.to_thread(self.store.list))
+
+    async def import_layer(self, request: web.Request) -> web.Response:
+        """Import a tar archive streamed as the request body as layer ``?ref=name:version``."""
+        ref = _query(request, "ref")
+        tmp_dir = Path(self.store.root) / "tmp"
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".tar") as tmp:
+            async for chunk in request.content.iter_chunked(_CHUNK):
+                await asyncio.to_thread(tmp.write, chunk)
+            await asyncio.to_thread(tmp.flush)
+            info = await asyncio.to_thread(self.store.import_path, Path(tmp.name), ref)
+        return _json(info, status=201)

@@ -1,0 +1,88 @@
+"""The embedded single-node DSec: apiserver, placement, watcher and one edge in one process.
+
+SQLite for state, a local directory for layers, everything under one data directory. A
+cluster runs the same parts as separate processes (a later step); nothing here is special to
+the embedded mode except that the apiserver reaches its only edge by a function call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from dsec.apiserver.app import ApiServer
+from dsec.backends.base import Backend
+from dsec.backends.container.backend import ContainerBackend
+from dsec.backends.container.cgroups import remove_parents
+from dsec.edge.edge import Edge, EdgeConfig
+from dsec.iam.store import IamStore
+from dsec.images.mounts import LayerMounts
+from dsec.images.store import LayerStore
+from dsec.placement.placement import Placement, Watcher
+from dsec.sdk.config import read_config_file, write_client_config
+
+log = logging.getLogger("dsec.up")
+
+DEFAULT_DATA_DIR = Path("/var/lib/dsec")
+
+
+@dataclass
+class NodeConfig:
+    data_dir: Path = DEFAULT_DATA_DIR
+    host: str = "127.0.0.1"
+    port: int = 8642
+    node: str = "local"
+    layer_dir: Path | None = None  # the layer store; None: <data_dir>/layers
+    config_file: Path | None = None  # where the URL and admin key go; None: the SDK default
+    edge: dict[str, float] = field(default_factory=dict)  # EdgeConfig overrides (tests)
+
+
+class EmbeddedNode:
+    def __init__(self, config: NodeConfig, backend: Backend | None = None) -> None:
+        self.config = config
+        data = config.data_dir
+        self.store = LayerStore(config.layer_dir or data / "layers")
+        self.mounts = LayerMounts(data / "mnt")
+        self.backend = backend or ContainerBackend(data)
+        self.edge = Edge(EdgeConfig(data_dir=data, node=config.node, **config.edge), self.backend, self.store,
+                         self.mounts)  # type: ignore[arg-type]
+        self.watcher = Watcher({config.node: self.edge})
+        self.placement = Placement(self.watcher)
+        self.iam = IamStore(data / "iam.sqlite")
+        self.api = ApiServer({config.node: self.edge}, self.placement, self.store, self.iam)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.api_key = ""
+
+    async def start(self) -> None:
+        await self.edge.start()
+        await self.watcher.start()
+        self._runner = web.AppRunner(self.api.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = self._runner.addresses[0][1] if self.config.port == 0 else self.config.port
+        self.url = f"http://{self.config.host}:{port}"
+        self.api_key = self._admin_key()
+        write_client_config(self.url, self.api_key, self.config.config_file)
+
+    def _admin_key(self) -> str:
+        # Reuse the key in the config file if this node issued it, so clients survive restarts.
+        key = read_config_file(self.config.config_file).get("api_key")
+        if key and self.iam.is_valid(key):
+            return key
+        return self.iam.issue_key(admin=True)
+
+    async def close(self, *, stop_sandboxes: bool = False) -> None:
+        """Stop serving. Sandboxes keep running unless asked (a restart re-adopts them)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.watcher.close()
+        await self.edge.close(stop_sandboxes=stop_sandboxes)
+        if not self.edge._live:
+            self.mounts.unmount_all()
+            remove_parents()
+        self.iam.close()

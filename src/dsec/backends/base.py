@@ -1,0 +1,87 @@
+"""The seam between the edge and a sandbox runtime.
+
+A backend turns a validated spec plus mounted layers into a running, isolated sandbox, starts
+processes inside it on the edge's behalf, and tears it down. Everything a backend needs to find
+its sandbox again after an edge restart goes into the JSON-able ``handle`` it returns, which the
+edge journals. Every implementation passes ``tests/backends/conformance.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dsec.protocol.models import ContainerSpec
+
+
+@dataclass(frozen=True)
+class User:
+    """The sandbox's initial user, resolved against the image's /etc/passwd."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def sandbox_env(spec: ContainerSpec, user: User, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every process the edge starts in a sandbox: defaults, spec, request."""
+    env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LANG": "C.UTF-8", "TERM": "dumb"}
+    env.update(spec.env)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class CreateContext:
+    sandbox_id: str
+    spec: ContainerSpec
+    layer_dirs: list[Path]  # mounted layers, base first
+    user: User
+    workdir: Path  # per-sandbox directory on local disk owned by the edge
+    handle: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    name: str
+
+    async def prepare_node(self) -> None:
+        """Node-level set-up, idempotent; called once when the edge starts."""
+
+    async def create(self, ctx: CreateContext) -> dict[str, Any]:
+        """Start the sandbox; on failure leave nothing behind and raise a DSecError."""
+
+    async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
+        """Whether a sandbox journaled as running still runs (used to re-adopt after restart)."""
+
+    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+        """Kill every process, release every mount, cgroup and namespace. Idempotent."""
+
+    async def spawn(
+        self,
+        sandbox_id: str,
+        handle: dict[str, Any],
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+    ) -> asyncio.subprocess.Process:
+        """Start ``argv`` inside the sandbox with stdin/stdout/stderr pipes held by the edge.
+
+        The process leads its own process group so a timeout can kill its whole tree.
+        """
+
+    def root_path(self, handle: dict[str, Any]) -> str:
+        """A host path whose root is the sandbox's root filesystem (for confined file access)."""
+
+    def oom_kills(self, sandbox_id: str) -> int:
+        """How many processes of this sandbox the kernel has OOM-killed so far."""
+
+    async def leftovers(self) -> list[str]:
+        """Sandbox IDs the runtime still knows of (the edge destroys those it has no record of)."""

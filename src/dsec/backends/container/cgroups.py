@@ -1,0 +1,78 @@
+"""cgroup v1 housekeeping for container sandboxes.
+
+crun creates and limits each sandbox's cgroups; this module covers what it does not: making a
+hybrid host acceptable to crun, reading OOM kills, and removing what a crash left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from dsec import _linux
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+UNIFIED = CGROUP_ROOT / "unified"
+PARENT = "dsec"
+
+
+def fix_hybrid_layout() -> list[str]:
+    """Give every controller still attached to the cgroup2 hierarchy a v1 hierarchy of its own.
+
+    crun 1.8 refuses hybrid hosts where cgroup2 holds any controller ("cgroups in hybrid mode
+    not supported"); on these machines that is ``hugetlb``. Mounting a v1 hierarchy for it
+    moves it out of cgroup2. Returns the controllers moved; idempotent.
+    """
+    controllers = UNIFIED / "cgroup.controllers"
+    if not controllers.exists() or not (CGROUP_ROOT / "memory").is_dir():
+        return []
+    moved = []
+    for name in controllers.read_text().split():
+        target = CGROUP_ROOT / name
+        target.mkdir(exist_ok=True)
+        _linux.mount("cgroup", str(target), "cgroup", _linux.MS_NOSUID | _linux.MS_NODEV, name)
+        moved.append(name)
+    return moved
+
+
+def v1_controllers() -> list[Path]:
+    out = []
+    for entry in CGROUP_ROOT.iterdir():
+        if entry.name != "unified" and (entry / "cgroup.procs").exists() and not entry.is_symlink():
+            out.append(entry)
+    return out
+
+
+def sandbox_dirs(sandbox_id: str) -> list[Path]:
+    return [c / PARENT / sandbox_id for c in v1_controllers() if (c / PARENT / sandbox_id).is_dir()]
+
+
+def oom_kills(sandbox_id: str) -> int:
+    path = CGROUP_ROOT / "memory" / PARENT / sandbox_id / "memory.oom_control"
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def remove(sandbox_id: str) -> None:
+    """Kill whatever is left in the sandbox's cgroups and remove them (after a crash of crun)."""
+    for d in sandbox_dirs(sandbox_id):
+        with contextlib.suppress(OSError):
+            for pid in (d / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def remove_parents() -> None:
+    """Remove the empty ``dsec`` parent cgroups (when the edge stops with no sandboxes left)."""
+    for c in v1_controllers():
+        with contextlib.suppress(OSError):
+            (c / PARENT).rmdir()

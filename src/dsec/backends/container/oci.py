@@ -1,0 +1,179 @@
+"""OCI runtime-spec bundles for container sandboxes.
+
+The config is built, not templated: isolation choices are code that tests can read back. The
+rootfs is prepared by the backend (overlayfs over EROFS layers), so the runtime only pivots
+into it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsec.backends.base import DEFAULT_PATH, User
+from dsec.protocol.models import ContainerSpec
+
+# Docker's default set without NET_RAW (no raw sockets for port scans) and MKNOD (no devices).
+CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_SETFCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_AUDIT_WRITE",
+]
+
+MASKED_PATHS = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/kpagecgroup",
+    "/proc/kpageflags",
+    "/proc/kpagecount",
+    "/proc/sysrq-trigger",
+    "/proc/vmallocinfo",
+    "/sys/firmware",
+    "/sys/kernel/debug",
+    "/sys/devices/virtual/powercap",
+]
+
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
+
+# Syscalls no agent needs and that widen the kernel attack surface or touch host-global state.
+# A deny list (rather than Docker's allow list) keeps unusual but harmless workloads working;
+# capabilities already block most of these, seccomp is the second wall.
+DENIED_SYSCALLS = [
+    "acct",
+    "add_key",
+    "bpf",
+    "clock_adjtime",
+    "clock_settime",
+    "create_module",
+    "delete_module",
+    "finit_module",
+    "fsconfig",
+    "fsmount",
+    "fsopen",
+    "fspick",
+    "get_kernel_syms",
+    "init_module",
+    "ioperm",
+    "iopl",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "lookup_dcookie",
+    "mount",
+    "mount_setattr",
+    "move_mount",
+    "name_to_handle_at",
+    "nfsservctl",
+    "open_by_handle_at",
+    "open_tree",
+    "perf_event_open",
+    "pivot_root",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "setns",
+    "settimeofday",
+    "swapoff",
+    "swapon",
+    "syslog",
+    "umount2",
+    "unshare",
+    "uselib",
+    "userfaultfd",
+    "vhangup",
+]
+
+
+# PID 1 of every sandbox: a static busybox shell from the node (bind-mounted read-only at
+# /.dsec) that reaps orphans and never exits on its own, so a sandbox survives edge restarts
+# and needs nothing from its image.
+INIT_SCRIPT = 'trap "exit 0" TERM; while :; do /.dsec/busybox sleep 2147483647 & wait; done'
+
+
+def seccomp_profile() -> dict[str, Any]:
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": [{"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1}],
+    }
+
+
+def build_config(
+    *, sandbox_id: str, spec: ContainerSpec, user: User, rootfs: str, runtime_dir: str, cgroup_path: str,
+    nofile: int = 65536,
+) -> dict[str, Any]:
+    quota_period = 100_000
+    memory = spec.memory_limit_mb * 1024 * 1024
+    caps = list(CAPABILITIES)
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/.dsec/busybox", "sh", "-c", INIT_SCRIPT],
+            "env": [f"PATH={DEFAULT_PATH}"],
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps, "inheritable": []},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": rootfs, "readonly": False},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+            {
+                "destination": "/.dsec",
+                "type": "bind",
+                "source": runtime_dir,
+                "options": ["bind", "ro", "nosuid", "nodev"],
+            },
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "cgroupsPath": cgroup_path,
+            "resources": {
+                "devices": [{"allow": False, "access": "rwm"}],
+                # swap == limit: with swap present, memory.limit_in_bytes alone caps only RAM.
+                "memory": {"limit": memory, "swap": memory},
+                "cpu": {"quota": max(1000, int(spec.cpu_cores_limit * quota_period)), "period": quota_period},
+                "pids": {"limit": spec.pids_limit},
+            },
+            "maskedPaths": MASKED_PATHS,
+            "readonlyPaths": READONLY_PATHS,
+            "seccomp": seccomp_profile(),
+        },
+        "annotations": {"io.dsec.sandbox": sandbox_id},
+    }

@@ -1,0 +1,187 @@
+"""The ``dsec`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dsec.protocol.errors import DSecError
+
+app = typer.Typer(help="DSec: sandboxes for agentic RL.", no_args_is_help=True, pretty_exceptions_enable=False)
+layer_app = typer.Typer(help="Layers: immutable, content-addressed EROFS images.", no_args_is_help=True)
+sandbox_app = typer.Typer(help="Sandboxes on this DSec.", no_args_is_help=True)
+app.add_typer(layer_app, name="layer")
+app.add_typer(sandbox_app, name="sandbox")
+console = Console()
+err_console = Console(stderr=True)
+
+DataDir = Annotated[Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="all node state lives here")]
+
+
+def _fail(exc: DSecError) -> typer.Exit:
+    err_console.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(code=2)
+
+
+def _client_call(coro_fn: object) -> object:
+    from dsec.sdk.client import DSecClient
+
+    async def run() -> object:
+        async with DSecClient() as client:
+            return await coro_fn(client)  # type: ignore[operator]
+
+    try:
+        return asyncio.run(run())
+    except DSecError as exc:
+        raise _fail(exc) from None
+
+
+@app.command()
+def up(
+    data_dir: DataDir = Path("/var/lib/dsec"),
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8642,
+    node: Annotated[str, typer.Option(help="this node's name (part of every sandbox ID)")] = "local",
+    base: Annotated[bool, typer.Option(help="build the default base layer first if missing")] = True,
+) -> None:
+    """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
+    running sandboxes keep running and are re-adopted by the next `dsec up`)."""
+    from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if base:
+        _ensure_base(data_dir)
+    node_cfg = NodeConfig(data_dir=data_dir, host=host, port=port, node=node)
+
+    async def serve() -> None:
+        emb = EmbeddedNode(node_cfg)
+        await emb.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        from dsec.sdk.config import config_path
+
+        console.print(f"[green]DSec is up[/green] at {emb.url} (node {node}, data in {data_dir})")
+        console.print(f"  config for the SDK and CLI: {node_cfg.config_file or config_path()}")
+        console.print("  connect:  python -c 'from dsec import DSec; print(DSec().list())'")
+        console.print(f"  or set DSEC_URL={emb.url} DSEC_API_KEY=<the key in that file>")
+        await stop.wait()
+        console.print("stopping (sandboxes keep running; `dsec up` again re-adopts them)")
+        await emb.close()
+
+    try:
+        asyncio.run(serve())
+    except DSecError as exc:
+        raise _fail(exc) from None
+
+
+def _ensure_base(data_dir: Path) -> None:
+    from dsec.images.base import ensure_base_layer
+    from dsec.images.store import LayerStore
+
+    store = LayerStore(data_dir / "layers")
+    started = time.monotonic()
+    with console.status("default base layer debian:bookworm (debootstrap on first run, ~1 min)"):
+        info = ensure_base_layer(store, progress=lambda msg: console.log(msg))
+    console.print(f"base layer debian:bookworm = {info.digest[:19]} ({time.monotonic() - started:.1f}s)")
+
+
+@app.command("base")
+def base_cmd(data_dir: DataDir = Path("/var/lib/dsec")) -> None:
+    """Build the default base layer (Debian bookworm) if it is not there yet."""
+    try:
+        _ensure_base(data_dir)
+    except DSecError as exc:
+        raise _fail(exc) from None
+
+
+@layer_app.command("import")
+def layer_import(
+    path: Annotated[Path, typer.Argument(exists=True, help="a directory or a tar archive")],
+    name: Annotated[str, typer.Option("--name", help="name:version of the new layer")],
+) -> None:
+    """Import a directory or tar archive as an immutable EROFS layer."""
+    info = _client_call(lambda c: c.import_layer(path, name))
+    console.print_json(json.dumps(info.model_dump(mode="json")))  # type: ignore[attr-defined]
+
+
+@layer_app.command("ls")
+def layer_ls() -> None:
+    """List the layers of this DSec."""
+    layers = _client_call(lambda c: c.layers())
+    table = Table("digest", "size", "names", "created")
+    for layer in layers:  # type: ignore[attr-defined]
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(layer.created_at))
+        table.add_row(layer.digest[:19], f"{layer.size / 1e6:.1f} MB", ", ".join(layer.names), created)
+    console.print(table)
+
+
+@sandbox_app.command("ls")
+def sandbox_ls(label: Annotated[list[str] | None, typer.Option(help="key=value filter")] = None) -> None:
+    """List running sandboxes."""
+    labels = dict(item.split("=", 1) for item in label or [] if "=" in item)
+    sandboxes = _client_call(lambda c: c.list(labels))
+    table = Table("id", "state", "user", "labels")
+    for sb in sandboxes:  # type: ignore[attr-defined]
+        table.add_row(sb.id, sb.info.state.value, sb.info.init_user, json.dumps(sb.info.labels))
+    console.print(table)
+
+
+@sandbox_app.command("create")
+def sandbox_create(
+    image: Annotated[str, typer.Argument(help="layer name:version or digest")],
+    memory_mb: int = 1024,
+    cpus: float = 1.0,
+    ttl: Annotated[float | None, typer.Option(help="idle seconds before reclaim")] = None,
+) -> None:
+    """Create a container sandbox and print its ID."""
+    from dsec.sdk.args import DSecContainerRunArgs
+
+    def make(c: object) -> object:
+        args = DSecContainerRunArgs(
+            container_image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus, ttl_running_stop=ttl
+        )
+        return c.run_container(args)  # type: ignore[attr-defined]
+
+    sb = _client_call(make)
+    console.print(sb.id)  # type: ignore[attr-defined]
+
+
+@sandbox_app.command("sh")
+def sandbox_sh(sandbox_id: str, command: str, session: str = "default") -> None:
+    """Run a shell command in a sandbox and print its output."""
+
+    async def run(c: object) -> object:
+        sb = await c.get(sandbox_id)  # type: ignore[attr-defined]
+        return await sb.run_shell(command, session=session)
+
+    result = _client_call(run)
+    sys.stdout.write(result.stdout)  # type: ignore[attr-defined]
+    sys.stderr.write(result.stderr)  # type: ignore[attr-defined]
+    raise typer.Exit(code=result.exit_code if result.exit_code is not None else 124)  # type: ignore[attr-defined]
+
+
+@sandbox_app.command("stop")
+def sandbox_stop(sandbox_ids: list[str]) -> None:
+    """Stop sandboxes (their files and processes are gone afterwards)."""
+
+    async def run(c: object) -> object:
+        for sid in sandbox_ids:
+            sb = await c.get(sid)  # type: ignore[attr-defined]
+            with contextlib.suppress(DSecError):
+                await sb.stop()
+        return None
+
+    _client_call(run)

@@ -1,0 +1,321 @@
+"""The edge: one per node, the final authority over the sandboxes it runs.
+
+It admits or rejects creates, journals each transition before acting on it, mounts layers
+once per node, drives the backend, owns every session and pipe, and reclaims sandboxes whose
+idle TTL or maximum lifetime ran out. A restart reconciles the journal with the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec.backends.base import Backend, CreateContext, User, sandbox_env
+from dsec.edge.journal import Journal, Record
+from dsec.edge.users import resolve_user
+from dsec.executor.files import SandboxFiles
+from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
+from dsec.executor.session import DRIVER, Session
+from dsec.images.mounts import LayerMounts
+from dsec.images.store import LayerStore
+from dsec.protocol.errors import CapacityExhausted, Conflict, DSecError, InfraFailure, SandboxNotFound
+from dsec.protocol.ids import SandboxId
+from dsec.protocol.models import (
+    CommandResult,
+    ContainerSpec,
+    ExecEvent,
+    SandboxInfo,
+    SandboxState,
+    ShellRequest,
+)
+
+log = logging.getLogger("dsec.edge")
+
+
+@dataclass
+class EdgeConfig:
+    data_dir: Path
+    node: str = "local"
+    max_sandboxes: int = 10_000
+    reap_interval_s: float = 1.0
+    default_shell_timeout_s: float = 600.0
+    keep_finished_s: float = 24 * 3600.0
+
+
+@dataclass
+class _Live:
+    record: Record
+    user: User
+    sessions: dict[str, Session] = field(default_factory=dict)
+    stopping: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Edge:
+    def __init__(self, config: EdgeConfig, backend: Backend, store: LayerStore, mounts: LayerMounts) -> None:
+        self.config = config
+        self.backend = backend
+        self.store = store
+        self.mounts = mounts
+        self.journal = Journal(config.data_dir / "edge" / "journal.sqlite")
+        epoch = self.journal.meta("epoch")
+        if epoch is None:
+            # A new epoch only when the node's state is new: a restart that re-adopts keeps it.
+            epoch = str(int(time.time()))
+            self.journal.set_meta("epoch", epoch)
+        self.epoch = int(epoch)
+        self._live: dict[str, _Live] = {}
+        self._creating = 0
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- lifecycle of the edge itself -------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.backend.prepare_node()
+        await self._reconcile()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def close(self, *, stop_sandboxes: bool = False) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        self._flush_activity()
+        if stop_sandboxes:
+            await asyncio.gather(*(self.stop(i, reason="edge_shutdown") for i in list(self._live)))
+        for live in self._live.values():
+            for s in live.sessions.values():
+                await s.kill()
+        self.journal.close()
+
+    async def _reconcile(self) -> None:
+        known = set()
+        for rec in self.journal.live():
+            known.add(rec.id)
+            user = User(**rec.user)
+            if rec.state is SandboxState.running and await self.backend.alive(rec.id, rec.handle):
+                for digest in rec.layers:
+                    self.mounts.acquire(digest, self.store.blob_path(digest))
+                self._live[rec.id] = _Live(rec, user)
+                log.info("re-adopted %s", rec.id)
+                continue
+            reason = {
+                SandboxState.creating: "edge restarted during create",
+                SandboxState.stopping: rec.stop_reason or "stopped",
+            }.get(rec.state, "sandbox died while the edge was down")
+            await self.backend.destroy(rec.id, rec.handle, self._workdir(rec.id))
+            rec.state = SandboxState.stopped if rec.state is SandboxState.stopping else SandboxState.failed
+            rec.stop_reason = reason
+            self.journal.update(rec)
+        for orphan in await self.backend.leftovers():
+            if orphan not in known:
+                await self.backend.destroy(orphan, {}, self._workdir(orphan))
+
+    def _workdir(self, sandbox_id: str) -> Path:
+        return self.config.data_dir / "sandboxes" / sandbox_id
+
+    # -- sandboxes --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "node": self.config.node,
+            "epoch": self.epoch,
+            "backends": [self.backend.name],
+            "running": len(self._live),
+            "creating": self._creating,
+            "capacity": self.config.max_sandboxes,
+        }
+
+    async def create(self, spec: ContainerSpec) -> SandboxInfo:
+        if len(self._live) + self._creating >= self.config.max_sandboxes:
+            raise CapacityExhausted(f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)")
+        layers = [self.store.resolve(ref) for ref in spec.layer_refs()]  # LayerNotFound if unknown
+        sid = str(SandboxId.new(self.config.node, self.epoch))
+        self._creating += 1
+        acquired: list[str] = []
+        rec: Record | None = None
+        try:
+            dirs = []
+            for layer in layers:
+                dirs.append(self.mounts.acquire(layer.digest, self.store.blob_path(layer.digest)))
+                acquired.append(layer.digest)
+            user = resolve_user(dirs, spec.init_user)
+            rec = Record(sid, SandboxState.creating, self.backend.name, spec, acquired, dataclasses.asdict(user))
+            self.journal.insert(rec)
+            ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid))
+            try:
+                rec.handle = await self.backend.create(ctx)
+            except BaseException:
+                await asyncio.shield(self.backend.destroy(sid, ctx.handle, ctx.workdir))
+                raise
+            rec.state = SandboxState.running
+            rec.last_active_at = time.time()
+            self.journal.update(rec)
+            self._live[sid] = _Live(rec, user)
+            return self._info(rec)
+        except BaseException as exc:
+            for digest in acquired:
+                self.mounts.release(digest)
+            if rec is not None:
+                rec.state = SandboxState.failed
+                rec.stop_reason = f"create failed: {exc}"[:500]
+                self.journal.update(rec)
+            if isinstance(exc, DSecError | asyncio.CancelledError):
+                raise
+            raise InfraFailure(f"create failed: {exc}", reason="runtime") from exc
+        finally:
+            self._creating -= 1
+
+    def _get_live(self, sandbox_id: str) -> _Live:
+        SandboxId.parse(sandbox_id)  # a malformed ID is the caller's error, not a missing sandbox
+        live = self._live.get(sandbox_id)
+        if live is None or live.record.state is not SandboxState.running:
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist or is no longer running")
+        live.record.last_active_at = time.time()
+        return live
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        SandboxId.parse(sandbox_id)
+        live = self._live.get(sandbox_id)
+        rec = live.record if live is not None else self.journal.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
+        return self._info(rec)
+
+    def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        out = []
+        for live in self._live.values():
+            spec_labels = live.record.spec.labels
+            if not labels or all(spec_labels.get(k) == v for k, v in labels.items()):
+                out.append(self._info(live.record))
+        return sorted(out, key=lambda i: i.created_at)
+
+    async def stop(self, sandbox_id: str, *, reason: str = "stopped by user") -> SandboxInfo:
+        SandboxId.parse(sandbox_id)
+        live = self._live.get(sandbox_id)
+        if live is None:
+            return self.get(sandbox_id)  # already stopped: stopping twice is not an error
+        async with live.stopping:
+            rec = live.record
+            if rec.state is not SandboxState.running:
+                return self._info(rec)
+            rec.state = SandboxState.stopping
+            rec.stop_reason = reason
+            self.journal.update(rec)
+            for session in live.sessions.values():
+                await session.kill()
+            await self.backend.destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
+            for digest in rec.layers:
+                self.mounts.release(digest)
+            rec.state = SandboxState.stopped
+            self.journal.update(rec)
+            self._live.pop(sandbox_id, None)
+            return self._info(rec)
+
+    def _info(self, rec: Record) -> SandboxInfo:
+        return SandboxInfo(
+            id=rec.id,
+            state=rec.state,
+            backend=rec.backend,
+            node=self.config.node,
+            layers=rec.layers,
+            labels=rec.spec.labels,
+            init_user=rec.spec.init_user,
+            memory_limit_mb=rec.spec.memory_limit_mb,
+            cpu_cores_limit=rec.spec.cpu_cores_limit,
+            created_at=rec.created_at,
+            last_active_at=rec.last_active_at,
+            stop_reason=rec.stop_reason,
+        )
+
+    # -- commands and files -----------------------------------------------------------------
+
+    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        live = self._get_live(sandbox_id)
+        session = live.sessions.get(req.session)
+        if session is None:
+            rec = live.record
+
+            async def spawn() -> asyncio.subprocess.Process:
+                shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
+                return await self.backend.spawn(
+                    sandbox_id, rec.handle, [shell, "-c", DRIVER], env=sandbox_env(rec.spec, live.user), cwd=live.user.home,
+                    user=live.user,
+                )
+
+            session = live.sessions[req.session] = Session(req.session, spawn)
+        timeout = req.timeout or self.config.default_shell_timeout_s
+        cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
+        try:
+            return await session.run(
+                req.command, timeout=timeout, max_output=cap, oom_kills=lambda: self.backend.oom_kills(sandbox_id)
+            )
+        finally:
+            live.record.last_active_at = time.time()
+
+    async def exec_stream(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        stdin: bytes | None,
+        env: dict[str, str],
+        cwd: str | None,
+        timeout: float | None,
+        max_output: int | None,
+    ) -> AsyncIterator[ExecEvent]:
+        live = self._get_live(sandbox_id)
+        proc = await self.backend.spawn(
+            sandbox_id, live.record.handle, argv, env=sandbox_env(live.record.spec, live.user, env), cwd=cwd or live.user.home,
+            user=live.user,
+        )
+        async for event in run_streaming(
+            proc,
+            stdin=stdin,
+            timeout=timeout or self.config.default_shell_timeout_s,
+            max_output=DEFAULT_MAX_OUTPUT if max_output is None else max_output,
+            oom_kills=lambda: self.backend.oom_kills(sandbox_id),
+        ):
+            live.record.last_active_at = time.time()
+            yield event
+
+    def files(self, sandbox_id: str) -> SandboxFiles:
+        live = self._get_live(sandbox_id)
+        return SandboxFiles(self.backend.root_path(live.record.handle), uid=live.user.uid, gid=live.user.gid)
+
+    async def _exists(self, live: _Live, path: str) -> bool:
+        files = SandboxFiles(self.backend.root_path(live.record.handle))
+        return await asyncio.to_thread(files.exists, path)
+
+    # -- reclamation ------------------------------------------------------------------------
+
+    def _flush_activity(self) -> None:
+        self.journal.touch_many({i: live.record.last_active_at for i, live in self._live.items()})
+
+    async def reap_once(self) -> list[str]:
+        now = time.time()
+        due: list[tuple[str, str]] = []
+        for sid, live in list(self._live.items()):
+            spec, rec = live.record.spec, live.record
+            if spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
+                due.append((sid, "max_lifetime"))
+            elif spec.ttl_running_stop is not None and now - rec.last_active_at >= spec.ttl_running_stop:
+                due.append((sid, "idle_ttl"))
+        await asyncio.gather(*(self.stop(sid, reason=why) for sid, why in due), return_exceptions=True)
+        self._flush_activity()
+        self.journal.forget_before(now - self.config.keep_finished_s)
+        return [sid for sid, _ in due]
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            try:
+                await self.reap_once()
+            except Exception:
+                log.exception("reaper pass failed")

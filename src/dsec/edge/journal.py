@@ -1,0 +1,140 @@
+"""The edge's local journal (SQLite, WAL): every state transition is written before it acts.
+
+After a crash or restart the journal is the truth about which sandboxes this node owns; the
+runtime is then reconciled against it (re-adopt what still runs, clean up what does not).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec.protocol.models import ContainerSpec, SandboxState
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    layers TEXT NOT NULL,
+    user TEXT NOT NULL,
+    handle TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_active_at REAL NOT NULL,
+    stop_reason TEXT
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+"""
+
+LIVE_STATES = (SandboxState.creating, SandboxState.running, SandboxState.stopping)
+
+
+@dataclass
+class Record:
+    id: str
+    state: SandboxState
+    backend: str
+    spec: ContainerSpec
+    layers: list[str]  # digests, base first
+    user: dict[str, Any]
+    handle: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    last_active_at: float = field(default_factory=time.time)
+    stop_reason: str | None = None
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def meta(self, key: str, default: str | None = None) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return default if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (key, value))
+
+    def insert(self, rec: Record) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO sandboxes VALUES(?,?,?,?,?,?,?,?,?,?)",
+                (
+                    rec.id,
+                    rec.state.value,
+                    rec.backend,
+                    rec.spec.model_dump_json(),
+                    json.dumps(rec.layers),
+                    json.dumps(rec.user),
+                    json.dumps(rec.handle),
+                    rec.created_at,
+                    rec.last_active_at,
+                    rec.stop_reason,
+                ),
+            )
+
+    def update(self, rec: Record) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE sandboxes SET state=?, handle=?, last_active_at=?, stop_reason=? WHERE id=?",
+                (rec.state.value, json.dumps(rec.handle), rec.last_active_at, rec.stop_reason, rec.id),
+            )
+
+    def touch_many(self, activity: dict[str, float]) -> None:
+        with self._lock:
+            self._db.executemany(
+                "UPDATE sandboxes SET last_active_at=? WHERE id=?", [(t, i) for i, t in activity.items()]
+            )
+
+    def live(self) -> list[Record]:
+        marks = ",".join("?" for _ in LIVE_STATES)
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM sandboxes WHERE state IN ({marks})", [s.value for s in LIVE_STATES]
+            ).fetchall()
+        return [self._record(r) for r in rows]
+
+    def get(self, sandbox_id: str) -> Record | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+        return None if row is None else self._record(row)
+
+    def forget_before(self, cutoff: float) -> None:
+        """Drop finished sandboxes older than ``cutoff`` so the journal does not grow forever."""
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM sandboxes WHERE state IN ('stopped', 'failed') AND last_active_at < ?", (cutoff,)
+            )
+
+    @staticmethod
+    def _record(row: tuple[Any, ...]) -> Record:
+        return Record(
+            id=row[0],
+            state=SandboxState(row[1]),
+            backend=row[2],
+            spec=ContainerSpec.model_validate_json(row[3]),
+            layers=json.loads(row[4]),
+            user=json.loads(row[5]),
+            handle=json.loads(row[6]),
+            created_at=row[7],
+            last_active_at=row[8],
+            stop_reason=row[9],
+        )

@@ -1,0 +1,778 @@
+"""Confined file operations inside a sandbox, done from the host without entering it.
+
+The edge runs on the host as root and reaches a container's filesystem through
+``/proc/<init-pid>/root``. The container is hostile: it can plant symlinks (absolute, or full of
+``..``), swap files for symlinks between two system calls, create FIFOs that block an ``open`` and
+device nodes that reach host hardware. :class:`SandboxFiles` therefore:
+
+* resolves every path with ``openat2(2)`` and ``RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS`` relative
+  to a directory fd of the sandbox root, so absolute symlinks and ``..`` are clamped to that root
+  and ``/proc/*/root``-style magic links are refused;
+* does everything after resolution relative to file descriptors, with single path components
+  (``*at`` calls, ``O_NOFOLLOW``), so nothing is resolved a second time by name;
+* opens files for reading as ``O_PATH`` first, checks they are regular files, and only then
+  reopens them through ``/proc/self/fd`` -- a FIFO or a device node is never ``open``-ed;
+* writes into a fresh temporary file (``O_CREAT | O_EXCL``) in the target's directory and renames
+  it into place on commit, so a failed upload leaves nothing half-written;
+* removes trees with its own fd-relative walk (``O_DIRECTORY | O_NOFOLLOW``), never following a
+  symlink, and
+* maps every :class:`OSError` to the DSec error tree.
+
+Paths are sandbox paths: absolute ones (``/tmp/x``) are inside the sandbox, relative ones are
+joined to ``cwd`` (default ``/``). They are normalised lexically first (``/a/../b`` is ``/b``); the
+root fd is opened afresh for each call so the object never pins the container's filesystem.
+All methods are synchronous; run them with :func:`asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import posixpath
+import secrets
+import stat as st
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, BinaryIO
+
+from dsec.executor._openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
+from dsec.protocol.errors import Conflict, DSecError, FileNotFound, InfraFailure, InvalidRequest
+from dsec.protocol.models import FileStat, FileType
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+__all__ = ["PATH_MAX", "AtomicWriter", "SandboxFiles"]
+
+PATH_MAX = 4096
+"""Longest path (in bytes, UTF-8/surrogateescape encoded) accepted from a caller."""
+
+_RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
+_MAX_TREE_DEPTH = 1024  # directories held open at once by a recursive remove
+_READ_CHUNK = 1 << 20
+_TMP_ATTEMPTS = 16
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def _map_oserror(exc: OSError, path: str) -> DSecError:
+    """Translate an OSError raised while working on sandbox path ``path`` into a DSec error."""
+    code = exc.errno
+    why = exc.strerror or str(exc)
+    if code == errno.ENOENT:
+        return FileNotFound(f"no such file or directory: {path}")
+    if code in (errno.ELOOP, errno.EXDEV):
+        return InvalidRequest(
+            f"path escapes the sandbox (or loops through symbolic links): {path}", reason="path_escape"
+        )
+    if code == errno.ENOTDIR:
+        return InvalidRequest(f"not a directory: a component of {path} is not a directory")
+    if code == errno.EISDIR:
+        return InvalidRequest(f"is a directory: {path}")
+    if code == errno.EEXIST:
+        return Conflict(f"already exists: {path}")
+    if code == errno.ENOTEMPTY:
+        return InvalidRequest(f"directory not empty: {path} (pass recursive=True to remove a tree)")
+    if code in (errno.EACCES, errno.EPERM):
+        return InvalidRequest(f"permission denied: {path}")
+    if code == errno.EROFS:
+        return InvalidRequest(f"read-only file system: {path}")
+    if code == errno.ENAMETOOLONG:
+        return InvalidRequest(f"file name too long: {path}")
+    if code == errno.EFBIG:
+        return InvalidRequest(f"file too large: {path}")
+    if code == errno.EINVAL:
+        return InvalidRequest(f"invalid argument for {path}: {why}")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return Conflict(f"no space left on the sandbox file system: {path}", reason="no_space")
+    if code in (errno.EBUSY, errno.ETXTBSY):
+        return Conflict(f"busy: {path} ({why})")
+    if code == errno.ENOSYS:
+        return InfraFailure("openat2(2) is not available on this kernel (Linux >= 5.6)", reason="runtime")
+    return InfraFailure(f"file operation on {path} failed: {why}", reason="storage")
+
+
+def _check_path(value: str, what: str) -> None:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{what} must be a string")
+    if not value:
+        raise InvalidRequest(f"{what} is empty")
+    if "\0" in value:
+        raise InvalidRequest(f"{what} contains a NUL byte")
+    if len(os.fsencode(value)) > PATH_MAX:
+        raise InvalidRequest(f"{what} is longer than {PATH_MAX} bytes")
+
+
+def _normalize(path: str, cwd: str) -> str:
+    """Join ``path`` to ``cwd`` and normalise lexically; the result is ``/`` or ``/a/b``."""
+    _check_path(path, "path")
+    _check_path(cwd, "cwd")
+    if not cwd.startswith("/"):
+        raise InvalidRequest(f"cwd must be an absolute path: {cwd!r}")
+    full = posixpath.normpath(posixpath.join(cwd, path))
+    full = "/" + full.lstrip("/")  # normpath keeps a leading "//"
+    if len(os.fsencode(full)) > PATH_MAX:
+        raise InvalidRequest(f"path is longer than {PATH_MAX} bytes")
+    return full
+
+
+def _file_type(mode: int) -> FileType:
+    if st.S_ISREG(mode):
+        return FileType.file
+    if st.S_ISDIR(mode):
+        return FileType.dir
+    if st.S_ISLNK(mode):
+        return FileType.symlink
+    return FileType.other
+
+
+def _to_stat(path: str, s: os.stat_result) -> FileStat:
+    return FileStat(
+        path=path,
+        name=posixpath.basename(path) or "/",
+        type=_file_type(s.st_mode),
+        size=s.st_size,
+        mode=st.S_IMODE(s.st_mode),
+        mtime=s.st_mtime,
+        uid=s.st_uid,
+        gid=s.st_gid,
+    )
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------- reader
+
+
+class _Reader(io.FileIO):
+    """A FileIO over an already-opened fd whose read errors come out as DSec errors."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        super().__init__(fd, "rb", closefd=True)
+        self.sandbox_path = path
+
+    def readinto(self, buffer: WriteableBuffer, /) -> int:
+        try:
+            return super().readinto(buffer)
+        except OSError as e:
+            raise _map_oserror(e, self.sandbox_path) from e
+
+    def readall(self) -> bytes:
+        try:
+            return super().readall()
+        except OSError as e:
+            raise _map_oserror(e, self.sandbox_path) from e
+
+
+# --------------------------------------------------------------------------------------------- writer
+
+
+class AtomicWriter:
+    """A write handle returned by :meth:`SandboxFiles.open_write`.
+
+    Data goes to a temporary file next to the target; :meth:`commit` (or :meth:`close`, or leaving a
+    ``with`` block normally) renames it over the target atomically, :meth:`abort` (or leaving the
+    ``with`` block by an exception, or dropping the object unclosed) deletes it. In append mode the
+    existing file is written in place and :meth:`abort` truncates it back to its original size.
+
+    Writes are unbuffered (one ``write(2)`` per call): stream in sizeable chunks.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        dir_fd: int | None,
+        name: str,
+        fd: int,
+        tmp_name: str | None,
+        mode: int,
+        orig_size: int = 0,
+    ) -> None:
+        self.path = path
+        self.mode = mode
+        self._dir_fd = dir_fd
+        self._name = name
+        self._fd = fd
+        self._tmp_name = tmp_name
+        self._orig_size = orig_size
+        self._written = 0
+        self._state = "open"  # -> "committed" | "aborted"
+
+    # -- file-like surface
+
+    @property
+    def closed(self) -> bool:
+        return self._state != "open"
+
+    @property
+    def committed(self) -> bool:
+        return self._state == "committed"
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        """Bytes written through this handle so far."""
+        return self._written
+
+    def flush(self) -> None:
+        """Writes are unbuffered; nothing to do."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._state != "open":
+            raise InvalidRequest(f"upload of {self.path} is already {self._state}")
+        view = memoryview(data).cast("B")
+        total = len(view)
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as e:
+            raise _map_oserror(e, self.path) from e
+        self._written += total
+        return total
+
+    def writelines(self, lines: Iterable[bytes]) -> None:
+        for line in lines:
+            self.write(line)
+
+    # -- completion
+
+    def commit(self) -> None:
+        """Make the written data visible at the target path (idempotent once committed)."""
+        if self._state == "committed":
+            return
+        if self._state == "aborted":
+            raise InvalidRequest(f"upload of {self.path} was aborted")
+        try:
+            if self._tmp_name is None:  # append mode: the data is already in place
+                _close(self._fd)
+            else:
+                self._finish_replace(self._tmp_name)
+        except BaseException:
+            self._state = "aborted"
+            raise
+        finally:
+            self._close_dir()
+        self._state = "committed"
+
+    def _close_dir(self) -> None:
+        if self._dir_fd is not None:
+            _close(self._dir_fd)
+            self._dir_fd = None
+
+    def _finish_replace(self, tmp_name: str) -> None:
+        assert self._dir_fd is not None
+        try:
+            # After the fchown done at creation: chown clears set-id bits, chmod sets the exact mode.
+            os.fchmod(self._fd, self.mode)
+            os.close(self._fd)
+        except OSError as e:
+            _close(self._fd)
+            self._unlink_tmp(tmp_name)
+            raise _map_oserror(e, self.path) from e
+        try:
+            cur = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
+            if st.S_ISDIR(cur.st_mode):
+                self._unlink_tmp(tmp_name)
+                raise InvalidRequest(f"cannot write {self.path}: it is a directory")
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._unlink_tmp(tmp_name)
+            raise _map_oserror(e, self.path) from e
+        try:
+            os.rename(tmp_name, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except OSError as e:
+            self._unlink_tmp(tmp_name)
+            if e.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                raise InvalidRequest(f"cannot write {self.path}: it is a directory") from e
+            raise _map_oserror(e, self.path) from e
+
+    def _unlink_tmp(self, tmp_name: str) -> None:
+        if self._dir_fd is None:
+            return
+        try:
+            os.unlink(tmp_name, dir_fd=self._dir_fd)
+        except OSError:
+            pass
+
+    def abort(self) -> None:
+        """Throw the written data away; the target is left as it was. Idempotent."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        try:
+            if self._tmp_name is None:
+                try:
+                    os.ftruncate(self._fd, self._orig_size)
+                except OSError:
+                    pass
+                _close(self._fd)
+            else:
+                _close(self._fd)
+                self._unlink_tmp(self._tmp_name)
+        finally:
+            self._close_dir()
+
+    def close(self) -> None:
+        """Commit if still open (file-object protocol: a clean close means success)."""
+        if self._state == "open":
+            self.commit()
+
+    def __enter__(self) -> AtomicWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        # Dropped without commit/abort (e.g. the upload's task was cancelled): never publish.
+        if getattr(self, "_state", None) == "open":
+            try:
+                self.abort()
+            except Exception:
+                pass
+
+
+# --------------------------------------------------------------------------------------------- files
+
+
+class SandboxFiles:
+    """File operations confined to the directory tree at ``root``.
+
+    ``root`` is a directory such as ``/proc/<init-pid>/root``; ``uid``/``gid`` own every file and
+    directory this object creates (the sandbox's initial user).
+    """
+
+    def __init__(self, root: str | Path, uid: int = 0, gid: int = 0) -> None:
+        self.root = str(root)
+        self.uid = uid
+        self.gid = gid
+
+    def __repr__(self) -> str:
+        return f"SandboxFiles(root={self.root!r}, uid={self.uid}, gid={self.gid})"
+
+    # -- plumbing
+
+    @contextmanager
+    def _root_fd(self) -> Iterator[int]:
+        try:
+            fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise InfraFailure(
+                f"sandbox root {self.root} is not accessible: {e.strerror}", reason="runtime"
+            ) from e
+        try:
+            yield fd
+        finally:
+            _close(fd)
+
+    @staticmethod
+    def _resolve(root_fd: int, path: str, flags: int, shown: str | None = None) -> int:
+        """Open ``path`` (a normalised sandbox path) confined to the root; map errors."""
+        try:
+            return openat2(root_fd, path, flags | os.O_CLOEXEC, 0, _RESOLVE)
+        except OSError as e:
+            raise _map_oserror(e, shown or path) from e
+
+    def _open_parent(self, root_fd: int, full: str) -> tuple[int, str]:
+        """Return an ``O_PATH`` fd of the directory holding ``full`` and its last component."""
+        parent, name = posixpath.split(full)
+        try:
+            fd = openat2(root_fd, parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                raise FileNotFound(f"no such file or directory: {full}") from e
+            if e.errno == errno.ENOTDIR:
+                raise InvalidRequest(f"not a directory: the parent of {full} is not a directory") from e
+            raise _map_oserror(e, full) from e
+        return fd, name
+
+    @staticmethod
+    def _lstat_raw(root_fd: int, full: str) -> os.stat_result:
+        """lstat ``full`` inside the root; raises the raw OSError."""
+        if full == "/":
+            return os.fstat(root_fd)
+        parent, name = posixpath.split(full)
+        dir_fd = openat2(root_fd, parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE)
+        try:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        finally:
+            _close(dir_fd)
+
+    def _open_regular(self, root_fd: int, full: str, flags: int) -> int:
+        """Open a regular file (following symlinks inside the root) without ever ``open``-ing
+        anything else: resolve it as ``O_PATH``, check the type, reopen through /proc/self/fd."""
+        path_fd = self._resolve(root_fd, full, os.O_PATH)
+        try:
+            try:
+                before = os.fstat(path_fd)
+            except OSError as e:
+                raise _map_oserror(e, full) from e
+            if st.S_ISDIR(before.st_mode):
+                raise InvalidRequest(f"is a directory: {full}")
+            if not st.S_ISREG(before.st_mode):
+                raise InvalidRequest(f"not a regular file: {full}")
+            try:
+                fd = os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC | os.O_NOCTTY)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                    raise InfraFailure("cannot reopen a file through /proc/self/fd", reason="runtime") from e
+                raise _map_oserror(e, full) from e
+        finally:
+            _close(path_fd)
+        try:
+            after = os.fstat(fd)
+        except OSError as e:
+            _close(fd)
+            raise _map_oserror(e, full) from e
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):  # pragma: no cover
+            _close(fd)
+            raise InfraFailure(f"file changed identity while opening {full}", reason="storage")
+        return fd
+
+    def _mkdir_at(self, dir_fd: int, name: str, full: str, mode: int, exist_ok: bool) -> None:
+        """Create directory ``name`` in ``dir_fd`` owned by uid/gid with exactly ``mode``."""
+        try:
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+        except FileExistsError as e:
+            try:
+                cur = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except OSError as e2:
+                raise _map_oserror(e2, full) from e2
+            if st.S_ISDIR(cur.st_mode):
+                if exist_ok:
+                    return
+                raise Conflict(f"already exists: {full}") from e
+            if st.S_ISLNK(cur.st_mode):
+                raise InvalidRequest(f"cannot create directory {full}: it is a dangling symbolic link") from e
+            raise InvalidRequest(f"cannot create directory {full}: a file of that name exists") from e
+        except OSError as e:
+            raise _map_oserror(e, full) from e
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as e:
+            raise _map_oserror(e, full) from e
+        try:
+            os.fchown(fd, self.uid, self.gid)
+            os.fchmod(fd, mode)
+        except OSError as e:
+            raise _map_oserror(e, full) from e
+        finally:
+            _close(fd)
+
+    def _makedirs(self, root_fd: int, full: str, mode: int) -> None:
+        """``mkdir -p`` confined to the root; each missing component is created in the fd of the
+        directory resolved for its parent, so symlinked components stay inside the root."""
+        try:
+            _close(openat2(root_fd, full, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE))
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise _map_oserror(e, full) from e
+        prefix = ""
+        for comp in full.strip("/").split("/"):
+            parent, prefix = prefix or "/", f"{prefix}/{comp}"
+            try:
+                _close(openat2(root_fd, prefix, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE))
+                continue
+            except OSError as e:
+                if e.errno == errno.ENOTDIR:
+                    msg = f"cannot create directory {full}: {prefix} is not a directory"
+                    raise InvalidRequest(msg) from e
+                if e.errno != errno.ENOENT:
+                    raise _map_oserror(e, prefix) from e
+            dir_fd = self._resolve(root_fd, parent, os.O_PATH | os.O_DIRECTORY)
+            try:
+                self._mkdir_at(dir_fd, comp, prefix, mode, exist_ok=True)
+            finally:
+                _close(dir_fd)
+
+    def _rmtree_at(self, dir_fd: int, name: str, full: str) -> None:
+        """Remove directory ``name`` of ``dir_fd`` and everything below it, fd-relative.
+
+        Directories are entered with ``O_DIRECTORY | O_NOFOLLOW`` one component at a time, so a
+        symlink (planted beforehand or swapped in mid-walk) is unlinked, never followed.
+        """
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        stack: list[tuple[int, list[str], str, str]] = []  # (fd, names left, name in parent, path)
+        cur_path = full
+        try:
+            try:
+                top = os.open(name, flags, dir_fd=dir_fd)
+                stack.append((top, [], name, full))
+                stack[-1][1].extend(os.listdir(top))
+            except OSError as e:
+                raise _map_oserror(e, cur_path) from e
+            while stack:
+                fd, names, _, here = stack[-1]
+                descended = False
+                while names:
+                    entry = names.pop()
+                    cur_path = posixpath.join(here, entry)
+                    try:
+                        info = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                        if not st.S_ISDIR(info.st_mode):
+                            os.unlink(entry, dir_fd=fd)
+                            continue
+                        if len(stack) >= _MAX_TREE_DEPTH:
+                            raise InvalidRequest(
+                                f"directory tree under {full} is deeper than {_MAX_TREE_DEPTH} levels"
+                            )
+                        child = os.open(entry, flags, dir_fd=fd)
+                        stack.append((child, [], entry, cur_path))
+                        stack[-1][1].extend(os.listdir(child))
+                    except FileNotFoundError:
+                        continue  # vanished meanwhile: fine, we are removing it anyway
+                    except OSError as e:
+                        raise _map_oserror(e, cur_path) from e
+                    descended = True
+                    break
+                if descended:
+                    continue
+                fd, _, entry, here = stack.pop()
+                _close(fd)
+                cur_path = here
+                try:
+                    os.rmdir(entry, dir_fd=stack[-1][0] if stack else dir_fd)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise _map_oserror(e, here) from e
+        finally:
+            for fd, *_ in stack:
+                _close(fd)
+
+    # -- public API
+
+    def stat(self, path: str, *, cwd: str = "/") -> FileStat:
+        """Stat ``path``; a final symlink is described itself, not followed (lstat)."""
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            try:
+                return _to_stat(full, self._lstat_raw(root_fd, full))
+            except OSError as e:
+                raise _map_oserror(e, full) from e
+
+    def exists(self, path: str, *, cwd: str = "/") -> bool:
+        """Whether ``path`` names an entry (lstat semantics: a dangling symlink exists)."""
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            try:
+                self._lstat_raw(root_fd, full)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                    return False
+                raise _map_oserror(e, full) from e
+        return True
+
+    def list_dir(self, path: str, *, cwd: str = "/", max_entries: int | None = None) -> list[FileStat]:
+        """The entries of directory ``path`` (a symlink to a directory is followed), sorted by
+        name. With ``max_entries``, a larger directory is refused rather than listed."""
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            # O_DIRECTORY fails with ENOTDIR before the kernel opens anything that is not a dir.
+            dir_fd = self._resolve(root_fd, full, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            try:
+                names = os.listdir(dir_fd)
+            except OSError as e:
+                raise _map_oserror(e, full) from e
+            if max_entries is not None and len(names) > max_entries:
+                raise InvalidRequest(f"{full} has {len(names)} entries, more than the limit of {max_entries}")
+            out: list[FileStat] = []
+            for name in sorted(names):
+                try:
+                    info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise _map_oserror(e, posixpath.join(full, name)) from e
+                out.append(_to_stat(posixpath.join(full, name), info))
+            return out
+        finally:
+            _close(dir_fd)
+
+    def mkdir(self, path: str, parents: bool = True, mode: int = 0o755, *, cwd: str = "/") -> None:
+        """Create a directory owned by uid/gid. ``parents=True`` is ``mkdir -p`` (missing parents are
+        created, an existing directory is fine); ``parents=False`` needs the parent to exist and
+        raises :class:`Conflict` if the path exists."""
+        full = _normalize(path, cwd)
+        mode &= 0o7777
+        with self._root_fd() as root_fd:
+            if parents:
+                self._makedirs(root_fd, full, mode)
+                return
+            if full == "/":
+                raise Conflict("already exists: /")
+            dir_fd, name = self._open_parent(root_fd, full)
+            try:
+                self._mkdir_at(dir_fd, name, full, mode, exist_ok=False)
+            finally:
+                _close(dir_fd)
+
+    def remove(self, path: str, recursive: bool = False, *, cwd: str = "/") -> None:
+        """Remove a file, symlink (not its target) or empty directory; with ``recursive=True`` a
+        whole tree, without following any symlink inside it."""
+        full = _normalize(path, cwd)
+        if full == "/":
+            raise InvalidRequest("refusing to remove the sandbox root")
+        with self._root_fd() as root_fd:
+            dir_fd, name = self._open_parent(root_fd, full)
+        try:
+            try:
+                info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not st.S_ISDIR(info.st_mode):
+                    os.unlink(name, dir_fd=dir_fd)
+                    return
+                if not recursive:
+                    os.rmdir(name, dir_fd=dir_fd)
+                    return
+            except OSError as e:
+                raise _map_oserror(e, full) from e
+            self._rmtree_at(dir_fd, name, full)
+        finally:
+            _close(dir_fd)
+
+    def read_bytes(self, path: str, max_bytes: int, *, cwd: str = "/") -> bytes:
+        """The whole content of a regular file; :class:`InvalidRequest` if it is over ``max_bytes``."""
+        if max_bytes < 0:
+            raise InvalidRequest("max_bytes must be >= 0")
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            fd = self._open_regular(root_fd, full, os.O_RDONLY)
+        try:
+            try:
+                size = os.fstat(fd).st_size
+                if size > max_bytes:
+                    raise InvalidRequest(f"{full} is {size} bytes, more than the limit of {max_bytes}")
+                chunks: list[bytes] = []
+                got = 0
+                while got <= max_bytes:  # the file may grow while we read: never take more
+                    chunk = os.read(fd, min(_READ_CHUNK, max_bytes + 1 - got))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    got += len(chunk)
+            except OSError as e:
+                raise _map_oserror(e, full) from e
+            if got > max_bytes:
+                raise InvalidRequest(f"{full} is more than the limit of {max_bytes} bytes")
+            return b"".join(chunks)
+        finally:
+            _close(fd)
+
+    def open_read(self, path: str, *, cwd: str = "/") -> BinaryIO:
+        """A buffered binary file object over the opened file, for streaming it out in chunks;
+        the caller closes it. Read errors on it are DSec errors too."""
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            fd = self._open_regular(root_fd, full, os.O_RDONLY)
+        try:
+            raw = _Reader(fd, full)
+        except BaseException:
+            _close(fd)
+            raise
+        return io.BufferedReader(raw, buffer_size=_READ_CHUNK)
+
+    def open_write(
+        self, path: str, mode: int = 0o644, append: bool = False, *, cwd: str = "/"
+    ) -> AtomicWriter:
+        """Start writing ``path``; missing parent directories are created (owned by uid/gid).
+
+        Without ``append`` the data goes to a temporary file owned by uid/gid in the same directory
+        and replaces ``path`` atomically on commit (a symlink at ``path`` is replaced, not
+        followed). With ``append`` an existing regular file is extended in place (keeping its owner
+        and mode) and :meth:`AtomicWriter.abort` truncates it back; a missing file is created as
+        without ``append``.
+        """
+        full = _normalize(path, cwd)
+        mode &= 0o7777
+        if full == "/":
+            raise InvalidRequest("cannot write /: it is a directory")
+        with self._root_fd() as root_fd:
+            parent = posixpath.dirname(full)
+            if parent != "/":
+                self._makedirs(root_fd, parent, 0o755)
+            if append:
+                writer = self._open_append(root_fd, full, mode)
+                if writer is not None:
+                    return writer
+            dir_fd, name = self._open_parent(root_fd, full)
+        try:
+            return self._open_replace(dir_fd, name, full, mode)
+        except BaseException:
+            _close(dir_fd)
+            raise
+
+    def _open_append(self, root_fd: int, full: str, mode: int) -> AtomicWriter | None:
+        try:
+            fd = self._open_regular(root_fd, full, os.O_WRONLY | os.O_APPEND)
+        except FileNotFound:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            _close(fd)
+            raise _map_oserror(e, full) from e
+        return AtomicWriter(path=full, dir_fd=None, name="", fd=fd, tmp_name=None, mode=mode, orig_size=size)
+
+    def _open_replace(self, dir_fd: int, name: str, full: str, mode: int) -> AtomicWriter:
+        try:
+            cur = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if st.S_ISDIR(cur.st_mode):
+                raise InvalidRequest(f"cannot write {full}: it is a directory")
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _map_oserror(e, full) from e
+        prefix = f".{name[:32]}.dsec-"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(_TMP_ATTEMPTS):
+            tmp_name = prefix + secrets.token_hex(8)
+            try:
+                fd = os.open(tmp_name, flags, 0o600, dir_fd=dir_fd)
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise _map_oserror(e, full) from e
+        else:
+            raise InfraFailure(f"could not create a temporary file next to {full}", reason="storage")
+        try:
+            os.fchown(fd, self.uid, self.gid)
+        except OSError as e:
+            _close(fd)
+            try:
+                os.unlink(tmp_name, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise _map_oserror(e, full) from e
+        return AtomicWriter(path=full, dir_fd=dir_fd, name=name, fd=fd, tmp_name=tmp_name, mode=mode)
+
+    def write_bytes(self, path: str, data: bytes, mode: int = 0o644, *, cwd: str = "/") -> None:
+        """Write ``data`` to ``path`` atomically (see :meth:`open_write`)."""
+        with self.open_write(path, mode, cwd=cwd) as w:
+            w.write(data)

@@ -1,0 +1,156 @@
+"""Processes the edge started inside a sandbox: capped output, timeouts, killing whole trees.
+
+The edge holds every pipe. Output past the cap is read and dropped (never buffered, never
+written to disk), so ``yes`` costs CPU until its timeout but no memory or disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from dsec.protocol.models import CommandResult, ExecEvent
+
+DEFAULT_MAX_OUTPUT = 1 << 20
+CHUNK = 1 << 16
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (depth first), read from /proc/<pid>/task/*/children."""
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                children = Path(f"/proc/{current}/task/{tid}/children").read_text().split()
+            except OSError:
+                continue
+            for child in children:
+                out.append(int(child))
+                stack.append(int(child))
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant, even those that left the group."""
+    victims = descendants(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for victim in [pid, *victims]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
+class CappedBuffer:
+    """Keeps the first ``cap`` bytes written and remembers whether anything was dropped."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.data = bytearray()
+        self.truncated = False
+
+    def add(self, chunk: bytes) -> bytes:
+        """Store what fits; return the part that was kept (for streaming it on)."""
+        room = self.cap - len(self.data)
+        if len(chunk) > room:
+            self.truncated = True
+            chunk = chunk[: max(room, 0)]
+        self.data += chunk
+        return chunk
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+async def run_streaming(
+    proc: asyncio.subprocess.Process,
+    *,
+    stdin: bytes | None,
+    timeout: float | None,
+    max_output: int,
+    oom_kills: Callable[[], int],
+) -> AsyncIterator[ExecEvent]:
+    """Drive a spawned process to its end, yielding output events and then one ``exit`` event.
+
+    The exit event's result carries no output: the events before it were the output.
+    """
+    started = time.monotonic()
+    oom_before = oom_kills()
+    out, err = CappedBuffer(max_output), CappedBuffer(max_output)
+    queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue(maxsize=64)
+
+    async def pump(stream: asyncio.StreamReader | None, buf: CappedBuffer, kind: str) -> None:
+        assert stream is not None
+        # 32 KiB reads keep each NDJSON event line (base64) well under HTTP line limits.
+        while chunk := await stream.read(CHUNK // 2):
+            kept = buf.add(chunk)
+            if kept:
+                t = "out" if kind == "out" else "err"
+                await queue.put(ExecEvent(t=t, d=base64.b64encode(kept).decode()))  # type: ignore[arg-type]
+
+    async def feed() -> None:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            if stdin:
+                proc.stdin.write(stdin)
+                await proc.stdin.drain()
+            proc.stdin.close()
+
+    async def drive() -> None:
+        try:
+            await asyncio.gather(feed(), pump(proc.stdout, out, "out"), pump(proc.stderr, err, "err"))
+            await proc.wait()
+        finally:
+            await queue.put(None)
+
+    task = asyncio.create_task(drive())
+    deadline = None if timeout is None else started + timeout
+    timed_out = False
+    try:
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                event = await asyncio.wait_for(queue.get(), remaining)
+            except TimeoutError:
+                timed_out = True
+                kill_tree(proc.pid)
+                # Drain what the dying tree still wrote; the pipes close once it is gone.
+                while (event := await queue.get()) is not None:
+                    yield event
+                break
+            if event is None:
+                break
+            yield event
+    finally:
+        if not task.done():
+            kill_tree(proc.pid)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    code = await proc.wait()
+    yield ExecEvent(
+        t="exit",
+        result=CommandResult(
+            exit_code=None if timed_out else _exit_code(code),
+            timed_out=timed_out,
+            oom_killed=oom_kills() > oom_before,
+            truncated=out.truncated or err.truncated,
+            duration_s=time.monotonic() - started,
+        ),
+    )
+
+
+def _exit_code(code: int) -> int:
+    # asyncio reports death by signal N as -N; shells and crun report 128+N. Use the shell's.
+    return 128 - code if code < 0 else code

@@ -1,0 +1,143 @@
+"""Named shell sessions: one long-lived shell per session keeps cwd, variables and functions.
+
+A command costs no process start: the edge writes it to the session shell's stdin and the
+driver loop below ``eval``s it, then prints an end marker carrying a fresh random nonce on
+stdout and stderr. Everything before the markers is the command's output. The shell reads
+commands from a pipe the edge holds, so nothing inside the sandbox can inject into another
+session, and commands get /dev/null as stdin so they cannot eat the command stream.
+
+On timeout the whole session tree is killed (a shell stuck in a builtin loop cannot be
+interrupted otherwise) and the next command on that name starts a fresh session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+from dsec.executor.process import CHUNK, CappedBuffer, kill_tree
+from dsec.protocol.models import CommandResult
+
+# POSIX sh, so images without bash still get sessions (through /bin/sh).
+DRIVER = r"""
+while IFS= read -r __dsec_n; do
+  __dsec_c=
+  while IFS= read -r __dsec_l; do
+    [ "$__dsec_l" = "$__dsec_n" ] && break
+    __dsec_c="$__dsec_c$__dsec_l
+"
+  done
+  eval "$__dsec_c" </dev/null
+  __dsec_rc=$?
+  printf '\0%s:%d\0' "$__dsec_n" "$__dsec_rc"
+  printf '\0%s\0' "$__dsec_n" >&2
+done
+"""
+
+Spawner = Callable[[], Awaitable[asyncio.subprocess.Process]]
+
+
+class SessionDied(Exception):
+    """The session shell exited (``exit``, OOM kill, a killed edge) before finishing a command."""
+
+
+async def _read_to_marker(
+    stream: asyncio.StreamReader, marker: bytes, buf: CappedBuffer, *, with_code: bool
+) -> int | None:
+    """Copy output into ``buf`` until ``marker`` (and, for stdout, ``<code>\\0``) arrives."""
+    window = b""
+    while True:
+        chunk = await stream.read(CHUNK)
+        if not chunk:
+            buf.add(window)
+            raise SessionDied
+        window += chunk
+        idx = window.find(marker)
+        if idx < 0:
+            # Keep a tail that may hold the start of a marker split across reads.
+            safe = max(0, len(window) - len(marker) + 1)
+            buf.add(window[:safe])
+            window = window[safe:]
+            continue
+        if not with_code:
+            buf.add(window[:idx])
+            return None
+        end = window.find(b"\0", idx + len(marker))
+        while end < 0:
+            more = await stream.read(CHUNK)
+            if not more:
+                raise SessionDied
+            window += more
+            end = window.find(b"\0", idx + len(marker))
+        buf.add(window[:idx])
+        return int(window[idx + len(marker) : end])
+
+
+class Session:
+    def __init__(self, name: str, spawner: Spawner) -> None:
+        self.name = name
+        self._spawner = spawner
+        self._proc: asyncio.subprocess.Process | None = None
+        self.lock = asyncio.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def _ensure(self) -> asyncio.subprocess.Process:
+        if self._proc is None or self._proc.returncode is not None:
+            self._proc = await self._spawner()
+        return self._proc
+
+    async def run(
+        self, command: str, *, timeout: float | None, max_output: int, oom_kills: Callable[[], int]
+    ) -> CommandResult:
+        async with self.lock:
+            started = time.monotonic()
+            proc = await self._ensure()
+            assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+            nonce = secrets.token_hex(16)
+            if not command.endswith("\n"):
+                command += "\n"
+            oom_before = oom_kills()
+            out, err = CappedBuffer(max_output), CappedBuffer(max_output)
+            try:
+                proc.stdin.write(f"{nonce}\n{command}{nonce}\n".encode())
+                await proc.stdin.drain()
+                code, _ = await asyncio.wait_for(
+                    asyncio.gather(
+                        _read_to_marker(proc.stdout, b"\0" + nonce.encode() + b":", out, with_code=True),
+                        _read_to_marker(proc.stderr, b"\0" + nonce.encode() + b"\0", err, with_code=False),
+                    ),
+                    timeout,
+                )
+                timed_out = False
+            except TimeoutError:
+                await self.kill()
+                code, timed_out = None, True
+            except (SessionDied, BrokenPipeError, ConnectionResetError):
+                code = await proc.wait()
+                code = 128 - code if code < 0 else code
+                timed_out = False
+            return CommandResult(
+                exit_code=code,
+                stdout=out.text(),
+                stderr=err.text(),
+                timed_out=timed_out,
+                oom_killed=oom_kills() > oom_before,
+                truncated=out.truncated or err.truncated,
+                duration_s=time.monotonic() - started,
+            )
+
+    async def kill(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            kill_tree(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            await proc.wait()
+        self._proc = None

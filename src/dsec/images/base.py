@@ -1,0 +1,202 @@
+"""The default base layer: a minimal Debian with bash, coreutils, python3, git and CA certs.
+
+Built once per store with debootstrap (about a minute, needs the network), then reused by tag.
+The build is not reproducible (package downloads, dpkg timestamps), which is fine: the tag is
+immutable, so every node sharing the store sees the one image the first builder produced.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from dsec.images.mount import mounts_under, unmount_tree
+from dsec.images.refs import parse_tag
+from dsec.images.store import LayerStore
+from dsec.protocol.errors import InfraFailure
+from dsec.protocol.models import LayerInfo
+
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+BASE_PACKAGES = ("bash", "coreutils", "python3", "git", "ca-certificates")
+
+Progress = Callable[[str], None]
+
+
+def _first_uri_deb822(text: str) -> str | None:
+    for line in text.splitlines():
+        if line.startswith("URIs:"):
+            for uri in line.split()[1:]:
+                if "security" not in uri:  # security suites carry no full package set
+                    return uri
+    return None
+
+
+def _first_uri_one_line(text: str) -> str | None:
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0] != "deb":
+            continue
+        rest = words[1:]
+        if rest and rest[0].startswith("["):  # "deb [arch=amd64 signed-by=...] URI suite"
+            while rest and not rest[0].endswith("]"):
+                rest = rest[1:]
+            rest = rest[1:]
+        if rest and "security" not in rest[0]:
+            return rest[0]
+    return None
+
+
+def default_mirror(
+    deb822: Path = Path("/etc/apt/sources.list.d/debian.sources"),
+    one_line: Path = Path("/etc/apt/sources.list"),
+) -> str:
+    """The host's own Debian mirror (it is known to be reachable from here), else deb.debian.org."""
+    for path, parse in ((deb822, _first_uri_deb822), (one_line, _first_uri_one_line)):
+        try:
+            uri = parse(path.read_text())
+        except OSError:
+            continue
+        if uri:
+            return uri
+    return DEFAULT_MIRROR
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _debootstrap(suite: str, target: Path, mirror: str, say: Progress) -> None:
+    tool = shutil.which("debootstrap")
+    if tool is None:
+        raise InfraFailure("debootstrap not found: install the debootstrap package", reason="image_build")
+    cmd = [
+        tool,
+        "--variant=minbase",
+        f"--include={','.join(BASE_PACKAGES)}",
+        suite,
+        os.fspath(target),
+        mirror,
+    ]
+    say(" ".join(cmd))
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
+    env["DEBIAN_FRONTEND"] = "noninteractive"
+    tail: deque[str] = deque(maxlen=40)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            say(line.rstrip())
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted: do not leave it writing into a tree we delete
+            proc.kill()
+            proc.wait()
+    if rc != 0:
+        log = "\n".join(tail)
+        raise InfraFailure(
+            f"debootstrap {suite} from {mirror} failed (exit {rc}):\n{log}", reason="image_build"
+        )
+
+
+def _remove_entries(directory: Path, pattern: str = "*") -> None:
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for entry in directory.glob(pattern):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _write_fresh(path: Path, content: str) -> None:
+    # unlink first: a symlink in the new tree must not make us write to the host's file.
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(content)
+
+
+def slim_rootfs(root: Path) -> None:
+    """Drop what a fresh debootstrap leaves that no sandbox needs, and the host's own settings."""
+    _remove_entries(root / "var/cache/apt/archives", "*.deb")
+    _remove_entries(root / "var/cache/apt/archives/partial")
+    _remove_entries(root / "var/cache/apt", "*.bin")
+    _remove_entries(root / "var/lib/apt/lists", "*_*")  # keep lock and partial/
+    _remove_entries(root / "var/lib/apt/lists/partial")
+    _remove_entries(root / "var/cache/debconf", "*-old")
+    _remove_entries(root / "var/lib/dpkg", "*-old")
+    _remove_entries(root / "tmp")
+    _remove_entries(root / "var/tmp")
+    # Keep /var/log's directories (dpkg and apt expect them), drop the install logs.
+    for dirpath, _dirs, files in os.walk(root / "var/log"):
+        for name in files:
+            os.unlink(os.path.join(dirpath, name))
+    # debootstrap copies the host's resolv.conf and hostname; sandboxes get their own.
+    if (root / "etc").is_dir():
+        _write_fresh(root / "etc/resolv.conf", "")
+        _write_fresh(root / "etc/hostname", "localhost\n")
+
+
+def _remove_work_dir(work: Path) -> None:
+    # A failed debootstrap can leave /proc and /sys mounted in the target; rmtree must never
+    # walk into them (it would try to delete the host's files through them).
+    unmount_tree(work)
+    if mounts_under(work):
+        raise InfraFailure(f"cannot remove {work}: mounts remain below it", reason="storage")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def ensure_base_layer(
+    store: LayerStore,
+    ref: str = "debian:bookworm",
+    mirror: str | None = None,
+    progress: Progress | None = None,
+    *,
+    suite: str = "bookworm",
+) -> LayerInfo:
+    """Return the base layer ``ref``, building it with debootstrap first if the store lacks it."""
+    parse_tag(ref)
+    if store.has_tag(ref):
+        return store.resolve(ref)
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(msg)
+
+    # One builder per store: a second process waits, then finds the tag.
+    with _file_lock(store.root / ".base-build.lock"):
+        if store.has_tag(ref):
+            return store.resolve(ref)
+        mirror = mirror or default_mirror()
+        work = Path(tempfile.mkdtemp(prefix="base-", dir=store.tmp_dir))
+        try:
+            target = work / "rootfs"
+            t0 = time.monotonic()
+            _debootstrap(suite, target, mirror, say)
+            t1 = time.monotonic()
+            say(f"debootstrap finished in {t1 - t0:.1f} s")
+            # The target is still mounted-into if debootstrap left anything; clear that first.
+            unmount_tree(target)
+            slim_rootfs(target)
+            info = store.import_path(target, ref)
+            say(f"imported {ref} as {info.digest}: {info.size / 1e6:.1f} MB in {time.monotonic() - t1:.1f} s")
+            return info
+        finally:
+            _remove_work_dir(work)

@@ -1,0 +1,127 @@
+"""The DSec error tree.
+
+Every failure a caller can see is one of these classes, rooted at :class:`DSecError`. Each class
+has a stable wire ``code`` and an HTTP status; the apiserver serialises an error as
+``{"error": {"code": ..., "message": ..., "reason": ...}}`` and the SDK raises the same class
+again on the client side, so ``except SandboxNotFound`` works across the wire.
+
+    DSecError
+    +-- InvalidRequest          400  bad input: malformed ID, limit out of range, path escape
+    |   +-- LayerNotFound       404  an image/layer reference that names nothing
+    +-- Unauthorized            401  missing or unknown API key
+    +-- Forbidden               403  the key may not touch this resource
+    +-- SandboxNotFound         404  unknown or already reclaimed sandbox
+    +-- FileNotFound            404  a path inside the sandbox that does not exist
+    +-- Conflict                409  the sandbox is not in a state that allows the request
+    +-- QuotaExceeded           429  a project quota would be exceeded
+    +-- CapacityExhausted       503  no node can admit the sandbox right now
+    +-- CommandTimeout          504  a command ran past its timeout (its process tree was killed)
+    +-- InfraFailure            500  the platform failed, not the agent: mask it out of rewards
+        +-- SessionLost         500  a shell session died under the command (e.g. edge restart)
+
+``InfraFailure.reason`` classifies the failure (``runtime``, ``storage``, ``edge_unreachable``...)
+so a trainer can tell infrastructure noise from the agent's own doing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class DSecError(Exception):
+    """Root of every error DSec raises, on the server and in the SDK."""
+
+    code: ClassVar[str] = "error"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+
+    def to_wire(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.reason is not None:
+            body["reason"] = self.reason
+        return {"error": body}
+
+    def __str__(self) -> str:
+        return self.message if self.reason is None else f"{self.message} [{self.reason}]"
+
+
+class InvalidRequest(DSecError):
+    code = "invalid_request"
+    status = 400
+
+
+class LayerNotFound(InvalidRequest):
+    code = "layer_not_found"
+    status = 404
+
+
+class Unauthorized(DSecError):
+    code = "unauthorized"
+    status = 401
+
+
+class Forbidden(DSecError):
+    code = "forbidden"
+    status = 403
+
+
+class SandboxNotFound(DSecError):
+    code = "sandbox_not_found"
+    status = 404
+
+
+class FileNotFound(DSecError):
+    code = "file_not_found"
+    status = 404
+
+
+class Conflict(DSecError):
+    code = "conflict"
+    status = 409
+
+
+class QuotaExceeded(DSecError):
+    code = "quota_exceeded"
+    status = 429
+
+
+class CapacityExhausted(DSecError):
+    code = "capacity_exhausted"
+    status = 503
+
+
+class CommandTimeout(DSecError):
+    code = "command_timeout"
+    status = 504
+
+
+class InfraFailure(DSecError):
+    code = "infra_failure"
+    status = 500
+
+
+class SessionLost(InfraFailure):
+    code = "session_lost"
+
+
+def _all_subclasses(cls: type[DSecError]) -> list[type[DSecError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[DSecError]] = {c.code: c for c in _all_subclasses(DSecError)}
+
+
+def error_from_wire(status: int, body: Any) -> DSecError:
+    """Rebuild the typed error from a response body; unknown shapes become ``InfraFailure``."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        cls = _BY_CODE.get(str(err.get("code")), DSecError)
+        return cls(str(err.get("message", "")), reason=err.get("reason"))
+    return InfraFailure(f"unexpected HTTP {status} from server: {str(body)[:200]}", reason="protocol")

@@ -1,0 +1,190 @@
+"""Wire models shared by SDK, apiserver and edge.
+
+Request models validate at the API edge: anything out of range fails here with a 4xx before
+any node does work. Sandbox specs are chosen by their ``type`` field so later backends
+(``fncall``, ``microvm``, ``vm``) slot in beside ``container`` without touching the routes.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dsec.protocol.errors import InvalidRequest
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+_USER_RE = re.compile(r"^(?:[a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})$")
+_SESSION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SandboxState(str, Enum):
+    creating = "creating"
+    running = "running"
+    stopping = "stopping"
+    stopped = "stopped"
+    failed = "failed"
+
+
+class LayerInfo(_Model):
+    digest: str
+    size: int
+    names: list[str] = Field(default_factory=list)
+    created_at: float
+
+
+class ContainerSpec(_Model):
+    """What a caller asks for when it creates a container sandbox."""
+
+    type: Literal["container"] = "container"
+    image: str | None = Field(default=None, description="a layer name:version, or digest")
+    layers: list[str] | None = Field(default=None, description="base first, then workspace, toolkits")
+    memory_limit_mb: int = Field(default=1024, ge=16, le=1024 * 1024)
+    cpu_cores_limit: float = Field(default=1.0, gt=0, le=1024)
+    pids_limit: int = Field(default=1024, ge=16, le=1 << 22)
+    ttl_running_stop: float | None = Field(default=None, gt=0, description="idle seconds before reclaim")
+    max_lifetime_s: float | None = Field(default=None, gt=0)
+    network_rules: dict[str, bool] = Field(default_factory=dict)
+    init_user: str = "root"
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_environment(self) -> ContainerSpec:
+        if (self.image is None) == (self.layers is None):
+            raise ValueError("give exactly one of image or layers")
+        if self.layers is not None and not 1 <= len(self.layers) <= 64:
+            raise ValueError("layers must name 1 to 64 layers")
+        return self
+
+    @field_validator("init_user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        if not _USER_RE.match(v):
+            raise ValueError(f"invalid user name {v!r}")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not _LABEL_KEY_RE.match(k) or len(val) > 256:
+                raise ValueError(f"invalid label {k!r}: keys are 1-63 of A-Za-z0-9._/-, values <= 256")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not k or "=" in k or "\0" in k or "\0" in val:
+                raise ValueError(f"invalid environment variable {k!r}")
+        return v
+
+    def layer_refs(self) -> list[str]:
+        return [self.image] if self.image is not None else list(self.layers or [])
+
+
+SandboxSpec = Annotated[ContainerSpec, Field(discriminator="type")]
+
+
+class CreateRequest(_Model):
+    spec: SandboxSpec
+    timeout: float = Field(default=120, gt=0, le=3600)
+
+
+class SandboxInfo(_Model):
+    id: str
+    state: SandboxState
+    backend: str
+    node: str
+    layers: list[str]
+    labels: dict[str, str]
+    init_user: str
+    memory_limit_mb: int
+    cpu_cores_limit: float
+    created_at: float
+    last_active_at: float
+    stop_reason: str | None = None
+
+
+class ShellRequest(_Model):
+    command: str = Field(max_length=1 << 20)
+    session: str = "default"
+    timeout: float | None = Field(default=None, gt=0, le=86400)
+    max_output_bytes: int | None = Field(default=None, ge=0, le=1 << 30)
+
+    @field_validator("session")
+    @classmethod
+    def _session(cls, v: str) -> str:
+        if not _SESSION_RE.match(v):
+            raise ValueError("session names are 1-64 of A-Za-z0-9_.-")
+        return v
+
+
+class CommandResult(_Model):
+    """The outcome of one command; output beyond the cap is dropped and ``truncated`` is set."""
+
+    exit_code: int | None
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    oom_killed: bool = False
+    truncated: bool = False
+    duration_s: float = 0.0
+
+
+class ExecRequest(_Model):
+    argv: list[str] = Field(min_length=1, max_length=4096)
+    stdin_b64: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    timeout: float | None = Field(default=None, gt=0, le=86400)
+    max_output_bytes: int | None = Field(default=None, ge=0, le=1 << 30)
+
+
+class ExecEvent(_Model):
+    """One line of an exec stream: ``out``/``err`` carry base64 data, ``exit`` ends the stream."""
+
+    t: Literal["out", "err", "exit"]
+    d: str | None = None
+    result: CommandResult | None = None
+
+
+class FileType(str, Enum):
+    file = "file"
+    dir = "dir"
+    symlink = "symlink"
+    other = "other"
+
+
+class FileStat(_Model):
+    path: str
+    name: str
+    type: FileType
+    size: int
+    mode: int
+    mtime: float
+    uid: int
+    gid: int
+
+
+def validate_name_ref(ref: str) -> str:
+    if not _NAME_RE.match(ref.split(":", 1)[0]):
+        raise ValueError(f"invalid layer reference {ref!r}")
+    return ref
+
+
+def invalid_request(exc: ValidationError) -> InvalidRequest:
+    """A pydantic validation failure as the caller's error, one clause per bad field."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return InvalidRequest("; ".join(parts))

@@ -1,0 +1,47 @@
+"""Per-backend create arguments, with the paper's field names."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dsec.protocol.models import ContainerSpec, invalid_request
+
+
+class DSecContainerRunArgs(BaseModel):
+    """Arguments of :meth:`DSecClient.run_container`. Give ``container_image`` or ``layers``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    container_image: str | None = None
+    layers: list[str] | None = None
+    memory_limit_mb: int = 1024
+    cpu_cores_limit: float = 1.0
+    pids_limit: int = 1024
+    ttl_running_stop: float | None = None
+    max_lifetime_s: float | None = None
+    network_rules: dict[str, bool] = Field(default_factory=dict)
+    init_user: str = "root"
+    env: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    def to_spec(self) -> ContainerSpec:
+        """Validate against the wire model now, so bad input fails before any request."""
+        try:
+            return self._spec()
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
+
+    def _spec(self) -> ContainerSpec:
+        return ContainerSpec(
+            image=self.container_image,
+            layers=self.layers,
+            memory_limit_mb=self.memory_limit_mb,
+            cpu_cores_limit=self.cpu_cores_limit,
+            pids_limit=self.pids_limit,
+            ttl_running_stop=self.ttl_running_stop,
+            max_lifetime_s=self.max_lifetime_s,
+            network_rules=self.network_rules,
+            init_user=self.init_user,
+            env=self.env,
+            labels=self.labels,
+        )

@@ -1,0 +1,286 @@
+"""The async SDK: :class:`DSecClient` creates sandboxes, :class:`Sandbox` drives one.
+
+    client = DSecClient(); await client.open()
+    sandbox = await client.run_container(DSecContainerRunArgs(container_image="debian:bookworm"))
+    result = await sandbox.run_shell("echo hello world")
+    await sandbox.stop()
+
+The sync API (:class:`dsec.sdk.DSec`) is generated from these classes; add methods here only.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tarfile
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from dsec.protocol.models import (
+    CommandResult,
+    CreateRequest,
+    ExecEvent,
+    ExecRequest,
+    FileStat,
+    LayerInfo,
+    SandboxInfo,
+    ShellRequest,
+)
+from dsec.sdk._transport import Transport
+from dsec.sdk.args import DSecContainerRunArgs
+from dsec.sdk.config import load_client_config
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ExecChunk:
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+class Sandbox:
+    """A handle on one sandbox. Cheap to create; holds no server-side state."""
+
+    def __init__(self, transport: Transport, info: SandboxInfo) -> None:
+        self._t = transport
+        self.info = info
+        self.id = info.id
+        self._base = f"/v1/sandboxes/{info.id}"
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, state={self.info.state.value!r})"
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(await self._t.request("GET", self._base))
+        return self.info
+
+    async def stop(self) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(await self._t.request("DELETE", self._base))
+        return self.info
+
+    # -- commands ---------------------------------------------------------------------------
+
+    async def run_shell(
+        self,
+        command: str,
+        *,
+        session: str = "default",
+        timeout: float | None = None,
+        max_output_bytes: int | None = None,
+    ) -> CommandResult:
+        """Run ``command`` in a named shell session that keeps cwd and variables between calls.
+
+        A command that runs past ``timeout`` is killed with its session; the result then has
+        ``timed_out=True`` and the next call on that session starts a fresh shell.
+        """
+        req = ShellRequest(command=command, session=session, timeout=timeout, max_output_bytes=max_output_bytes)
+        http_timeout = None if timeout is None else timeout + 30
+        body = await self._t.request(
+            "POST", self._base + "/shell", json_body=req.model_dump(exclude_none=True), timeout=http_timeout
+        )
+        return CommandResult.model_validate(body)
+
+    async def exec_stream(
+        self,
+        argv: list[str],
+        *,
+        stdin: bytes | str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        max_output_bytes: int | None = None,
+    ) -> AsyncIterator[ExecChunk | CommandResult]:
+        """Run ``argv`` (no shell) and yield its output as it comes; the last item is the result."""
+        if isinstance(stdin, str):
+            stdin = stdin.encode()
+        req = ExecRequest(
+            argv=argv,
+            stdin_b64=None if stdin is None else base64.b64encode(stdin).decode(),
+            env=env or {},
+            cwd=cwd,
+            timeout=timeout,
+            max_output_bytes=max_output_bytes,
+        )
+        async for line in self._t.lines("POST", self._base + "/exec", json_body=req.model_dump(exclude_none=True)):
+            event = ExecEvent.model_validate_json(line)
+            if event.t == "exit":
+                assert event.result is not None
+                yield event.result
+            else:
+                yield ExecChunk("stdout" if event.t == "out" else "stderr", base64.b64decode(event.d or ""))
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        stdin: bytes | str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        max_output_bytes: int | None = None,
+    ) -> CommandResult:
+        """Run ``argv`` (no shell) to its end and collect its output."""
+        out, err = bytearray(), bytearray()
+        result: CommandResult | None = None
+        async for item in self.exec_stream(
+            argv, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output_bytes=max_output_bytes
+        ):
+            if isinstance(item, CommandResult):
+                result = item
+            else:
+                (out if item.stream == "stdout" else err).extend(item.data)
+        assert result is not None, "exec stream ended without a result"
+        return result.model_copy(
+            update={"stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace")}
+        )
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def read_stream(self, path: str) -> AsyncIterator[bytes]:
+        """Yield a file's content in chunks, without holding it in memory."""
+        async for chunk in self._t.stream("GET", self._base + "/files/content", params={"path": path}):
+            yield chunk
+
+    async def read_file(self, path: str) -> bytes:
+        return b"".join([chunk async for chunk in self.read_stream(path)])
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> FileStat:
+        if isinstance(data, str):
+            data = data.encode()
+        body = await self._t.request(
+            "PUT", self._base + "/files/content", params={"path": path, "mode": f"{mode:o}"}, data=data
+        )
+        return FileStat.model_validate(body)
+
+    async def upload(self, local_path: str | os.PathLike[str], path: str, *, mode: int | None = None) -> FileStat:
+        """Stream a local file into the sandbox (any size; it is never held in memory)."""
+        local = Path(local_path)
+        mode = (local.stat().st_mode & 0o7777) if mode is None else mode
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with local.open("rb") as fh:
+                while chunk := fh.read(_CHUNK):
+                    yield chunk
+
+        body = await self._t.request(
+            "PUT", self._base + "/files/content", params={"path": path, "mode": f"{mode:o}"}, data=chunks()
+        )
+        return FileStat.model_validate(body)
+
+    async def download(self, path: str, local_path: str | os.PathLike[str]) -> int:
+        """Stream a sandbox file to a local path; returns the bytes written."""
+        local = Path(local_path)
+        tmp = local.with_name(local.name + ".part")
+        written = 0
+        try:
+            with tmp.open("wb") as fh:
+                async for chunk in self.read_stream(path):
+                    fh.write(chunk)
+                    written += len(chunk)
+            tmp.replace(local)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return written
+
+    async def stat(self, path: str) -> FileStat:
+        return FileStat.model_validate(await self._t.request("GET", self._base + "/files/stat", params={"path": path}))
+
+    async def list_dir(self, path: str) -> list[FileStat]:
+        body = await self._t.request("GET", self._base + "/files/list", params={"path": path})
+        return [FileStat.model_validate(x) for x in body]
+
+    async def mkdir(self, path: str, *, parents: bool = True) -> FileStat:
+        params = {"path": path, "parents": "true" if parents else "false"}
+        return FileStat.model_validate(await self._t.request("POST", self._base + "/files/mkdir", params=params))
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        await self._t.request("DELETE", self._base + "/files", params=params)
+
+
+class DSecClient:
+    """Connects to DSec: by default the local node that ``dsec up`` wrote into the config file."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 300) -> None:
+        self._url, self._api_key, self._timeout = url, api_key, timeout
+        self._transport: Transport | None = None
+
+    @property
+    def _t(self) -> Transport:
+        if self._transport is None:
+            cfg = load_client_config(self._url, self._api_key)
+            self._transport = Transport(cfg.url, cfg.api_key, timeout=self._timeout)
+        return self._transport
+
+    async def open(self) -> DSecClient:
+        self._t.session()
+        return self
+
+    async def close(self) -> None:
+        if self._transport is not None:
+            await self._transport.close()
+
+    async def __aenter__(self) -> DSecClient:
+        return await self.open()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def run_container(self, args: DSecContainerRunArgs, timeout: float = 120) -> Sandbox:
+        """Create a container sandbox and wait until it runs."""
+        req = CreateRequest(spec=args.to_spec(), timeout=timeout)
+        body = await self._t.request(
+            "POST", "/v1/sandboxes", json_body=req.model_dump(mode="json"), timeout=timeout + 10
+        )
+        return Sandbox(self._t, SandboxInfo.model_validate(body))
+
+    async def get(self, sandbox_id: str) -> Sandbox:
+        body = await self._t.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return Sandbox(self._t, SandboxInfo.model_validate(body))
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[Sandbox]:
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        body = await self._t.request("GET", "/v1/sandboxes", params=params)
+        return [Sandbox(self._t, SandboxInfo.model_validate(x)) for x in body]
+
+    async def layers(self) -> list[LayerInfo]:
+        return [LayerInfo.model_validate(x) for x in await self._t.request("GET", "/v1/layers")]
+
+    async def import_layer(self, path: str | os.PathLike[str], ref: str) -> LayerInfo:
+        """Import a directory or tar archive as layer ``ref`` (``name:version``)."""
+        src = Path(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            if src.is_dir():
+                archive = Path(tmp) / "layer.tar"
+                with tarfile.open(archive, "w") as tar:
+                    tar.add(src, arcname=".")
+            else:
+                archive = src
+
+            async def chunks() -> AsyncIterator[bytes]:
+                with archive.open("rb") as fh:
+                    while chunk := fh.read(_CHUNK):
+                        yield chunk
+
+            body: Any = await self._t.request(
+                "POST", "/v1/layers", params={"ref": ref}, data=chunks(), timeout=3600
+            )
+        return LayerInfo.model_validate(body)
+
+
+__all__ = ["DSecClient", "ExecChunk", "Sandbox"]

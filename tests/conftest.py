@@ -1,0 +1,99 @@
+"""Shared fixtures: a real embedded DSec node (crun, EROFS, overlayfs) for the session.
+
+The node's data directory persists between runs (``DSEC_TEST_DATA_DIR``, default
+/var/lib/dsec-test) so the base layer is built once per machine; every sandbox a test creates
+is stopped by the fixtures, also when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.images.base import ensure_base_layer
+from dsec.images.store import LayerStore
+from dsec.sdk.client import DSecClient, Sandbox
+
+BASE = "debian:bookworm"
+DATA_DIR = Path(os.environ.get("DSEC_TEST_DATA_DIR", "/var/lib/dsec-test"))
+
+
+def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
+    return NodeConfig(
+        data_dir=data_dir,
+        layer_dir=DATA_DIR / "layers",
+        port=0,
+        node="test",
+        config_file=tmp / "config.json",
+        edge={"reap_interval_s": 0.1},
+    )
+
+
+@pytest.fixture(scope="session")
+def base_layer() -> str:
+    with LayerStore(DATA_DIR / "layers") as store:
+        ensure_base_layer(store, BASE)
+    return BASE
+
+
+@pytest.fixture(scope="session")
+def session_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dsec")
+
+
+@pytest.fixture(scope="session")
+async def node(base_layer: str, session_tmp: Path) -> AsyncIterator[EmbeddedNode]:
+    emb = EmbeddedNode(node_config(session_tmp))
+    await emb.start()
+    try:
+        yield emb
+    finally:
+        await emb.close(stop_sandboxes=True)
+
+
+@pytest.fixture(scope="session")
+async def client(node: EmbeddedNode) -> AsyncIterator[DSecClient]:
+    async with DSecClient(node.url, node.api_key) as c:
+        yield c
+
+
+class Sandboxes:
+    """Creates sandboxes for one test and stops every one of them afterwards."""
+
+    def __init__(self, client: DSecClient) -> None:
+        self.client = client
+        self.made: list[Sandbox] = []
+
+    async def __call__(self, **kw: object) -> Sandbox:
+        from dsec.sdk.args import DSecContainerRunArgs
+
+        kw.setdefault("container_image", BASE)
+        sb = await self.client.run_container(DSecContainerRunArgs(**kw))  # type: ignore[arg-type]
+        self.made.append(sb)
+        return sb
+
+
+@pytest.fixture
+async def make_sandbox(client: DSecClient) -> AsyncIterator[Sandboxes]:
+    boxes = Sandboxes(client)
+    try:
+        yield boxes
+    finally:
+        for sb in boxes.made:
+            await sb.stop()
+
+
+@pytest.fixture
+async def sandbox(make_sandbox: Sandboxes) -> Sandbox:
+    return await make_sandbox()
+
+
+@pytest.fixture
+def host_secret(tmp_path: Path) -> Iterator[Path]:
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("host only\n")
+    yield secret
