@@ -27,7 +27,9 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def mount(source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+def mount(
+    source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None
+) -> None:
     _check(
         _libc.mount(
             source.encode() if source is not None else None,

@@ -20,7 +20,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from dsec.edge.edge import Edge
-from dsec.iam.store import IamStore
+from dsec.iam.store import IamStore, Principal
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import (
@@ -38,16 +38,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _CHUNK = 1 << 20
 
 IAM_KEY = web.AppKey("iam", IamStore)
-API_KEY = web.AppKey("api", "ApiServer")
+PRINCIPAL = web.RequestKey("principal", Principal)
 
 
 def _json(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
     if isinstance(model, BaseModel):
         text = model.model_dump_json()
     else:
-        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model]) if (
-            isinstance(model, list)
-        ) else json.dumps(model)
+        text = (
+            json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model])
+            if (isinstance(model, list))
+            else json.dumps(model)
+        )
     return web.Response(text=text, status=status, content_type="application/json")
 
 
@@ -63,19 +65,21 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        err = InvalidRequest(exc.reason) if exc.status < 500 else InfraFailure(exc.reason, reason="http")
-        return web.json_response(err.to_wire(), status=exc.status)
+        wrapped: DSecError = (
+            InvalidRequest(exc.reason) if exc.status < 500 else InfraFailure(exc.reason, reason="http")
+        )
+        return web.json_response(wrapped.to_wire(), status=exc.status)
     except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        err = InfraFailure(f"internal error: {type(exc).__name__}: {exc}", reason="apiserver")
-        return web.json_response(err.to_wire(), status=500)
+        infra = InfraFailure(f"internal error: {type(exc).__name__}: {exc}", reason="apiserver")
+        return web.json_response(infra.to_wire(), status=500)
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     header = request.headers.get("Authorization", "")
     key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
-    request["principal"] = request.app[IAM_KEY].authenticate(key)
+    request[PRINCIPAL] = request.app[IAM_KEY].authenticate(key)
     return await handler(request)
 
 
@@ -97,7 +101,9 @@ def _query(request: web.Request, name: str) -> str:
 
 
 class ApiServer:
-    def __init__(self, edges: dict[str, Edge], placement: Placement, store: LayerStore, iam: IamStore) -> None:
+    def __init__(
+        self, edges: dict[str, Edge], placement: Placement, store: LayerStore, iam: IamStore
+    ) -> None:
         self.edges = edges
         self.placement = placement
         self.store = store
@@ -162,7 +168,7 @@ class ApiServer:
             if not sep:
                 raise InvalidRequest(f"label filter {item!r} must be key=value")
             labels[key] = value
-        out = [info for edge in self.edges.values() for info in edge.list(labels)]
+        out = [info for edge in self.edges.values() for info in edge.list_sandboxes(labels)]
         return _json(out)
 
     async def get(self, request: web.Request) -> web.Response:
@@ -188,15 +194,20 @@ class ApiServer:
         except ValueError as exc:
             raise InvalidRequest("stdin_b64 is not valid base64") from exc
         events = edge.exec_stream(
-            sid, req.argv, stdin=stdin, env=req.env, cwd=req.cwd, timeout=req.timeout,
+            sid,
+            req.argv,
+            stdin=stdin,
+            env=req.env,
+            cwd=req.cwd,
+            timeout=req.timeout,
             max_output=req.max_output_bytes,
         )
         first = await anext(events)  # errors before any output still become a proper 4xx/5xx
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        await resp.write(first.model_dump_json(exclude_none=True).encode() + b"\n")
+        await resp.write(first.model_dump_json().encode() + b"\n")
         async for event in events:
-            await resp.write(event.model_dump_json(exclude_none=True).encode() + b"\n")
+            await resp.write(event.model_dump_json().encode() + b"\n")
         await resp.write_eof()
         return resp
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -37,7 +38,7 @@ class NodeConfig:
     node: str = "local"
     layer_dir: Path | None = None  # the layer store; None: <data_dir>/layers
     config_file: Path | None = None  # where the URL and admin key go; None: the SDK default
-    edge: dict[str, float] = field(default_factory=dict)  # EdgeConfig overrides (tests)
+    edge: dict[str, Any] = field(default_factory=dict)  # EdgeConfig overrides (tests)
 
 
 class EmbeddedNode:
@@ -47,8 +48,9 @@ class EmbeddedNode:
         self.store = LayerStore(config.layer_dir or data / "layers")
         self.mounts = LayerMounts(data / "mnt")
         self.backend = backend or ContainerBackend(data)
-        self.edge = Edge(EdgeConfig(data_dir=data, node=config.node, **config.edge), self.backend, self.store,
-                         self.mounts)  # type: ignore[arg-type]
+        self.edge = Edge(
+            EdgeConfig(data_dir=data, node=config.node, **config.edge), self.backend, self.store, self.mounts
+        )
         self.watcher = Watcher({config.node: self.edge})
         self.placement = Placement(self.watcher)
         self.iam = IamStore(data / "iam.sqlite")

@@ -18,7 +18,9 @@ from rich.table import Table
 
 from dsec.protocol.errors import DSecError
 
-app = typer.Typer(help="DSec: sandboxes for agentic RL.", no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="DSec: sandboxes for agentic RL.", no_args_is_help=True, pretty_exceptions_enable=False
+)
 layer_app = typer.Typer(help="Layers: immutable, content-addressed EROFS images.", no_args_is_help=True)
 sandbox_app = typer.Typer(help="Sandboxes on this DSec.", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
@@ -26,7 +28,9 @@ app.add_typer(sandbox_app, name="sandbox")
 console = Console()
 err_console = Console(stderr=True)
 
-DataDir = Annotated[Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="all node state lives here")]
+DataDir = Annotated[
+    Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="all node state lives here")
+]
 
 
 def _fail(exc: DSecError) -> typer.Exit:

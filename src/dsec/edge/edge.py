@@ -25,7 +25,7 @@ from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
 from dsec.executor.session import DRIVER, Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import CapacityExhausted, Conflict, DSecError, InfraFailure, SandboxNotFound
+from dsec.protocol.errors import CapacityExhausted, DSecError, InfraFailure, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     CommandResult,
@@ -91,7 +91,7 @@ class Edge:
             await asyncio.gather(*(self.stop(i, reason="edge_shutdown") for i in list(self._live)))
         for live in self._live.values():
             for s in live.sessions.values():
-                await s.kill()
+                s.detach()  # what the agent started in the background keeps running
         self.journal.close()
 
     async def _reconcile(self) -> None:
@@ -134,7 +134,9 @@ class Edge:
 
     async def create(self, spec: ContainerSpec) -> SandboxInfo:
         if len(self._live) + self._creating >= self.config.max_sandboxes:
-            raise CapacityExhausted(f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)")
+            raise CapacityExhausted(
+                f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)"
+            )
         layers = [self.store.resolve(ref) for ref in spec.layer_refs()]  # LayerNotFound if unknown
         sid = str(SandboxId.new(self.config.node, self.epoch))
         self._creating += 1
@@ -146,7 +148,9 @@ class Edge:
                 dirs.append(self.mounts.acquire(layer.digest, self.store.blob_path(layer.digest)))
                 acquired.append(layer.digest)
             user = resolve_user(dirs, spec.init_user)
-            rec = Record(sid, SandboxState.creating, self.backend.name, spec, acquired, dataclasses.asdict(user))
+            rec = Record(
+                sid, SandboxState.creating, self.backend.name, spec, acquired, dataclasses.asdict(user)
+            )
             self.journal.insert(rec)
             ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid))
             try:
@@ -188,7 +192,7 @@ class Edge:
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
         return self._info(rec)
 
-    def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+    def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         out = []
         for live in self._live.values():
             spec_labels = live.record.spec.labels
@@ -245,7 +249,11 @@ class Edge:
             async def spawn() -> asyncio.subprocess.Process:
                 shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
                 return await self.backend.spawn(
-                    sandbox_id, rec.handle, [shell, "-c", DRIVER], env=sandbox_env(rec.spec, live.user), cwd=live.user.home,
+                    sandbox_id,
+                    rec.handle,
+                    [shell, "-c", DRIVER],
+                    env=sandbox_env(rec.spec, live.user),
+                    cwd=live.user.home,
                     user=live.user,
                 )
 
@@ -254,7 +262,10 @@ class Edge:
         cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
         try:
             return await session.run(
-                req.command, timeout=timeout, max_output=cap, oom_kills=lambda: self.backend.oom_kills(sandbox_id)
+                req.command,
+                timeout=timeout,
+                max_output=cap,
+                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
             )
         finally:
             live.record.last_active_at = time.time()
@@ -272,7 +283,11 @@ class Edge:
     ) -> AsyncIterator[ExecEvent]:
         live = self._get_live(sandbox_id)
         proc = await self.backend.spawn(
-            sandbox_id, live.record.handle, argv, env=sandbox_env(live.record.spec, live.user, env), cwd=cwd or live.user.home,
+            sandbox_id,
+            live.record.handle,
+            argv,
+            env=sandbox_env(live.record.spec, live.user, env),
+            cwd=cwd or live.user.home,
             user=live.user,
         )
         async for event in run_streaming(

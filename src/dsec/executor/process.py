@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Literal
 
 from dsec.protocol.models import CommandResult, ExecEvent
 
@@ -90,14 +91,15 @@ async def run_streaming(
     out, err = CappedBuffer(max_output), CappedBuffer(max_output)
     queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue(maxsize=64)
 
-    async def pump(stream: asyncio.StreamReader | None, buf: CappedBuffer, kind: str) -> None:
+    async def pump(
+        stream: asyncio.StreamReader | None, buf: CappedBuffer, kind: Literal["out", "err"]
+    ) -> None:
         assert stream is not None
         # 32 KiB reads keep each NDJSON event line (base64) well under HTTP line limits.
         while chunk := await stream.read(CHUNK // 2):
             kept = buf.add(chunk)
             if kept:
-                t = "out" if kind == "out" else "err"
-                await queue.put(ExecEvent(t=t, d=base64.b64encode(kept).decode()))  # type: ignore[arg-type]
+                await queue.put(ExecEvent(t=kind, d=base64.b64encode(kept).decode()))
 
     async def feed() -> None:
         assert proc.stdin is not None

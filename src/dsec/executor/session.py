@@ -132,12 +132,27 @@ class Session:
                 duration_s=time.monotonic() - started,
             )
 
+    def detach(self) -> None:
+        """Let the shell go without killing anything: on EOF it exits, its children live on."""
+        if self._proc is not None and self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc = None
+
     async def kill(self) -> None:
         proc = self._proc
         if proc is None:
             return
+        self._proc = None
         if proc.returncode is None:
             kill_tree(proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            await proc.wait()
-        self._proc = None
+
+        async def drain(stream: asyncio.StreamReader | None) -> None:
+            # asyncio's wait() returns only once every pipe reached EOF; a pipe whose reader
+            # stopped (full buffer, transport paused) never does unless someone reads it.
+            while stream is not None and await stream.read(CHUNK):
+                pass
+
+        with contextlib.suppress(ProcessLookupError, TimeoutError):
+            async with asyncio.timeout(10):
+                await asyncio.gather(drain(proc.stdout), drain(proc.stderr))
+                await proc.wait()

@@ -48,9 +48,7 @@ class IamStore:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
-            self._db.execute(
-                "INSERT OR IGNORE INTO projects VALUES(?, NULL, ?)", (ROOT_PROJECT, time.time())
-            )
+            self._db.execute("INSERT OR IGNORE INTO projects VALUES(?, NULL, ?)", (ROOT_PROJECT, time.time()))
 
     def close(self) -> None:
         with self._lock:

@@ -133,7 +133,7 @@ class LayerStore:
         work = Path(tempfile.mkdtemp(prefix="import-", dir=self.tmp_dir))
         try:
             if path.is_dir():
-                src = path
+                src = Path(os.path.realpath(path))  # mkfs.erofs would store a symlink as such
             else:
                 src = work / "rootfs"
                 src.mkdir()
@@ -173,6 +173,9 @@ class LayerStore:
                         f"immutable; import this content ({digest}) under a new version"
                     )
                 self._db.execute("COMMIT")
+            except sqlite3.Error as err:
+                self._db.execute("ROLLBACK")
+                raise InfraFailure(f"layer catalogue write failed: {err}", reason="storage") from err
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise

@@ -8,7 +8,7 @@ any node does work. Sandbox specs are chosen by their ``type`` field so later ba
 from __future__ import annotations
 
 import re
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -25,7 +25,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SandboxState(str, Enum):
+class SandboxState(StrEnum):
     creating = "creating"
     running = "running"
     stopping = "stopping"
@@ -157,7 +157,7 @@ class ExecEvent(_Model):
     result: CommandResult | None = None
 
 
-class FileType(str, Enum):
+class FileType(StrEnum):
     file = "file"
     dir = "dir"
     symlink = "symlink"

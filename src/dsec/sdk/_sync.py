@@ -22,12 +22,20 @@ that implementation into a blocking facade without repeating a single method by 
   - return values that are instances of wrapped async classes are wrapped into their sync
     counterparts sharing the same portal, also inside lists, tuples and dict values; other
     async iterators and async context managers are wrapped generically;
-  - arguments that are sync wrappers are unwrapped to their async instance before the call.
+  - arguments that are sync wrappers are unwrapped to their async instance before the call;
+  - wrapping is identity-preserving: while a sync wrapper is alive, the same async object always
+    comes back as the same wrapper (``with DSec() as d`` gives the ``DSec`` you built).
+
+Register every async class that can cross the boundary (``wrap=``): an unregistered object is
+returned as is, except that async iterators and async context managers get the generic
+:class:`SyncIterator` / :class:`SyncContextManager` (which expose nothing else). A result that
+is a coroutine or future is awaited; other awaitable objects are values.
 
 Where the code runs: constructors, methods, classmethods and staticmethods of the async class
 always execute *on the portal's loop thread* (so ``asyncio.get_running_loop()``, loop-bound
 objects and non-thread-safe asyncio primitives are all fine there). Property getters, plain
 attribute reads and simple dunders (``__len__``, ``__eq__``...) run in the caller's thread.
+Many threads may share one portal: their calls interleave on its loop.
 
 The facade can be used from any thread, including one that runs its own asyncio loop (the call
 then blocks that loop while it waits, as any blocking call would). The only forbidden place is
@@ -37,13 +45,18 @@ blocking call would deadlock; that raises :class:`RuntimeError` instead.
 Example::
 
     class Sandbox(SyncWrapper, async_cls=aio.Sandbox):
-        \"\"\"Blocking handle on one sandbox.\"\"\"
+        "Blocking handle on one sandbox."
 
     class DSec(SyncWrapper, async_cls=aio.DSecClient, wrap=[Sandbox]):
-        \"\"\"Blocking DSec client.\"\"\"
+        "Blocking DSec client."
 
-    # or, without a class statement:
+    # or, without a class statement (the result is then not usable as a static type):
     DSec = syncify(aio.DSecClient, name="DSec", wrap=[Sandbox])
+
+    with DSec(api_key="...") as dsec:
+        sandbox = dsec.run_container("python:3.11")  # -> Sandbox (sync)
+        for chunk in sandbox.download("/out.tar"):   # lazy, one chunk per portal call
+            ...
 """
 
 from __future__ import annotations
@@ -674,7 +687,18 @@ class _AttributeProxy:
         delattr(object.__getattribute__(instance, "_dsec_async"), self.name)
 
 
-class SyncWrapper:
+if typing.TYPE_CHECKING:
+
+    class _SyncWrapperMeta(type):
+        # Type checkers only: class-level names of a generated class (classmethods, constants)
+        # are unknown statically, so let them be Any instead of errors.
+        def __getattr__(cls, name: str) -> Any: ...
+
+else:
+    _SyncWrapperMeta = type
+
+
+class SyncWrapper(metaclass=_SyncWrapperMeta):
     """Base of every generated sync class; an instance wraps one async instance and a portal.
 
     Subclass it with class keywords to derive a sync class in a regular ``class`` statement
@@ -696,6 +720,15 @@ class SyncWrapper:
     _dsec_portal_spec: ClassVar[Any] = None
     _dsec_wrap_map: ClassVar[dict[type, type[SyncWrapper]] | None] = None
     _dsec_type_cache: ClassVar[dict[type, type[SyncWrapper] | None]] = {}
+
+    if typing.TYPE_CHECKING:
+        # Installed at runtime only when the async class has the matching async protocol
+        # (__aenter__/__aexit__, __aiter__, __anext__); declared so that `with DSec() as d:` and
+        # `for x in wrapper` type-check. Any other attribute is Any through __getattr__.
+        def __enter__(self) -> Any: ...
+        def __exit__(self, *exc_info: object) -> Any: ...
+        def __iter__(self) -> Iterator[Any]: ...
+        def __next__(self) -> Any: ...
 
     def __init_subclass__(
         cls,

@@ -10,7 +10,9 @@ The sync API (:class:`dsec.sdk.DSec`) is generated from these classes; add metho
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import builtins
 import os
 import tarfile
 import tempfile
@@ -86,7 +88,9 @@ class Sandbox:
         A command that runs past ``timeout`` is killed with its session; the result then has
         ``timed_out=True`` and the next call on that session starts a fresh shell.
         """
-        req = ShellRequest(command=command, session=session, timeout=timeout, max_output_bytes=max_output_bytes)
+        req = ShellRequest(
+            command=command, session=session, timeout=timeout, max_output_bytes=max_output_bytes
+        )
         http_timeout = None if timeout is None else timeout + 30
         body = await self._t.request(
             "POST", self._base + "/shell", json_body=req.model_dump(exclude_none=True), timeout=http_timeout
@@ -114,7 +118,9 @@ class Sandbox:
             timeout=timeout,
             max_output_bytes=max_output_bytes,
         )
-        async for line in self._t.lines("POST", self._base + "/exec", json_body=req.model_dump(exclude_none=True)):
+        async for line in self._t.lines(
+            "POST", self._base + "/exec", json_body=req.model_dump(exclude_none=True)
+        ):
             event = ExecEvent.model_validate_json(line)
             if event.t == "exit":
                 assert event.result is not None
@@ -165,18 +171,18 @@ class Sandbox:
         )
         return FileStat.model_validate(body)
 
-    async def upload(self, local_path: str | os.PathLike[str], path: str, *, mode: int | None = None) -> FileStat:
+    async def upload(
+        self, local_path: str | os.PathLike[str], path: str, *, mode: int | None = None
+    ) -> FileStat:
         """Stream a local file into the sandbox (any size; it is never held in memory)."""
         local = Path(local_path)
-        mode = (local.stat().st_mode & 0o7777) if mode is None else mode
-
-        async def chunks() -> AsyncIterator[bytes]:
-            with local.open("rb") as fh:
-                while chunk := fh.read(_CHUNK):
-                    yield chunk
+        mode = ((await asyncio.to_thread(local.stat)).st_mode & 0o7777) if mode is None else mode
 
         body = await self._t.request(
-            "PUT", self._base + "/files/content", params={"path": path, "mode": f"{mode:o}"}, data=chunks()
+            "PUT",
+            self._base + "/files/content",
+            params={"path": path, "mode": f"{mode:o}"},
+            data=_chunks(local),
         )
         return FileStat.model_validate(body)
 
@@ -185,18 +191,22 @@ class Sandbox:
         local = Path(local_path)
         tmp = local.with_name(local.name + ".part")
         written = 0
+        fh = await asyncio.to_thread(tmp.open, "wb")
         try:
-            with tmp.open("wb") as fh:
-                async for chunk in self.read_stream(path):
-                    fh.write(chunk)
-                    written += len(chunk)
-            tmp.replace(local)
+            async for chunk in self.read_stream(path):
+                await asyncio.to_thread(fh.write, chunk)
+                written += len(chunk)
+            fh.close()
+            await asyncio.to_thread(tmp.replace, local)
         finally:
-            tmp.unlink(missing_ok=True)
+            fh.close()
+            await asyncio.to_thread(tmp.unlink, True)
         return written
 
     async def stat(self, path: str) -> FileStat:
-        return FileStat.model_validate(await self._t.request("GET", self._base + "/files/stat", params={"path": path}))
+        return FileStat.model_validate(
+            await self._t.request("GET", self._base + "/files/stat", params={"path": path})
+        )
 
     async def list_dir(self, path: str) -> list[FileStat]:
         body = await self._t.request("GET", self._base + "/files/list", params={"path": path})
@@ -204,11 +214,28 @@ class Sandbox:
 
     async def mkdir(self, path: str, *, parents: bool = True) -> FileStat:
         params = {"path": path, "parents": "true" if parents else "false"}
-        return FileStat.model_validate(await self._t.request("POST", self._base + "/files/mkdir", params=params))
+        return FileStat.model_validate(
+            await self._t.request("POST", self._base + "/files/mkdir", params=params)
+        )
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         params = {"path": path, "recursive": "true" if recursive else "false"}
         await self._t.request("DELETE", self._base + "/files", params=params)
+
+
+async def _chunks(path: Path) -> AsyncIterator[bytes]:
+    """A local file as a stream of chunks, read off the event loop."""
+    fh = await asyncio.to_thread(path.open, "rb")
+    try:
+        while chunk := await asyncio.to_thread(fh.read, _CHUNK):
+            yield chunk
+    finally:
+        fh.close()
+
+
+def _tar_dir(src: Path, archive: Path) -> None:
+    with tarfile.open(archive, "w") as tar:
+        tar.add(src, arcname=".")
 
 
 class DSecClient:
@@ -258,27 +285,19 @@ class DSecClient:
         body = await self._t.request("GET", "/v1/sandboxes", params=params)
         return [Sandbox(self._t, SandboxInfo.model_validate(x)) for x in body]
 
-    async def layers(self) -> list[LayerInfo]:
+    async def layers(self) -> builtins.list[LayerInfo]:
         return [LayerInfo.model_validate(x) for x in await self._t.request("GET", "/v1/layers")]
 
     async def import_layer(self, path: str | os.PathLike[str], ref: str) -> LayerInfo:
         """Import a directory or tar archive as layer ``ref`` (``name:version``)."""
         src = Path(path)
         with tempfile.TemporaryDirectory() as tmp:
-            if src.is_dir():
+            archive = src
+            if await asyncio.to_thread(src.is_dir):
                 archive = Path(tmp) / "layer.tar"
-                with tarfile.open(archive, "w") as tar:
-                    tar.add(src, arcname=".")
-            else:
-                archive = src
-
-            async def chunks() -> AsyncIterator[bytes]:
-                with archive.open("rb") as fh:
-                    while chunk := fh.read(_CHUNK):
-                        yield chunk
-
+                await asyncio.to_thread(_tar_dir, src, archive)
             body: Any = await self._t.request(
-                "POST", "/v1/layers", params={"ref": ref}, data=chunks(), timeout=3600
+                "POST", "/v1/layers", params={"ref": ref}, data=_chunks(archive), timeout=3600
             )
         return LayerInfo.model_validate(body)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import resource
 import shutil
 from pathlib import Path
@@ -61,6 +60,9 @@ class ContainerBackend:
         return [self.runtime, "--root", str(self.state_dir), *args]
 
     async def prepare_node(self) -> None:
+        await asyncio.to_thread(self._prepare_node)
+
+    def _prepare_node(self) -> None:
         if not Path(self.runtime).exists():
             raise InfraFailure(f"OCI runtime {self.runtime!r} not found: install crun", reason="runtime")
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +158,16 @@ class ContainerBackend:
         for key, value in env.items():
             env_args += ["--env", f"{key}={value}"]
         return await asyncio.create_subprocess_exec(
-            *self._cmd("exec", "--no-new-privs", "--user", f"{user.uid}:{user.gid}", "--cwd", cwd, *env_args, sandbox_id),
+            *self._cmd(
+                "exec",
+                "--no-new-privs",
+                "--user",
+                f"{user.uid}:{user.gid}",
+                "--cwd",
+                cwd,
+                *env_args,
+                sandbox_id,
+            ),
             *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -114,7 +114,13 @@ def seccomp_profile() -> dict[str, Any]:
 
 
 def build_config(
-    *, sandbox_id: str, spec: ContainerSpec, user: User, rootfs: str, runtime_dir: str, cgroup_path: str,
+    *,
+    sandbox_id: str,
+    spec: ContainerSpec,
+    user: User,
+    rootfs: str,
+    runtime_dir: str,
+    cgroup_path: str,
     nofile: int = 65536,
 ) -> dict[str, Any]:
     quota_period = 100_000
@@ -135,7 +141,12 @@ def build_config(
         "root": {"path": rootfs, "readonly": False},
         "hostname": "sandbox",
         "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {
+                "destination": "/proc",
+                "type": "proc",
+                "source": "proc",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
             {
                 "destination": "/dev",
                 "type": "tmpfs",

@@ -1,0 +1,106 @@
+"""Lifecycle on the real runtime: reclamation, restarts, failed creates and leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, SandboxState
+from dsec.apiserver.embedded import EmbeddedNode
+from dsec.backends.container import oci
+from tests import leaks
+from tests.conftest import BASE, Sandboxes, node_config
+
+
+async def wait_state(
+    client: DSecClient, sandbox_id: str, state: SandboxState, within: float = 30
+) -> str | None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        info = (await client.get(sandbox_id)).info
+        if info.state is state:
+            return info.stop_reason
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{sandbox_id} did not reach {state.value} within {within}s")
+
+
+async def test_idle_ttl_reclaims_and_activity_extends_it(client: DSecClient, make_sandbox: Sandboxes) -> None:
+    sb = await make_sandbox(ttl_running_stop=1.5)
+    busy_until = time.monotonic() + 2.5
+    while time.monotonic() < busy_until:  # activity keeps it alive past its TTL
+        assert (await sb.run_shell("true")).exit_code == 0
+        await asyncio.sleep(0.2)
+    assert await wait_state(client, sb.id, SandboxState.stopped) == "idle_ttl"
+
+
+async def test_max_lifetime_reclaims_busy_sandbox(
+    client: DSecClient, make_sandbox: Sandboxes, node: EmbeddedNode
+) -> None:
+    before = leaks.snapshot(node.config.data_dir)
+    sb = await make_sandbox(max_lifetime_s=1)
+    assert await wait_state(client, sb.id, SandboxState.stopped) == "max_lifetime"
+    assert leaks.snapshot(node.config.data_dir) == before
+
+
+async def test_restart_readopts_running_sandboxes(base_layer: str, tmp_path: Path) -> None:
+    cfg = node_config(tmp_path, data_dir=tmp_path / "node")
+    first = EmbeddedNode(cfg)
+    await first.start()
+    second: EmbeddedNode | None = None
+    try:
+        async with DSecClient(first.url, first.api_key) as c:
+            sb = await c.run_container(DSecContainerRunArgs(container_image=base_layer))
+            await sb.write_file("/root/state.txt", "kept")
+            await sb.run_shell("nohup sleep 1000 >/dev/null 2>&1 &")
+        await first.close()  # sandboxes keep running
+        second = EmbeddedNode(cfg)
+        await second.start()
+        async with DSecClient(second.url, second.api_key) as c:
+            again = await c.get(sb.id)
+            assert again.info.state is SandboxState.running
+            assert await again.read_file("/root/state.txt") == b"kept"
+            r = await again.run_shell("cat /proc/[0-9]*/comm | grep -c '^sleep$'")
+            assert r.stdout == "1\n"  # the agent's background process survived the restart
+            await again.stop()
+    finally:
+        if second is not None:
+            await second.close(stop_sandboxes=True)
+        else:
+            restart = EmbeddedNode(cfg)
+            await restart.start()
+            await restart.close(stop_sandboxes=True)
+    assert leaks.snapshot(cfg.data_dir)["cgroups"] == []
+
+
+async def test_failed_create_leaves_nothing(
+    client: DSecClient, node: EmbeddedNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = leaks.snapshot(node.config.data_dir)
+    real = oci.build_config
+
+    def broken(**kw: object) -> dict[str, object]:
+        config = real(**kw)  # type: ignore[arg-type]
+        config["process"]["args"] = ["/no/such/init"]
+        return config
+
+    monkeypatch.setattr(oci, "build_config", broken)
+    with pytest.raises(InfraFailure, match="crun run failed"):
+        await client.run_container(DSecContainerRunArgs(container_image=BASE))
+    monkeypatch.undo()
+    assert leaks.snapshot(node.config.data_dir) == before
+    failed = [r for r in node.edge.journal.live() if r.state is SandboxState.creating]
+    assert failed == []
+
+
+async def test_no_leaks_after_50_create_stop_cycles(client: DSecClient, node: EmbeddedNode) -> None:
+    warm = await client.run_container(DSecContainerRunArgs(container_image=BASE))
+    await warm.stop()  # mounts the base layer once; it stays mounted and shared by design
+    before = leaks.snapshot(node.config.data_dir)
+    for _ in range(50):
+        sb = await client.run_container(DSecContainerRunArgs(container_image=BASE))
+        await sb.run_shell("echo x > /tmp/x; sleep 1000 &")
+        await sb.stop()
+    assert leaks.snapshot(node.config.data_dir) == before

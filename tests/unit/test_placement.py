@@ -1,0 +1,143 @@
+"""Placement: filter the nodes that can take a sandbox, then the less loaded of k random picks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from dsec.placement.placement import Placement, Watcher
+from dsec.protocol.errors import CapacityExhausted
+
+from .conftest import eventually
+
+
+class FakeNode:
+    def __init__(
+        self,
+        running: int = 0,
+        capacity: int = 10,
+        creating: int = 0,
+        backends: tuple[str, ...] = ("container",),
+    ):
+        self.running = running
+        self.capacity = capacity
+        self.creating = creating
+        self.backends = list(backends)
+        self.down = False
+        self.polls = 0
+
+    def stats(self) -> dict[str, Any]:
+        self.polls += 1
+        if self.down:
+            raise ConnectionError("edge unreachable")
+        return {
+            "running": self.running,
+            "creating": self.creating,
+            "capacity": self.capacity,
+            "backends": self.backends,
+        }
+
+
+def placement(nodes: dict[str, FakeNode], k: int = 2) -> Placement:
+    watcher = Watcher(dict(nodes))
+    watcher.poll()
+    return Placement(watcher, k=k)
+
+
+def test_power_of_two_picks_the_less_loaded_of_two_nodes() -> None:
+    p = placement({"busy": FakeNode(running=8), "idle": FakeNode(running=1)})
+    assert {p.choose("container") for _ in range(50)} == {"idle"}
+
+
+def test_load_is_relative_to_capacity() -> None:
+    # 5 of 100 is less loaded than 2 of 4.
+    p = placement({"big": FakeNode(running=5, capacity=100), "small": FakeNode(running=2, capacity=4)})
+    assert {p.choose("container") for _ in range(50)} == {"big"}
+
+
+def test_the_most_loaded_node_is_never_picked_with_k_2() -> None:
+    nodes = {f"n{i}": FakeNode(running=i) for i in range(5)}
+    p = placement(nodes)
+    picks = Counter(p.choose("container") for _ in range(400))
+    assert "n4" not in picks
+    assert picks["n0"] > picks["n3"], "lighter nodes win more often"
+    assert len(picks) >= 3, "the random sample spreads load rather than herding on one node"
+
+
+def test_in_flight_creates_count_against_a_node_before_the_watcher_sees_them() -> None:
+    p = placement({"a": FakeNode(running=1), "b": FakeNode(running=2)})
+    with p.reserve("a"), p.reserve("a"):
+        assert p.choose("container") == "b"  # a: 1 running + 2 in flight
+    assert p.in_flight["a"] == 0, "a reservation is released also when the create ends"
+    assert p.choose("container") == "a"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Placement._load ignores the snapshot's 'creating' count, which candidates() does count",
+)
+def test_creates_in_progress_count_as_load() -> None:
+    # Another apiserver's burst is visible only as "creating" in the watcher's snapshot.
+    p = placement({"bursting": FakeNode(running=1, creating=5), "steady": FakeNode(running=2)})
+    assert {p.choose("container") for _ in range(20)} == {"steady"}
+
+
+def test_a_reservation_is_released_when_the_create_fails() -> None:
+    p = placement({"a": FakeNode()})
+    with pytest.raises(RuntimeError), p.reserve("a"):
+        raise RuntimeError("edge rejected")
+    assert p.in_flight["a"] == 0
+
+
+def test_full_unhealthy_excluded_and_wrong_backend_nodes_are_filtered() -> None:
+    nodes = {
+        "full": FakeNode(running=3, capacity=3),
+        "almost": FakeNode(running=2, creating=1, capacity=3),
+        "down": FakeNode(),
+        "vm-only": FakeNode(backends=("vm",)),
+        "tried": FakeNode(),
+        "ok": FakeNode(running=9, capacity=10),
+    }
+    nodes["down"].down = True
+    p = placement(nodes)
+    assert p.watcher.snapshot["down"]["healthy"] is False
+    assert p.candidates("container", {"tried"}) == ["ok"]
+    assert {p.choose("container", {"tried"}) for _ in range(20)} == {"ok"}
+    assert p.candidates("vm", set()) == ["vm-only"]
+
+
+def test_no_eligible_node_is_capacity_exhausted() -> None:
+    p = placement({"full": FakeNode(running=1, capacity=1)})
+    with pytest.raises(CapacityExhausted):
+        p.choose("container")
+    p = placement({"a": FakeNode()})
+    with pytest.raises(CapacityExhausted):
+        p.choose("container", {"a"})
+    with pytest.raises(CapacityExhausted):
+        placement({}).choose("container")
+
+
+def test_in_flight_reservations_fill_a_node() -> None:
+    p = placement({"a": FakeNode(running=0, capacity=2)})
+    with p.reserve("a"), p.reserve("a"), pytest.raises(CapacityExhausted):
+        p.choose("container")
+
+
+async def test_the_watcher_polls_at_start_and_then_periodically() -> None:
+    node = FakeNode(running=1)
+    watcher = Watcher({"a": node}, interval_s=0.01)
+    await watcher.start()
+    try:
+        assert watcher.snapshot["a"]["running"] == 1, "start() polls before returning"
+        node.running = 7
+        await eventually(lambda: watcher.snapshot["a"]["running"] == 7, "the watcher to see the new load")
+        node.down = True
+        await eventually(lambda: not watcher.snapshot["a"]["healthy"], "the watcher to mark the node down")
+    finally:
+        await watcher.close()
+    polls = node.polls
+    await asyncio.sleep(0.05)  # five intervals: a negative can only be checked over time
+    assert node.polls == polls, "close() stops polling"

@@ -1,0 +1,75 @@
+"""The reaper: idle sandboxes and sandboxes past their lifetime are stopped and released."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dsec import DSecClient, DSecContainerRunArgs, SandboxNotFound, SandboxState
+from dsec.apiserver.embedded import EmbeddedNode
+from dsec.sdk.client import Sandbox
+
+from .conftest import TINY, eventually, fake
+
+
+async def stopped(client: DSecClient, sandbox: Sandbox) -> bool:
+    # get() is not activity: polling it must not keep the sandbox alive.
+    return (await client.get(sandbox.id)).info.state is SandboxState.stopped
+
+
+async def test_an_idle_sandbox_is_reclaimed_after_its_ttl(client: DSecClient, node: EmbeddedNode) -> None:
+    sandbox = await client.run_container(DSecContainerRunArgs(container_image=TINY, ttl_running_stop=0.3))
+    await eventually(lambda: stopped(client, sandbox), "the idle sandbox to be reclaimed")
+    seen_stopped = time.time()  # within one poll (20 ms) of the stop
+    info = (await client.get(sandbox.id)).info
+    assert info.stop_reason == "idle_ttl"
+    assert seen_stopped - info.created_at >= 0.3, "not reclaimed before its TTL"
+    assert await client.list() == []
+    assert await fake(node).leftovers() == [], "its processes and files are gone"
+    with pytest.raises(SandboxNotFound):
+        await sandbox.run_shell("true")
+
+
+async def test_activity_defers_the_idle_ttl(client: DSecClient, node: EmbeddedNode) -> None:
+    ttl = 1.0
+    sandbox = await client.run_container(DSecContainerRunArgs(container_image=TINY, ttl_running_stop=ttl))
+    busy_until = time.monotonic() + 2.5 * ttl
+    while time.monotonic() < busy_until:  # an agent working in steps well inside its TTL
+        result = await sandbox.run_shell("true")
+        assert result.exit_code == 0, "reclaimed while in use"
+        await asyncio.sleep(ttl / 10)  # pacing the agent's steps, not synchronisation
+    assert (await client.get(sandbox.id)).info.state is SandboxState.running
+    await eventually(lambda: stopped(client, sandbox), "the sandbox to be reclaimed once idle")
+    assert (await client.get(sandbox.id)).info.stop_reason == "idle_ttl"
+    assert await fake(node).leftovers() == []
+
+
+async def test_max_lifetime_reclaims_even_a_busy_sandbox(client: DSecClient, node: EmbeddedNode) -> None:
+    sandbox = await client.run_container(DSecContainerRunArgs(container_image=TINY, max_lifetime_s=0.5))
+    created_at = sandbox.info.created_at
+
+    async def busy_until_stopped() -> bool:
+        try:
+            await sandbox.run_shell("true")
+        except SandboxNotFound:
+            return True
+        return False
+
+    await eventually(busy_until_stopped, "the lifetime to run out")
+    assert time.time() - created_at >= 0.5, "not reclaimed before its lifetime"
+    await eventually(lambda: stopped(client, sandbox), "the stop to finish")
+    info = (await client.get(sandbox.id)).info
+    assert info.stop_reason == "max_lifetime"
+    assert await fake(node).leftovers() == []
+
+
+async def test_sandboxes_without_limits_are_not_reclaimed(client: DSecClient, node: EmbeddedNode) -> None:
+    keep = await client.run_container(DSecContainerRunArgs(container_image=TINY))
+    brief = await client.run_container(DSecContainerRunArgs(container_image=TINY, ttl_running_stop=0.2))
+    await eventually(lambda: stopped(client, brief), "the short-lived sandbox to be reclaimed")
+    # Reaper passes ran (they reclaimed `brief`) and left `keep` alone.
+    assert (await client.get(keep.id)).info.state is SandboxState.running
+    assert (await keep.run_shell("echo still here")).stdout == "still here\n"
+    await keep.stop()
