@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -76,20 +75,9 @@ class TestContainerConformance(BackendConformance):
         ctx.layer_dirs = [*ctx.layer_dirs, bad]
         await made.create(ctx)
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="ContainerBackend.create leaves <workdir>/{upper,work,rootfs,bundle} behind on failure"
-        " (the edge's destroy after a failed create removes them)",
-    )
     async def test_failed_create_leaves_no_files(self, backend: Backend, made: Made) -> None:
         await super().test_failed_create_leaves_no_files(backend, made)
 
-    @pytest.mark.xfail(
-        strict=True,
-        raises=subprocess.SubprocessError,
-        reason="an overlay mount failure in preexec_fn escapes create() as an untyped"
-        " SubprocessError('Exception occurred in preexec_fn.') that hides the mount error",
-    )
     async def test_a_vanished_layer_fails_create_with_a_typed_error(
         self, backend: Backend, made: Made
     ) -> None:

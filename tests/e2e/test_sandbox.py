@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import uuid
 from pathlib import Path
 
 import pytest
@@ -285,10 +286,12 @@ async def test_layers_compose_base_then_workspace(
     (ws / "workspace" / "task.py").write_text("print('solved')\n")
     (ws / "etc").mkdir()
     (ws / "etc" / "motd").write_text("workspace layer\n")
-    info = await client.import_layer(ws, "ws-test:1")
-    again = await client.import_layer(ws, "ws-test:1")
-    assert again.digest == info.digest
-    sb = await make_sandbox(container_image=None, layers=[BASE, "ws-test:1"])
+    version = uuid.uuid4().hex[:12]  # the store outlives test runs; versions are immutable
+    info = await client.import_layer(ws, f"ws-test:{version}")
+    again = await client.import_layer(ws, f"ws-copy:{version}")
+    assert again.digest == info.digest  # same content, stored once under two names
+    assert {f"ws-test:{version}", f"ws-copy:{version}"} <= set(again.names)
+    sb = await make_sandbox(container_image=None, layers=[BASE, f"ws-test:{version}"])
     r = await sb.run_shell("python3 /workspace/task.py; cat /etc/motd; test -x /bin/bash && echo base-ok")
     assert r.stdout == "solved\nworkspace layer\nbase-ok\n"
     # writes go to the sandbox's own upper layer, never into the shared layer

@@ -239,12 +239,6 @@ async def test_a_second_sandbox_on_a_full_node_is_capacity_exhausted(nodes: Node
         await second.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CapacityExhausted,
-    reason="placement filters on the watcher's snapshot (polled every 1 s), so a node that was full"
-    " at the last poll is skipped although its edge has room again",
-)
 async def test_capacity_freed_by_a_stop_is_usable_at_once(nodes: Nodes) -> None:
     node = await nodes.start(max_sandboxes=1)
     async with DSecClient(node.url, node.api_key) as client:
@@ -295,11 +289,6 @@ async def test_an_init_user_missing_from_the_image_is_invalid_request(
     await sandbox.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Edge.stop leaves a sandbox whose destroy raised in state 'stopping', and a later stop"
-    " returns early for any state but 'running': the sandbox is never destroyed while the edge runs",
-)
 async def test_a_stop_whose_destroy_failed_can_be_retried(client: DSecClient, node: EmbeddedNode) -> None:
     backend = fake(node)
     sandbox = await client.run_container(DSecContainerRunArgs(container_image=TINY))

@@ -8,8 +8,6 @@ import os
 import signal
 from typing import Any
 
-import pytest
-
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.backends.base import CreateContext, User
 from dsec.backends.fake import FakeBackend
@@ -121,11 +119,6 @@ async def test_sandboxes_without_a_journal_record_are_destroyed_at_start(nodes: 
     assert not ctx.workdir.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the edge checks alive() only when it starts: a sandbox that dies while the edge runs"
-    " stays 'running' (listed, counted against capacity) until a TTL or a stop",
-)
 async def test_a_sandbox_that_dies_while_the_edge_runs_is_noticed(nodes: Nodes) -> None:
     node = await nodes.start()
     async with DSecClient(node.url, node.api_key) as client:

@@ -75,10 +75,6 @@ def test_in_flight_creates_count_against_a_node_before_the_watcher_sees_them() -
     assert p.choose("container") == "a"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Placement._load ignores the snapshot's 'creating' count, which candidates() does count",
-)
 def test_creates_in_progress_count_as_load() -> None:
     # Another apiserver's burst is visible only as "creating" in the watcher's snapshot.
     p = placement({"bursting": FakeNode(running=1, creating=5), "steady": FakeNode(running=2)})

@@ -17,7 +17,6 @@ from aiohttp import web
 from dsec.apiserver.app import ApiServer
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
-from dsec.backends.container.cgroups import remove_parents
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.iam.store import IamStore
 from dsec.images.mounts import LayerMounts
@@ -84,7 +83,8 @@ class EmbeddedNode:
             await self._runner.cleanup()
         await self.watcher.close()
         await self.edge.close(stop_sandboxes=stop_sandboxes)
-        if not self.edge._live:
+        if not self.edge.list_sandboxes():
             self.mounts.unmount_all()
-            remove_parents()
+            await self.backend.release_node()
         self.iam.close()
+        self.store.close()

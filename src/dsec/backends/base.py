@@ -83,5 +83,8 @@ class Backend(Protocol):
     def oom_kills(self, sandbox_id: str) -> int:
         """How many processes of this sandbox the kernel has OOM-killed so far."""
 
+    async def release_node(self) -> None:
+        """Undo node-level set-up that is per edge (called when it stops with no sandboxes)."""
+
     async def leftovers(self) -> list[str]:
         """Sandbox IDs the runtime still knows of (the edge destroys those it has no record of)."""

@@ -45,6 +45,7 @@ class EdgeConfig:
     node: str = "local"
     max_sandboxes: int = 10_000
     reap_interval_s: float = 1.0
+    liveness_interval_s: float = 2.0  # how often the reaper checks that sandboxes still run
     default_shell_timeout_s: float = 600.0
     keep_finished_s: float = 24 * 3600.0
 
@@ -73,6 +74,7 @@ class Edge:
         self._live: dict[str, _Live] = {}
         self._creating = 0
         self._reaper: asyncio.Task[None] | None = None
+        self._last_liveness = 0.0
 
     # -- lifecycle of the edge itself -------------------------------------------------------
 
@@ -200,24 +202,32 @@ class Edge:
                 out.append(self._info(live.record))
         return sorted(out, key=lambda i: i.created_at)
 
-    async def stop(self, sandbox_id: str, *, reason: str = "stopped by user") -> SandboxInfo:
+    async def stop(
+        self, sandbox_id: str, *, reason: str = "stopped by user", final: SandboxState = SandboxState.stopped
+    ) -> SandboxInfo:
         SandboxId.parse(sandbox_id)
         live = self._live.get(sandbox_id)
         if live is None:
             return self.get(sandbox_id)  # already stopped: stopping twice is not an error
         async with live.stopping:
             rec = live.record
-            if rec.state is not SandboxState.running:
+            if rec.state not in (SandboxState.running, SandboxState.stopping):
                 return self._info(rec)
-            rec.state = SandboxState.stopping
-            rec.stop_reason = reason
-            self.journal.update(rec)
+            if rec.state is SandboxState.running:
+                rec.state = SandboxState.stopping
+                rec.stop_reason = reason
+                self.journal.update(rec)
             for session in live.sessions.values():
                 await session.kill()
-            await self.backend.destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
+            try:
+                await self.backend.destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
+            except Exception as exc:
+                # Stays 'stopping': a later stop (or the reaper) tries again.
+                log.exception("destroying %s failed", sandbox_id)
+                raise InfraFailure(f"stopping {sandbox_id} failed: {exc}", reason="runtime") from exc
             for digest in rec.layers:
                 self.mounts.release(digest)
-            rec.state = SandboxState.stopped
+            rec.state = final
             self.journal.update(rec)
             self._live.pop(sandbox_id, None)
             return self._info(rec)
@@ -316,13 +326,31 @@ class Edge:
     async def reap_once(self) -> list[str]:
         now = time.time()
         due: list[tuple[str, str]] = []
+        dead: set[str] = set()
+        check_liveness = now - self._last_liveness >= self.config.liveness_interval_s
+        if check_liveness:
+            self._last_liveness = now
         for sid, live in list(self._live.items()):
             spec, rec = live.record.spec, live.record
-            if spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
+            if rec.state is SandboxState.stopping:
+                due.append((sid, rec.stop_reason or "stopped"))  # a destroy that failed before
+            elif check_liveness and not await self.backend.alive(sid, rec.handle):
+                due.append((sid, "sandbox exited unexpectedly"))
+                dead.add(sid)
+            elif spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
                 due.append((sid, "max_lifetime"))
             elif spec.ttl_running_stop is not None and now - rec.last_active_at >= spec.ttl_running_stop:
                 due.append((sid, "idle_ttl"))
-        await asyncio.gather(*(self.stop(sid, reason=why) for sid, why in due), return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                self.stop(sid, reason=why, final=SandboxState.failed if sid in dead else SandboxState.stopped)
+                for sid, why in due
+            ),
+            return_exceptions=True,
+        )
+        for (sid, why), res in zip(due, results, strict=True):
+            if isinstance(res, BaseException):
+                log.warning("reclaiming %s (%s) failed: %s", sid, why, res)
         self._flush_activity()
         self.journal.forget_before(now - self.config.keep_finished_s)
         return [sid for sid, _ in due]

@@ -77,10 +77,15 @@ class Placement:
 
     def _load(self, name: str) -> float:
         s = self.watcher.snapshot[name]
-        return float(s.get("running", 0) + self.in_flight[name]) / max(1, int(s.get("capacity", 1)))
+        busy = s.get("running", 0) + s.get("creating", 0) + self.in_flight[name]
+        return float(busy) / max(1, int(s.get("capacity", 1)))
 
     def choose(self, backend: str, exclude: set[str] | None = None) -> str:
         eligible = self.candidates(backend, exclude or set())
+        if not eligible:
+            # The snapshot may be a poll old: a node that was full then may have room now.
+            self.watcher.poll()
+            eligible = self.candidates(backend, exclude or set())
         if not eligible:
             raise CapacityExhausted(f"no node can take a {backend} sandbox right now")
         sample = random.sample(eligible, min(self.k, len(eligible)))

@@ -19,7 +19,7 @@ _ID_RE = re.compile(r"^sb-(?P<node>[a-z0-9-]{1,40})-(?P<epoch>[0-9]{1,10})-(?P<t
 
 
 def validate_node_name(node: str) -> str:
-    if not _NODE_RE.match(node):
+    if not _NODE_RE.fullmatch(node):
         raise InvalidRequest(f"invalid node name {node!r}: use 1-40 of a-z, 0-9 and '-'")
     return node
 
@@ -37,7 +37,7 @@ class SandboxId:
 
     @classmethod
     def parse(cls, text: str) -> SandboxId:
-        m = _ID_RE.match(text)
+        m = _ID_RE.fullmatch(text)
         if not m:
             raise InvalidRequest(f"malformed sandbox id {text!r}: expected sb-<node>-<epoch>-<tag>")
         return cls(m["node"], int(m["epoch"]), m["tag"])

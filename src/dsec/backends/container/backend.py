@@ -14,6 +14,7 @@ import contextlib
 import json
 import resource
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,16 @@ class ContainerBackend:
         _raise_nofile_limit()
 
     async def create(self, ctx: CreateContext) -> dict[str, Any]:
+        try:
+            return await self._start(ctx)
+        except BaseException:
+            await asyncio.shield(self.destroy(ctx.sandbox_id, {}, ctx.workdir))
+            raise
+
+    async def _start(self, ctx: CreateContext) -> dict[str, Any]:
+        missing = [str(p) for p in ctx.layer_dirs if not p.is_dir()]
+        if missing:
+            raise InfraFailure(f"layer mounts missing on this node: {', '.join(missing)}", reason="storage")
         wd = ctx.workdir
         upper, work, rootfs, bundle = wd / "upper", wd / "work", wd / "rootfs", wd / "bundle"
         for d in (upper, work, rootfs, bundle):
@@ -102,17 +113,22 @@ class ContainerBackend:
 
         log = bundle / "crun.log"
         pid_file = bundle / "init.pid"
-        proc = await asyncio.create_subprocess_exec(
-            *self._cmd("--log", f"file:{log}", "run", "--detach", "--bundle", str(bundle)),
-            "--pid-file",
-            str(pid_file),
-            ctx.sandbox_id,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-            env=_CRUN_ENV,
-            preexec_fn=enter_private_rootfs,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._cmd("--log", f"file:{log}", "run", "--detach", "--bundle", str(bundle)),
+                "--pid-file",
+                str(pid_file),
+                ctx.sandbox_id,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                env=_CRUN_ENV,
+                preexec_fn=enter_private_rootfs,
+            )
+        except subprocess.SubprocessError as exc:
+            # Raised when the overlay mount in the child failed; the child cannot say why.
+            msg = f"cannot mount the sandbox root (overlay over {lower}): {exc}"
+            raise InfraFailure(msg, reason="storage") from exc
         rc = await proc.wait()
         if rc != 0:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
@@ -181,6 +197,9 @@ class ContainerBackend:
 
     def oom_kills(self, sandbox_id: str) -> int:
         return cgroups.oom_kills(sandbox_id)
+
+    async def release_node(self) -> None:
+        cgroups.remove_parents()
 
     async def leftovers(self) -> list[str]:
         if not self.state_dir.is_dir():

@@ -325,6 +325,9 @@ class FakeBackend:
     def oom_kills(self, sandbox_id: str) -> int:
         return 0
 
+    async def release_node(self) -> None:
+        return None
+
     async def leftovers(self) -> list[str]:
         if not self.state_dir.is_dir():
             return []
