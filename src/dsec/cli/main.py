@@ -58,15 +58,19 @@ def up(
     port: Annotated[int, typer.Option(help="port to listen on")] = 8642,
     node: Annotated[str, typer.Option(help="this node's name (part of every sandbox ID)")] = "local",
     base: Annotated[bool, typer.Option(help="build the default base layer first if missing")] = True,
+    layer_dir: Annotated[
+        Path | None, typer.Option(help="the layer store (default <data-dir>/layers); may be a shared mount")
+    ] = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
     from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    layers = layer_dir or data_dir / "layers"
     if base:
-        _ensure_base(data_dir)
-    node_cfg = NodeConfig(data_dir=data_dir, host=host, port=port, node=node)
+        _ensure_base(layers)
+    node_cfg = NodeConfig(data_dir=data_dir, host=host, port=port, node=node, layer_dir=layers)
 
     async def serve() -> None:
         emb = EmbeddedNode(node_cfg)
@@ -91,11 +95,11 @@ def up(
         raise _fail(exc) from None
 
 
-def _ensure_base(data_dir: Path) -> None:
+def _ensure_base(layer_dir: Path) -> None:
     from dsec.images.base import ensure_base_layer
     from dsec.images.store import LayerStore
 
-    store = LayerStore(data_dir / "layers")
+    store = LayerStore(layer_dir)
     started = time.monotonic()
     with console.status("default base layer debian:bookworm (debootstrap on first run, ~1 min)"):
         info = ensure_base_layer(store, progress=lambda msg: console.log(msg))
@@ -106,7 +110,7 @@ def _ensure_base(data_dir: Path) -> None:
 def base_cmd(data_dir: DataDir = Path("/var/lib/dsec")) -> None:
     """Build the default base layer (Debian bookworm) if it is not there yet."""
     try:
-        _ensure_base(data_dir)
+        _ensure_base(data_dir / "layers")
     except DSecError as exc:
         raise _fail(exc) from None
 

@@ -1,0 +1,116 @@
+"""The two ways people meet DSec besides the async SDK: `dsec up` + CLI, and the sync client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dsec import DSec, DSecClient, DSecContainerRunArgs, SandboxNotFound, SyncSandbox
+from dsec.apiserver.embedded import EmbeddedNode
+from tests.conftest import BASE, DATA_DIR
+
+DSEC = str(Path(sys.executable).with_name("dsec"))
+
+
+async def test_sync_client_has_the_same_surface(node: EmbeddedNode) -> None:
+    def use_sync() -> tuple[str, str, bytes, list[str]]:
+        with DSec(node.url, node.api_key) as client:
+            sb = client.run_container(DSecContainerRunArgs(container_image=BASE))
+            assert isinstance(sb, SyncSandbox)
+            with sb:
+                out = sb.run_shell("echo sync").stdout
+                sb.write_file("/tmp/s.txt", b"sync-bytes")
+                data = sb.read_file("/tmp/s.txt")
+                streamed = [type(item).__name__ for item in sb.exec_stream(["echo", "x"])]
+                listed = [s.id for s in client.list()]
+                assert sb.id in listed
+            with pytest.raises(SandboxNotFound):
+                sb.run_shell("true")
+            return sb.id, out, data, streamed
+
+    sid, out, data, streamed = await asyncio.to_thread(use_sync)
+    assert out == "sync\n" and data == b"sync-bytes"
+    assert streamed == ["ExecChunk", "CommandResult"]
+    assert (await DSecClient(node.url, node.api_key).get(sid)).info.state.value == "stopped"
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"dsec up exited early with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError("dsec up did not write its config file")
+        time.sleep(0.05)
+
+
+async def test_dsec_up_then_sdk_and_cli_connect_by_default(
+    base_layer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "config.json"
+    env = {**os.environ, "DSEC_CONFIG": str(config)}
+    env.pop("DSEC_URL", None)
+    env.pop("DSEC_API_KEY", None)
+    up = subprocess.Popen(
+        [
+            DSEC,
+            "up",
+            "--data-dir",
+            str(tmp_path / "node"),
+            "--layer-dir",
+            str(DATA_DIR / "layers"),
+            "--port",
+            "0",
+            "--no-base",
+            "--node",
+            "cli",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        await asyncio.to_thread(_wait_for_file, config, up)
+        assert set(json.loads(config.read_text())) == {"url", "api_key"}
+        monkeypatch.setenv("DSEC_CONFIG", str(config))
+        monkeypatch.delenv("DSEC_URL", raising=False)
+        monkeypatch.delenv("DSEC_API_KEY", raising=False)
+        client = DSecClient()  # no arguments: the node `dsec up` just wrote down
+        await client.open()
+        try:
+            sb = await client.run_container(DSecContainerRunArgs(container_image=BASE))
+            assert (await sb.run_shell("echo hello world")).stdout == "hello world\n"
+
+            layer_dir = tmp_path / "layer"
+            (layer_dir / "opt").mkdir(parents=True)
+            (layer_dir / "opt" / "tool.sh").write_text("echo tool\n")
+            ref = f"cli-test:{uuid.uuid4().hex[:8]}"
+            run = lambda *a: subprocess.run([DSEC, *a], env=env, capture_output=True, text=True)  # noqa: E731
+            imported = await asyncio.to_thread(run, "layer", "import", str(layer_dir), "--name", ref)
+            assert imported.returncode == 0, imported.stderr
+            assert json.loads(imported.stdout)["digest"].startswith("sha256:")
+            listing = await asyncio.to_thread(run, "layer", "ls")
+            assert ref in listing.stdout and BASE in listing.stdout
+            shown = await asyncio.to_thread(run, "sandbox", "ls")
+            assert sb.id in shown.stdout
+            said = await asyncio.to_thread(run, "sandbox", "sh", sb.id, "echo from-cli; exit 3")
+            assert said.stdout == "from-cli\n" and said.returncode == 3
+            await sb.stop()
+            bad = await asyncio.to_thread(run, "sandbox", "create", "no-such:1")
+            assert bad.returncode == 2 and "no-such:1" in bad.stderr
+        finally:
+            await client.close()
+    finally:
+        up.send_signal(signal.SIGINT)
+        out, _ = await asyncio.to_thread(up.communicate, timeout=60)
+    assert up.returncode == 0, out.decode()
+    assert b"DSec is up" in out
