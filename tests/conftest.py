@@ -53,6 +53,8 @@ async def node(base_layer: str, session_tmp: Path) -> AsyncIterator[EmbeddedNode
         yield emb
     finally:
         await emb.close(stop_sandboxes=True)
+    # An edge that stops with no sandboxes leaves no cgroup behind, not even the parent.
+    assert list(Path("/sys/fs/cgroup").glob("*/dsec")) == []
 
 
 @pytest.fixture(scope="session")

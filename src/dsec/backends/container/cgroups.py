@@ -72,7 +72,10 @@ def remove(sandbox_id: str) -> None:
 
 
 def remove_parents() -> None:
-    """Remove the empty ``dsec`` parent cgroups (when the edge stops with no sandboxes left)."""
-    for c in v1_controllers():
+    """Remove the empty ``dsec`` parent cgroups (when the edge stops with no sandboxes left).
+
+    crun also makes one in the cgroup2 hierarchy of a hybrid host.
+    """
+    for c in [*v1_controllers(), UNIFIED]:
         with contextlib.suppress(OSError):
             (c / PARENT).rmdir()
