@@ -1,7 +1,8 @@
 """Thin ctypes wrappers for the few Linux syscalls Python 3.11 lacks (mount, umount2, unshare).
 
-They are async-signal-safe enough to call between fork and exec (a ``preexec_fn``): they do no
-allocation beyond ctypes argument conversion and take no locks.
+They are safe to call between fork and exec (a ``preexec_fn``): no allocation beyond ctypes
+argument conversion, no locks. util-linux ``mount`` is never used: for an EROFS image file it
+silently sets up a loop device, while mount(2) with the file path gets the file-backed mode.
 """
 
 from __future__ import annotations
@@ -10,44 +11,56 @@ import ctypes
 import ctypes.util
 import os
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-MS_RDONLY = 1
-MS_NOSUID = 2
-MS_NODEV = 4
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
-MNT_DETACH = 2
+MNT_DETACH = 0x2
 CLONE_NEWNS = 0x00020000
 
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.mount.restype = ctypes.c_int
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.umount2.restype = ctypes.c_int
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.unshare.restype = ctypes.c_int
 
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+PathArg = str | os.PathLike[str]
+
+
+def _fail(what: str, path: PathArg | None = None) -> None:
+    err = ctypes.get_errno()
+    where = None if path is None else os.fspath(path)
+    raise OSError(err, f"{what}: {os.strerror(err)}", where)
 
 
 def mount(
-    source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None
+    source: PathArg | None, target: PathArg, fstype: str | None, flags: int = 0, data: str | None = None
 ) -> None:
-    _check(
-        _libc.mount(
-            source.encode() if source is not None else None,
-            target.encode(),
-            fstype.encode() if fstype is not None else None,
-            ctypes.c_ulong(flags),
-            data.encode() if data is not None else None,
-        ),
-        f"mount {fstype or ''} {source} on {target}",
+    """mount(2); raises :class:`OSError` carrying the errno and its text."""
+    rc = _libc.mount(
+        None if source is None else os.fsencode(source),
+        os.fsencode(target),
+        None if fstype is None else fstype.encode(),
+        flags,
+        None if data is None else data.encode(),
     )
+    if rc != 0:
+        _fail(f"mount -t {fstype} {source} on {os.fspath(target)}", target)
 
 
-def umount(target: str, flags: int = 0) -> None:
-    _check(_libc.umount2(target.encode(), ctypes.c_int(flags)), f"umount {target}")
+def umount(target: PathArg, lazy: bool = False) -> None:
+    """umount2(2); ``lazy`` detaches now and lets the kernel finish when the last user leaves."""
+    if _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
+        _fail(f"umount {os.fspath(target)}", target)
 
 
 def unshare(flags: int) -> None:
-    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+    if _libc.unshare(flags) != 0:
+        _fail("unshare")
 
 
 def private_mount_namespace() -> None:

@@ -7,67 +7,21 @@ file-backed mode (no loop device, page cache shared straight from the backing fi
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import re
 from dataclasses import dataclass
 
-MS_RDONLY = 0x1
-MS_NOSUID = 0x2
-MS_NODEV = 0x4
-MS_NOEXEC = 0x8
-MNT_DETACH = 0x2
+from dsec._linux import MNT_DETACH, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_RDONLY, mount, umount
+
+__all__ = ["MNT_DETACH", "MS_NODEV", "MS_NOEXEC", "MS_NOSUID", "MS_RDONLY", "mount", "umount"]
 
 _MOUNTINFO = "/proc/self/mountinfo"
-
-
-def _load_libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    libc.mount.restype = ctypes.c_int
-    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    libc.umount2.restype = ctypes.c_int
-    return libc
-
-
-_libc = _load_libc()
-
-
-def _raise_errno(what: str, path: str | os.PathLike[str]) -> None:
-    err = ctypes.get_errno()
-    raise OSError(err, f"{what} {os.fspath(path)}: {os.strerror(err)}", os.fspath(path))
-
-
-def mount(
-    source: str | os.PathLike[str],
-    target: str | os.PathLike[str],
-    fstype: str,
-    flags: int = 0,
-    data: str | None = None,
-) -> None:
-    """mount(2); raises :class:`OSError` carrying the errno and its text."""
-    rc = _libc.mount(
-        os.fsencode(source),
-        os.fsencode(target),
-        fstype.encode(),
-        flags,
-        None if data is None else data.encode(),
-    )
-    if rc != 0:
-        _raise_errno(f"mount -t {fstype} {os.fspath(source)} on", target)
 
 
 def mount_erofs(image: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
     """Mount an EROFS image file read-only, file-backed (needs Linux >= 6.12)."""
     mount(os.path.abspath(image), target, "erofs", MS_RDONLY)
-
-
-def umount(path: str | os.PathLike[str], lazy: bool = False) -> None:
-    """umount2(2); ``lazy`` detaches now and lets the kernel finish when the last user leaves."""
-    if _libc.umount2(os.fsencode(path), MNT_DETACH if lazy else 0) != 0:
-        _raise_errno("umount", path)
 
 
 @dataclass(frozen=True)
