@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import socket
 import uuid
 from pathlib import Path
@@ -206,6 +207,18 @@ async def test_host_processes_and_files_are_invisible(sandbox: Sandbox, host_sec
     assert "rc=0" not in r.stdout
 
 
+async def test_limits_and_env_reach_the_kernel(make_sandbox: Sandboxes) -> None:
+    sb = await make_sandbox(memory_limit_mb=300, cpu_cores_limit=0.5, pids_limit=77, env={"TASK": "t-1"})
+    cg = Path("/sys/fs/cgroup")
+    assert (cg / "cpu/dsec" / sb.id / "cpu.cfs_quota_us").read_text().strip() == "50000"
+    assert (cg / "cpu/dsec" / sb.id / "cpu.cfs_period_us").read_text().strip() == "100000"
+    assert int((cg / "memory/dsec" / sb.id / "memory.limit_in_bytes").read_text()) == 300 << 20
+    assert int((cg / "memory/dsec" / sb.id / "memory.memsw.limit_in_bytes").read_text()) == 300 << 20
+    assert (cg / "pids/dsec" / sb.id / "pids.max").read_text().strip() == "77"
+    assert (await sb.run_shell("echo $TASK")).stdout == "t-1\n"
+    assert (await sb.exec(["sh", "-c", "echo $TASK"])).stdout == "t-1\n"
+
+
 async def test_init_user(make_sandbox: Sandboxes) -> None:
     sb = await make_sandbox(init_user="nobody")
     r = await sb.run_shell("id -u; id -g")
@@ -234,19 +247,23 @@ async def test_files_round_trip_text_binary_and_listing(sandbox: Sandbox) -> Non
         await sandbox.read_file("/nope")
 
 
-async def test_large_file_streams_both_ways(sandbox: Sandbox, tmp_path: Path) -> None:
+async def test_large_file_streams_both_ways_in_constant_memory(sandbox: Sandbox, tmp_path: Path) -> None:
     src = tmp_path / "big.bin"
     digest = hashlib.sha256()
     with src.open("wb") as fh:
-        for i in range(256):  # 256 MiB of non-repeating data
+        for i in range(1024):  # 1 GiB of non-repeating data
             chunk = hashlib.sha256(str(i).encode()).digest() * 32768
             digest.update(chunk)
             fh.write(chunk)
+    # SDK, apiserver and edge all run in this process: its peak RSS bounds what any of them held.
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     await sandbox.upload(src, "/data/big.bin")
     r = await sandbox.run_shell("sha256sum /data/big.bin | cut -d' ' -f1")
     assert r.stdout.strip() == digest.hexdigest()
     back = tmp_path / "back.bin"
-    assert await sandbox.download("/data/big.bin", back) == 256 << 20
+    assert await sandbox.download("/data/big.bin", back) == 1 << 30
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
+    assert grown_kib < 256 * 1024, f"peak RSS grew by {grown_kib} KiB moving a 1 GiB file"
     h = hashlib.sha256()
     with back.open("rb") as fh:
         while chunk := fh.read(1 << 20):

@@ -44,8 +44,14 @@ def v1_controllers() -> list[Path]:
     return out
 
 
+def hierarchies() -> list[Path]:
+    """Every hierarchy crun makes a sandbox cgroup in: the v1 controllers and, on a hybrid
+    host, the cgroup2 tree."""
+    return [*v1_controllers(), *([UNIFIED] if (UNIFIED / "cgroup.procs").exists() else [])]
+
+
 def sandbox_dirs(sandbox_id: str) -> list[Path]:
-    return [c / PARENT / sandbox_id for c in v1_controllers() if (c / PARENT / sandbox_id).is_dir()]
+    return [c / PARENT / sandbox_id for c in hierarchies() if (c / PARENT / sandbox_id).is_dir()]
 
 
 def oom_kills(sandbox_id: str) -> int:
@@ -72,10 +78,7 @@ def remove(sandbox_id: str) -> None:
 
 
 def remove_parents() -> None:
-    """Remove the empty ``dsec`` parent cgroups (when the edge stops with no sandboxes left).
-
-    crun also makes one in the cgroup2 hierarchy of a hybrid host.
-    """
-    for c in [*v1_controllers(), UNIFIED]:
+    """Remove the empty ``dsec`` parent cgroups (when the edge stops with no sandboxes left)."""
+    for c in hierarchies():
         with contextlib.suppress(OSError):
             (c / PARENT).rmdir()
