@@ -11,14 +11,12 @@ exists in the image, ``root_path`` for host-side file access, and host-visible p
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import secrets
 import shutil
 import signal
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +26,10 @@ from dsec.backends.base import Backend, CreateContext, User, sandbox_env
 from dsec.protocol.errors import DSecError
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec
+from tests.support import DEADLINE_S, eventually
 
 ROOT = User(name="root", uid=0, gid=0, home="/")
 APPLETS = ("sh", "echo", "cat", "sleep", "ls")
-DEADLINE_S = 10.0
 
 
 def build_layers(base: Path) -> list[Path]:
@@ -54,22 +52,6 @@ def build_layers(base: Path) -> list[Path]:
     (upper / "top.txt").write_text("from top\n")
     (upper / "both.txt").write_text("top wins\n")
     return [lower, upper]
-
-
-async def wait_for(
-    predicate: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = DEADLINE_S
-) -> None:
-    """Poll ``predicate`` (sync or async) until it holds; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def host_pids_running(argv: list[str]) -> list[int]:
@@ -253,7 +235,7 @@ class BackendConformance:
             backend, ctx, handle, ["sh", "-c", f"{' '.join(sleeper)} </dev/null >/dev/null 2>&1 &"]
         )
         assert code == 0, err
-        await wait_for(lambda: bool(host_pids_running(sleeper)), "the daemon to start")
+        await eventually(lambda: bool(host_pids_running(sleeper)), "the daemon to start")
 
         await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
 
@@ -286,7 +268,7 @@ class BackendConformance:
         async def dead() -> bool:
             return not await backend.alive(ctx.sandbox_id, handle)
 
-        await wait_for(dead, "alive() to notice the dead sandbox")
+        await eventually(dead, "alive() to notice the dead sandbox")
         await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
         assert ctx.sandbox_id not in await backend.leftovers()
         self.assert_released(backend, ctx.sandbox_id, handle)

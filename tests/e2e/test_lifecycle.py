@@ -13,18 +13,17 @@ from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import oci
 from tests import leaks
 from tests.conftest import BASE, Sandboxes, node_config
+from tests.support import eventually
 
 
 async def wait_state(
     client: DSecClient, sandbox_id: str, state: SandboxState, within: float = 30
 ) -> str | None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        info = (await client.get(sandbox_id)).info
-        if info.state is state:
-            return info.stop_reason
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{sandbox_id} did not reach {state.value} within {within}s")
+    async def reached() -> bool:
+        return (await client.get(sandbox_id)).info.state is state
+
+    await eventually(reached, f"{sandbox_id} to be {state.value}", within)
+    return (await client.get(sandbox_id)).info.stop_reason
 
 
 async def test_idle_ttl_reclaims_and_activity_extends_it(client: DSecClient, make_sandbox: Sandboxes) -> None:

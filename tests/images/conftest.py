@@ -7,7 +7,6 @@ it afterwards, also when the test failed half-way, so no mount outlives a test.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -18,17 +17,9 @@ import pytest
 from dsec.images.mount import mounts_under, unmount_tree
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
+from tests.support import erofs_usable
 
-
-def _erofs_supported() -> bool:
-    with open("/proc/filesystems") as f:
-        if "erofs" in f.read():
-            return True
-    # Not listed until the module is loaded; modprobe is what mount(2) would trigger anyway.
-    return subprocess.run(["modprobe", "erofs"], capture_output=True, check=False).returncode == 0
-
-
-if os.geteuid() != 0 or shutil.which("mkfs.erofs") is None or not _erofs_supported():
+if not erofs_usable():
     pytest.skip("layer tests need root, mkfs.erofs and EROFS support", allow_module_level=True)
 
 

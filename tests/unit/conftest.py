@@ -9,15 +9,8 @@ removed, and the fake's state directory must be empty at the end.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import os
-import shutil
-import subprocess
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,36 +18,13 @@ from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.fake import FakeBackend
 from dsec.images.mount import mounts_under, unmount_tree
 from dsec.sdk.client import DSecClient
+from tests.support import erofs_usable
 
 TINY = "tiny:1"
-DEADLINE_S = 10.0
 
 
-def _erofs_supported() -> bool:
-    with open("/proc/filesystems") as f:
-        if "erofs" in f.read():
-            return True
-    return subprocess.run(["modprobe", "erofs"], capture_output=True, check=False).returncode == 0
-
-
-if os.geteuid() != 0 or shutil.which("mkfs.erofs") is None or not _erofs_supported():
+if not erofs_usable():
     pytest.skip("the embedded node's layer store needs root, mkfs.erofs and EROFS", allow_module_level=True)
-
-
-async def eventually(
-    predicate: Callable[[], Any | Awaitable[Any]], what: str, timeout: float = DEADLINE_S
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy (returned); fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def build_tiny_layer(root: Path) -> Path:

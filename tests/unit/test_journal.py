@@ -14,8 +14,9 @@ from dsec.backends.fake import FakeBackend
 from dsec.edge.journal import Journal, Record
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec
+from tests.support import eventually
 
-from .conftest import TINY, Nodes, eventually, fake
+from .conftest import TINY, Nodes, fake
 
 
 async def _dead(backend: FakeBackend, sid: str, handle: dict[str, Any]) -> bool:

@@ -10,8 +10,7 @@ import pytest
 
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.errors import CapacityExhausted
-
-from .conftest import eventually
+from tests.support import eventually
 
 
 class FakeNode:

@@ -10,8 +10,9 @@ import pytest
 from dsec import DSecClient, DSecContainerRunArgs, SandboxNotFound, SandboxState
 from dsec.apiserver.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
+from tests.support import eventually
 
-from .conftest import TINY, eventually, fake
+from .conftest import TINY, fake
 
 
 async def stopped(client: DSecClient, sandbox: Sandbox) -> bool:
@@ -73,3 +74,13 @@ async def test_sandboxes_without_limits_are_not_reclaimed(client: DSecClient, no
     assert (await client.get(keep.id)).info.state is SandboxState.running
     assert (await keep.run_shell("echo still here")).stdout == "still here\n"
     await keep.stop()
+
+
+async def test_a_command_running_longer_than_the_ttl_is_not_idleness(
+    client: DSecClient, node: EmbeddedNode
+) -> None:
+    sandbox = await client.run_container(DSecContainerRunArgs(container_image=TINY, ttl_running_stop=0.3))
+    result = await sandbox.run_shell("sleep 1; echo finished")  # > 3 TTLs, no request meanwhile
+    assert (result.exit_code, result.stdout) == (0, "finished\n")
+    await eventually(lambda: stopped(client, sandbox), "the sandbox to be reclaimed once idle")
+    assert (await client.get(sandbox.id)).info.stop_reason == "idle_ttl"

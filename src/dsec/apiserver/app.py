@@ -202,14 +202,17 @@ class ApiServer:
             timeout=req.timeout,
             max_output=req.max_output_bytes,
         )
-        first = await anext(events)  # errors before any output still become a proper 4xx/5xx
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        await resp.write(first.model_dump_json().encode() + b"\n")
-        async for event in events:
-            await resp.write(event.model_dump_json().encode() + b"\n")
-        await resp.write_eof()
-        return resp
+        try:
+            first = await anext(events)  # errors before any output still become a proper 4xx/5xx
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            await resp.write(first.model_dump_json().encode() + b"\n")
+            async for event in events:
+                await resp.write(event.model_dump_json().encode() + b"\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            await events.aclose()  # kills the process tree if the client went away
 
     # -- files ------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,16 @@ class _Live:
     user: User
     sessions: dict[str, Session] = field(default_factory=dict)
     stopping: asyncio.Lock = field(default_factory=asyncio.Lock)
+    busy: int = 0  # commands running now: a sandbox running a command is not idle
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            self.record.last_active_at = time.time()
 
 
 class Edge:
@@ -270,15 +280,13 @@ class Edge:
             session = live.sessions[req.session] = Session(req.session, spawn)
         timeout = req.timeout or self.config.default_shell_timeout_s
         cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
-        try:
+        with live.working():
             return await session.run(
                 req.command,
                 timeout=timeout,
                 max_output=cap,
                 oom_kills=lambda: self.backend.oom_kills(sandbox_id),
             )
-        finally:
-            live.record.last_active_at = time.time()
 
     async def exec_stream(
         self,
@@ -290,25 +298,30 @@ class Edge:
         cwd: str | None,
         timeout: float | None,
         max_output: int | None,
-    ) -> AsyncIterator[ExecEvent]:
+    ) -> AsyncGenerator[ExecEvent, None]:
         live = self._get_live(sandbox_id)
-        proc = await self.backend.spawn(
-            sandbox_id,
-            live.record.handle,
-            argv,
-            env=sandbox_env(live.record.spec, live.user, env),
-            cwd=cwd or live.user.home,
-            user=live.user,
-        )
-        async for event in run_streaming(
-            proc,
-            stdin=stdin,
-            timeout=timeout or self.config.default_shell_timeout_s,
-            max_output=DEFAULT_MAX_OUTPUT if max_output is None else max_output,
-            oom_kills=lambda: self.backend.oom_kills(sandbox_id),
-        ):
-            live.record.last_active_at = time.time()
-            yield event
+        with live.working():
+            proc = await self.backend.spawn(
+                sandbox_id,
+                live.record.handle,
+                argv,
+                env=sandbox_env(live.record.spec, live.user, env),
+                cwd=cwd or live.user.home,
+                user=live.user,
+            )
+            events = run_streaming(
+                proc,
+                stdin=stdin,
+                timeout=timeout or self.config.default_shell_timeout_s,
+                max_output=DEFAULT_MAX_OUTPUT if max_output is None else max_output,
+                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
+            )
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                # A caller that goes away mid-stream (disconnect) must not leave the tree running.
+                await events.aclose()
 
     def files(self, sandbox_id: str) -> SandboxFiles:
         live = self._get_live(sandbox_id)
@@ -339,7 +352,11 @@ class Edge:
                 dead.add(sid)
             elif spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
                 due.append((sid, "max_lifetime"))
-            elif spec.ttl_running_stop is not None and now - rec.last_active_at >= spec.ttl_running_stop:
+            elif (
+                spec.ttl_running_stop is not None
+                and not live.busy
+                and now - rec.last_active_at >= spec.ttl_running_stop
+            ):
                 due.append((sid, "idle_ttl"))
         results = await asyncio.gather(
             *(

@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Literal
 
@@ -81,7 +81,7 @@ async def run_streaming(
     timeout: float | None,
     max_output: int,
     oom_kills: Callable[[], int],
-) -> AsyncIterator[ExecEvent]:
+) -> AsyncGenerator[ExecEvent, None]:
     """Drive a spawned process to its end, yielding output events and then one ``exit`` event.
 
     The exit event's result carries no output: the events before it were the output.
