@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -17,8 +14,7 @@ import pytest
 from dsec import DSec, DSecClient, DSecContainerRunArgs, SandboxNotFound, SyncSandbox
 from dsec.apiserver.embedded import EmbeddedNode
 from tests.conftest import BASE, DATA_DIR
-
-DSEC = str(Path(sys.executable).with_name("dsec"))
+from tests.support import DSEC, dsec_env, start_dsec_up
 
 
 async def test_sync_client_has_the_same_surface(node: EmbeddedNode) -> None:
@@ -43,43 +39,13 @@ async def test_sync_client_has_the_same_surface(node: EmbeddedNode) -> None:
     assert (await DSecClient(node.url, node.api_key).get(sid)).info.state.value == "stopped"
 
 
-def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], within: float = 60) -> None:
-    deadline = time.monotonic() + within
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"dsec up exited early with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise AssertionError("dsec up did not write its config file")
-        time.sleep(0.05)
-
-
 async def test_dsec_up_then_sdk_and_cli_connect_by_default(
     base_layer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = tmp_path / "config.json"
-    env = {**os.environ, "DSEC_CONFIG": str(config)}
-    env.pop("DSEC_URL", None)
-    env.pop("DSEC_API_KEY", None)
-    up = subprocess.Popen(
-        [
-            DSEC,
-            "up",
-            "--data-dir",
-            str(tmp_path / "node"),
-            "--layer-dir",
-            str(DATA_DIR / "layers"),
-            "--port",
-            "0",
-            "--no-base",
-            "--node",
-            "cli",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    env = dsec_env(config)
+    up = await asyncio.to_thread(start_dsec_up, tmp_path / "node", DATA_DIR / "layers", config, "cli")
     try:
-        await asyncio.to_thread(_wait_for_file, config, up)
         assert set(json.loads(config.read_text())) == {"url", "api_key"}
         monkeypatch.setenv("DSEC_CONFIG", str(config))
         monkeypatch.delenv("DSEC_URL", raising=False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import time
 from pathlib import Path
 
@@ -12,8 +14,8 @@ from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, SandboxState
 from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import oci
 from tests import leaks
-from tests.conftest import BASE, Sandboxes, node_config
-from tests.support import eventually
+from tests.conftest import BASE, DATA_DIR, Sandboxes, node_config
+from tests.support import eventually, start_dsec_up
 
 
 async def wait_state(
@@ -103,3 +105,31 @@ async def test_no_leaks_after_50_create_stop_cycles(client: DSecClient, node: Em
         await sb.run_shell("echo x > /tmp/x; sleep 1000 &")
         await sb.stop()
     assert leaks.snapshot(node.config.data_dir) == before
+
+
+async def test_a_killed_edge_loses_no_sandbox(base_layer: str, tmp_path: Path) -> None:
+    config, data = tmp_path / "config.json", tmp_path / "node"
+    up = await asyncio.to_thread(start_dsec_up, data, DATA_DIR / "layers", config, "crash")
+    try:
+        async with DSecClient(*_url_key(config)) as c:
+            sb = await c.run_container(DSecContainerRunArgs(container_image=base_layer))
+            await sb.run_shell("echo before > /root/f; nohup sleep 1000 >/dev/null 2>&1 &")
+        up.kill()  # SIGKILL: no shutdown code runs
+        await asyncio.to_thread(up.wait)
+        up = await asyncio.to_thread(start_dsec_up, data, DATA_DIR / "layers", config, "crash")
+        async with DSecClient(*_url_key(config)) as c:
+            again = await c.get(sb.id)
+            assert again.info.state is SandboxState.running
+            r = await again.run_shell("cat /root/f; cat /proc/[0-9]*/comm | grep -c '^sleep$'")
+            assert r.stdout == "before\n1\n"
+            await again.stop()
+    finally:
+        up.send_signal(signal.SIGINT)
+        await asyncio.to_thread(up.communicate, timeout=60)
+    assert up.returncode == 0
+    assert leaks.snapshot(data)["cgroups"] == [] and leaks.snapshot(data)["workdirs"] == []
+
+
+def _url_key(config: Path) -> tuple[str, str]:
+    data = json.loads(config.read_text())
+    return data["url"], data["api_key"]

@@ -1,0 +1,88 @@
+"""Helpers every test folder shares: polling with a deadline, and what the real path needs."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+DEADLINE_S = 10.0
+
+
+async def eventually(
+    predicate: Callable[[], Any | Awaitable[Any]], what: str, timeout: float = DEADLINE_S
+) -> Any:
+    """Poll ``predicate`` (sync or async) until it returns something truthy, and return that.
+
+    This is how tests wait for background work (reaper, watcher): never a bare sleep.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def erofs_usable() -> bool:
+    """Root, mkfs.erofs and a kernel with EROFS: what every layer on the real path needs."""
+    if os.geteuid() != 0 or shutil.which("mkfs.erofs") is None:
+        return False
+    with open("/proc/filesystems") as f:
+        if "erofs" in f.read():
+            return True
+    # Not listed until the module is loaded; modprobe is what mount(2) would trigger anyway.
+    return subprocess.run(["modprobe", "erofs"], capture_output=True, check=False).returncode == 0
+
+
+DSEC = str(Path(sys.executable).with_name("dsec"))
+
+
+def dsec_env(config: Path) -> dict[str, str]:
+    env = {**os.environ, "DSEC_CONFIG": str(config)}
+    env.pop("DSEC_URL", None)
+    env.pop("DSEC_API_KEY", None)
+    return env
+
+
+def start_dsec_up(data_dir: Path, layer_dir: Path, config: Path, node: str) -> subprocess.Popen[bytes]:
+    """`dsec up` as a user runs it, on a free port; returns once it wrote its config file."""
+    config.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [
+            DSEC,
+            "up",
+            "--data-dir",
+            str(data_dir),
+            "--layer-dir",
+            str(layer_dir),
+            "--port",
+            "0",
+            "--no-base",
+            "--node",
+            node,
+        ],
+        env=dsec_env(config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while not config.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"dsec up exited early with {proc.returncode}: {proc.stdout.read()!r}")  # type: ignore[union-attr]
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("dsec up did not write its config file within 60 s")
+        time.sleep(0.05)
+    return proc
