@@ -165,11 +165,7 @@ class Edge:
             )
             self.journal.insert(rec)
             ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid))
-            try:
-                rec.handle = await self.backend.create(ctx)
-            except BaseException:
-                await asyncio.shield(self.backend.destroy(sid, ctx.handle, ctx.workdir))
-                raise
+            rec.handle = await self.backend.create(ctx)  # cleans up after itself when it fails
             rec.state = SandboxState.running
             rec.last_active_at = time.time()
             self.journal.update(rec)

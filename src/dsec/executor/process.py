@@ -144,7 +144,7 @@ async def run_streaming(
     yield ExecEvent(
         t="exit",
         result=CommandResult(
-            exit_code=None if timed_out else _exit_code(code),
+            exit_code=None if timed_out else shell_exit_code(code),
             timed_out=timed_out,
             oom_killed=oom_kills() > oom_before,
             truncated=out.truncated or err.truncated,
@@ -153,6 +153,6 @@ async def run_streaming(
     )
 
 
-def _exit_code(code: int) -> int:
+def shell_exit_code(code: int) -> int:
     # asyncio reports death by signal N as -N; shells and crun report 128+N. Use the shell's.
     return 128 - code if code < 0 else code

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
-from dsec.executor.process import CHUNK, CappedBuffer, kill_tree
+from dsec.executor.process import CHUNK, CappedBuffer, kill_tree, shell_exit_code
 from dsec.protocol.models import CommandResult
 
 # POSIX sh, so images without bash still get sessions (through /bin/sh).
@@ -119,9 +119,8 @@ class Session:
                 await self.kill()
                 code, timed_out = None, True
             except (SessionDied, BrokenPipeError, ConnectionResetError):
-                code = await proc.wait()
-                code = 128 - code if code < 0 else code
-                timed_out = False
+                self._proc = None
+                code, timed_out = await _reap(proc), False
             return CommandResult(
                 exit_code=code,
                 stdout=out.text(),
@@ -145,14 +144,21 @@ class Session:
         self._proc = None
         if proc.returncode is None:
             kill_tree(proc.pid)
+        await _reap(proc)
 
-        async def drain(stream: asyncio.StreamReader | None) -> None:
-            # asyncio's wait() returns only once every pipe reached EOF; a pipe whose reader
-            # stopped (full buffer, transport paused) never does unless someone reads it.
-            while stream is not None and await stream.read(CHUNK):
-                pass
 
-        with contextlib.suppress(ProcessLookupError, TimeoutError):
-            async with asyncio.timeout(10):
-                await asyncio.gather(drain(proc.stdout), drain(proc.stderr))
-                await proc.wait()
+async def _reap(proc: asyncio.subprocess.Process) -> int | None:
+    """Wait for a finished or killed session shell; its exit code in shell form, if known."""
+
+    async def drain(stream: asyncio.StreamReader | None) -> None:
+        # asyncio's wait() returns only once every pipe reached EOF; a pipe whose reader
+        # stopped (full buffer, transport paused) never does unless someone reads it.
+        while stream is not None and await stream.read(CHUNK):
+            pass
+
+    with contextlib.suppress(ProcessLookupError, TimeoutError):
+        async with asyncio.timeout(10):
+            await asyncio.gather(drain(proc.stdout), drain(proc.stderr))
+            await proc.wait()
+    code = proc.returncode
+    return None if code is None else shell_exit_code(code)
