@@ -149,7 +149,8 @@ class Edge:
             raise CapacityExhausted(
                 f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)"
             )
-        layers = [self.store.resolve(ref) for ref in spec.layer_refs()]  # LayerNotFound if unknown
+        # LayerNotFound if unknown; an image name expands to its layers, base first
+        layers = [layer for ref in spec.layer_refs() for layer in self.store.resolve_image(ref)]
         sid = str(SandboxId.new(self.config.node, self.epoch))
         self._creating += 1
         acquired: list[str] = []

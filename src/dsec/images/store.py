@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import errno
 import hashlib
+import json
 import os
 import shutil
 import sqlite3
@@ -46,6 +47,13 @@ CREATE TABLE IF NOT EXISTS tags (
     PRIMARY KEY (name, version)
 );
 CREATE INDEX IF NOT EXISTS tags_by_digest ON tags(digest);
+CREATE TABLE IF NOT EXISTS images (
+    name TEXT NOT NULL,
+    version TEXT NOT NULL,
+    digests TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (name, version)
+);
 """
 
 _LS_HINT = "see the available layers with `dsec layer ls`"
@@ -247,6 +255,48 @@ class LayerStore:
             versions = [v for (v,) in self._db.execute("SELECT version FROM tags WHERE name = ?", (name,))]
         extra = f" (known versions of {name}: {', '.join(sorted(versions))})" if versions else ""
         raise self._not_found(ref, extra)
+
+    # ---- images: ordered lists of layers under one name:version ------------------------------
+
+    def tag_image(self, ref: str, digests: builtins.list[str]) -> builtins.list[LayerInfo]:
+        """Name an ordered list of stored layers (base first) ``name:version``; immutable."""
+        name, version = parse_tag(ref)
+        layers = [self.resolve(d) for d in digests]
+        if not layers:
+            raise InvalidRequest(f"image {ref} needs at least one layer")
+        encoded = json.dumps([layer.digest for layer in layers])
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                clash = self._db.execute(
+                    "SELECT 1 FROM tags WHERE name = ? AND version = ?", (name, version)
+                ).fetchone()
+                row = self._db.execute(
+                    "SELECT digests FROM images WHERE name = ? AND version = ?", (name, version)
+                ).fetchone()
+                if clash is not None or (row is not None and row[0] != encoded):
+                    raise InvalidRequest(f"{ref} already names other content and versions are immutable")
+                if row is None:
+                    self._db.execute(
+                        "INSERT INTO images VALUES (?, ?, ?, ?)", (name, version, encoded, time.time())
+                    )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return layers
+
+    def resolve_image(self, ref: str) -> builtins.list[LayerInfo]:
+        """The layers (base first) that ``ref`` stands for: an image's list, or one layer."""
+        if ":" in ref and not ref.startswith("sha256:"):
+            name, version = parse_tag(ref)
+            with self._lock:
+                row = self._db.execute(
+                    "SELECT digests FROM images WHERE name = ? AND version = ?", (name, version)
+                ).fetchone()
+            if row is not None:
+                return [self.resolve(d) for d in json.loads(row[0])]
+        return [self.resolve(ref)]
 
     def has_tag(self, ref: str) -> bool:
         name, version = parse_tag(ref)
