@@ -31,7 +31,7 @@ from dsec.protocol.errors import (
     SandboxNotFound,
 )
 from dsec.protocol.ids import SandboxId
-from dsec.protocol.models import CreateRequest, ExecRequest, ShellRequest, invalid_request
+from dsec.protocol.models import CommitRequest, CreateRequest, ExecRequest, ShellRequest, invalid_request
 
 log = logging.getLogger("dsec.apiserver")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -132,6 +132,7 @@ class ApiServer:
         r.add_delete("/v1/sandboxes/{id}", self.stop)
         r.add_post("/v1/sandboxes/{id}/shell", self.shell)
         r.add_post("/v1/sandboxes/{id}/exec", self.exec)
+        r.add_post("/v1/sandboxes/{id}/commit", self.commit)
         r.add_get("/v1/sandboxes/{id}/files/content", self.download)
         r.add_put("/v1/sandboxes/{id}/files/content", self.upload)
         r.add_get("/v1/sandboxes/{id}/files/stat", self.stat)
@@ -213,6 +214,12 @@ class ApiServer:
             return resp
         finally:
             await events.aclose()  # kills the process tree if the client went away
+
+    async def commit(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        edge = self.edge_for(sid)
+        req: CommitRequest = await _body(request, CommitRequest)
+        return _json(await edge.commit(sid, req), status=201)
 
     # -- files ------------------------------------------------------------------------------
 

@@ -77,6 +77,15 @@ class Backend(Protocol):
         The process leads its own process group so a timeout can kill its whole tree.
         """
 
+    def upper_dir(self, workdir: Path) -> Path:
+        """Where the sandbox's own writes live on the host (what a commit packs)."""
+
+    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        """Stop every process of the sandbox in place (so a commit sees a quiet file system)."""
+
+    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        """Undo :meth:`freeze`."""
+
     def root_path(self, handle: dict[str, Any]) -> str:
         """A host path whose root is the sandbox's root filesystem (for confined file access)."""
 

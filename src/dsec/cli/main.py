@@ -125,6 +125,37 @@ def layer_import(
     console.print_json(json.dumps(info.model_dump(mode="json")))  # type: ignore[attr-defined]
 
 
+@layer_app.command("build")
+def layer_build(
+    context: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="directory COPY reads from")],
+    name: Annotated[str, typer.Option("--name", help="name:version of the new layer")],
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="default: CONTEXT/Dockerfile")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="more paths to scrub (glob per part)")] = None,
+    verbose: Annotated[bool, typer.Option("-v", help="show the steps' output")] = False,
+) -> None:
+    """Build a layer from a Dockerfile subset (FROM, RUN, COPY, ENV, WORKDIR)."""
+    from dsec.sdk.build import BuildEvent
+
+    dockerfile = file or context / "Dockerfile"
+
+    def show(event: BuildEvent) -> None:
+        if event.output:
+            if verbose:
+                sys.stdout.write(event.output.decode(errors="replace"))
+            return
+        where = (
+            "set-up"
+            if event.step == 0
+            else "commit"
+            if event.step > event.total
+            else f"{event.step}/{event.total}"
+        )
+        console.print(f"[bold cyan][{where}][/bold cyan] {event.description}")
+
+    info = _client_call(lambda c: c.build_layer(dockerfile, context, name, exclude=exclude, progress=show))
+    console.print_json(json.dumps(info.model_dump(mode="json")))  # type: ignore[attr-defined]
+
+
 @layer_app.command("ls")
 def layer_ls() -> None:
     """List the layers of this DSec."""

@@ -23,14 +23,17 @@ from dsec.edge.users import resolve_user
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
 from dsec.executor.session import DRIVER, Session
+from dsec.images.commit import DEFAULT_SCRUB, scrub
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import CapacityExhausted, DSecError, InfraFailure, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     CommandResult,
+    CommitRequest,
     ContainerSpec,
     ExecEvent,
+    LayerInfo,
     SandboxInfo,
     SandboxState,
     ShellRequest,
@@ -319,6 +322,24 @@ class Edge:
             finally:
                 # A caller that goes away mid-stream (disconnect) must not leave the tree running.
                 await events.aclose()
+
+    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
+        """Pack what the sandbox changed into layer ``req.ref``, residue scrubbed first.
+
+        The sandbox is frozen while its upper directory is scrubbed and read, then thawed: it
+        keeps running, minus the scrubbed files.
+        """
+        live = self._get_live(sandbox_id)
+        upper = self.backend.upper_dir(self._workdir(sandbox_id))
+        patterns = [*(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
+        with live.working():
+            await self.backend.freeze(sandbox_id, live.record.handle)
+            try:
+                removed = await asyncio.to_thread(scrub, upper, patterns)
+                log.info("commit %s: scrubbed %d entries", sandbox_id, len(removed))
+                return await asyncio.to_thread(self.store.import_path, upper, req.ref)
+            finally:
+                await self.backend.thaw(sandbox_id, live.record.handle)
 
     def files(self, sandbox_id: str) -> SandboxFiles:
         live = self._get_live(sandbox_id)

@@ -8,6 +8,7 @@ again on the client side, so ``except SandboxNotFound`` works across the wire.
     DSecError
     +-- InvalidRequest          400  bad input: malformed ID, limit out of range, path escape
     |   +-- LayerNotFound       404  an image/layer reference that names nothing
+    |   +-- BuildFailed         400  a layer build's own step failed (its output is in the message)
     +-- Unauthorized            401  missing or unknown API key
     +-- Forbidden               403  the key may not touch this resource
     +-- SandboxNotFound         404  unknown or already reclaimed sandbox
@@ -57,6 +58,11 @@ class InvalidRequest(DSecError):
 class LayerNotFound(InvalidRequest):
     code = "layer_not_found"
     status = 404
+
+
+class BuildFailed(InvalidRequest):
+    code = "build_failed"
+    status = 400
 
 
 class Unauthorized(DSecError):

@@ -157,6 +157,14 @@ class ExecEvent(_Model):
     result: CommandResult | None = None
 
 
+class CommitRequest(_Model):
+    """Pack what a sandbox changed into a new layer ``ref`` (``name:version``)."""
+
+    ref: str
+    scrub_defaults: bool = Field(default=True, description="remove caches, histories, temp files")
+    exclude: list[str] = Field(default_factory=list, max_length=256, description="more paths to scrub")
+
+
 class FileType(StrEnum):
     file = "file"
     dir = "dir"

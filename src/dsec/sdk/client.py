@@ -16,7 +16,7 @@ import builtins
 import os
 import tarfile
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from dsec.protocol.models import (
     CommandResult,
+    CommitRequest,
     CreateRequest,
     ExecEvent,
     ExecRequest,
@@ -34,6 +35,7 @@ from dsec.protocol.models import (
 )
 from dsec.sdk._transport import Transport
 from dsec.sdk.args import DSecContainerRunArgs
+from dsec.sdk.build import BuildEvent, build_layer
 from dsec.sdk.config import load_client_config
 
 _CHUNK = 1 << 20
@@ -152,6 +154,18 @@ class Sandbox:
         return result.model_copy(
             update={"stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace")}
         )
+
+    async def commit(
+        self, ref: str, *, exclude: list[str] | None = None, scrub_defaults: bool = True
+    ) -> LayerInfo:
+        """Pack what this sandbox changed (its writes, deletions included) into layer ``ref``.
+
+        Caches, histories and temp files are scrubbed first (``scrub_defaults``), plus
+        ``exclude`` (paths relative to /, glob per component). The sandbox keeps running.
+        """
+        req = CommitRequest(ref=ref, exclude=exclude or [], scrub_defaults=scrub_defaults)
+        body = await self._t.request("POST", self._base + "/commit", json_body=req.model_dump(), timeout=3600)
+        return LayerInfo.model_validate(body)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -284,6 +298,46 @@ class DSecClient:
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         body = await self._t.request("GET", "/v1/sandboxes", params=params)
         return [Sandbox(self._t, SandboxInfo.model_validate(x)) for x in body]
+
+    async def build_layer(
+        self,
+        dockerfile: str | os.PathLike[str],
+        context: str | os.PathLike[str],
+        ref: str,
+        *,
+        base: builtins.list[str] | None = None,
+        exclude: builtins.list[str] | None = None,
+        memory_limit_mb: int = 4096,
+        cpu_cores_limit: float = 2,
+        step_timeout: float = 3600,
+        progress: Callable[[BuildEvent], None] | None = None,
+    ) -> LayerInfo:
+        """Build layer ``ref`` from a Dockerfile subset (FROM, RUN, COPY, ENV, WORKDIR).
+
+        ``dockerfile`` is its text, or a path to it; COPY reads from the ``context``
+        directory. Steps run in a build sandbox on the FROM layers (or ``base``); the layer is
+        what they changed, with caches, histories and ``exclude`` paths scrubbed. A failing
+        step raises :class:`BuildFailed` with its output.
+        """
+        text = (
+            await asyncio.to_thread(Path(dockerfile).read_text)
+            if isinstance(dockerfile, os.PathLike)
+            else dockerfile
+        )
+        args = DSecContainerRunArgs(
+            layers=["placeholder"], memory_limit_mb=memory_limit_mb, cpu_cores_limit=cpu_cores_limit
+        )
+        return await build_layer(
+            self,
+            text,
+            Path(context),
+            ref,
+            base=base,
+            exclude=exclude,
+            args=args,
+            progress=progress,
+            step_timeout=step_timeout,
+        )
 
     async def layers(self) -> builtins.list[LayerInfo]:
         return [LayerInfo.model_validate(x) for x in await self._t.request("GET", "/v1/layers")]

@@ -192,6 +192,29 @@ class ContainerBackend:
             start_new_session=True,
         )
 
+    def upper_dir(self, workdir: Path) -> Path:
+        return workdir / "upper"
+
+    async def _crun(self, *args: str) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            *self._cmd(*args),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env=_CRUN_ENV,
+        )
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            raise InfraFailure(
+                f"crun {args[0]} failed: {err.decode(errors='replace').strip()}", reason="runtime"
+            )
+
+    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        await self._crun("pause", sandbox_id)  # the cgroup freezer: well under a millisecond
+
+    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        await self._crun("resume", sandbox_id)
+
     def root_path(self, handle: dict[str, Any]) -> str:
         return f"/proc/{int(handle['pid'])}/root"
 

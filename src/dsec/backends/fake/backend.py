@@ -319,6 +319,15 @@ class FakeBackend:
                 "/bin/sh", "-c", 'printf "%s\\n" "$1" >&2; exit "$2"', "sh", msg, str(code), **kwargs
             )
 
+    def upper_dir(self, workdir: Path) -> Path:
+        return workdir / "root"  # no overlay here: a commit packs the whole copied tree
+
+    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        return None
+
+    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        return None
+
     def root_path(self, handle: dict[str, Any]) -> str:
         return str(handle["root"])
 
