@@ -71,6 +71,13 @@ async def test_dsec_up_then_sdk_and_cli_connect_by_default(
             said = await asyncio.to_thread(run, "sandbox", "sh", sb.id, "echo from-cli; exit 3")
             assert said.stdout == "from-cli\n" and said.returncode == 3
             await sb.stop()
+            (layer_dir / "Dockerfile").write_text(
+                "FROM debian:bookworm\nCOPY opt/tool.sh /opt/\nRUN echo built\n"
+            )
+            built_ref = f"cli-built:{uuid.uuid4().hex[:8]}"
+            built = await asyncio.to_thread(run, "layer", "build", str(layer_dir), "--name", built_ref, "-v")
+            assert built.returncode == 0, built.stderr
+            assert "[1/2]" in built.stdout and "[commit]" in built.stdout and "built\n" in built.stdout
             bad = await asyncio.to_thread(run, "sandbox", "create", "no-such:1")
             assert bad.returncode == 2 and "no-such:1" in bad.stderr
         finally:

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dsec.protocol.errors import DSecError
@@ -150,7 +151,7 @@ def layer_build(
             if event.step > event.total
             else f"{event.step}/{event.total}"
         )
-        console.print(f"[bold cyan][{where}][/bold cyan] {event.description}")
+        console.print(f"[bold cyan]{escape(f'[{where}]')}[/bold cyan] {escape(event.description)}")
 
     info = _client_call(lambda c: c.build_layer(dockerfile, context, name, exclude=exclude, progress=show))
     console.print_json(json.dumps(info.model_dump(mode="json")))  # type: ignore[attr-defined]
