@@ -81,6 +81,8 @@ async def test_dsec_up_then_sdk_and_cli_connect_by_default(
             bad = await asyncio.to_thread(run, "sandbox", "create", "no-such:1")
             assert bad.returncode == 2 and "no-such:1" in bad.stderr
         finally:
+            for left in await client.list():  # also when an assertion failed midway
+                await left.stop()
             await client.close()
     finally:
         up.send_signal(signal.SIGINT)

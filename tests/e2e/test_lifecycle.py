@@ -124,6 +124,10 @@ async def test_a_killed_edge_loses_no_sandbox(base_layer: str, tmp_path: Path) -
             assert r.stdout == "before\n1\n"
             await again.stop()
     finally:
+        if up.poll() is None:
+            async with DSecClient(*_url_key(config)) as c:
+                for left in await c.list():  # also when an assertion failed midway
+                    await left.stop()
         up.send_signal(signal.SIGINT)
         await asyncio.to_thread(up.communicate, timeout=60)
     assert up.returncode == 0
