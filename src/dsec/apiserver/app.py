@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from dsec.edge.edge import Edge
 from dsec.iam.store import IamStore, Principal
+from dsec.images.oci import import_oci
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import (
@@ -141,6 +142,7 @@ class ApiServer:
         r.add_delete("/v1/sandboxes/{id}/files", self.remove)
         r.add_get("/v1/layers", self.layers)
         r.add_post("/v1/layers", self.import_layer)
+        r.add_post("/v1/images", self.import_image)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -286,12 +288,66 @@ class ApiServer:
     async def layers(self, request: web.Request) -> web.Response:
         return _json(await asyncio.to_thread(self.store.list))
 
+    async def import_image(self, request: web.Request) -> web.StreamResponse:
+        """Import an OCI image (docker save, or an OCI layout tarball) streamed as the body.
+
+        Answers with NDJSON: ``{"t": "progress", ...}`` lines as the import goes, then one
+        ``{"t": "done", "layers": [...]}`` or ``{"t": "error", "error": {...}}``.
+        """
+        ref = _query(request, "ref")
+        try:
+            merge_below = int(float(request.query.get("merge_below_mb", "0")) * (1 << 20))
+        except ValueError as exc:
+            raise InvalidRequest("merge_below_mb must be a number") from exc
+        selector = request.query.get("image") or None
+        with tempfile.NamedTemporaryFile(dir=self.store.tmp_dir, suffix=".tar") as tmp:
+            async for chunk in request.content.iter_chunked(_CHUNK):
+                await asyncio.to_thread(tmp.write, chunk)
+            await asyncio.to_thread(tmp.flush)
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+            def progress(stage: str, done: int, total: int) -> None:  # called in the import thread
+                loop.call_soon_threadsafe(
+                    events.put_nowait, {"t": "progress", "stage": stage, "done": done, "total": total}
+                )
+
+            job = asyncio.create_task(
+                asyncio.to_thread(
+                    import_oci,
+                    self.store,
+                    Path(tmp.name),
+                    ref,
+                    merge_below_bytes=merge_below,
+                    progress=progress,
+                    image=selector,
+                )
+            )
+            while not job.done() or not events.empty():
+                getter = asyncio.create_task(events.get())
+                await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    await resp.write(json.dumps(getter.result()).encode() + b"\n")
+                else:
+                    getter.cancel()
+            try:
+                layers = job.result()
+                final: dict[str, Any] = {"t": "done", "layers": [x.model_dump(mode="json") for x in layers]}
+            except DSecError as exc:
+                final = {"t": "error", **exc.to_wire()}
+            except Exception as exc:
+                log.exception("image import %s failed", ref)
+                final = {"t": "error", **InfraFailure(f"import failed: {exc}", reason="storage").to_wire()}
+            await resp.write(json.dumps(final).encode() + b"\n")
+            await resp.write_eof()
+            return resp
+
     async def import_layer(self, request: web.Request) -> web.Response:
         """Import a tar archive streamed as the request body as layer ``?ref=name:version``."""
         ref = _query(request, "ref")
-        tmp_dir = Path(self.store.root) / "tmp"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=tmp_dir, suffix=".tar") as tmp:
+        with tempfile.NamedTemporaryFile(dir=self.store.tmp_dir, suffix=".tar") as tmp:
             async for chunk in request.content.iter_chunked(_CHUNK):
                 await asyncio.to_thread(tmp.write, chunk)
             await asyncio.to_thread(tmp.flush)

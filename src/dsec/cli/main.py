@@ -9,8 +9,9 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -18,6 +19,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsec.protocol.errors import DSecError
+from dsec.protocol.models import CommandResult
+from dsec.sdk.args import DSecContainerRunArgs
+from dsec.sdk.client import DSecClient, Sandbox
+
+T = TypeVar("T")
 
 app = typer.Typer(
     help="DSec: sandboxes for agentic RL.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -26,6 +32,8 @@ layer_app = typer.Typer(help="Layers: immutable, content-addressed EROFS images.
 sandbox_app = typer.Typer(help="Sandboxes on this DSec.", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
 app.add_typer(sandbox_app, name="sandbox")
+image_app = typer.Typer(help="Images: ordered lists of layers under one name:version.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -39,12 +47,10 @@ def _fail(exc: DSecError) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _client_call(coro_fn: object) -> object:
-    from dsec.sdk.client import DSecClient
-
-    async def run() -> object:
+def _client_call(fn: Callable[[DSecClient], Awaitable[T]]) -> T:
+    async def run() -> T:
         async with DSecClient() as client:
-            return await coro_fn(client)  # type: ignore[operator]
+            return await fn(client)
 
     try:
         return asyncio.run(run())
@@ -123,7 +129,7 @@ def layer_import(
 ) -> None:
     """Import a directory or tar archive as an immutable EROFS layer."""
     info = _client_call(lambda c: c.import_layer(path, name))
-    console.print_json(json.dumps(info.model_dump(mode="json")))  # type: ignore[attr-defined]
+    console.print_json(json.dumps(info.model_dump(mode="json")))
 
 
 @layer_app.command("build")
@@ -154,7 +160,33 @@ def layer_build(
         console.print(f"[bold cyan]{escape(f'[{where}]')}[/bold cyan] {escape(event.description)}")
 
     info = _client_call(lambda c: c.build_layer(dockerfile, context, name, exclude=exclude, progress=show))
-    console.print_json(json.dumps(info.model_dump(mode="json")))  # type: ignore[attr-defined]
+    console.print_json(json.dumps(info.model_dump(mode="json")))
+
+
+@image_app.command("import")
+def image_import(
+    path: Annotated[Path, typer.Argument(exists=True, help="docker save tar, OCI layout dir or tarball")],
+    name: Annotated[str, typer.Option("--name", help="name:version of the new image")],
+    merge_below_mb: Annotated[float, typer.Option(help="merge consecutive layers smaller than this")] = 0,
+    image: Annotated[str | None, typer.Option(help="which image, if the archive holds several")] = None,
+) -> None:
+    """Import an OCI image (no registry needed: `docker save` or `skopeo copy` output)."""
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("upload", total=None)
+
+        def show(stage: str, done: int, total: int) -> None:
+            bar.update(task, description=stage, completed=done, total=max(total, 1))
+
+        layers = _client_call(
+            lambda c: c.import_image(path, name, merge_below_mb=merge_below_mb, image=image, progress=show)
+        )
+    table = Table("#", "digest", "size")
+    for i, layer in enumerate(layers, 1):
+        table.add_row(str(i), layer.digest[:19], f"{layer.size / 1e6:.1f} MB")
+    console.print(table)
+    console.print(f"image {name}: {len(layers)} layers")
 
 
 @layer_app.command("ls")
@@ -162,7 +194,7 @@ def layer_ls() -> None:
     """List the layers of this DSec."""
     layers = _client_call(lambda c: c.layers())
     table = Table("digest", "size", "names", "created")
-    for layer in layers:  # type: ignore[attr-defined]
+    for layer in layers:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(layer.created_at))
         table.add_row(layer.digest[:19], f"{layer.size / 1e6:.1f} MB", ", ".join(layer.names), created)
     console.print(table)
@@ -174,7 +206,7 @@ def sandbox_ls(label: Annotated[list[str] | None, typer.Option(help="key=value f
     labels = dict(item.split("=", 1) for item in label or [] if "=" in item)
     sandboxes = _client_call(lambda c: c.list(labels))
     table = Table("id", "state", "user", "labels")
-    for sb in sandboxes:  # type: ignore[attr-defined]
+    for sb in sandboxes:
         table.add_row(sb.id, sb.info.state.value, sb.info.init_user, json.dumps(sb.info.labels))
     console.print(table)
 
@@ -187,39 +219,38 @@ def sandbox_create(
     ttl: Annotated[float | None, typer.Option(help="idle seconds before reclaim")] = None,
 ) -> None:
     """Create a container sandbox and print its ID."""
-    from dsec.sdk.args import DSecContainerRunArgs
 
-    def make(c: object) -> object:
+    def make(c: DSecClient) -> Awaitable[Sandbox]:
         args = DSecContainerRunArgs(
             container_image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus, ttl_running_stop=ttl
         )
-        return c.run_container(args)  # type: ignore[attr-defined]
+        return c.run_container(args)
 
     sb = _client_call(make)
-    console.print(sb.id)  # type: ignore[attr-defined]
+    console.print(sb.id)
 
 
 @sandbox_app.command("sh")
 def sandbox_sh(sandbox_id: str, command: str, session: str = "default") -> None:
     """Run a shell command in a sandbox and print its output."""
 
-    async def run(c: object) -> object:
-        sb = await c.get(sandbox_id)  # type: ignore[attr-defined]
+    async def run(c: DSecClient) -> CommandResult:
+        sb = await c.get(sandbox_id)
         return await sb.run_shell(command, session=session)
 
     result = _client_call(run)
-    sys.stdout.write(result.stdout)  # type: ignore[attr-defined]
-    sys.stderr.write(result.stderr)  # type: ignore[attr-defined]
-    raise typer.Exit(code=result.exit_code if result.exit_code is not None else 124)  # type: ignore[attr-defined]
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    raise typer.Exit(code=result.exit_code if result.exit_code is not None else 124)
 
 
 @sandbox_app.command("stop")
 def sandbox_stop(sandbox_ids: list[str]) -> None:
     """Stop sandboxes (their files and processes are gone afterwards)."""
 
-    async def run(c: object) -> object:
+    async def run(c: DSecClient) -> None:
         for sid in sandbox_ids:
-            sb = await c.get(sid)  # type: ignore[attr-defined]
+            sb = await c.get(sid)
             with contextlib.suppress(DSecError):
                 await sb.stop()
         return None

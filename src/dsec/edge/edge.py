@@ -25,6 +25,7 @@ from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
 from dsec.executor.session import DRIVER, Session
 from dsec.images.commit import DEFAULT_SCRUB, scrub
 from dsec.images.mounts import LayerMounts
+from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import CapacityExhausted, DSecError, InfraFailure, SandboxNotFound
 from dsec.protocol.ids import SandboxId
@@ -153,7 +154,10 @@ class Edge:
                 f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)"
             )
         # LayerNotFound if unknown; an image name expands to its layers, base first
-        layers = [layer for ref in spec.layer_refs() for layer in self.store.resolve_image(ref)]
+        stacked = [layer for ref in spec.layer_refs() for layer in self.store.resolve_image(ref)]
+        # overlayfs refuses one lower directory twice; the upper-most copy alone means the same
+        by_digest = {layer.digest: layer for layer in stacked}
+        layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
         sid = str(SandboxId.new(self.config.node, self.epoch))
         self._creating += 1
         acquired: list[str] = []

@@ -99,12 +99,24 @@ class Transport:
             raise InfraFailure(f"{method} {path}: {type(exc).__name__}: {exc}", reason="unreachable") from exc
 
     async def lines(
-        self, method: str, path: str, *, json_body: Any = None, timeout: float | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, str] | None = None,
+        data: Any = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[bytes]:
         """Yield the lines of a newline-delimited response as they arrive."""
         try:
             async with self.session().request(
-                method, self.url + path, json=json_body, timeout=aiohttp.ClientTimeout(total=timeout)
+                method,
+                self.url + path,
+                json=json_body,
+                params=params,
+                data=data,
+                timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 await self._raise_for(resp)
                 async for line in resp.content:

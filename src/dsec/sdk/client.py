@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import json
 import os
 import tarfile
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from dsec.protocol.errors import InfraFailure, error_from_wire
 from dsec.protocol.models import (
     CommandResult,
     CommitRequest,
@@ -341,6 +343,42 @@ class DSecClient:
 
     async def layers(self) -> builtins.list[LayerInfo]:
         return [LayerInfo.model_validate(x) for x in await self._t.request("GET", "/v1/layers")]
+
+    async def import_image(
+        self,
+        path: str | os.PathLike[str],
+        ref: str,
+        *,
+        merge_below_mb: float = 0,
+        image: str | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> builtins.list[LayerInfo]:
+        """Import an OCI image as ``ref``: ``docker save`` output, or an OCI layout (directory
+        or tarball, as skopeo writes them). Each image layer becomes an EROFS layer (layers
+        shared with earlier imports are stored once); ``ref`` names their ordered list, usable
+        as ``container_image``. Consecutive layers under ``merge_below_mb`` are merged.
+        ``progress(stage, done, total)`` follows the server's work.
+        """
+        src = Path(path)
+        params = {"ref": ref, "merge_below_mb": str(merge_below_mb)}
+        if image:
+            params["image"] = image
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = src
+            if await asyncio.to_thread(src.is_dir):
+                archive = Path(tmp) / "image.tar"
+                await asyncio.to_thread(_tar_dir, src, archive)
+            async for line in self._t.lines(
+                "POST", "/v1/images", params=params, data=_chunks(archive), timeout=6 * 3600
+            ):
+                event = json.loads(line)
+                if event["t"] == "progress" and progress is not None:
+                    progress(event["stage"], event["done"], event["total"])
+                elif event["t"] == "error":
+                    raise error_from_wire(200, event)
+                elif event["t"] == "done":
+                    return [LayerInfo.model_validate(x) for x in event["layers"]]
+        raise InfraFailure(f"image import of {ref} ended without a result", reason="protocol")
 
     async def import_layer(self, path: str | os.PathLike[str], ref: str) -> LayerInfo:
         """Import a directory or tar archive as layer ``ref`` (``name:version``)."""
