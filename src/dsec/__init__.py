@@ -7,6 +7,7 @@ outside this list may change without notice.
 """
 
 from dsec.protocol.errors import (
+    BuildFailed,
     CapacityExhausted,
     CommandTimeout,
     Conflict,
@@ -25,6 +26,7 @@ from dsec.protocol.models import CommandResult, FileStat, LayerInfo, SandboxInfo
 from dsec.sdk import DSec, DSecClient, DSecContainerRunArgs, ExecChunk, Sandbox, SyncSandbox
 
 __all__ = [
+    "BuildFailed",
     "CapacityExhausted",
     "CommandResult",
     "CommandTimeout",
