@@ -1,0 +1,183 @@
+"""The import pipeline: verify every blob, then turn each layer into an EROFS layer and tag the image."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from dsec.images.merge import merge_layers
+from dsec.images.oci.archive import _open_source, _Source
+from dsec.images.oci.compression import _decompressed, _hash_reader, _sniff
+from dsec.images.oci.manifest import Platform, _LayerPlan, _plan
+from dsec.images.oci.validation import _sha256_hex
+from dsec.images.refs import parse_tag
+from dsec.images.store import LayerStore
+from dsec.images.tarextract import extract_tar
+from dsec.images.whiteouts import oci_to_overlay
+from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.models import LayerInfo
+
+Progress = Callable[[str, int, int], None]
+
+LAYER_NAME = "dsec/oci-layer"  # bump (oci-layer2) if the conversion of a layer ever changes
+DEFAULT_PLATFORM = "linux/amd64"
+
+
+# ---- the import ---------------------------------------------------------------------------------
+
+
+def _corrupted(plan: _LayerPlan, kind: str, expected: str, actual: str) -> InvalidRequest:
+    return InvalidRequest(f"{plan.what} is corrupted: {kind} mismatch (expected {expected}, found {actual})")
+
+
+def _verify_blob(src: _Source, plan: _LayerPlan) -> str:
+    """Hash the blob as stored; returns its compression. Raises on a digest or size mismatch."""
+    reader, size = src.open(plan.path, plan.what)
+    with reader:
+        if plan.size is not None and size != plan.size:
+            raise _corrupted(plan, "size", f"{plan.size} bytes", f"{size} bytes")
+        kind = _sniff(reader.peek(8)[:8])
+        digest, n = _hash_reader(reader)
+    if n != size:
+        raise _corrupted(plan, "size", f"{size} bytes", f"{n} bytes")
+    if plan.digest is not None and digest != plan.digest:
+        raise _corrupted(plan, "digest", plan.digest, digest)
+    if kind == "tar" and digest != plan.diff_id:  # an uncompressed blob is its own diff
+        raise _corrupted(plan, "digest", plan.diff_id, digest)
+    return kind
+
+
+def _layer_tar(src: _Source, plan: _LayerPlan, kind: str, work: Path) -> tuple[Path, bool]:
+    """The layer as a plain tar file on disk, its content checked against the diff_id.
+
+    Returns (path, whether it is a temporary copy to delete).
+    """
+    if kind == "tar":
+        real = src.real_path(plan.path, plan.what)
+        if real is not None:
+            return real, False  # verified by _verify_blob already
+    out = work / "layer.tar"
+    h = hashlib.sha256()
+    reader, _size = src.open(plan.path, plan.what)
+    with reader, open(out, "xb") as dst:
+        for chunk in _decompressed(reader, kind, plan.what):
+            h.update(chunk)
+            dst.write(chunk)
+    actual = f"sha256:{h.hexdigest()}"
+    if actual != plan.diff_id:
+        out.unlink()
+        raise _corrupted(plan, "content (diff_id) digest", plan.diff_id, actual)
+    return out, True
+
+
+def _store_layer(store: LayerStore, rootfs: Path, tag: str) -> LayerInfo:
+    try:
+        return store.import_path(rootfs, tag)
+    except InvalidRequest:
+        # Someone imported the same layer meanwhile (with an equal image unless their
+        # mkfs.erofs differs); theirs serves as well.
+        if store.has_tag(tag):
+            return store.resolve(tag)
+        raise
+
+
+def drop_shadowed_duplicates(digests: list[str]) -> list[str]:
+    """Keep only the upper-most copy of a layer that occurs twice in a stack (base first).
+
+    Overlayfs refuses one directory twice among its lower layers (ELOOP, "overlapping
+    layers"), and images do repeat layers (identical empty layers are common). Dropping the
+    lower copy changes nothing: every entry of it is also in the upper copy, which takes
+    precedence over it and over whatever lies between, and the upper copy's whiteouts and
+    opaque directories hide at least what the lower copy's did.
+    """
+    seen: set[str] = set()
+    kept = []
+    for digest in reversed(digests):
+        if digest not in seen:
+            seen.add(digest)
+            kept.append(digest)
+    return kept[::-1]
+
+
+def import_oci(
+    store: LayerStore,
+    path: Path,
+    ref: str,
+    *,
+    merge_below_bytes: int = 0,
+    progress: Progress | None = None,
+    image: str | None = None,
+    platform: str = DEFAULT_PLATFORM,
+) -> list[LayerInfo]:
+    """Import a ``docker save`` archive or an OCI image layout as the image ``ref``.
+
+    ``ref`` (``name:version``) names the ordered list of layers, base first, as
+    :meth:`LayerStore.tag_image` does; returns that list. ``image`` picks one image from an
+    archive holding several; ``platform`` (os/arch[/variant]) picks from a multi-platform
+    index. With ``merge_below_bytes`` > 0, runs of consecutive layers whose EROFS images are
+    each smaller than that are merged into one (:func:`dsec.images.merge.merge_layers`).
+
+    ``progress(stage, done, total)`` is called as each layer goes through its stages, with
+    ``stage`` like ``"layer 2/5 verify"``, ``"layer 2/5 extract"``, ``"layer 2/5 mkfs"``,
+    ``"layer 2/5 cached"``, then merge stages and ``"tag"``; ``done``/``total`` count layers
+    (merge stages count runs).
+    """
+    parse_tag(ref)  # before any work
+    if store.has_tag(ref):
+        raise InvalidRequest(f"{ref} already names a layer and versions are immutable; choose another")
+    wanted = Platform.parse(platform)
+    if not path.exists():
+        raise InvalidRequest(f"cannot import {path}: no such file or directory")
+
+    def report(stage: str, done: int, total: int) -> None:
+        if progress is not None:
+            progress(stage, done, total)
+
+    work = Path(tempfile.mkdtemp(prefix="oci-", dir=store.tmp_dir))
+    try:
+        with _open_source(path, work) as src:
+            plans = _plan(src, image, wanted)
+            n = len(plans)
+            # Every blob first: a corrupted archive must not leave half an image behind.
+            kinds = []
+            for i, plan in enumerate(plans):
+                report(f"layer {i + 1}/{n} verify", i, n)
+                kinds.append(_verify_blob(src, plan))
+            digests = []
+            for i, (plan, kind) in enumerate(zip(plans, kinds, strict=True)):
+                stage = f"layer {i + 1}/{n}"
+                tag = f"{LAYER_NAME}:{_sha256_hex(plan.diff_id)}"
+                if store.has_tag(tag):
+                    report(f"{stage} cached", i, n)
+                    digests.append(store.resolve(tag).digest)
+                    continue
+                report(f"{stage} {'extract' if kind == 'tar' else 'decompress'}", i, n)
+                tar, temporary = _layer_tar(src, plan, kind, work)
+                if kind != "tar":
+                    report(f"{stage} extract", i, n)
+                rootfs = work / "rootfs"
+                rootfs.mkdir()
+                try:
+                    extract_tar(tar, rootfs)
+                    oci_to_overlay(rootfs)
+                except InvalidRequest as err:
+                    raise InvalidRequest(f"{plan.what}: {err.message}") from err
+                finally:
+                    if temporary:
+                        tar.unlink()
+                report(f"{stage} mkfs", i, n)
+                digests.append(_store_layer(store, rootfs, tag).digest)
+                shutil.rmtree(rootfs)
+            report("layers imported", n, n)
+        digests = drop_shadowed_duplicates(digests)
+        if merge_below_bytes > 0:
+            digests = merge_layers(store, digests, merge_below_bytes, progress=progress)
+        report("tag", len(digests), len(digests))
+        return store.tag_image(ref, digests)
+    except OSError as err:
+        raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
