@@ -80,9 +80,7 @@ async def _serve(listen: tuple[str, int], target: tuple[str, int], delay: float,
 
 def main() -> None:
     lhost, lport, thost, tport, delay_ms, max_seconds = sys.argv[1:7]
-    asyncio.run(
-        _serve((lhost, int(lport)), (thost, int(tport)), float(delay_ms) / 1000, float(max_seconds))
-    )
+    asyncio.run(_serve((lhost, int(lport)), (thost, int(tport)), float(delay_ms) / 1000, float(max_seconds)))
 
 
 if __name__ == "__main__":
