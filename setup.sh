@@ -3,6 +3,7 @@
 #   ./setup.sh up     install everything (Debian packages, the Python package, the base layer)
 #                     and run the embedded single-node DSec in the foreground
 #   ./setup.sh test   install what the tests need, then run ruff, mypy and the whole test suite
+#   ./setup.sh bench create|ondemand [options]   install what the benchmark needs, run it
 # Both are idempotent: a second run installs nothing and starts at once.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -23,6 +24,27 @@ install_debian() {
     echo "installing Debian packages: ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+install_bench_debian() {
+  # The on-demand bench serves layers over sshfs from an sshd it starts in its own network
+  # namespace. Installing openssh-server must not start or enable a system-wide sshd.
+  local missing=()
+  for p in openssh-server openssh-client sshfs; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq
+    local guard=/usr/sbin/policy-rc.d
+    local had_guard=0
+    [ -e "$guard" ] && had_guard=1
+    [ $had_guard = 1 ] || { printf '#!/bin/sh\nexit 101\n' > "$guard"; chmod +x "$guard"; }
+    local rc=0
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+    [ $had_guard = 1 ] || rm -f "$guard"
+    [ $rc = 0 ] || { echo "setup.sh: installing ${missing[*]} failed" >&2; exit $rc; }
+    command -v systemctl >/dev/null && systemctl disable --now ssh >/dev/null 2>&1 || true
   fi
 }
 
@@ -53,8 +75,14 @@ case "$cmd" in
     .venv/bin/mypy
     exec .venv/bin/pytest -q -p no:cacheprovider "$@"
     ;;
+  bench)
+    need_root; install_debian; install_bench_debian; install_python test
+    which=${1:-create}
+    shift || true
+    exec .venv/bin/python "bench/$which.py" "$@"
+    ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options]" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand" >&2
     exit 2
     ;;
 esac
