@@ -1,101 +1,108 @@
-"""The layer store: content-addressed EROFS blobs plus a SQLite catalogue of tags.
+"""The layer store: content-addressed EROFS blobs plus a catalogue of tags, both in one place.
 
-Layout under ``root``::
+The store runs over any :class:`~dsec.images.blobstore.BlobStore`: a local directory (the
+embedded default, ``LayerStore(root)``) or a shared filesystem that every node mounts
+(``LayerStore.over(SharedMountBlobStore(path))``), so that every node sees the same layers. The
+catalogue (:mod:`dsec.images.catalogue`) is made of small files beside the blobs, not of a
+database: SQLite and advisory locks are unsafe on network filesystems, while the atomic
+create-if-absent and rename of single files that the catalogue needs work on every POSIX one.
 
-    blobs/sha256/<hex>.erofs   immutable images, named by the sha256 of their bytes
-    catalog.sqlite             tags name:version -> digest, per-blob size and created_at (WAL)
-    tmp/                       imports in progress (same filesystem, so publishing is a link)
+Layout under ``root`` (directory stores)::
 
-Several threads and processes (an edge and a ``dsec layer import`` at once, or several nodes
-over a shared directory) may use one store: a blob appears with one atomic ``link`` and is
-never rewritten, and every catalogue write is one SQLite transaction.
+    dsec-store.json                  marker and layout version
+    blobs/sha256/<hex>.erofs         immutable images, named by the sha256 of their bytes
+    catalogue/tags/<name>/<version>.json   {"kind": "layer" | "image", "digests": [...],
+                                     "created_at": ...}; a layer tag is a list of one digest,
+                                     an image an ordered list (base first); one namespace
+    catalogue/refs/<hex>/<name>/<version>  reverse index: which tags name a blob
+    catalogue/meta/                  bookkeeping (the one-time import of catalog.sqlite)
+    tmp/                             imports in progress (same filesystem: publishing is a link)
+
+Rules, safe for many processes on many nodes at once:
+
+* a blob appears with one atomic link and is never rewritten: importing the same content
+  twice stores it once;
+* versions are immutable: creating ``name:version`` again with other content is an
+  InvalidRequest; only :meth:`LayerStore.retag` moves a tag, and only when asked;
+* :meth:`LayerStore.gc` removes blobs that no tag names and the caller does not use, but never
+  one put or touched within the grace period (an import stores its blob before tagging it);
+  a put, a tag or a retag refreshes the blob's stamp first, so it wins any race with a
+  collector (see ``BlobStore.delete``).
+
+A store that still has the ``catalog.sqlite`` of the earlier design gets its tags and images
+imported into the file catalogue once, on open; the SQLite file is left untouched.
 """
 
 from __future__ import annotations
 
 import builtins
-import errno
-import hashlib
-import json
+import logging
 import os
 import shutil
-import sqlite3
 import tempfile
-import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from dsec.images.blobstore import BlobStore, LocalDirBlobStore
+from dsec.images.catalogue import IMAGE, LAYER, Catalogue, Kind, TagRecord, migrate_sqlite
 from dsec.images.erofs import build_erofs
-from dsec.images.refs import HEX_PREFIX_RE, REF_FORMS, digest_hex, make_digest, parse_tag
+from dsec.images.refs import HEX_PREFIX_RE, REF_FORMS, digest_hex, is_tag, parse_tag
 from dsec.images.tarextract import extract_tar
 from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
 from dsec.protocol.models import LayerInfo
 
-DEFAULT_ROOT = Path("/var/lib/dsec/layers")
+log = logging.getLogger(__name__)
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS blobs (
-    digest TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS tags (
-    name TEXT NOT NULL,
-    version TEXT NOT NULL,
-    digest TEXT NOT NULL REFERENCES blobs(digest),
-    created_at REAL NOT NULL,
-    PRIMARY KEY (name, version)
-);
-CREATE INDEX IF NOT EXISTS tags_by_digest ON tags(digest);
-CREATE TABLE IF NOT EXISTS images (
-    name TEXT NOT NULL,
-    version TEXT NOT NULL,
-    digests TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    PRIMARY KEY (name, version)
-);
-"""
+DEFAULT_ROOT = Path("/var/lib/dsec/layers")
+DEFAULT_GC_GRACE_S = 600.0
+LEGACY_CATALOGUE = "catalog.sqlite"
+# Temporaries of crashed writers are swept by gc once they are at least this old.
+_SWEEP_MIN_AGE_S = 3600.0
 
 _LS_HINT = "see the available layers with `dsec layer ls`"
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class LayerStore:
-    def __init__(self, root: Path = DEFAULT_ROOT) -> None:
-        self.root = root
-        self.blob_dir = root / "blobs" / "sha256"
-        self.tmp_dir = root / "tmp"
-        for d in (self.blob_dir, self.tmp_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        # One connection behind a lock: catalogue queries take microseconds, so serialising
-        # them in-process costs nothing, and other processes are kept consistent by SQLite's
-        # own file locking (busy_timeout makes them wait instead of failing).
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(root / "catalog.sqlite", isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA busy_timeout = 30000")
-        self._db.execute("PRAGMA journal_mode = WAL")
-        self._db.execute("PRAGMA synchronous = NORMAL")
-        with self._lock:
-            self._db.executescript(_SCHEMA)
+    def __init__(
+        self,
+        root: Path = DEFAULT_ROOT,
+        *,
+        blobs: BlobStore | None = None,
+        scratch: Path | None = None,
+        gc_grace_s: float = DEFAULT_GC_GRACE_S,
+    ) -> None:
+        """Open the store at ``root`` (a local directory), or over ``blobs`` (any BlobStore).
+
+        ``scratch`` is where imports extract and build (default: the blob store's ``tmp/``,
+        on the same filesystem as the blobs). A shared store may want a local scratch: the
+        finished image is then copied once into the store.
+        """
+        if blobs is None:
+            blobs = LocalDirBlobStore(Path(root))
+        elif Path(root) not in (DEFAULT_ROOT, blobs.root):
+            raise ValueError(f"root {root} is not the root of {blobs!r}; pass only blobs=")
+        self.blobs = blobs
+        self.root = blobs.root
+        self.blob_dir = blobs.blob_dir
+        self.tmp_dir = Path(scratch) if scratch is not None else blobs.tmp_dir
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.gc_grace_s = gc_grace_s
+        self.catalogue = Catalogue(blobs)
+        self.migrated: dict[str, object] | None = None
+        legacy = self.root / LEGACY_CATALOGUE
+        if legacy.exists():
+            self.migrated = migrate_sqlite(self.catalogue, legacy)
+
+    @classmethod
+    def over(
+        cls, blobs: BlobStore, *, scratch: Path | None = None, gc_grace_s: float = DEFAULT_GC_GRACE_S
+    ) -> LayerStore:
+        """A layer store over any blob store (e.g. a :class:`SharedMountBlobStore`)."""
+        return cls(blobs.root, blobs=blobs, scratch=scratch, gc_grace_s=gc_grace_s)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        """Nothing to release (no connection, no lock); kept for the context-manager API."""
 
     def __enter__(self) -> LayerStore:
         return self
@@ -106,30 +113,17 @@ class LayerStore:
     # ---- blobs -------------------------------------------------------------------------------
 
     def blob_path(self, digest: str) -> Path:
-        return self.blob_dir / f"{digest_hex(digest)}.erofs"
+        return self.blobs.path(digest)
 
-    def _publish(self, image: Path) -> tuple[str, int]:
-        """Move a built image to its content address; returns (digest, size)."""
-        hexdigest = _sha256_file(image)
-        size = image.stat().st_size
-        final = self.blob_dir / f"{hexdigest}.erofs"
-        os.chmod(image, 0o444)
-        with open(image, "rb") as f:
-            os.fsync(f.fileno())
-        try:
-            # link, unlike rename, never replaces a blob that is already there (and mounted):
-            # importing the same content twice stores it once.
-            os.link(image, final)
-        except FileExistsError:
-            if final.stat().st_size != size:  # a torn copy from some other tool: heal it
-                os.replace(image, final)
-        except OSError as err:
-            # Some shared filesystems have no hard links; rename is atomic too.
-            if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
-                raise
-            os.replace(image, final)
-        _fsync_dir(self.blob_dir)
-        return make_digest(hexdigest), size
+    def _pin(self, digests: Iterable[str]) -> None:
+        """Refresh the blobs' stamps before a tag names them, so a collector spares them."""
+        for d in dict.fromkeys(digests):
+            for attempt in range(3):
+                if self.blobs.touch(d):
+                    break
+                time.sleep(0.05 * (attempt + 1))  # a collector may be putting it back
+            else:
+                raise self._not_found(d)
 
     # ---- import --------------------------------------------------------------------------------
 
@@ -148,66 +142,84 @@ class LayerStore:
                 extract_tar(path, src)
             image = work / "layer.erofs"
             build_erofs(src, image)
-            digest, size = self._publish(image)
+            digest = self.blobs.put(image).digest
+            self.catalogue.create(name, version, [digest])
+            if not self.blobs.exists(digest):
+                # A collector removed the (old, untagged) blob between our put and our tag;
+                # the image is still here (put links it), so store it again.
+                if not image.exists():
+                    raise InfraFailure(f"layer blob {digest} vanished during import; retry", reason="storage")
+                self.blobs.put(image)
         except OSError as err:
             raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        self._catalogue(digest, size, name, version)
-        return self.resolve(digest)
-
-    def _catalogue(self, digest: str, size: int, name: str, version: str) -> None:
-        now = time.time()
-        with self._lock:
-            # IMMEDIATE takes the write lock before reading, so two importers of one tag cannot
-            # both see it absent and both insert.
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT OR IGNORE INTO blobs (digest, size, created_at) VALUES (?, ?, ?)",
-                    (digest, size, now),
-                )
-                row = self._db.execute(
-                    "SELECT digest FROM tags WHERE name = ? AND version = ?", (name, version)
-                ).fetchone()
-                if row is None:
-                    self._db.execute(
-                        "INSERT INTO tags (name, version, digest, created_at) VALUES (?, ?, ?, ?)",
-                        (name, version, digest, now),
-                    )
-                elif row[0] != digest:
-                    raise InvalidRequest(
-                        f"layer {name}:{version} already exists with digest {row[0]} and versions are "
-                        f"immutable; import this content ({digest}) under a new version"
-                    )
-                self._db.execute("COMMIT")
-            except sqlite3.Error as err:
-                self._db.execute("ROLLBACK")
-                raise InfraFailure(f"layer catalogue write failed: {err}", reason="storage") from err
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        return self._layer(digest, ref)
 
     def tag(self, digest: str, ref: str) -> LayerInfo:
         """Give an already stored blob another ``name:version`` (same immutability rules)."""
         name, version = parse_tag(ref)
         info = self.resolve(digest)
-        self._catalogue(info.digest, info.size, name, version)
-        return self.resolve(info.digest)
+        self._pin([info.digest])
+        self.catalogue.create(name, version, [info.digest])
+        return self._layer(info.digest, ref)
+
+    def retag(self, ref: str, target: str | Sequence[str]) -> builtins.list[LayerInfo]:
+        """Move (or create) tag ``ref`` to name ``target`` explicitly; the only way a version
+        ever changes content.
+
+        ``target`` is a layer ref (``ref`` becomes a layer tag), an image's ``name:version``
+        (``ref`` becomes that image), or a list of layer refs, base first (an image, or a
+        layer tag if the list has one element). Returns the layers ``ref`` now stands for.
+        """
+        name, version = parse_tag(ref)
+        kind: Kind = LAYER
+        if isinstance(target, str):
+            rec = self._record(target)
+            if rec is not None:
+                kind = rec.kind
+            layers = self.resolve_image(target)
+        else:
+            layers = [self.resolve(t) for t in target]
+            kind = LAYER if len(layers) == 1 else IMAGE
+        if not layers:
+            raise InvalidRequest(f"{ref} needs at least one layer")
+        digests = [layer.digest for layer in layers]
+        self._pin(digests)
+        rec, old = self.catalogue.replace(name, version, digests, kind=kind)
+        if old is not None and old.digests != rec.digests:
+            log.info("retagged %s: %s -> %s", ref, list(old.digests), digests)
+        return [self._layer(d, ref) for d in digests]
+
+    def untag(self, ref: str) -> builtins.list[str]:
+        """Remove tag ``ref`` (a layer or an image); returns the digests it named.
+
+        The blobs stay until :meth:`gc` finds them named by no tag.
+        """
+        name, version = parse_tag(ref)
+        old = self.catalogue.delete(name, version)
+        if old is None:
+            raise self._not_found(ref)
+        return list(old.digests)
 
     # ---- lookup --------------------------------------------------------------------------------
 
-    def _names(self, digest: str) -> builtins.list[str]:
-        rows = self._db.execute(
-            "SELECT name, version FROM tags WHERE digest = ? ORDER BY name, version", (digest,)
-        ).fetchall()
-        return [f"{n}:{v}" for n, v in rows]
-
     def _info(self, digest: str) -> LayerInfo | None:
-        row = self._db.execute("SELECT size, created_at FROM blobs WHERE digest = ?", (digest,)).fetchone()
-        if row is None:
+        st = self.blobs.stat(digest)
+        if st is None:
             return None
-        return LayerInfo(digest=digest, size=row[0], names=self._names(digest), created_at=row[1])
+        refs = self.catalogue.referrers(digest)
+        created = min((r.created_at for r in refs), default=st.mtime)
+        names = [r.ref for r in refs if r.is_layer]
+        return LayerInfo(digest=digest, size=st.size, names=names, created_at=created)
+
+    def _layer(self, digest: str, ref: str) -> LayerInfo:
+        info = self._info(digest)
+        if info is None:
+            raise InfraFailure(
+                f"catalogue tags {ref} with blob {digest}, which is not stored", reason="storage"
+            )
+        return info
 
     def _not_found(self, ref: str, extra: str = "") -> LayerNotFound:
         return LayerNotFound(f"no layer {ref!r}{extra}; {_LS_HINT}")
@@ -221,40 +233,43 @@ class LayerStore:
             digest_hex(ref)  # raises: a malformed digest is a bad request, not a missing layer
         if ":" in ref:
             return self._by_tag(ref)
-        with self._lock:
-            versions = [v for (v,) in self._db.execute("SELECT version FROM tags WHERE name = ?", (ref,))]
+        versions = self.catalogue.versions(ref) if is_tag(f"{ref}:x") else []
         if versions:
-            known = ", ".join(f"{ref}:{v}" for v in sorted(versions))
+            known = ", ".join(f"{ref}:{v}" for v in versions)
             raise self._not_found(ref, f" (a version is required: {known})")
         raise LayerNotFound(f"no layer {ref!r}: a layer reference is {REF_FORMS}; {_LS_HINT}")
 
     def _by_prefix(self, ref: str, hexpart: str) -> LayerInfo:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT digest FROM blobs WHERE digest >= ? AND digest < ? LIMIT 2",
-                (f"sha256:{hexpart}", f"sha256:{hexpart}g"),  # 'g' sorts after every hex digit
-            ).fetchall()
-            if len(rows) > 1:
+        if len(hexpart) == 64:
+            info = self._info(f"sha256:{hexpart}")
+        else:
+            matches = [d for d in self.blobs.list_digests() if d[7:].startswith(hexpart)]
+            if len(matches) > 1:
                 raise InvalidRequest(f"layer prefix {ref!r} is ambiguous; give more characters")
-            info = self._info(rows[0][0]) if rows else None
+            info = self._info(matches[0]) if matches else None
         if info is None:
             raise self._not_found(ref)
         return info
 
     def _by_tag(self, ref: str) -> LayerInfo:
         name, version = parse_tag(ref)
-        with self._lock:
-            row = self._db.execute(
-                "SELECT digest FROM tags WHERE name = ? AND version = ?", (name, version)
-            ).fetchone()
-            if row is not None:
-                info = self._info(row[0])
-                if info is None:
-                    raise InfraFailure(f"catalogue tags {ref} with unknown blob {row[0]}", reason="storage")
-                return info
-            versions = [v for (v,) in self._db.execute("SELECT version FROM tags WHERE name = ?", (name,))]
-        extra = f" (known versions of {name}: {', '.join(sorted(versions))})" if versions else ""
+        rec = self.catalogue.get(name, version)
+        if rec is not None:
+            if not rec.is_layer:
+                raise LayerNotFound(
+                    f"no layer {ref!r}: it names an image of {len(rec.digests)} layers (use it as an "
+                    f"image, or one of its layers); {_LS_HINT}"
+                )
+            return self._layer(rec.digests[0], ref)
+        versions = self.catalogue.versions(name)
+        extra = f" (known versions of {name}: {', '.join(versions)})" if versions else ""
         raise self._not_found(ref, extra)
+
+    def verify(self, ref: str) -> LayerInfo:
+        """Re-hash a layer's blob: InfraFailure(reason="corrupt") if its bytes changed."""
+        info = self.resolve(ref)
+        self.blobs.verify(info.digest)
+        return info
 
     # ---- images: ordered lists of layers under one name:version ------------------------------
 
@@ -264,57 +279,82 @@ class LayerStore:
         layers = [self.resolve(d) for d in digests]
         if not layers:
             raise InvalidRequest(f"image {ref} needs at least one layer")
-        encoded = json.dumps([layer.digest for layer in layers])
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                clash = self._db.execute(
-                    "SELECT 1 FROM tags WHERE name = ? AND version = ?", (name, version)
-                ).fetchone()
-                row = self._db.execute(
-                    "SELECT digests FROM images WHERE name = ? AND version = ?", (name, version)
-                ).fetchone()
-                if clash is not None or (row is not None and row[0] != encoded):
-                    raise InvalidRequest(f"{ref} already names other content and versions are immutable")
-                if row is None:
-                    self._db.execute(
-                        "INSERT INTO images VALUES (?, ?, ?, ?)", (name, version, encoded, time.time())
-                    )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        self._pin(layer.digest for layer in layers)
+        self.catalogue.create(name, version, [layer.digest for layer in layers], kind=IMAGE)
         return layers
 
     def resolve_image(self, ref: str) -> builtins.list[LayerInfo]:
         """The layers (base first) that ``ref`` stands for: an image's list, or one layer."""
-        if ":" in ref and not ref.startswith("sha256:"):
-            name, version = parse_tag(ref)
-            with self._lock:
-                row = self._db.execute(
-                    "SELECT digests FROM images WHERE name = ? AND version = ?", (name, version)
-                ).fetchone()
-            if row is not None:
-                return [self.resolve(d) for d in json.loads(row[0])]
+        rec = self._record(ref)
+        if rec is not None:
+            return [self._layer(d, ref) for d in rec.digests]
         return [self.resolve(ref)]
 
+    def _record(self, ref: str) -> TagRecord | None:
+        """The tag record ``ref`` names, if ``ref`` is a ``name:version`` (not a digest)."""
+        if ":" in ref and not ref.startswith("sha256:"):
+            name, version = parse_tag(ref)
+            return self.catalogue.get(name, version)
+        return None
+
     def has_tag(self, ref: str) -> bool:
+        """Whether ``ref`` names a layer (an image's name is not a layer tag)."""
         name, version = parse_tag(ref)
-        with self._lock:
-            row = self._db.execute(
-                "SELECT 1 FROM tags WHERE name = ? AND version = ?", (name, version)
-            ).fetchone()
-        return row is not None
+        rec = self.catalogue.get(name, version)
+        return rec is not None and rec.is_layer
+
+    def has_image(self, ref: str) -> bool:
+        """Whether ``ref`` names an image (an ordered list of layers made by ``tag_image``)."""
+        name, version = parse_tag(ref)
+        rec = self.catalogue.get(name, version)
+        return rec is not None and not rec.is_layer
+
+    def tags(self) -> builtins.list[TagRecord]:
+        """Every tag, layers and images, by name and version."""
+        return self.catalogue.records()
 
     def list(self) -> builtins.list[LayerInfo]:
-        """Every stored layer, oldest first, with all its tags."""
-        with self._lock:
-            blobs = self._db.execute(
-                "SELECT digest, size, created_at FROM blobs ORDER BY created_at"
-            ).fetchall()
-            names: dict[str, builtins.list[str]] = {}
-            for name, version, digest in self._db.execute(
-                "SELECT name, version, digest FROM tags ORDER BY name, version"
-            ):
-                names.setdefault(digest, []).append(f"{name}:{version}")
-        return [LayerInfo(digest=d, size=s, names=names.get(d, []), created_at=c) for d, s, c in blobs]
+        """Every stored layer, oldest first, with all its tags (untagged ones await gc)."""
+        names: dict[str, builtins.list[str]] = {}
+        first: dict[str, float] = {}
+        for rec in self.catalogue.records():  # sorted by name, then version
+            for d in rec.digests:
+                first[d] = min(first.get(d, rec.created_at), rec.created_at)
+            if rec.is_layer:
+                names.setdefault(rec.digests[0], []).append(rec.ref)
+        out = []
+        for d in self.blobs.list_digests():
+            st = self.blobs.stat(d)
+            if st is not None:
+                out.append(
+                    LayerInfo(
+                        digest=d, size=st.size, names=names.get(d, []), created_at=first.get(d, st.mtime)
+                    )
+                )
+        return sorted(out, key=lambda i: (i.created_at, i.digest))
+
+    # ---- garbage collection --------------------------------------------------------------------
+
+    def gc(self, in_use: Iterable[str] = frozenset(), *, grace_s: float | None = None) -> builtins.list[str]:
+        """Delete blobs that no tag names and that are not in ``in_use``; returns their digests.
+
+        A blob put or touched less than ``grace_s`` (default: the store's ``gc_grace_s``, 10 min)
+        ago is kept: an import stores its blob before it tags it. ``in_use`` must hold what
+        every node sharing the store has mounted (the store cannot see other nodes' mounts).
+        """
+        grace = self.gc_grace_s if grace_s is None else grace_s
+        keep = set()
+        for d in in_use:
+            digest_hex(d)
+            keep.add(d)
+        self.blobs.sweep(max(grace, _SWEEP_MIN_AGE_S))
+        records = self.catalogue.records()
+        for rec in records:
+            keep.update(rec.digests)
+        removed = [
+            d for d in self.blobs.list_digests() if d not in keep and self.blobs.delete(d, min_age=grace)
+        ]
+        self.catalogue.repair_index(records)
+        if removed:
+            log.info("gc removed %d unreferenced blobs: %s", len(removed), removed)
+        return removed
