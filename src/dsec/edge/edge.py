@@ -138,6 +138,11 @@ class Edge:
 
     # -- sandboxes --------------------------------------------------------------------------
 
+    def layers_in_use(self) -> set[str]:
+        """Digests this node has mounted or is using (garbage collection must keep them)."""
+        used = {digest for live in self._live.values() for digest in live.record.layers}
+        return used | set(self.mounts.mounted())
+
     def stats(self) -> dict[str, Any]:
         return {
             "node": self.config.node,
