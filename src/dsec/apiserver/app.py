@@ -27,12 +27,21 @@ from dsec.placement.placement import Placement
 from dsec.protocol.errors import (
     CapacityExhausted,
     DSecError,
+    Forbidden,
     InfraFailure,
     InvalidRequest,
     SandboxNotFound,
 )
 from dsec.protocol.ids import SandboxId
-from dsec.protocol.models import CommitRequest, CreateRequest, ExecRequest, ShellRequest, invalid_request
+from dsec.protocol.models import (
+    CommitRequest,
+    CreateRequest,
+    ExecRequest,
+    GcRequest,
+    RetagRequest,
+    ShellRequest,
+    invalid_request,
+)
 
 log = logging.getLogger("dsec.apiserver")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -94,6 +103,11 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
 
 
+def _admin(request: web.Request) -> None:
+    if not request[PRINCIPAL].admin:
+        raise Forbidden("this needs an admin API key")
+
+
 def _query(request: web.Request, name: str) -> str:
     value = request.query.get(name)
     if not value:
@@ -143,6 +157,10 @@ class ApiServer:
         r.add_get("/v1/layers", self.layers)
         r.add_post("/v1/layers", self.import_layer)
         r.add_post("/v1/images", self.import_image)
+        r.add_post("/v1/layers/retag", self.retag)
+        r.add_delete("/v1/layers", self.untag)
+        r.add_post("/v1/layers/verify", self.verify)
+        r.add_post("/v1/layers/gc", self.gc)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -343,6 +361,27 @@ class ApiServer:
             await resp.write(json.dumps(final).encode() + b"\n")
             await resp.write_eof()
             return resp
+
+    async def retag(self, request: web.Request) -> web.Response:
+        _admin(request)
+        req: RetagRequest = await _body(request, RetagRequest)
+        return _json(await asyncio.to_thread(self.store.retag, req.ref, req.target))
+
+    async def untag(self, request: web.Request) -> web.Response:
+        _admin(request)
+        digests = await asyncio.to_thread(self.store.untag, _query(request, "ref"))
+        return _json({"untagged": digests})
+
+    async def verify(self, request: web.Request) -> web.Response:
+        return _json(await asyncio.to_thread(self.store.verify, _query(request, "ref")))
+
+    async def gc(self, request: web.Request) -> web.Response:
+        """Delete blobs no tag names and no node uses; every edge reports what it has mounted."""
+        _admin(request)
+        req: GcRequest = await _body(request, GcRequest)
+        in_use = set().union(*(edge.layers_in_use(unmount_idle=True) for edge in self.edges.values()))
+        removed = await asyncio.to_thread(self.store.gc, in_use, grace_s=req.grace_s)
+        return _json({"removed": removed, "in_use": sorted(in_use)})
 
     async def import_layer(self, request: web.Request) -> web.Response:
         """Import a tar archive streamed as the request body as layer ``?ref=name:version``."""

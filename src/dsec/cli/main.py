@@ -189,6 +189,44 @@ def image_import(
     console.print(f"image {name}: {len(layers)} layers")
 
 
+@layer_app.command("tag")
+def layer_tag(
+    target: Annotated[str, typer.Argument(help="a layer reference or digest")],
+    ref: Annotated[str, typer.Argument(help="name:version to point at it")],
+) -> None:
+    """Point NAME:VERSION at a layer (the only way a tag ever moves)."""
+    layers = _client_call(lambda c: c.retag(ref, target))
+    console.print(f"{ref} -> {', '.join(x.digest[:19] for x in layers)}")
+
+
+@layer_app.command("rm")
+def layer_rm(refs: list[str]) -> None:
+    """Remove tags; the layers go at the next `dsec layer gc` if nothing else uses them."""
+
+    async def untag_all(c: DSecClient) -> None:
+        for ref in refs:
+            await c.untag(ref)
+            console.print(f"untagged {ref}")
+
+    _client_call(untag_all)
+
+
+@layer_app.command("gc")
+def layer_gc(
+    grace_s: Annotated[float | None, typer.Option(help="spare layers younger than this")] = None,
+) -> None:
+    """Delete stored layers that no tag names and no sandbox uses."""
+    removed = _client_call(lambda c: c.gc_layers(grace_s=grace_s))
+    console.print(f"removed {len(removed)} layer blobs")
+
+
+@layer_app.command("verify")
+def layer_verify(ref: str) -> None:
+    """Re-hash a layer's stored bytes (refused with 'corrupt' if they changed)."""
+    info = _client_call(lambda c: c.verify_layer(ref))
+    console.print(f"{info.digest} ok ({info.size / 1e6:.1f} MB)")
+
+
 @layer_app.command("ls")
 def layer_ls() -> None:
     """List the layers of this DSec."""

@@ -138,8 +138,14 @@ class Edge:
 
     # -- sandboxes --------------------------------------------------------------------------
 
-    def layers_in_use(self) -> set[str]:
-        """Digests this node has mounted or is using (garbage collection must keep them)."""
+    def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
+        """Digests this node has mounted or is using (garbage collection must keep them).
+
+        ``unmount_idle`` first unmounts layers no sandbox uses (kept mounted otherwise, for
+        the shared page cache), so a collection can free them.
+        """
+        if unmount_idle:
+            self.mounts.unmount_unused()
         used = {digest for live in self._live.values() for digest in live.record.layers}
         return used | set(self.mounts.mounted())
 

@@ -157,6 +157,17 @@ class ExecEvent(_Model):
     result: CommandResult | None = None
 
 
+class RetagRequest(_Model):
+    """Point ``ref`` at other content: a layer digest or reference, or an ordered list (an image)."""
+
+    ref: str
+    target: str | list[str]
+
+
+class GcRequest(_Model):
+    grace_s: float | None = Field(default=None, ge=0, description="spare blobs younger than this")
+
+
 class CommitRequest(_Model):
     """Pack what a sandbox changed into a new layer ``ref`` (``name:version``)."""
 

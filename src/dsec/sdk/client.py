@@ -31,7 +31,9 @@ from dsec.protocol.models import (
     ExecEvent,
     ExecRequest,
     FileStat,
+    GcRequest,
     LayerInfo,
+    RetagRequest,
     SandboxInfo,
     ShellRequest,
 )
@@ -379,6 +381,33 @@ class DSecClient:
                 elif event["t"] == "done":
                     return [LayerInfo.model_validate(x) for x in event["layers"]]
         raise InfraFailure(f"image import of {ref} ended without a result", reason="protocol")
+
+    async def retag(self, ref: str, target: str | builtins.list[str]) -> builtins.list[LayerInfo]:
+        """Point ``ref`` at other content (a layer, or an ordered list for an image).
+
+        Versions are immutable everywhere else: this explicit call is the only way a tag moves.
+        """
+        body = await self._t.request(
+            "POST", "/v1/layers/retag", json_body=RetagRequest(ref=ref, target=target).model_dump()
+        )
+        return [LayerInfo.model_validate(x) for x in body]
+
+    async def untag(self, ref: str) -> builtins.list[str]:
+        """Remove tag ``ref``; its blobs go at the next :meth:`gc_layers` if nothing else names them."""
+        body = await self._t.request("DELETE", "/v1/layers", params={"ref": ref})
+        return [str(d) for d in body["untagged"]]
+
+    async def verify_layer(self, ref: str) -> LayerInfo:
+        """Re-hash a layer's stored bytes; ``InfraFailure(reason="corrupt")`` if they changed."""
+        body = await self._t.request("POST", "/v1/layers/verify", params={"ref": ref}, timeout=3600)
+        return LayerInfo.model_validate(body)
+
+    async def gc_layers(self, *, grace_s: float | None = None) -> builtins.list[str]:
+        """Delete stored layers that no tag names and no sandbox uses; returns their digests."""
+        body = await self._t.request(
+            "POST", "/v1/layers/gc", json_body=GcRequest(grace_s=grace_s).model_dump(), timeout=3600
+        )
+        return [str(d) for d in body["removed"]]
 
     async def import_layer(self, path: str | os.PathLike[str], ref: str) -> LayerInfo:
         """Import a directory or tar archive as layer ``ref`` (``name:version``)."""
