@@ -19,6 +19,7 @@ from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.iam.store import IamStore
+from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement, Watcher
@@ -36,15 +37,29 @@ class NodeConfig:
     port: int = 8642
     node: str = "local"
     layer_dir: Path | None = None  # the layer store; None: <data_dir>/layers
+    shared_layer_dir: Path | None = None  # a shared filesystem mounted on every node (overrides layer_dir)
+    init_shared: bool = False  # make shared_layer_dir a new store (only for its first node)
     config_file: Path | None = None  # where the URL and admin key go; None: the SDK default
     edge: dict[str, Any] = field(default_factory=dict)  # EdgeConfig overrides (tests)
+
+
+def open_layer_store(config: NodeConfig) -> LayerStore:
+    """The node's layer store: a local directory, or a shared mount every node sees.
+
+    On a shared store, imports and builds work in a local scratch directory and copy the
+    finished layer in once: the shared filesystem sees whole-file writes only.
+    """
+    if config.shared_layer_dir is not None:
+        blobs = SharedMountBlobStore(config.shared_layer_dir, create=config.init_shared)
+        return LayerStore.over(blobs, scratch=config.data_dir / "layer-scratch")
+    return LayerStore(config.layer_dir or config.data_dir / "layers")
 
 
 class EmbeddedNode:
     def __init__(self, config: NodeConfig, backend: Backend | None = None) -> None:
         self.config = config
         data = config.data_dir
-        self.store = LayerStore(config.layer_dir or data / "layers")
+        self.store = open_layer_store(config)
         self.mounts = LayerMounts(data / "mnt")
         self.backend = backend or ContainerBackend(data)
         self.edge = Edge(

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError
 from dsec.protocol.models import CommandResult
 from dsec.sdk.args import DSecContainerRunArgs
@@ -66,18 +67,29 @@ def up(
     node: Annotated[str, typer.Option(help="this node's name (part of every sandbox ID)")] = "local",
     base: Annotated[bool, typer.Option(help="build the default base layer first if missing")] = True,
     layer_dir: Annotated[
-        Path | None, typer.Option(help="the layer store (default <data-dir>/layers); may be a shared mount")
+        Path | None, typer.Option(help="local layer store (default <data-dir>/layers)")
     ] = None,
+    shared_layers: Annotated[
+        Path | None, typer.Option(help="layer store on a shared filesystem mounted on every node")
+    ] = None,
+    init_shared: Annotated[bool, typer.Option(help="make --shared-layers a new, empty store")] = False,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
-    from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+    from dsec.apiserver.embedded import EmbeddedNode, NodeConfig, open_layer_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    layers = layer_dir or data_dir / "layers"
+    node_cfg = NodeConfig(
+        data_dir=data_dir,
+        host=host,
+        port=port,
+        node=node,
+        layer_dir=layer_dir,
+        shared_layer_dir=shared_layers,
+        init_shared=init_shared,
+    )
     if base:
-        _ensure_base(layers)
-    node_cfg = NodeConfig(data_dir=data_dir, host=host, port=port, node=node, layer_dir=layers)
+        _ensure_base(open_layer_store(node_cfg))
 
     async def serve() -> None:
         emb = EmbeddedNode(node_cfg)
@@ -102,11 +114,9 @@ def up(
         raise _fail(exc) from None
 
 
-def _ensure_base(layer_dir: Path) -> None:
+def _ensure_base(store: LayerStore) -> None:
     from dsec.images.base import ensure_base_layer
-    from dsec.images.store import LayerStore
 
-    store = LayerStore(layer_dir)
     started = time.monotonic()
     with console.status("default base layer debian:bookworm (debootstrap on first run, ~1 min)"):
         info = ensure_base_layer(store, progress=lambda msg: console.log(msg))
@@ -117,7 +127,7 @@ def _ensure_base(layer_dir: Path) -> None:
 def base_cmd(data_dir: DataDir = Path("/var/lib/dsec")) -> None:
     """Build the default base layer (Debian bookworm) if it is not there yet."""
     try:
-        _ensure_base(data_dir / "layers")
+        _ensure_base(LayerStore(data_dir / "layers"))
     except DSecError as exc:
         raise _fail(exc) from None
 

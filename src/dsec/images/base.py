@@ -21,7 +21,7 @@ from pathlib import Path
 from dsec.images.mount import mounts_under, unmount_tree
 from dsec.images.refs import parse_tag
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import LayerInfo
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -195,7 +195,13 @@ def ensure_base_layer(
             # The target is still mounted-into if debootstrap left anything; clear that first.
             unmount_tree(target)
             slim_rootfs(target)
-            info = store.import_path(target, ref)
+            try:
+                info = store.import_path(target, ref)
+            except InvalidRequest:
+                # Another node of a shared store finished first: its layer is as good as ours.
+                if not store.has_tag(ref):
+                    raise
+                info = store.resolve(ref)
             say(f"imported {ref} as {info.digest}: {info.size / 1e6:.1f} MB in {time.monotonic() - t1:.1f} s")
             return info
         finally:
