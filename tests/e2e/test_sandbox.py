@@ -75,8 +75,8 @@ async def test_exit_codes_stderr_and_stdin_isolation(sandbox: Sandbox) -> None:
 
 
 async def test_exit_in_session_ends_only_that_session(sandbox: Sandbox) -> None:
-    r = await sandbox.run_shell("exit 3")
-    assert r.exit_code == 3
+    r = await sandbox.run_shell("echo out; echo err >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n")
     assert (await sandbox.run_shell("echo fresh")).stdout == "fresh\n"
 
 

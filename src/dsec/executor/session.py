@@ -104,23 +104,32 @@ class Session:
                 command += "\n"
             oom_before = oom_kills()
             out, err = CappedBuffer(max_output), CappedBuffer(max_output)
+            readers = [
+                asyncio.create_task(
+                    _read_to_marker(proc.stdout, b"\0" + nonce.encode() + b":", out, with_code=True)
+                ),
+                asyncio.create_task(
+                    _read_to_marker(proc.stderr, b"\0" + nonce.encode() + b"\0", err, with_code=False)
+                ),
+            ]
             try:
                 proc.stdin.write(f"{nonce}\n{command}{nonce}\n".encode())
                 await proc.stdin.drain()
-                code, _ = await asyncio.wait_for(
-                    asyncio.gather(
-                        _read_to_marker(proc.stdout, b"\0" + nonce.encode() + b":", out, with_code=True),
-                        _read_to_marker(proc.stderr, b"\0" + nonce.encode() + b"\0", err, with_code=False),
-                    ),
-                    timeout,
-                )
+                async with asyncio.timeout(timeout):
+                    code, _ = await asyncio.gather(*readers)
                 timed_out = False
             except TimeoutError:
+                await self._stop_readers(readers)
                 await self.kill()
                 code, timed_out = None, True
             except (SessionDied, BrokenPipeError, ConnectionResetError):
+                # One stream ended; the other reader must let go of its pipe before the reap
+                # drains it (a stream has one reader at a time).
+                await self._stop_readers(readers)
                 self._proc = None
-                code, timed_out = await _reap(proc), False
+                code, timed_out = await _reap(proc, out, err), False
+            finally:
+                await self._stop_readers(readers)
             return CommandResult(
                 exit_code=code,
                 stdout=out.text(),
@@ -130,6 +139,12 @@ class Session:
                 truncated=out.truncated or err.truncated,
                 duration_s=time.monotonic() - started,
             )
+
+    @staticmethod
+    async def _stop_readers(readers: list[asyncio.Task[int | None]]) -> None:
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
 
     def detach(self) -> None:
         """Let the shell go without killing anything: on EOF it exits, its children live on."""
@@ -147,18 +162,24 @@ class Session:
         await _reap(proc)
 
 
-async def _reap(proc: asyncio.subprocess.Process) -> int | None:
-    """Wait for a finished or killed session shell; its exit code in shell form, if known."""
+async def _reap(
+    proc: asyncio.subprocess.Process, out: CappedBuffer | None = None, err: CappedBuffer | None = None
+) -> int | None:
+    """Wait for a finished or killed session shell; its exit code in shell form, if known.
 
-    async def drain(stream: asyncio.StreamReader | None) -> None:
+    What it still wrote goes into ``out``/``err`` when given (a shell that exited mid-command).
+    """
+
+    async def drain(stream: asyncio.StreamReader | None, buf: CappedBuffer | None) -> None:
         # asyncio's wait() returns only once every pipe reached EOF; a pipe whose reader
         # stopped (full buffer, transport paused) never does unless someone reads it.
-        while stream is not None and await stream.read(CHUNK):
-            pass
+        while stream is not None and (chunk := await stream.read(CHUNK)):
+            if buf is not None:
+                buf.add(chunk)
 
     with contextlib.suppress(ProcessLookupError, TimeoutError):
         async with asyncio.timeout(10):
-            await asyncio.gather(drain(proc.stdout), drain(proc.stderr))
+            await asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
             await proc.wait()
     code = proc.returncode
     return None if code is None else shell_exit_code(code)
