@@ -117,7 +117,7 @@ class Edge:
             user = User(**rec.user)
             if rec.state is SandboxState.running and await self.backend.alive(rec.id, rec.handle):
                 for digest in rec.layers:
-                    self.mounts.acquire(digest, self.store.blob_path(digest))
+                    self.mounts.acquire_layer(self.store, digest)
                 self._live[rec.id] = _Live(rec, user)
                 log.info("re-adopted %s", rec.id)
                 continue
@@ -176,7 +176,7 @@ class Edge:
         try:
             dirs = []
             for layer in layers:
-                dirs.append(self.mounts.acquire(layer.digest, self.store.blob_path(layer.digest)))
+                dirs.append(await self._acquire_layer(layer.digest))
                 acquired.append(layer.digest)
             user = resolve_user(dirs, spec.init_user)
             rec = Record(
@@ -202,6 +202,19 @@ class Edge:
             raise InfraFailure(f"create failed: {exc}", reason="runtime") from exc
         finally:
             self._creating -= 1
+
+    async def _acquire_layer(self, digest: str) -> Path:
+        # Off the event loop: a node's first mount of a layer hashes it (a single image) or
+        # copies its metadata (a split one). A cancelled create still waits for the mount to
+        # finish and gives the reference back, so no reference leaks.
+        job = asyncio.ensure_future(asyncio.to_thread(self.mounts.acquire_layer, self.store, digest))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await job
+                self.mounts.release(digest)
+            raise
 
     def _get_live(self, sandbox_id: str) -> _Live:
         SandboxId.parse(sandbox_id)  # a malformed ID is the caller's error, not a missing sandbox

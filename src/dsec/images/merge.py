@@ -43,7 +43,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from dsec.images.mount import mount_erofs, umount, unmount_tree
+from dsec.images.mount import umount, unmount_tree
+from dsec.images.mounts import mount_stored_layer
 from dsec.images.store import LayerStore
 from dsec.images.whiteouts import OPAQUE_XATTR, is_opaque, is_whiteout, make_whiteout, set_opaque
 from dsec.protocol.errors import InfraFailure, InvalidRequest
@@ -136,10 +137,7 @@ def _merge_run(store: LayerStore, digests: list[str], below: list[str]) -> str:
 
 def _mount(store: LayerStore, digest: str, mnt: Path) -> Path:
     mnt.mkdir()
-    try:
-        mount_erofs(store.blob_path(digest), mnt)
-    except OSError as err:
-        raise InfraFailure(f"cannot mount layer {digest} to merge: {err}", reason="storage") from err
+    mount_stored_layer(store, digest, mnt)  # either format: a split layer needs its data blob
     return mnt
 
 

@@ -41,6 +41,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -59,6 +60,7 @@ __all__ = [
     "build_split",
     "is_split_image",
     "mount_split",
+    "probe_split",
     "read_split_info",
     "set_read_ahead",
     "unmount_split",
@@ -75,6 +77,7 @@ _MAX_CHUNK = 1 << 30
 
 _SB_OFFSET = 1024
 _SB_MAGIC = 0xE0F5E1E2
+_MIN_BLKSZBITS, _MAX_BLKSZBITS = 9, 16  # 512 B .. 64 KiB: what the kernel could mount
 _OFF_CHECKSUM = 4
 _OFF_FEATURE_COMPAT = 8
 _OFF_BLKSZBITS = 12
@@ -86,6 +89,7 @@ _FEATURE_INCOMPAT_CHUNKED_FILE = 0x4
 _FEATURE_INCOMPAT_DEVICE_TABLE = 0x8
 _DEVT_SLOT_SIZE = 128  # struct erofs_deviceslot: u8 tag[64]; __le32 blocks; __le32 mapped_blkaddr; ...
 _TAG_LEN = 64
+_HEX64 = re.compile(rb"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -118,19 +122,31 @@ def _sha256_file(path: Path) -> tuple[str, int]:
     return "sha256:" + h.hexdigest(), size
 
 
+def _read_block(path: Path) -> bytearray | None:
+    """The first block (superblock included) of the EROFS image ``path``; None if ``path``
+    is not one (no magic, truncated, or a block size EROFS does not have). Raises OSError
+    (FileNotFoundError included) if it cannot be read."""
+    with open(path, "rb") as f:
+        head = f.read(_SB_OFFSET + 128)
+        if len(head) < _SB_OFFSET + 128 or struct.unpack_from("<I", head, _SB_OFFSET)[0] != _SB_MAGIC:
+            return None
+        bits = head[_SB_OFFSET + _OFF_BLKSZBITS]
+        if not _MIN_BLKSZBITS <= bits <= _MAX_BLKSZBITS:
+            return None
+        f.seek(0)
+        block = bytearray(f.read(1 << bits))
+    return block if len(block) == 1 << bits and len(block) > _SB_OFFSET + 128 else None
+
+
 def _read_head(meta: Path) -> bytearray:
     try:
-        with open(meta, "rb") as f:
-            head = bytearray(f.read(_SB_OFFSET + 128))
-            if len(head) < _SB_OFFSET + 128 or struct.unpack_from("<I", head, _SB_OFFSET)[0] != _SB_MAGIC:
-                raise InvalidRequest(f"{meta} is not an EROFS image (bad superblock magic)")
-            blksz = 1 << head[_SB_OFFSET + _OFF_BLKSZBITS]
-            f.seek(0)
-            block = bytearray(f.read(blksz))
+        block = _read_block(meta)
     except FileNotFoundError as err:
         raise InvalidRequest(f"EROFS metadata image {meta} does not exist") from err
-    if len(block) != blksz or blksz <= _SB_OFFSET:
-        raise InvalidRequest(f"{meta}: truncated EROFS image or unexpected block size {blksz}")
+    if block is None:
+        raise InvalidRequest(
+            f"{meta} is not an EROFS image (bad superblock magic, unexpected block size or truncated)"
+        )
     return block
 
 
@@ -160,14 +176,31 @@ def read_split_info(meta: str | os.PathLike[str]) -> SplitInfo:
     off = _slot_offset(block, meta)
     if off is None:
         raise InvalidRequest(f"{meta} is a single-device EROFS image, not a split layer")
+    return _split_info(block, off, meta)
+
+
+def probe_split(path: str | os.PathLike[str]) -> SplitInfo | None:
+    """What a stored layer blob is, from its first block (one small read, nothing else):
+    the :class:`SplitInfo` of a split META built by :func:`build_split`, or None for anything
+    else (a single-device EROFS image, a split layer's data blob, bytes that are no image).
+
+    InvalidRequest for an image with extra devices that :func:`build_split` did not make
+    (mounting it would need devices we do not know); OSError (FileNotFoundError included) if
+    ``path`` cannot be read.
+    """
+    path = Path(path)
+    block = _read_block(path)
+    if block is None:
+        return None
+    off = _slot_offset(block, path)
+    return None if off is None else _split_info(block, off, path)
+
+
+def _split_info(block: bytearray, off: int, meta: Path) -> SplitInfo:
     tag = bytes(block[off : off + _TAG_LEN])
-    try:
-        hexdigest = tag.decode("ascii")
-        bytes.fromhex(hexdigest)
-    except ValueError as err:
-        raise InvalidRequest(
-            f"{meta}: device slot carries no blob digest (not built by build_split)"
-        ) from err
+    if not _HEX64.fullmatch(tag):
+        raise InvalidRequest(f"{meta}: device slot carries no blob digest (not built by build_split)")
+    hexdigest = tag.decode("ascii")
     blocks = struct.unpack_from("<I", block, off + _TAG_LEN)[0]
     blksz = 1 << block[_SB_OFFSET + _OFF_BLKSZBITS]
     return SplitInfo(blob_digest="sha256:" + hexdigest, blob_size=blocks * blksz, block_size=blksz)
@@ -278,7 +311,7 @@ def verify_blob(meta: str | os.PathLike[str], blob: str | os.PathLike[str]) -> N
         raise InfraFailure(
             f"blob {blob} ({digest}, {size} bytes) does not belong to {meta} "
             f"({info.blob_digest}, {info.blob_size} bytes)",
-            reason="storage",
+            reason="corrupt",
         )
 
 

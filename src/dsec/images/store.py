@@ -7,15 +7,32 @@ catalogue (:mod:`dsec.images.catalogue`) is made of small files beside the blobs
 database: SQLite and advisory locks are unsafe on network filesystems, while the atomic
 create-if-absent and rename of single files that the catalogue needs work on every POSIX one.
 
+A layer is stored in one of two formats, side by side in one store (see :meth:`LayerStore.layer_format`):
+
+* ``single``: one lz4-compressed EROFS image (:func:`dsec.images.erofs.build_erofs`); the
+  layer's digest is the image's. The default over a local directory.
+* ``split``: two blobs (:mod:`dsec.images.ondemand`): a small metadata image (META) and the
+  uncompressed file data, which the kernel reads in place, page by page, so starting a sandbox
+  never copies the layer. The layer's digest is META's, and META records the data blob's digest
+  and size, so the layer digest covers the data too. The default over a
+  :class:`~dsec.images.blobstore.SharedMountBlobStore`. A data blob is not a layer: listings
+  and lookups skip it (a ``split-data/<data hex>/<meta hex>`` record marks it), and gc keeps it
+  while a split layer that names it is kept.
+
+The format is read from META itself (its superblock: one small read, cached), so blobs stored
+before split layers existed need no migration.
+
 Layout under ``root`` (directory stores)::
 
     dsec-store.json                  marker and layout version
     blobs/sha256/<hex>.erofs         immutable images, named by the sha256 of their bytes
+                                     (a split layer's data blob too)
     catalogue/tags/<name>/<version>.json   {"kind": "layer" | "image", "digests": [...],
                                      "created_at": ...}; a layer tag is a list of one digest,
                                      an image an ordered list (base first); one namespace
     catalogue/refs/<hex>/<name>/<version>  reverse index: which tags name a blob
     catalogue/meta/                  bookkeeping (the one-time import of catalog.sqlite)
+    catalogue/split-data/<data hex>/<meta hex>   empty: "this blob is the data of that split layer"
     tmp/                             imports in progress (same filesystem: publishing is a link)
 
 Rules, safe for many processes on many nodes at once:
@@ -43,10 +60,19 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Literal, get_args
 
-from dsec.images.blobstore import BlobStore, LocalDirBlobStore
+from dsec.images.blobstore import BlobStore, LocalDirBlobStore, SharedMountBlobStore
 from dsec.images.catalogue import IMAGE, LAYER, Catalogue, Kind, TagRecord, migrate_sqlite
 from dsec.images.erofs import build_erofs
+from dsec.images.ondemand import (
+    DEFAULT_CHUNK_SIZE,
+    SplitImage,
+    SplitInfo,
+    build_split,
+    probe_split,
+    read_split_info,
+)
 from dsec.images.refs import HEX_PREFIX_RE, REF_FORMS, digest_hex, is_tag, parse_tag
 from dsec.images.tarextract import extract_tar
 from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
@@ -62,6 +88,17 @@ _SWEEP_MIN_AGE_S = 3600.0
 
 _LS_HINT = "see the available layers with `dsec layer ls`"
 
+LayerFormat = Literal["single", "split"]
+SINGLE: LayerFormat = "single"
+SPLIT: LayerFormat = "split"
+# Record prefix marking data blobs: split-data/<data hex>/<meta hex> (empty records).
+SPLIT_DATA = "split-data"
+
+
+def default_layout(blobs: BlobStore) -> LayerFormat:
+    """``split`` over a shared mount (data read in place, on demand), ``single`` elsewhere."""
+    return SPLIT if isinstance(blobs, SharedMountBlobStore) else SINGLE
+
 
 class LayerStore:
     def __init__(
@@ -71,12 +108,18 @@ class LayerStore:
         blobs: BlobStore | None = None,
         scratch: Path | None = None,
         gc_grace_s: float = DEFAULT_GC_GRACE_S,
+        layout: LayerFormat | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         """Open the store at ``root`` (a local directory), or over ``blobs`` (any BlobStore).
 
         ``scratch`` is where imports extract and build (default: the blob store's ``tmp/``,
         on the same filesystem as the blobs). A shared store may want a local scratch: the
         finished image is then copied once into the store.
+
+        ``layout`` is the format new imports get (``single`` or ``split``, default:
+        :func:`default_layout`); layers of either format are read whatever it is.
+        ``chunk_size`` is the chunk of split layers (see :func:`dsec.images.ondemand.build_split`).
         """
         if blobs is None:
             blobs = LocalDirBlobStore(Path(root))
@@ -88,6 +131,14 @@ class LayerStore:
         self.tmp_dir = Path(scratch) if scratch is not None else blobs.tmp_dir
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.gc_grace_s = gc_grace_s
+        layout = default_layout(blobs) if layout is None else layout
+        if layout not in get_args(LayerFormat):
+            raise ValueError(f"layout must be one of {get_args(LayerFormat)}, not {layout!r}")
+        self.layout: LayerFormat = layout
+        self.chunk_size = chunk_size
+        # What each blob is, by digest (content-addressed, so it never changes): a split
+        # layer's SplitInfo, SINGLE, or _DATA for a split layer's data blob.
+        self._kinds: dict[str, SplitInfo | str] = {}
         self.catalogue = Catalogue(blobs)
         self.migrated: dict[str, object] | None = None
         legacy = self.root / LEGACY_CATALOGUE
@@ -96,10 +147,23 @@ class LayerStore:
 
     @classmethod
     def over(
-        cls, blobs: BlobStore, *, scratch: Path | None = None, gc_grace_s: float = DEFAULT_GC_GRACE_S
+        cls,
+        blobs: BlobStore,
+        *,
+        scratch: Path | None = None,
+        gc_grace_s: float = DEFAULT_GC_GRACE_S,
+        layout: LayerFormat | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> LayerStore:
         """A layer store over any blob store (e.g. a :class:`SharedMountBlobStore`)."""
-        return cls(blobs.root, blobs=blobs, scratch=scratch, gc_grace_s=gc_grace_s)
+        return cls(
+            blobs.root,
+            blobs=blobs,
+            scratch=scratch,
+            gc_grace_s=gc_grace_s,
+            layout=layout,
+            chunk_size=chunk_size,
+        )
 
     def close(self) -> None:
         """Nothing to release (no connection, no lock); kept for the context-manager API."""
@@ -113,17 +177,76 @@ class LayerStore:
     # ---- blobs -------------------------------------------------------------------------------
 
     def blob_path(self, digest: str) -> Path:
+        """Where the kernel reads blob ``digest`` (for a split layer: its META; the data blob
+        is at ``blob_path(split_info(digest).blob_digest)``)."""
         return self.blobs.path(digest)
 
+    def split_info(self, digest: str) -> SplitInfo | None:
+        """The data blob a split layer's META names (digest and size), None for a single one.
+
+        Reads META's first block once per process (a blob never changes). LayerNotFound if
+        the blob is not stored.
+        """
+        kind = self._kind(digest)
+        if kind == _FOREIGN:
+            raise InfraFailure(
+                f"layer blob {digest} is an EROFS image with extra devices that DSec did not make",
+                reason="storage",
+            )
+        return kind if isinstance(kind, SplitInfo) else None
+
+    def layer_format(self, digest: str) -> LayerFormat:
+        """``split`` (META + data blob) or ``single`` (one image); LayerNotFound if absent."""
+        return SPLIT if self.split_info(digest) is not None else SINGLE
+
+    def layer_blobs(self, digest: str) -> builtins.list[str]:
+        """Every blob the layer needs: its own and, for a split layer, the data blob."""
+        info = self.split_info(digest)
+        return [digest] if info is None else [digest, info.blob_digest]
+
+    def _kind(self, digest: str) -> SplitInfo | str:
+        kind = self._kinds.get(digest)
+        if kind is not None:
+            return kind
+        digest_hex(digest)
+        if self._is_data(digest):
+            kind = _DATA
+        else:
+            try:
+                kind = probe_split(self.blobs.path(digest)) or SINGLE
+            except FileNotFoundError:
+                raise self._not_found(digest) from None
+            except InvalidRequest as err:  # extra devices we did not make: not mountable
+                log.warning("layer blob %s: %s", digest, err)
+                kind = _FOREIGN
+            except OSError as err:
+                raise InfraFailure(f"reading layer blob {digest} failed: {err}", reason="storage") from err
+        self._kinds[digest] = kind
+        return kind
+
+    def _is_data(self, digest: str) -> bool:
+        return bool(self.blobs.list_records(f"{SPLIT_DATA}/{digest_hex(digest)}"))
+
+    def _data_digests(self) -> set[str]:
+        """Every blob marked as a split layer's data blob."""
+        return {f"sha256:{key.split('/')[1]}" for key in self.blobs.list_records(SPLIT_DATA)}
+
+    def _touch(self, digest: str) -> bool:
+        for attempt in range(3):
+            if self.blobs.touch(digest):
+                return True
+            time.sleep(0.05 * (attempt + 1))  # a collector may be putting it back
+        return False
+
     def _pin(self, digests: Iterable[str]) -> None:
-        """Refresh the blobs' stamps before a tag names them, so a collector spares them."""
+        """Refresh the blobs' stamps before a tag names them, so a collector spares them
+        (a split layer's data blob with it)."""
         for d in dict.fromkeys(digests):
-            for attempt in range(3):
-                if self.blobs.touch(d):
-                    break
-                time.sleep(0.05 * (attempt + 1))  # a collector may be putting it back
-            else:
+            if not self._touch(d):
                 raise self._not_found(d)
+            info = self.split_info(d)
+            if info is not None and not self._touch(info.blob_digest):
+                raise _data_missing(d, info.blob_digest)
 
     # ---- import --------------------------------------------------------------------------------
 
@@ -140,21 +263,44 @@ class LayerStore:
                 src = work / "rootfs"
                 src.mkdir()
                 extract_tar(path, src)
-            image = work / "layer.erofs"
-            build_erofs(src, image)
-            digest = self.blobs.put(image).digest
+            if self.layout == SPLIT:
+                split = build_split(src, work / "layer.meta", work / "layer.data", chunk_size=self.chunk_size)
+                digest = self._put_split(split)
+                built = {digest: split.meta, split.blob_digest: split.blob}
+            else:
+                image = work / "layer.erofs"
+                build_erofs(src, image)
+                digest = self.blobs.put(image).digest
+                built = {digest: image}
             self.catalogue.create(name, version, [digest])
-            if not self.blobs.exists(digest):
-                # A collector removed the (old, untagged) blob between our put and our tag;
-                # the image is still here (put links it), so store it again.
-                if not image.exists():
-                    raise InfraFailure(f"layer blob {digest} vanished during import; retry", reason="storage")
-                self.blobs.put(image)
+            for d, file in built.items():
+                if not self.blobs.exists(d):
+                    # A collector removed the (old, untagged) blob between our put and our
+                    # tag; the file is still here (put links it), so store it again.
+                    if not file.exists():
+                        raise InfraFailure(f"layer blob {d} vanished during import; retry", reason="storage")
+                    self.blobs.put(file)
         except OSError as err:
             raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return self._layer(digest, ref)
+
+    def _put_split(self, split: SplitImage) -> str:
+        """Store a split layer: mark the data blob, then put it, then META (which names it).
+
+        The marker goes first (and again last, in case a collector pruned it meanwhile), so a
+        data blob is never listed as a layer; the data blob goes before META, so a stored
+        META's data is stored too (a collector spares both: a put refreshes the stamp).
+        """
+        marker = f"{SPLIT_DATA}/{digest_hex(split.blob_digest)}/{digest_hex(split.meta_digest)}"
+        self.blobs.create_record(marker, b"")
+        self.blobs.put(split.blob, expected=split.blob_digest)
+        self.blobs.put(split.meta, expected=split.meta_digest)
+        self.blobs.create_record(marker, b"")
+        self._kinds[split.blob_digest] = _DATA
+        self._kinds[split.meta_digest] = read_split_info(split.meta)
+        return split.meta_digest
 
     def tag(self, digest: str, ref: str) -> LayerInfo:
         """Give an already stored blob another ``name:version`` (same immutability rules)."""
@@ -208,10 +354,16 @@ class LayerStore:
         st = self.blobs.stat(digest)
         if st is None:
             return None
+        try:
+            kind = self._kind(digest)
+        except LayerNotFound:
+            return None  # removed since the stat
+        if kind == _DATA:
+            return None  # a split layer's data blob is not a layer
         refs = self.catalogue.referrers(digest)
         created = min((r.created_at for r in refs), default=st.mtime)
         names = [r.ref for r in refs if r.is_layer]
-        return LayerInfo(digest=digest, size=st.size, names=names, created_at=created)
+        return _layer_info(digest, st.size, kind, names, created)
 
     def _layer(self, digest: str, ref: str) -> LayerInfo:
         info = self._info(digest)
@@ -245,6 +397,9 @@ class LayerStore:
         else:
             matches = [d for d in self.blobs.list_digests() if d[7:].startswith(hexpart)]
             if len(matches) > 1:
+                data = self._data_digests()
+                matches = [d for d in matches if d not in data]
+            if len(matches) > 1:
                 raise InvalidRequest(f"layer prefix {ref!r} is ambiguous; give more characters")
             info = self._info(matches[0]) if matches else None
         if info is None:
@@ -266,9 +421,22 @@ class LayerStore:
         raise self._not_found(ref, extra)
 
     def verify(self, ref: str) -> LayerInfo:
-        """Re-hash a layer's blob: InfraFailure(reason="corrupt") if its bytes changed."""
+        """Re-hash a layer's blobs (a split layer's META and data): InfraFailure(reason=
+        "corrupt") if their bytes changed, reason="storage" if a data blob is missing."""
         info = self.resolve(ref)
         self.blobs.verify(info.digest)
+        split = self.split_info(info.digest)
+        if split is not None:
+            size = self.blobs.stat(split.blob_digest)
+            if size is None:
+                raise _data_missing(info.digest, split.blob_digest)
+            if size.size != split.blob_size:
+                raise InfraFailure(
+                    f"data blob {split.blob_digest} of layer {info.digest} has {size.size} bytes, "
+                    f"its META expects {split.blob_size}: delete it and import the layer again",
+                    reason="corrupt",
+                )
+            self.blobs.verify(split.blob_digest)
         return info
 
     # ---- images: ordered lists of layers under one name:version ------------------------------
@@ -323,14 +491,19 @@ class LayerStore:
             if rec.is_layer:
                 names.setdefault(rec.digests[0], []).append(rec.ref)
         out = []
+        data = self._data_digests()
         for d in self.blobs.list_digests():
+            if d in data:
+                continue
             st = self.blobs.stat(d)
-            if st is not None:
-                out.append(
-                    LayerInfo(
-                        digest=d, size=st.size, names=names.get(d, []), created_at=first.get(d, st.mtime)
-                    )
-                )
+            if st is None:
+                continue
+            try:
+                kind = self._kind(d)
+            except LayerNotFound:
+                continue  # removed since the listing
+            if kind != _DATA:
+                out.append(_layer_info(d, st.size, kind, names.get(d, []), first.get(d, st.mtime)))
         return sorted(out, key=lambda i: (i.created_at, i.digest))
 
     # ---- garbage collection --------------------------------------------------------------------
@@ -351,10 +524,89 @@ class LayerStore:
         records = self.catalogue.records()
         for rec in records:
             keep.update(rec.digests)
+        for d in list(keep):  # a kept split layer keeps its data blob (its META is the truth)
+            info = self._split_or_none(d)
+            if info is not None:
+                keep.add(info.blob_digest)
+        data = self._data_digests()
+        stored = self.blobs.list_digests()
+        # Layers first, then the data blobs that no remaining split layer names: a young
+        # (spared) untagged split layer keeps its data blob as long as it stays itself.
         removed = [
-            d for d in self.blobs.list_digests() if d not in keep and self.blobs.delete(d, min_age=grace)
+            d for d in stored if d not in keep and d not in data and self.blobs.delete(d, min_age=grace)
         ]
+        needed, sure = set(), True
+        for d in self.blobs.list_digests():
+            if d in data:
+                continue
+            try:
+                info = self._split_or_none(d)
+            except InfraFailure as err:  # unreadable META: we cannot tell which data it needs
+                log.warning("gc keeps every data blob this time: %s", err)
+                sure = False
+                break
+            if info is not None:
+                needed.add(info.blob_digest)
+        if sure:
+            removed += [
+                d
+                for d in stored
+                if d in data and d not in keep and d not in needed and self.blobs.delete(d, min_age=grace)
+            ]
+        self._prune_data_markers()
         self.catalogue.repair_index(records)
+        for d in removed:
+            self._kinds.pop(d, None)
+        removed.sort()
         if removed:
             log.info("gc removed %d unreferenced blobs: %s", len(removed), removed)
         return removed
+
+    def _split_or_none(self, digest: str) -> SplitInfo | None:
+        """split_info for gc: None for a blob that is gone or that is no layer of ours."""
+        try:
+            kind = self._kind(digest)
+        except LayerNotFound:
+            return None
+        return kind if isinstance(kind, SplitInfo) else None
+
+    def _prune_data_markers(self) -> None:
+        """Drop the markers of data blobs that are gone together with their layer; put one
+        back if a writer stored either meanwhile (markers are a superset of the truth)."""
+        for key in self.blobs.list_records(SPLIT_DATA):
+            parts = key.split("/")
+            if len(parts) != 3:
+                continue
+            data, meta = f"sha256:{parts[1]}", f"sha256:{parts[2]}"
+            if self.blobs.exists(data) or self.blobs.exists(meta):
+                continue
+            self.blobs.delete_record(key)
+            if self.blobs.exists(data) or self.blobs.exists(meta):
+                self.blobs.create_record(key, b"")
+
+
+_DATA = "data"  # a split layer's data blob
+_FOREIGN = "foreign"  # an EROFS image with extra devices that build_split did not make
+
+
+def _layer_info(
+    digest: str, size: int, kind: SplitInfo | str, names: Sequence[str], created: float
+) -> LayerInfo:
+    if isinstance(kind, SplitInfo):
+        return LayerInfo(
+            digest=digest,
+            size=size + kind.blob_size,
+            names=list(names),
+            created_at=created,
+            format=SPLIT,
+            data_digest=kind.blob_digest,
+        )
+    fmt = SINGLE if kind == SINGLE else None
+    return LayerInfo(digest=digest, size=size, names=list(names), created_at=created, format=fmt)
+
+
+def _data_missing(digest: str, data: str) -> InfraFailure:
+    return InfraFailure(
+        f"split layer {digest} names data blob {data}, which is not stored; import the layer again",
+        reason="storage",
+    )

@@ -38,6 +38,11 @@ class LayerInfo(_Model):
     size: int
     names: list[str] = Field(default_factory=list)
     created_at: float
+    format: Literal["single", "split"] | None = Field(
+        default=None,
+        description="single: one EROFS image; split: META + data blob read in place (size counts both)",
+    )
+    data_digest: str | None = Field(default=None, description="a split layer's data blob")
 
 
 class ContainerSpec(_Model):
