@@ -609,11 +609,8 @@ def test_whiteout_conversion_both_ways(tmp_path: Path) -> None:
 
 # ---- archives made by real tools: umoci and skopeo, offline ------------------------------------
 
-needs_tools = pytest.mark.skipif(
-    shutil.which("umoci") is None or shutil.which("skopeo") is None, reason="needs umoci and skopeo (apt)"
-)
 
-
+# setup.sh installs both; without them these fail rather than skip.
 def _umoci_image(tmp_path: Path) -> Path:
     """Three layers made by umoci from real directories: a file, its deletion, a new dir."""
     layout = tmp_path / "umoci"
@@ -652,7 +649,6 @@ def umoci_layout(tmp_path: Path) -> Iterator[Path]:
     yield _umoci_image(tmp_path)
 
 
-@needs_tools
 def test_umoci_and_skopeo_archives(
     store: LayerStore, mounts: LayerMounts, tmp_path: Path, umoci_layout: Path
 ) -> None:
@@ -677,7 +673,6 @@ def test_umoci_and_skopeo_archives(
     assert_clean(store, tmp_path)
 
 
-@needs_tools
 def test_erofs_layer_keeps_overlay_whiteouts(store: LayerStore, tmp_path: Path, umoci_layout: Path) -> None:
     infos = import_oci(store, umoci_layout, "u:1")
     mnt = tmp_path / "m"
