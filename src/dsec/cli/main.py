@@ -138,7 +138,8 @@ def layer_import(
     name: Annotated[str, typer.Option("--name", help="name:version of the new layer")],
 ) -> None:
     """Import a directory or tar archive as an immutable EROFS layer."""
-    info = _client_call(lambda c: c.import_layer(path, name))
+    with err_console.status(f"importing {path} as {name} (pack, upload, mkfs.erofs)"):
+        info = _client_call(lambda c: c.import_layer(path, name))
     console.print_json(json.dumps(info.model_dump(mode="json")))
 
 
