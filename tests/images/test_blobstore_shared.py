@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.images import blobstore
-from dsec.images.blobstore import MARKER, BlobStore, SharedMountBlobStore
+from dsec.images.blobstore import MARKER, BlobStore, SharedMountBlobStore, _publish
 from dsec.protocol.errors import InfraFailure
 
 from .blobstore_conformance import BlobStoreConformance
@@ -67,7 +66,7 @@ class TestSharedMountWithClaimsOnly(BlobStoreConformance):
         def no_noreplace(src: Path, dst: Path) -> None:
             raise OSError(errno.EINVAL, "Invalid argument")
 
-        monkeypatch.setattr(blobstore, "_rename_noreplace", no_noreplace)
+        monkeypatch.setattr(_publish, "_rename_noreplace", no_noreplace)
         yield store
 
 

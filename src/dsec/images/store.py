@@ -60,47 +60,51 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
-from dsec.images.blobstore import BlobStore, LocalDirBlobStore, SharedMountBlobStore
+from dsec.images._split_layers import (
+    _DATA,
+    SINGLE,
+    SPLIT,
+    SPLIT_DATA,
+    LayerFormat,
+    _data_missing,
+    _layer_info,
+    _SplitLayers,
+    default_layout,
+)
+from dsec.images._store_gc import _GarbageCollection
+from dsec.images.blobstore import BlobStore, LocalDirBlobStore
 from dsec.images.catalogue import IMAGE, LAYER, Catalogue, Kind, TagRecord, migrate_sqlite
 from dsec.images.erofs import build_erofs
-from dsec.images.ondemand import (
-    DEFAULT_CHUNK_SIZE,
-    SplitImage,
-    SplitInfo,
-    build_split,
-    probe_split,
-    read_split_info,
-)
+from dsec.images.ondemand import DEFAULT_CHUNK_SIZE, SplitInfo, build_split
 from dsec.images.refs import HEX_PREFIX_RE, REF_FORMS, digest_hex, is_tag, parse_tag
 from dsec.images.tarextract import extract_tar
 from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
 from dsec.protocol.models import LayerInfo
+
+__all__ = [
+    "DEFAULT_GC_GRACE_S",
+    "DEFAULT_ROOT",
+    "LEGACY_CATALOGUE",
+    "SINGLE",
+    "SPLIT",
+    "SPLIT_DATA",
+    "LayerFormat",
+    "LayerStore",
+    "default_layout",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = Path("/var/lib/dsec/layers")
 DEFAULT_GC_GRACE_S = 600.0
 LEGACY_CATALOGUE = "catalog.sqlite"
-# Temporaries of crashed writers are swept by gc once they are at least this old.
-_SWEEP_MIN_AGE_S = 3600.0
 
 _LS_HINT = "see the available layers with `dsec layer ls`"
 
-LayerFormat = Literal["single", "split"]
-SINGLE: LayerFormat = "single"
-SPLIT: LayerFormat = "split"
-# Record prefix marking data blobs: split-data/<data hex>/<meta hex> (empty records).
-SPLIT_DATA = "split-data"
 
-
-def default_layout(blobs: BlobStore) -> LayerFormat:
-    """``split`` over a shared mount (data read in place, on demand), ``single`` elsewhere."""
-    return SPLIT if isinstance(blobs, SharedMountBlobStore) else SINGLE
-
-
-class LayerStore:
+class LayerStore(_SplitLayers, _GarbageCollection):
     def __init__(
         self,
         root: Path = DEFAULT_ROOT,
@@ -181,56 +185,6 @@ class LayerStore:
         is at ``blob_path(split_info(digest).blob_digest)``)."""
         return self.blobs.path(digest)
 
-    def split_info(self, digest: str) -> SplitInfo | None:
-        """The data blob a split layer's META names (digest and size), None for a single one.
-
-        Reads META's first block once per process (a blob never changes). LayerNotFound if
-        the blob is not stored.
-        """
-        kind = self._kind(digest)
-        if kind == _FOREIGN:
-            raise InfraFailure(
-                f"layer blob {digest} is an EROFS image with extra devices that DSec did not make",
-                reason="storage",
-            )
-        return kind if isinstance(kind, SplitInfo) else None
-
-    def layer_format(self, digest: str) -> LayerFormat:
-        """``split`` (META + data blob) or ``single`` (one image); LayerNotFound if absent."""
-        return SPLIT if self.split_info(digest) is not None else SINGLE
-
-    def layer_blobs(self, digest: str) -> builtins.list[str]:
-        """Every blob the layer needs: its own and, for a split layer, the data blob."""
-        info = self.split_info(digest)
-        return [digest] if info is None else [digest, info.blob_digest]
-
-    def _kind(self, digest: str) -> SplitInfo | str:
-        kind = self._kinds.get(digest)
-        if kind is not None:
-            return kind
-        digest_hex(digest)
-        if self._is_data(digest):
-            kind = _DATA
-        else:
-            try:
-                kind = probe_split(self.blobs.path(digest)) or SINGLE
-            except FileNotFoundError:
-                raise self._not_found(digest) from None
-            except InvalidRequest as err:  # extra devices we did not make: not mountable
-                log.warning("layer blob %s: %s", digest, err)
-                kind = _FOREIGN
-            except OSError as err:
-                raise InfraFailure(f"reading layer blob {digest} failed: {err}", reason="storage") from err
-        self._kinds[digest] = kind
-        return kind
-
-    def _is_data(self, digest: str) -> bool:
-        return bool(self.blobs.list_records(f"{SPLIT_DATA}/{digest_hex(digest)}"))
-
-    def _data_digests(self) -> set[str]:
-        """Every blob marked as a split layer's data blob."""
-        return {f"sha256:{key.split('/')[1]}" for key in self.blobs.list_records(SPLIT_DATA)}
-
     def _touch(self, digest: str) -> bool:
         for attempt in range(3):
             if self.blobs.touch(digest):
@@ -285,22 +239,6 @@ class LayerStore:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return self._layer(digest, ref)
-
-    def _put_split(self, split: SplitImage) -> str:
-        """Store a split layer: mark the data blob, then put it, then META (which names it).
-
-        The marker goes first (and again last, in case a collector pruned it meanwhile), so a
-        data blob is never listed as a layer; the data blob goes before META, so a stored
-        META's data is stored too (a collector spares both: a put refreshes the stamp).
-        """
-        marker = f"{SPLIT_DATA}/{digest_hex(split.blob_digest)}/{digest_hex(split.meta_digest)}"
-        self.blobs.create_record(marker, b"")
-        self.blobs.put(split.blob, expected=split.blob_digest)
-        self.blobs.put(split.meta, expected=split.meta_digest)
-        self.blobs.create_record(marker, b"")
-        self._kinds[split.blob_digest] = _DATA
-        self._kinds[split.meta_digest] = read_split_info(split.meta)
-        return split.meta_digest
 
     def tag(self, digest: str, ref: str) -> LayerInfo:
         """Give an already stored blob another ``name:version`` (same immutability rules)."""
@@ -505,108 +443,3 @@ class LayerStore:
             if kind != _DATA:
                 out.append(_layer_info(d, st.size, kind, names.get(d, []), first.get(d, st.mtime)))
         return sorted(out, key=lambda i: (i.created_at, i.digest))
-
-    # ---- garbage collection --------------------------------------------------------------------
-
-    def gc(self, in_use: Iterable[str] = frozenset(), *, grace_s: float | None = None) -> builtins.list[str]:
-        """Delete blobs that no tag names and that are not in ``in_use``; returns their digests.
-
-        A blob put or touched less than ``grace_s`` (default: the store's ``gc_grace_s``, 10 min)
-        ago is kept: an import stores its blob before it tags it. ``in_use`` must hold what
-        every node sharing the store has mounted (the store cannot see other nodes' mounts).
-        """
-        grace = self.gc_grace_s if grace_s is None else grace_s
-        keep = set()
-        for d in in_use:
-            digest_hex(d)
-            keep.add(d)
-        self.blobs.sweep(max(grace, _SWEEP_MIN_AGE_S))
-        records = self.catalogue.records()
-        for rec in records:
-            keep.update(rec.digests)
-        for d in list(keep):  # a kept split layer keeps its data blob (its META is the truth)
-            info = self._split_or_none(d)
-            if info is not None:
-                keep.add(info.blob_digest)
-        data = self._data_digests()
-        stored = self.blobs.list_digests()
-        # Layers first, then the data blobs that no remaining split layer names: a young
-        # (spared) untagged split layer keeps its data blob as long as it stays itself.
-        removed = [
-            d for d in stored if d not in keep and d not in data and self.blobs.delete(d, min_age=grace)
-        ]
-        needed, sure = set(), True
-        for d in self.blobs.list_digests():
-            if d in data:
-                continue
-            try:
-                info = self._split_or_none(d)
-            except InfraFailure as err:  # unreadable META: we cannot tell which data it needs
-                log.warning("gc keeps every data blob this time: %s", err)
-                sure = False
-                break
-            if info is not None:
-                needed.add(info.blob_digest)
-        if sure:
-            removed += [
-                d
-                for d in stored
-                if d in data and d not in keep and d not in needed and self.blobs.delete(d, min_age=grace)
-            ]
-        self._prune_data_markers()
-        self.catalogue.repair_index(records)
-        for d in removed:
-            self._kinds.pop(d, None)
-        removed.sort()
-        if removed:
-            log.info("gc removed %d unreferenced blobs: %s", len(removed), removed)
-        return removed
-
-    def _split_or_none(self, digest: str) -> SplitInfo | None:
-        """split_info for gc: None for a blob that is gone or that is no layer of ours."""
-        try:
-            kind = self._kind(digest)
-        except LayerNotFound:
-            return None
-        return kind if isinstance(kind, SplitInfo) else None
-
-    def _prune_data_markers(self) -> None:
-        """Drop the markers of data blobs that are gone together with their layer; put one
-        back if a writer stored either meanwhile (markers are a superset of the truth)."""
-        for key in self.blobs.list_records(SPLIT_DATA):
-            parts = key.split("/")
-            if len(parts) != 3:
-                continue
-            data, meta = f"sha256:{parts[1]}", f"sha256:{parts[2]}"
-            if self.blobs.exists(data) or self.blobs.exists(meta):
-                continue
-            self.blobs.delete_record(key)
-            if self.blobs.exists(data) or self.blobs.exists(meta):
-                self.blobs.create_record(key, b"")
-
-
-_DATA = "data"  # a split layer's data blob
-_FOREIGN = "foreign"  # an EROFS image with extra devices that build_split did not make
-
-
-def _layer_info(
-    digest: str, size: int, kind: SplitInfo | str, names: Sequence[str], created: float
-) -> LayerInfo:
-    if isinstance(kind, SplitInfo):
-        return LayerInfo(
-            digest=digest,
-            size=size + kind.blob_size,
-            names=list(names),
-            created_at=created,
-            format=SPLIT,
-            data_digest=kind.blob_digest,
-        )
-    fmt = SINGLE if kind == SINGLE else None
-    return LayerInfo(digest=digest, size=size, names=list(names), created_at=created, format=fmt)
-
-
-def _data_missing(digest: str, data: str) -> InfraFailure:
-    return InfraFailure(
-        f"split layer {digest} names data blob {data}, which is not stored; import the layer again",
-        reason="storage",
-    )
