@@ -86,3 +86,15 @@ def start_dsec_up(data_dir: Path, layer_dir: Path, config: Path, node: str) -> s
             raise AssertionError("dsec up did not write its config file within 60 s")
         time.sleep(0.05)
     return proc
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Corrupt one byte of a file in place, even a read-only (stored) blob; keeps its mode."""
+    mode = path.stat().st_mode & 0o7777
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    os.chmod(path, mode)

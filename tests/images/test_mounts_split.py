@@ -21,6 +21,7 @@ from dsec.images.mounts import LayerMounts, mount_stored_layer
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import LayerInfo
+from tests.support import flip_byte
 
 from .conftest import make_tree
 from .test_ondemand import MIB, _big_tree, _evict, _resident_bytes, _same_tree
@@ -40,16 +41,6 @@ def node_mounts(tmp_path: Path) -> Iterator[LayerMounts]:
         yield m
     finally:
         m.unmount_all(lazy=True)
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-    os.chmod(path, 0o444)
 
 
 def assert_nothing_mounted(mounts: LayerMounts, digest: str) -> None:

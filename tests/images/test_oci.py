@@ -31,6 +31,7 @@ from dsec.images.whiteouts import (
     overlay_to_oci,
 )
 from dsec.protocol.errors import InvalidRequest, LayerNotFound
+from tests.support import flip_byte
 
 from .ocikit import (
     OPQ,
@@ -311,12 +312,6 @@ def test_progress_reports_every_layer_stage(store: LayerStore, tmp_path: Path) -
 
 
 # ---- corruption and hostile archives -------------------------------------------------------
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def assert_nothing_imported(store: LayerStore, tmp_path: Path, ref: str = "app:1") -> None:

@@ -18,6 +18,7 @@ from dsec.images.ondemand import read_split_info
 from dsec.images.store import SPLIT_DATA, LayerStore, default_layout
 from dsec.protocol.errors import InfraFailure, LayerNotFound
 from dsec.protocol.models import LayerInfo
+from tests.support import flip_byte
 
 from .conftest import make_tree
 
@@ -35,16 +36,6 @@ def tree(tmp_path: Path, name: str, seed: str | None = None) -> Path:
     os.utime(src / "data.bin", ns=(0, 1_600_000_000 * 10**9))
     os.utime(src, ns=(0, 1_700_000_000 * 10**9))  # same tree, same bytes
     return src
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-    os.chmod(path, 0o444)
 
 
 def age(store: LayerStore, digest: str, seconds: float = 3600.0) -> None:
