@@ -14,7 +14,7 @@ import logging
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -44,6 +44,7 @@ from dsec.protocol.models import (
 )
 
 log = logging.getLogger("dsec.apiserver")
+M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _CHUNK = 1 << 20
 
@@ -54,12 +55,10 @@ PRINCIPAL = web.RequestKey("principal", Principal)
 def _json(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
     if isinstance(model, BaseModel):
         text = model.model_dump_json()
+    elif isinstance(model, list):
+        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model])
     else:
-        text = (
-            json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model])
-            if (isinstance(model, list))
-            else json.dumps(model)
-        )
+        text = json.dumps(model)
     return web.Response(text=text, status=status, content_type="application/json")
 
 
@@ -93,14 +92,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await request.read()
-    try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError:
-        raise
-    except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+async def _body(request: web.Request, model: type[M]) -> M:
+    # Malformed JSON and bad fields both raise ValidationError: a 400 naming the field.
+    return model.model_validate_json(await request.read() or b"{}")
 
 
 def _admin(request: web.Request) -> None:
