@@ -323,3 +323,16 @@ async def test_list_by_labels_and_get(client: DSecClient, make_sandbox: Sandboxe
     listed = {s.id for s in await client.list(labels={"job": "j1"})}
     assert a.id in listed and b.id not in listed
     assert (await client.get(b.id)).info.labels == {"job": "j2"}
+
+
+async def test_stop_all_of_a_job_in_one_call(client: DSecClient, make_sandbox: Sandboxes) -> None:
+    job = uuid.uuid4().hex[:8]
+    mine = [await make_sandbox(labels={"job": job}) for _ in range(3)]
+    other = await make_sandbox(labels={"job": "someone-else"})
+    stopped = await client.stop_all({"job": job})
+    assert sorted(i.id for i in stopped) == sorted(s.id for s in mine)
+    assert all(i.state is SandboxState.stopped for i in stopped)
+    assert await client.list(labels={"job": job}) == []
+    assert (await other.run_shell("echo alive")).stdout == "alive\n"
+    with pytest.raises(InvalidRequest):
+        await client.stop_all({})

@@ -97,6 +97,16 @@ async def _body(request: web.Request, model: type[M]) -> M:
     return model.model_validate_json(await request.read() or b"{}")
 
 
+def _labels(request: web.Request) -> dict[str, str]:
+    labels = {}
+    for item in request.query.getall("label", []):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidRequest(f"label filter {item!r} must be key=value")
+        labels[key] = value
+    return labels
+
+
 def _admin(request: web.Request) -> None:
     if not request[PRINCIPAL].admin:
         raise Forbidden("this needs an admin API key")
@@ -137,6 +147,7 @@ class ApiServer:
         r.add_get("/v1/health", self.health)
         r.add_post("/v1/sandboxes", self.create)
         r.add_get("/v1/sandboxes", self.list)
+        r.add_delete("/v1/sandboxes", self.stop_by_label)
         r.add_get("/v1/sandboxes/{id}", self.get)
         r.add_delete("/v1/sandboxes/{id}", self.stop)
         r.add_post("/v1/sandboxes/{id}/shell", self.shell)
@@ -177,14 +188,22 @@ class ApiServer:
                 return _json(info, status=201)
 
     async def list(self, request: web.Request) -> web.Response:
-        labels = {}
-        for item in request.query.getall("label", []):
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise InvalidRequest(f"label filter {item!r} must be key=value")
-            labels[key] = value
+        labels = _labels(request)
         out = [info for edge in self.edges.values() for info in edge.list_sandboxes(labels)]
         return _json(out)
+
+    async def stop_by_label(self, request: web.Request) -> web.Response:
+        """Stop every sandbox carrying all the given labels, on every node: "this job is gone"."""
+        labels = _labels(request)
+        if not labels:
+            raise InvalidRequest("give at least one label=key=value: stopping everything is not a bulk call")
+        targets = [(edge, info.id) for edge in self.edges.values() for info in edge.list_sandboxes(labels)]
+        results = await asyncio.gather(*(edge.stop(sid) for edge, sid in targets), return_exceptions=True)
+        stopped = [r for r in results if not isinstance(r, BaseException)]
+        failed = {
+            sid: str(r) for (_, sid), r in zip(targets, results, strict=True) if isinstance(r, BaseException)
+        }
+        return _json({"stopped": [i.model_dump(mode="json") for i in stopped], "failed": failed})
 
     async def get(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]

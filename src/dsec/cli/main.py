@@ -294,11 +294,21 @@ def sandbox_sh(sandbox_id: str, command: str, session: str = "default") -> None:
 
 
 @sandbox_app.command("stop")
-def sandbox_stop(sandbox_ids: list[str]) -> None:
-    """Stop sandboxes (their files and processes are gone afterwards)."""
+def sandbox_stop(
+    sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(help="stop every sandbox with these key=value labels")
+    ] = None,
+) -> None:
+    """Stop sandboxes by ID, or all of a job by label (their files and processes are gone)."""
+    if label:
+        labels = dict(item.split("=", 1) for item in label if "=" in item)
+        stopped = _client_call(lambda c: c.stop_all(labels))
+        console.print(f"stopped {len(stopped)} sandboxes")
+        return
 
     async def run(c: DSecClient) -> None:
-        for sid in sandbox_ids:
+        for sid in sandbox_ids or []:
             sb = await c.get(sid)
             with contextlib.suppress(DSecError):
                 await sb.stop()

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from dsec.protocol.errors import InfraFailure, error_from_wire
+from dsec.protocol.errors import InfraFailure, InvalidRequest, error_from_wire
 from dsec.protocol.models import (
     CommandResult,
     CommitRequest,
@@ -342,6 +342,17 @@ class DSecClient:
             progress=progress,
             step_timeout=step_timeout,
         )
+
+    async def stop_all(self, labels: dict[str, str]) -> builtins.list[SandboxInfo]:
+        """Stop every sandbox that carries all ``labels`` (e.g. ``{"job": job_id}``), on every node,
+        in one call. Returns what was stopped; raises if any could not be stopped."""
+        if not labels:
+            raise InvalidRequest("stop_all needs at least one label")
+        params = [("label", f"{k}={v}") for k, v in labels.items()]
+        body = await self._t.request("DELETE", "/v1/sandboxes", params=params, timeout=600)
+        if body["failed"]:
+            raise InfraFailure(f"could not stop {sorted(body['failed'])}: {body['failed']}", reason="runtime")
+        return [SandboxInfo.model_validate(x) for x in body["stopped"]]
 
     async def layers(self) -> builtins.list[LayerInfo]:
         return [LayerInfo.model_validate(x) for x in await self._t.request("GET", "/v1/layers")]
