@@ -27,24 +27,25 @@ install_debian() {
   fi
 }
 
-install_bench_debian() {
-  # The on-demand bench serves layers over sshfs from an sshd it starts in its own network
-  # namespace. Installing openssh-server must not start or enable a system-wide sshd.
+install_services_quietly() {
+  # Packages that ship a system service (sshd, PostgreSQL): the project starts its own
+  # throwaway instances, so installing must neither start nor enable a system-wide one.
   local missing=()
-  for p in openssh-server openssh-client sshfs; do
+  for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
-  if [ ${#missing[@]} -gt 0 ]; then
-    apt-get update -qq
-    local guard=/usr/sbin/policy-rc.d
-    local had_guard=0
-    [ -e "$guard" ] && had_guard=1
-    [ $had_guard = 1 ] || { printf '#!/bin/sh\nexit 101\n' > "$guard"; chmod +x "$guard"; }
-    local rc=0
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
-    [ $had_guard = 1 ] || rm -f "$guard"
-    [ $rc = 0 ] || { echo "setup.sh: installing ${missing[*]} failed" >&2; exit $rc; }
-    command -v systemctl >/dev/null && systemctl disable --now ssh >/dev/null 2>&1 || true
+  [ ${#missing[@]} -gt 0 ] || return 0
+  apt-get update -qq
+  mkdir -p /etc/postgresql-common
+  [ -e /etc/postgresql-common/createcluster.conf ] || echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.conf
+  local guard=/usr/sbin/policy-rc.d had_guard=0 rc=0
+  [ -e "$guard" ] && had_guard=1
+  [ $had_guard = 1 ] || { printf '#!/bin/sh\nexit 101\n' > "$guard"; chmod +x "$guard"; }
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+  [ $had_guard = 1 ] || rm -f "$guard"
+  [ $rc = 0 ] || { echo "setup.sh: installing ${missing[*]} failed" >&2; exit $rc; }
+  if command -v systemctl >/dev/null; then
+    systemctl disable --now ssh postgresql >/dev/null 2>&1 || true
   fi
 }
 
@@ -68,7 +69,7 @@ case "$cmd" in
     exec .venv/bin/dsec up "$@"
     ;;
   test)
-    need_root; install_debian; install_python test
+    need_root; install_debian; install_services_quietly postgresql; install_python test
     .venv/bin/dsec base --data-dir "${DSEC_TEST_DATA_DIR:-/var/lib/dsec-test}"
     .venv/bin/ruff check src tests bench
     .venv/bin/ruff format --check src tests bench
@@ -76,7 +77,7 @@ case "$cmd" in
     exec .venv/bin/pytest -q -p no:cacheprovider "$@"
     ;;
   bench)
-    need_root; install_debian; install_bench_debian; install_python test
+    need_root; install_debian; install_services_quietly openssh-server openssh-client sshfs; install_python test
     which=${1:-create}
     shift || true
     exec .venv/bin/python "bench/$which.py" "$@"

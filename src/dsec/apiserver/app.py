@@ -14,20 +14,30 @@ import logging
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from dsec.apiserver._http import (
+    IAM_KEY,
+    PRINCIPAL,
+    label_filter,
+    query_param,
+    read_body,
+    require_admin,
+    respond,
+)
+from dsec.apiserver.projects import ProjectRoutes
+from dsec.apiserver.tenancy import Tenancy
 from dsec.edge.edge import Edge
-from dsec.iam.store import IamStore, Principal
+from dsec.iam import IamStore
 from dsec.images.oci import import_oci
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import (
     CapacityExhausted,
     DSecError,
-    Forbidden,
     InfraFailure,
     InvalidRequest,
     SandboxNotFound,
@@ -35,31 +45,19 @@ from dsec.protocol.errors import (
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     CommitRequest,
+    ContainerSpec,
     CreateRequest,
     ExecRequest,
     GcRequest,
     RetagRequest,
+    SandboxInfo,
     ShellRequest,
     invalid_request,
 )
 
 log = logging.getLogger("dsec.apiserver")
-M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _CHUNK = 1 << 20
-
-IAM_KEY = web.AppKey("iam", IamStore)
-PRINCIPAL = web.RequestKey("principal", Principal)
-
-
-def _json(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
-    if isinstance(model, BaseModel):
-        text = model.model_dump_json()
-    elif isinstance(model, list):
-        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model])
-    else:
-        text = json.dumps(model)
-    return web.Response(text=text, status=status, content_type="application/json")
 
 
 @web.middleware
@@ -88,35 +86,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     header = request.headers.get("Authorization", "")
     key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
-    request[PRINCIPAL] = request.app[IAM_KEY].authenticate(key)
+    request[PRINCIPAL] = await request.app[IAM_KEY].authenticate(key)
     return await handler(request)
-
-
-async def _body(request: web.Request, model: type[M]) -> M:
-    # Malformed JSON and bad fields both raise ValidationError: a 400 naming the field.
-    return model.model_validate_json(await request.read() or b"{}")
-
-
-def _labels(request: web.Request) -> dict[str, str]:
-    labels = {}
-    for item in request.query.getall("label", []):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise InvalidRequest(f"label filter {item!r} must be key=value")
-        labels[key] = value
-    return labels
-
-
-def _admin(request: web.Request) -> None:
-    if not request[PRINCIPAL].admin:
-        raise Forbidden("this needs an admin API key")
-
-
-def _query(request: web.Request, name: str) -> str:
-    value = request.query.get(name)
-    if not value:
-        raise InvalidRequest(f"query parameter {name!r} is required")
-    return value
 
 
 class ApiServer:
@@ -127,6 +98,7 @@ class ApiServer:
         self.placement = placement
         self.store = store
         self.iam = iam
+        self.tenancy = Tenancy(iam)
 
     def edge_for(self, sandbox_id: str) -> Edge:
         sid = SandboxId.parse(sandbox_id)
@@ -139,6 +111,13 @@ class ApiServer:
                 f" (epoch {sid.epoch}, now {edge.epoch}): it no longer exists"
             )
         return edge
+
+    def owned(self, request: web.Request) -> tuple[Edge, str]:
+        """The sandbox a request names, if the request's key may see it (else: not found)."""
+        sid = request.match_info["id"]
+        edge = self.edge_for(sid)
+        self.tenancy.check_visible(request[PRINCIPAL], edge.get(sid))
+        return edge, sid
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=64 << 20)
@@ -166,63 +145,77 @@ class ApiServer:
         r.add_delete("/v1/layers", self.untag)
         r.add_post("/v1/layers/verify", self.verify)
         r.add_post("/v1/layers/gc", self.gc)
+        ProjectRoutes(self.iam).register(r)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return _json({"ok": True, "nodes": self.placement.watcher.snapshot})
+        return respond({"ok": True, "nodes": self.placement.watcher.snapshot})
 
     # -- sandboxes --------------------------------------------------------------------------
 
     async def create(self, request: web.Request) -> web.Response:
-        req: CreateRequest = await _body(request, CreateRequest)
+        req: CreateRequest = await read_body(request, CreateRequest)
+        token, spec = await self.tenancy.reserve(request[PRINCIPAL], req.project, req.spec)
+        try:
+            info = await self._place(spec, req.timeout)
+        except BaseException:
+            await asyncio.shield(self.tenancy.release(token))
+            raise
+        await self.tenancy.bind(token, info)
+        return respond(info, status=201)
+
+    async def _place(self, spec: ContainerSpec, timeout: float) -> SandboxInfo:
         tried: set[str] = set()
-        async with asyncio.timeout(req.timeout):
+        async with asyncio.timeout(timeout):
             while True:
-                node = self.placement.choose(req.spec.type, tried)
+                node = self.placement.choose(spec.type, tried)
                 with self.placement.reserve(node):
                     try:
-                        info = await self.edges[node].create(req.spec)
+                        return await self.edges[node].create(spec)
                     except CapacityExhausted:
                         tried.add(node)  # the edge has the final word; try the next node
-                        continue
-                return _json(info, status=201)
+
+    def _listed(self, request: web.Request) -> list[SandboxInfo]:
+        labels = label_filter(request)
+        everything = [info for edge in self.edges.values() for info in edge.list_sandboxes(labels)]
+        return self.tenancy.visible(request[PRINCIPAL], everything)
 
     async def list(self, request: web.Request) -> web.Response:
-        labels = _labels(request)
-        out = [info for edge in self.edges.values() for info in edge.list_sandboxes(labels)]
-        return _json(out)
+        return respond(self._listed(request))
 
     async def stop_by_label(self, request: web.Request) -> web.Response:
         """Stop every sandbox carrying all the given labels, on every node: "this job is gone"."""
-        labels = _labels(request)
-        if not labels:
+        if not label_filter(request):
             raise InvalidRequest("give at least one label=key=value: stopping everything is not a bulk call")
-        targets = [(edge, info.id) for edge in self.edges.values() for info in edge.list_sandboxes(labels)]
+        targets = [(self.edge_for(info.id), info.id) for info in self._listed(request)]
         results = await asyncio.gather(*(edge.stop(sid) for edge, sid in targets), return_exceptions=True)
+        for sid, result in zip((sid for _, sid in targets), results, strict=True):
+            if not isinstance(result, BaseException):
+                await self.tenancy.release(sid)
         stopped = [r for r in results if not isinstance(r, BaseException)]
         failed = {
             sid: str(r) for (_, sid), r in zip(targets, results, strict=True) if isinstance(r, BaseException)
         }
-        return _json({"stopped": [i.model_dump(mode="json") for i in stopped], "failed": failed})
+        return respond({"stopped": [i.model_dump(mode="json") for i in stopped], "failed": failed})
 
     async def get(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        return _json(self.edge_for(sid).get(sid))
+        edge, sid = self.owned(request)
+        return respond(edge.get(sid))
 
     async def stop(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        return _json(await self.edge_for(sid).stop(sid))
+        edge, sid = self.owned(request)
+        info = await edge.stop(sid)
+        await self.tenancy.release(sid)
+        return respond(info)
 
     async def shell(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        edge = self.edge_for(sid)
-        req: ShellRequest = await _body(request, ShellRequest)
-        return _json(await edge.run_shell(sid, req))
+        edge, sid = self.owned(request)
+        req: ShellRequest = await read_body(request, ShellRequest)
+        return respond(await edge.run_shell(sid, req))
 
     async def exec(self, request: web.Request) -> web.StreamResponse:
-        sid = request.match_info["id"]
-        edge = self.edge_for(sid)
-        req: ExecRequest = await _body(request, ExecRequest)
+        edge, sid = self.owned(request)
+        req: ExecRequest = await read_body(request, ExecRequest)
         try:
             stdin = base64.b64decode(req.stdin_b64, validate=True) if req.stdin_b64 is not None else None
         except ValueError as exc:
@@ -249,17 +242,16 @@ class ApiServer:
             await events.aclose()  # kills the process tree if the client went away
 
     async def commit(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        edge = self.edge_for(sid)
-        req: CommitRequest = await _body(request, CommitRequest)
-        return _json(await edge.commit(sid, req), status=201)
+        edge, sid = self.owned(request)
+        req: CommitRequest = await read_body(request, CommitRequest)
+        return respond(await edge.commit(sid, req), status=201)
 
     # -- files ------------------------------------------------------------------------------
 
     async def download(self, request: web.Request) -> web.StreamResponse:
-        sid = request.match_info["id"]
-        files = self.edge_for(sid).files(sid)
-        path = _query(request, "path")
+        edge, sid = self.owned(request)
+        files = edge.files(sid)
+        path = query_param(request, "path")
         fh = await asyncio.to_thread(files.open_read, path)
         try:
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
@@ -272,9 +264,9 @@ class ApiServer:
             fh.close()
 
     async def upload(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        files = self.edge_for(sid).files(sid)
-        path = _query(request, "path")
+        edge, sid = self.owned(request)
+        files = edge.files(sid)
+        path = query_param(request, "path")
         try:
             mode = int(request.query.get("mode", "644"), 8)
         except ValueError as exc:
@@ -287,37 +279,37 @@ class ApiServer:
         except BaseException:
             await asyncio.to_thread(writer.abort)
             raise
-        return _json(await asyncio.to_thread(files.stat, path), status=201)
+        return respond(await asyncio.to_thread(files.stat, path), status=201)
 
     async def stat(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        files = self.edge_for(sid).files(sid)
-        return _json(await asyncio.to_thread(files.stat, _query(request, "path")))
+        edge, sid = self.owned(request)
+        files = edge.files(sid)
+        return respond(await asyncio.to_thread(files.stat, query_param(request, "path")))
 
     async def list_dir(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        files = self.edge_for(sid).files(sid)
-        return _json(await asyncio.to_thread(files.list_dir, _query(request, "path")))
+        edge, sid = self.owned(request)
+        files = edge.files(sid)
+        return respond(await asyncio.to_thread(files.list_dir, query_param(request, "path")))
 
     async def mkdir(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        files = self.edge_for(sid).files(sid)
-        path = _query(request, "path")
+        edge, sid = self.owned(request)
+        files = edge.files(sid)
+        path = query_param(request, "path")
         parents = request.query.get("parents", "true") == "true"
         await asyncio.to_thread(files.mkdir, path, parents)
-        return _json(await asyncio.to_thread(files.stat, path), status=201)
+        return respond(await asyncio.to_thread(files.stat, path), status=201)
 
     async def remove(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        files = self.edge_for(sid).files(sid)
+        edge, sid = self.owned(request)
+        files = edge.files(sid)
         recursive = request.query.get("recursive", "false") == "true"
-        await asyncio.to_thread(files.remove, _query(request, "path"), recursive)
-        return _json({"removed": True})
+        await asyncio.to_thread(files.remove, query_param(request, "path"), recursive)
+        return respond({"removed": True})
 
     # -- layers -----------------------------------------------------------------------------
 
     async def layers(self, request: web.Request) -> web.Response:
-        return _json(await asyncio.to_thread(self.store.list))
+        return respond(await asyncio.to_thread(self.store.list))
 
     async def import_image(self, request: web.Request) -> web.StreamResponse:
         """Import an OCI image (docker save, or an OCI layout tarball) streamed as the body.
@@ -325,7 +317,7 @@ class ApiServer:
         Answers with NDJSON: ``{"t": "progress", ...}`` lines as the import goes, then one
         ``{"t": "done", "layers": [...]}`` or ``{"t": "error", "error": {...}}``.
         """
-        ref = _query(request, "ref")
+        ref = query_param(request, "ref")
         try:
             merge_below = int(float(request.query.get("merge_below_mb", "0")) * (1 << 20))
         except ValueError as exc:
@@ -376,32 +368,32 @@ class ApiServer:
             return resp
 
     async def retag(self, request: web.Request) -> web.Response:
-        _admin(request)
-        req: RetagRequest = await _body(request, RetagRequest)
-        return _json(await asyncio.to_thread(self.store.retag, req.ref, req.target))
+        require_admin(request)
+        req: RetagRequest = await read_body(request, RetagRequest)
+        return respond(await asyncio.to_thread(self.store.retag, req.ref, req.target))
 
     async def untag(self, request: web.Request) -> web.Response:
-        _admin(request)
-        digests = await asyncio.to_thread(self.store.untag, _query(request, "ref"))
-        return _json({"untagged": digests})
+        require_admin(request)
+        digests = await asyncio.to_thread(self.store.untag, query_param(request, "ref"))
+        return respond({"untagged": digests})
 
     async def verify(self, request: web.Request) -> web.Response:
-        return _json(await asyncio.to_thread(self.store.verify, _query(request, "ref")))
+        return respond(await asyncio.to_thread(self.store.verify, query_param(request, "ref")))
 
     async def gc(self, request: web.Request) -> web.Response:
         """Delete blobs no tag names and no node uses; every edge reports what it has mounted."""
-        _admin(request)
-        req: GcRequest = await _body(request, GcRequest)
+        require_admin(request)
+        req: GcRequest = await read_body(request, GcRequest)
         in_use = set().union(*(edge.layers_in_use(unmount_idle=True) for edge in self.edges.values()))
         removed = await asyncio.to_thread(self.store.gc, in_use, grace_s=req.grace_s)
-        return _json({"removed": removed, "in_use": sorted(in_use)})
+        return respond({"removed": removed, "in_use": sorted(in_use)})
 
     async def import_layer(self, request: web.Request) -> web.Response:
         """Import a tar archive streamed as the request body as layer ``?ref=name:version``."""
-        ref = _query(request, "ref")
+        ref = query_param(request, "ref")
         with tempfile.NamedTemporaryFile(dir=self.store.tmp_dir, suffix=".tar") as tmp:
             async for chunk in request.content.iter_chunked(_CHUNK):
                 await asyncio.to_thread(tmp.write, chunk)
             await asyncio.to_thread(tmp.flush)
             info = await asyncio.to_thread(self.store.import_path, Path(tmp.name), ref)
-        return _json(info, status=201)
+        return respond(info, status=201)

@@ -18,7 +18,7 @@ from dsec.apiserver.app import ApiServer
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.edge.edge import Edge, EdgeConfig
-from dsec.iam.store import IamStore
+from dsec.iam import SqliteIamStore
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
@@ -67,7 +67,7 @@ class EmbeddedNode:
         )
         self.watcher = Watcher({config.node: self.edge})
         self.placement = Placement(self.watcher)
-        self.iam = IamStore(data / "iam.sqlite")
+        self.iam = SqliteIamStore(data / "iam.sqlite")
         self.api = ApiServer({config.node: self.edge}, self.placement, self.store, self.iam)
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -82,24 +82,26 @@ class EmbeddedNode:
         await site.start()
         port = self._runner.addresses[0][1] if self.config.port == 0 else self.config.port
         self.url = f"http://{self.config.host}:{port}"
-        self.api_key = self._admin_key()
+        self.api_key = await self._admin_key()
+        self.api.tenancy.start(self.api.edges)
         write_client_config(self.url, self.api_key, self.config.config_file)
 
-    def _admin_key(self) -> str:
+    async def _admin_key(self) -> str:
         # Reuse the key in the config file if this node issued it, so clients survive restarts.
         key = read_config_file(self.config.config_file).get("api_key")
-        if key and self.iam.is_valid(key):
+        if key and await self.iam.is_valid(key):
             return key
-        return self.iam.issue_key(admin=True)
+        return await self.iam.issue_key(admin=True, name="dsec up")
 
     async def close(self, *, stop_sandboxes: bool = False) -> None:
         """Stop serving. Sandboxes keep running unless asked (a restart re-adopts them)."""
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.api.tenancy.close()
         await self.watcher.close()
         await self.edge.close(stop_sandboxes=stop_sandboxes)
         if not self.edge.list_sandboxes():
             self.mounts.unmount_all()
             await self.backend.release_node()
-        self.iam.close()
+        await self.iam.close()
         self.store.close()

@@ -254,9 +254,11 @@ def sandbox_ls(label: Annotated[list[str] | None, typer.Option(help="key=value f
     """List running sandboxes."""
     labels = dict(item.split("=", 1) for item in label or [] if "=" in item)
     sandboxes = _client_call(lambda c: c.list(labels))
-    table = Table("id", "state", "user", "labels")
+    table = Table("state", "project", "labels")
+    table.add_column("id", no_wrap=True, min_width=40)  # IDs are copied from here: never fold one
     for sb in sandboxes:
-        table.add_row(sb.id, sb.info.state.value, sb.info.init_user, json.dumps(sb.info.labels))
+        shown = json.dumps(sb.info.labels) if sb.info.labels else ""
+        table.add_row(sb.info.state.value, sb.info.project, shown, sb.id)
     console.print(table)
 
 

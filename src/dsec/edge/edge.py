@@ -30,6 +30,9 @@ from dsec.images.store import LayerStore
 from dsec.protocol.errors import CapacityExhausted, DSecError, InfraFailure, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
+    DEFAULT_PROJECT,
+    PROJECT_LABEL,
+    RESERVED_LABEL_PREFIX,
     CommandResult,
     CommitRequest,
     ContainerSpec,
@@ -277,7 +280,8 @@ class Edge:
             backend=rec.backend,
             node=self.config.node,
             layers=rec.layers,
-            labels=rec.spec.labels,
+            labels={k: v for k, v in rec.spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)},
+            project=rec.spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT),
             init_user=rec.spec.init_user,
             memory_limit_mb=rec.spec.memory_limit_mb,
             cpu_cores_limit=rec.spec.cpu_cores_limit,

@@ -130,7 +130,7 @@ class Journal:
             id=row[0],
             state=SandboxState(row[1]),
             backend=row[2],
-            spec=ContainerSpec.model_validate_json(row[3]),
+            spec=ContainerSpec.model_validate_json(row[3], context={"trusted": True}),
             layers=json.loads(row[4]),
             user=json.loads(row[5]),
             handle=json.loads(row[6]),

@@ -11,7 +11,15 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dsec.protocol.errors import InvalidRequest
 
@@ -19,6 +27,11 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 _USER_RE = re.compile(r"^(?:[a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})$")
 _SESSION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+RESERVED_LABEL_PREFIX = "dsec."
+PROJECT_LABEL = "dsec.project"  # set by the apiserver: the project a sandbox belongs to
+DEFAULT_PROJECT = "root"
 
 
 class _Model(BaseModel):
@@ -78,8 +91,13 @@ class ContainerSpec(_Model):
 
     @field_validator("labels")
     @classmethod
-    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+    def _labels(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        trusted = bool(info.context and info.context.get("trusted"))  # DSec's own records
         for k, val in v.items():
+            if k.startswith(RESERVED_LABEL_PREFIX) and not trusted:
+                raise ValueError(
+                    f"label {k!r}: labels starting with {RESERVED_LABEL_PREFIX!r} are set by DSec"
+                )
             if not _LABEL_KEY_RE.match(k) or len(val) > 256:
                 raise ValueError(f"invalid label {k!r}: keys are 1-63 of A-Za-z0-9._/-, values <= 256")
         return v
@@ -101,6 +119,7 @@ SandboxSpec = Annotated[ContainerSpec, Field(discriminator="type")]
 
 class CreateRequest(_Model):
     spec: SandboxSpec
+    project: str | None = Field(default=None, description="project to bill; default: the key's project")
     timeout: float = Field(default=120, gt=0, le=3600)
 
 
@@ -110,7 +129,8 @@ class SandboxInfo(_Model):
     backend: str
     node: str
     layers: list[str]
-    labels: dict[str, str]
+    labels: dict[str, str]  # the caller's labels; DSec's own (dsec.*) are not repeated here
+    project: str = DEFAULT_PROJECT
     init_user: str
     memory_limit_mb: int
     cpu_cores_limit: float
@@ -171,6 +191,31 @@ class RetagRequest(_Model):
 
 class GcRequest(_Model):
     grace_s: float | None = Field(default=None, ge=0, description="spare blobs younger than this")
+
+
+class QuotaModel(_Model):
+    """Bounds for a project's whole subtree; ``None``: only the ancestors' bounds apply."""
+
+    sandboxes: int | None = Field(default=None, ge=0)
+    cpu_cores: float | None = Field(default=None, ge=0)
+    memory_mib: int | None = Field(default=None, ge=0)
+
+
+class ProjectCreate(_Model):
+    parent: str
+    name: str
+    quota: QuotaModel = Field(default_factory=QuotaModel)
+
+
+class QuotaUpdate(_Model):
+    project: str
+    quota: QuotaModel
+
+
+class KeyCreate(_Model):
+    project: str
+    admin: bool = False
+    name: str = Field(default="", max_length=200)
 
 
 class CommitRequest(_Model):

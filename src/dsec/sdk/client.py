@@ -37,6 +37,7 @@ from dsec.protocol.models import (
     SandboxInfo,
     ShellRequest,
 )
+from dsec.sdk._projects import ProjectCalls
 from dsec.sdk._transport import Transport
 from dsec.sdk.args import DSecContainerRunArgs
 from dsec.sdk.build import BuildEvent, build_layer
@@ -256,7 +257,7 @@ def _tar_dir(src: Path, archive: Path) -> None:
         tar.add(src, arcname=".")
 
 
-class DSecClient:
+class DSecClient(ProjectCalls):
     """Connects to DSec: by default the local node that ``dsec up`` wrote into the config file."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 300) -> None:

@@ -1,0 +1,95 @@
+"""Who may see a sandbox, and who pays for it.
+
+A sandbox belongs to a project, written into its reserved ``dsec.project`` label at create
+time, so any apiserver can check access from the sandbox alone (no per-sandbox state here).
+A key sees its project's sandboxes and those of its sub-projects; any other sandbox answers
+"not found", so its existence is not revealed.
+
+Quotas are enforced by the IAM store's ledger: a create reserves its CPU and memory in the
+project's whole ancestor chain in one transaction before any node works (no overshoot under
+concurrent creates from several apiservers), binds the reservation to the sandbox ID once it
+runs, and releases it when the sandbox stops. What an edge reaps by itself (idle TTL, lifetime,
+death) is released by :meth:`Tenancy.reconcile_forever`, which compares the ledger with what the
+edges report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Mapping
+
+from dsec.edge.edge import Edge
+from dsec.iam import IamStore, Principal, can_access
+from dsec.protocol.errors import Forbidden, SandboxNotFound
+from dsec.protocol.models import PROJECT_LABEL, ContainerSpec, SandboxInfo
+
+log = logging.getLogger("dsec.apiserver")
+
+
+class Tenancy:
+    def __init__(
+        self, iam: IamStore, *, reconcile_interval_s: float = 5.0, pending_expiry_s: float = 3900
+    ) -> None:
+        self.iam = iam
+        self.reconcile_interval_s = reconcile_interval_s
+        self.pending_expiry_s = pending_expiry_s  # longer than any create may take
+        self._task: asyncio.Task[None] | None = None
+
+    def check_visible(self, principal: Principal, info: SandboxInfo) -> SandboxInfo:
+        if not can_access(principal, info.project):
+            raise SandboxNotFound(f"sandbox {info.id} does not exist")
+        return info
+
+    def visible(self, principal: Principal, infos: list[SandboxInfo]) -> list[SandboxInfo]:
+        return [i for i in infos if can_access(principal, i.project)]
+
+    async def reserve(
+        self, principal: Principal, project: str | None, spec: ContainerSpec
+    ) -> tuple[str, ContainerSpec]:
+        """Reserve the spec's resources in ``project`` (default: the key's); returns the
+        reservation token and the spec labelled with its project."""
+        project = project or principal.project
+        if not can_access(principal, project):
+            raise Forbidden(f"this key cannot create sandboxes in project {project!r}")
+        token = "create-" + secrets.token_hex(8)
+        await self.iam.reserve(project, token, spec.cpu_cores_limit, spec.memory_limit_mb, actor=principal)
+        labelled = spec.model_copy(update={"labels": {**spec.labels, PROJECT_LABEL: project}})
+        return token, labelled
+
+    async def bind(self, token: str, info: SandboxInfo) -> None:
+        await self.iam.bind(token, info.id, node=info.node)
+
+    async def release(self, sandbox_id: str) -> None:
+        await self.iam.release(sandbox_id)
+
+    async def reconcile(self, edges: Mapping[str, Edge], *, grace_s: float = 30.0) -> None:
+        """Release the quota of sandboxes the edges no longer run (reaped, died, lost).
+
+        Reservations younger than ``grace_s`` are spared: a report may predate their create.
+        """
+        for node, edge in edges.items():
+            live = {info.id for info in edge.list_sandboxes()}
+            released = await self.iam.reconcile(live, node, grace_s=grace_s)
+            if released:
+                log.info("released quota of %d sandboxes gone from %s", len(released), node)
+        await self.iam.expire_pending(self.pending_expiry_s)
+
+    def start(self, edges: Mapping[str, Edge]) -> None:
+        self._task = asyncio.create_task(self._reconcile_forever(edges))
+
+    async def _reconcile_forever(self, edges: Mapping[str, Edge]) -> None:
+        while True:
+            await asyncio.sleep(self.reconcile_interval_s)
+            try:
+                await self.reconcile(edges)
+            except Exception:
+                log.exception("quota reconciliation failed")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,458 @@
+"""The :class:`IamStore` over SQL, written once; SQLite and PostgreSQL only supply a ``Driver``.
+
+Authorization lives here too, so both stores refuse exactly the same things: a key acts on
+its own project and below; it may create sub-projects and keys there, set the quotas of its
+strict sub-projects only (never its own: that would let it raise its own limit), and issue
+admin keys only if it is an admin key itself.
+
+``authenticate`` is on every request's path. A fresh in-process cache answers it without a
+database trip; an entry lives ``cache_ttl_s`` (default 5 s), which is how long a revocation
+made through another apiserver process can take to reach this one (the revoking process
+evicts at once). Concurrent misses for one key share one lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Collection
+from typing import Self
+
+from dsec.iam import ledger
+from dsec.iam.base import (
+    KEY_PREFIX,
+    ROOT_PROJECT,
+    KeyInfo,
+    Principal,
+    ProjectInfo,
+    Quota,
+    Reservation,
+    Usage,
+    ancestors,
+    can_access,
+    child_path,
+    in_subtree,
+    key_digest,
+    key_id_of,
+    new_key,
+    subtree_range,
+    to_millicores,
+    validate_project,
+)
+from dsec.iam.ledger import PROJECT_COLS, Driver, ProjectRow, Tx, lock_chain, quota_limits
+from dsec.protocol.errors import Conflict, Forbidden, InvalidRequest, Unauthorized
+from dsec.protocol.ids import SandboxId
+
+_CACHE_MAX = 100_000
+
+
+def _require(actor: Principal | None, project: str, what: str) -> None:
+    if actor is not None and not can_access(actor, project):
+        raise Forbidden(f"a key of project {actor.project!r} may not {what} project {project!r}")
+
+
+def _require_above(actor: Principal | None, project: str, what: str) -> None:
+    """Only a strict ancestor's key may change a project's limits or delete it."""
+    if actor is not None and (project == actor.project or not can_access(actor, project)):
+        raise Forbidden(
+            f"a key of project {actor.project!r} may not {what} project {project!r}:"
+            " only a key of a project above it may"
+        )
+
+
+def _node_of(sandbox_id: str) -> str | None:
+    try:
+        return SandboxId.parse(sandbox_id).node
+    except InvalidRequest:
+        return None  # not a sandbox ID yet: a pending reservation, see ``bind``
+
+
+def _info(row: ProjectRow) -> ProjectInfo:
+    return ProjectInfo(row.id, row.parent, row.quota, row.usage, row.created_at)
+
+
+class SqlIamStore:
+    def __init__(self, db: Driver, *, cache_ttl_s: float = 5.0) -> None:
+        self._db = db
+        self.cache_ttl_s = cache_ttl_s
+        self._cache: dict[str, tuple[Principal, float]] = {}
+        self._inflight: dict[str, asyncio.Task[Principal]] = {}
+        # Bumped by every eviction: a lookup that started before it must not cache its answer
+        # (it may have read a key this process has revoked since).
+        self._generation = 0
+
+    async def close(self) -> None:
+        self._cache.clear()
+        await self._db.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- projects ---------------------------------------------------------------------------
+
+    async def create_project(
+        self, parent: str, name: str, quota: Quota | None = None, *, actor: Principal | None = None
+    ) -> ProjectInfo:
+        path = child_path(parent, name)
+        quota = ledger.normalized((quota or Quota()).validate())
+        _require(actor, parent, "create sub-projects in")
+        now = time.time()
+
+        async def tx(tx: Tx) -> ProjectInfo:
+            ledger.check_within(quota, await lock_chain(tx, ancestors(parent)), path)
+            made = await tx.fetch(
+                "INSERT INTO projects (id, parent, created_at, max_sandboxes, max_cpu_m, max_memory_mib)"
+                " VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING RETURNING id",
+                path,
+                parent,
+                now,
+                *quota_limits(quota),
+            )
+            if not made:
+                raise Conflict(f"project {path!r} already exists")
+            return ProjectInfo(path, parent, quota, Usage(), now)
+
+        return await self._db.write(tx)
+
+    async def get_project(self, project: str, *, actor: Principal | None = None) -> ProjectInfo:
+        validate_project(project)
+        _require(actor, project, "see")
+
+        async def tx(tx: Tx) -> ProjectInfo:
+            rows = await tx.fetch(f"SELECT {PROJECT_COLS} FROM projects WHERE id = $1", project)
+            if not rows:
+                raise InvalidRequest(f"no project {project!r}")
+            return _info(ProjectRow.of(rows[0]))
+
+        return await self._db.read(tx)
+
+    async def list_projects(
+        self, under: str = ROOT_PROJECT, *, actor: Principal | None = None
+    ) -> list[ProjectInfo]:
+        validate_project(under)
+        _require(actor, under, "list")
+        lo, hi = subtree_range(under)
+
+        async def tx(tx: Tx) -> list[ProjectInfo]:
+            rows = await tx.fetch(
+                f"SELECT {PROJECT_COLS} FROM projects WHERE id = $1 OR (id >= $2 AND id < $3) ORDER BY id",
+                under,
+                lo,
+                hi,
+            )
+            return [_info(ProjectRow.of(r)) for r in rows]
+
+        return await self._db.read(tx)
+
+    async def set_quota(self, project: str, quota: Quota, *, actor: Principal | None = None) -> ProjectInfo:
+        validate_project(project)
+        quota = ledger.normalized(quota.validate())
+        if not (actor is not None and project == actor.project == ROOT_PROJECT and actor.admin):
+            _require_above(actor, project, "set the quota of")
+        lo, hi = subtree_range(project)
+
+        async def tx(tx: Tx) -> ProjectInfo:
+            chain = await lock_chain(tx, ancestors(project))
+            if len(chain) > 1:
+                ledger.check_within(quota, chain[:-1], project)
+            # Keep "no sub-project exceeds its parent's bound" true below this project too. Each
+            # descendant's own quota already fits the ones between it and here, so checking them
+            # all against this project's new bound is enough. (Creating or re-quoting one of them
+            # locks this row, so none can slip in meanwhile.)
+            new_bound = ledger.bound([*chain[:-1], _with_quota(chain[-1], quota)])
+            top = await tx.fetch(
+                "SELECT max(max_sandboxes), max(max_cpu_m), max(max_memory_mib) FROM projects"
+                " WHERE id >= $1 AND id < $2",
+                lo,
+                hi,
+            )
+            for i, (highest, cap) in enumerate(zip(top[0], new_bound, strict=True)):
+                if highest is not None and cap is not None and highest > cap:
+                    name = ("sandboxes", "cpu_cores", "memory_mib")[i]
+                    raise InvalidRequest(
+                        f"a sub-project of {project!r} has a {name} quota above the new bound:"
+                        " lower the sub-projects' quotas first"
+                    )
+            await tx.execute(
+                "UPDATE projects SET max_sandboxes = $1, max_cpu_m = $2, max_memory_mib = $3 WHERE id = $4",
+                *quota_limits(quota),
+                project,
+            )
+            row = chain[-1]
+            return ProjectInfo(project, row.parent, quota, row.usage, row.created_at)
+
+        return await self._db.write(tx)
+
+    async def delete_project(self, project: str, *, actor: Principal | None = None) -> None:
+        validate_project(project)
+        if project == ROOT_PROJECT:
+            raise InvalidRequest("the root project cannot be deleted")
+        _require_above(actor, project, "delete")
+        lo, hi = subtree_range(project)
+
+        async def tx(tx: Tx) -> None:
+            chain = ancestors(project)
+            # Lock the ancestors and the whole subtree in one id-ordered statement: a create
+            # anywhere below waits, then finds its project gone.
+            rows = await tx.fetch(
+                f"SELECT {PROJECT_COLS} FROM projects WHERE id IN ({ledger.params(len(chain))})"
+                f" OR (id >= ${len(chain) + 1} AND id < ${len(chain) + 2}) ORDER BY id{tx.lock_delete}",
+                *chain,
+                lo,
+                hi,
+            )
+            mine = [ProjectRow.of(r) for r in rows if r[0] == project]
+            if not mine:
+                raise InvalidRequest(f"no project {project!r}")
+            if mine[0].used_sandboxes:
+                raise Conflict(
+                    f"project {project!r} still holds {mine[0].used_sandboxes} sandbox reservations:"
+                    " stop its sandboxes first"
+                )
+            where = "WHERE project = $1 OR (project >= $2 AND project < $3)"
+            await tx.execute(f"DELETE FROM api_keys {where}", project, lo, hi)
+            await tx.execute("DELETE FROM projects WHERE id = $1 OR (id >= $2 AND id < $3)", project, lo, hi)
+
+        await self._db.write(tx)
+        self._evict(lambda p: in_subtree(p.project, project))
+
+    # -- keys -------------------------------------------------------------------------------
+
+    async def issue_key(
+        self,
+        project: str = ROOT_PROJECT,
+        *,
+        admin: bool = False,
+        name: str = "",
+        actor: Principal | None = None,
+    ) -> str:
+        validate_project(project)
+        _require(actor, project, "issue keys for")
+        if admin and actor is not None and not actor.admin:
+            raise Forbidden("only an admin key may issue admin keys")
+        key = new_key()
+
+        async def tx(tx: Tx) -> None:
+            # The share lock keeps the project from being deleted under the new key.
+            if not await tx.fetch(f"SELECT id FROM projects WHERE id = $1{tx.lock_share}", project):
+                raise InvalidRequest(f"no project {project!r}")
+            await tx.execute(
+                "INSERT INTO api_keys (digest, key_id, project, admin, name, created_at)"
+                " VALUES ($1, $2, $3, $4, $5, $6)",
+                key_digest(key),
+                key_id_of(key),
+                project,
+                int(admin),
+                name,
+                time.time(),
+            )
+
+        await self._db.write(tx)
+        return key
+
+    async def authenticate(self, key: str | None) -> Principal:
+        if not key:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        digest = key_digest(key)
+        hit = self._cache.get(digest)
+        if hit is not None and hit[1] > time.monotonic():
+            return hit[0]
+        task = self._inflight.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(self._lookup(digest))
+            self._inflight[digest] = task
+            task.add_done_callback(lambda t: self._lookup_done(digest, t))
+        # Shielded: one caller giving up must not cancel the lookup the others are waiting for.
+        return await asyncio.shield(task)
+
+    def _lookup_done(self, digest: str, task: asyncio.Task[Principal]) -> None:
+        self._inflight.pop(digest, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: every waiter may have given up already
+
+    async def _lookup(self, digest: str) -> Principal:
+        async def tx(tx: Tx) -> list[ledger.Row]:
+            return await tx.fetch(
+                "SELECT project, admin, key_id FROM api_keys WHERE digest = $1 AND revoked_at IS NULL", digest
+            )
+
+        generation = self._generation
+        rows = await self._db.read(tx)
+        if not rows:
+            raise Unauthorized("unknown API key (never issued, revoked, or its project deleted)")
+        principal = Principal(project=rows[0][0], admin=bool(rows[0][1]), key_id=rows[0][2])
+        if self.cache_ttl_s > 0 and generation == self._generation:
+            if len(self._cache) >= _CACHE_MAX:
+                now = time.monotonic()
+                self._cache = {d: e for d, e in self._cache.items() if e[1] > now}
+                if len(self._cache) >= _CACHE_MAX:
+                    self._cache.clear()
+            self._cache[digest] = (principal, time.monotonic() + self.cache_ttl_s)
+        return principal
+
+    def _evict(self, match: Callable[[Principal], bool]) -> None:
+        self._generation += 1
+        self._cache = {d: e for d, e in self._cache.items() if not match(e[0])}
+
+    async def is_valid(self, key: str) -> bool:
+        try:
+            await self.authenticate(key)
+        except Unauthorized:
+            return False
+        return True
+
+    async def revoke_key(self, key_or_id: str, *, actor: Principal | None = None) -> bool:
+        """Revoke by the key itself or by its public ``key_id``; False if there was none live."""
+        key_id = key_id_of(key_or_id) if key_or_id.startswith(KEY_PREFIX) else key_or_id
+
+        async def tx(tx: Tx) -> bool:
+            rows = await tx.fetch(
+                f"SELECT project FROM api_keys WHERE key_id = $1 AND revoked_at IS NULL{tx.lock_update}",
+                key_id,
+            )
+            if not rows:
+                return False
+            _require(actor, rows[0][0], "revoke keys of")
+            await tx.execute("UPDATE api_keys SET revoked_at = $1 WHERE key_id = $2", time.time(), key_id)
+            return True
+
+        revoked = await self._db.write(tx)
+        self._evict(lambda p: p.key_id == key_id)
+        return revoked
+
+    async def list_keys(
+        self, project: str = ROOT_PROJECT, *, actor: Principal | None = None
+    ) -> list[KeyInfo]:
+        """The keys of ``project`` and its sub-projects, revoked ones included."""
+        validate_project(project)
+        _require(actor, project, "list keys of")
+        lo, hi = subtree_range(project)
+
+        async def tx(tx: Tx) -> list[ledger.Row]:
+            return await tx.fetch(
+                "SELECT key_id, project, admin, name, created_at, revoked_at FROM api_keys"
+                " WHERE project = $1 OR (project >= $2 AND project < $3) ORDER BY project, created_at",
+                project,
+                lo,
+                hi,
+            )
+
+        return [
+            KeyInfo(r[0], r[1], bool(r[2]), r[3], r[4], r[5] is not None) for r in await self._db.read(tx)
+        ]
+
+    # -- the usage ledger -------------------------------------------------------------------
+
+    async def reserve(
+        self,
+        project: str,
+        sandbox_id: str,
+        cpu_cores: float,
+        memory_mib: int,
+        *,
+        node: str | None = None,
+        actor: Principal | None = None,
+    ) -> Reservation:
+        """Hold quota for one sandbox in every ancestor at once, or raise ``QuotaExceeded``.
+
+        ``sandbox_id`` is the ledger key: the sandbox's ID, or any unique token for a create
+        whose ID is not known yet (then ``bind`` it to the ID once the edge made it). ``node``
+        defaults to the one the ID encodes; a token has none, so ``reconcile`` leaves it alone
+        and ``expire_pending`` collects it if the apiserver died before binding it. Reserving
+        the same ID again with the same amounts is a no-op (a retried request).
+        """
+        validate_project(project)
+        _require(actor, project, "create sandboxes in")
+        if not sandbox_id or len(sandbox_id) > 200:
+            raise InvalidRequest("a reservation needs a sandbox ID (or token) of 1-200 characters")
+        if cpu_cores < 0 or memory_mib < 0:
+            raise InvalidRequest("a reservation's CPU and memory must be >= 0")
+        node = node if node is not None else _node_of(sandbox_id)
+        cpu_m = to_millicores(cpu_cores)
+
+        async def tx(tx: Tx) -> Reservation:
+            return await ledger.reserve(tx, project, sandbox_id, node, cpu_m, memory_mib)
+
+        return await self._db.write(tx)
+
+    async def bind(self, reservation_id: str, sandbox_id: str, *, node: str | None = None) -> Reservation:
+        """Move a pending reservation onto the sandbox the edge made (``SandboxNotFound`` if gone)."""
+        node = node if node is not None else _node_of(sandbox_id)
+
+        async def tx(tx: Tx) -> Reservation:
+            return await ledger.bind(tx, reservation_id, sandbox_id, node)
+
+        return await self._db.write(tx)
+
+    async def release(self, sandbox_id: str) -> bool:
+        """Give a sandbox's quota back; False if it held none (already released)."""
+
+        async def tx(tx: Tx) -> list[str]:
+            return await ledger.release_many(tx, [sandbox_id])
+
+        return bool(await self._db.write(tx))
+
+    async def reconcile(self, live_ids: Collection[str], node: str, *, grace_s: float = 30.0) -> list[str]:
+        """Release the rows of ``node`` whose sandbox is not in ``live_ids`` (what the edge reports).
+
+        Rows reserved or bound less than ``grace_s`` ago are kept: the report may predate a
+        create that has just finished. Returns the released IDs.
+        """
+        cutoff = time.time() - grace_s
+        return await self._release_where("node = $1 AND since < $2", node, cutoff, keep=set(live_ids))
+
+    async def expire_pending(self, older_than_s: float) -> list[str]:
+        """Release reservations never bound to a sandbox (their apiserver died mid-create)."""
+        return await self._release_where("node IS NULL AND since < $1", time.time() - older_than_s)
+
+    async def _release_where(self, where: str, *args: object, keep: set[str] | None = None) -> list[str]:
+        async def find(tx: Tx) -> list[ledger.Row]:
+            return await tx.fetch(f"SELECT sandbox_id FROM ledger WHERE {where}", *args)
+
+        stale = [r[0] for r in await self._db.read(find) if keep is None or r[0] not in keep]
+        if not stale:
+            return []
+
+        async def tx(tx: Tx) -> list[str]:
+            # The condition again: a row bound or re-reserved since the read is not stale.
+            return await ledger.release_many(tx, stale, f" AND {where}", *args)
+
+        return await self._db.write(tx)
+
+    async def usage(self, project: str, *, actor: Principal | None = None) -> Usage:
+        """What ``project`` and all its sub-projects hold now."""
+        return (await self.get_project(project, actor=actor)).usage
+
+    async def reservations(self, *, project: str | None = None, node: str | None = None) -> list[Reservation]:
+        """Ledger rows, optionally of one project's subtree and/or one node (for operators)."""
+        where, args = ["1 = 1"], list[str]()
+        if project is not None:
+            lo, hi = subtree_range(validate_project(project))
+            where.append("(project = $1 OR (project >= $2 AND project < $3))")
+            args += [project, lo, hi]
+        if node is not None:
+            where.append(f"node = ${len(args) + 1}")
+            args.append(node)
+
+        async def tx(tx: Tx) -> list[ledger.Row]:
+            return await tx.fetch(
+                "SELECT sandbox_id, project, node, cpu_m, memory_mib, since FROM ledger"
+                f" WHERE {' AND '.join(where)} ORDER BY since, sandbox_id",
+                *args,
+            )
+
+        return [ledger.reservation(r) for r in await self._db.read(tx)]
+
+    async def recount(self) -> dict[str, tuple[Usage, Usage]]:
+        """Rebuild the subtree counters from the ledger; returns what had drifted (nothing, normally)."""
+        return await self._db.write(ledger.recount)
+
+
+def _with_quota(row: ProjectRow, quota: Quota) -> ProjectRow:
+    s, c, m = quota_limits(quota)
+    return ProjectRow(
+        row.id, row.parent, row.created_at, s, c, m, row.used_sandboxes, row.used_cpu_m, row.used_memory_mib
+    )
