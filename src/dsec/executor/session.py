@@ -50,7 +50,13 @@ async def _read_to_marker(
     """Copy output into ``buf`` until ``marker`` (and, for stdout, ``<code>\\0``) arrives."""
     window = b""
     while True:
-        chunk = await stream.read(CHUNK)
+        try:
+            chunk = await stream.read(CHUNK)
+        except asyncio.CancelledError:
+            # Stopped because the shell died (the other stream saw EOF first): what this
+            # stream held back while looking for a marker is output, not marker.
+            buf.add(window)
+            raise
         if not chunk:
             buf.add(window)
             raise SessionDied
