@@ -78,6 +78,16 @@ async def test_dsec_up_then_sdk_and_cli_connect_by_default(
             built = await asyncio.to_thread(run, "layer", "build", str(layer_dir), "--name", built_ref, "-v")
             assert built.returncode == 0, built.stderr
             assert "[1/2]" in built.stdout and "[commit]" in built.stdout and "built\n" in built.stdout
+            made = await asyncio.to_thread(run, "project", "create", "root", "cli-team", "--sandboxes", "3")
+            assert made.returncode == 0 and "root/cli-team" in made.stdout, made.stderr
+            key = (await asyncio.to_thread(run, "key", "issue", "root/cli-team")).stdout.strip()
+            assert key.startswith("dsec_")
+            listed = await asyncio.to_thread(run, "project", "ls")
+            assert "root/cli-team" in listed.stdout and "0 / 3" in listed.stdout
+            async with DSecClient(json.loads(config.read_text())["url"], key) as team:
+                with pytest.raises(SandboxNotFound):  # the admin's sandbox is not the team's to see
+                    await team.get(sb.id)
+                assert (await client.get(sb.id)).id == sb.id
             bad = await asyncio.to_thread(run, "sandbox", "create", "no-such:1")
             assert bad.returncode == 2 and "no-such:1" in bad.stderr
         finally:

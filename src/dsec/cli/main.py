@@ -33,6 +33,14 @@ layer_app = typer.Typer(help="Layers: immutable, content-addressed EROFS images.
 sandbox_app = typer.Typer(help="Sandboxes on this DSec.", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
 app.add_typer(sandbox_app, name="sandbox")
+project_app = typer.Typer(
+    help="Projects: nested, each with quotas bounding its subtree.", no_args_is_help=True
+)
+key_app = typer.Typer(
+    help="API keys: each belongs to a project and sees only its subtree.", no_args_is_help=True
+)
+app.add_typer(project_app, name="project")
+app.add_typer(key_app, name="key")
 image_app = typer.Typer(help="Images: ordered lists of layers under one name:version.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 console = Console()
@@ -172,6 +180,66 @@ def layer_build(
 
     info = _client_call(lambda c: c.build_layer(dockerfile, context, name, exclude=exclude, progress=show))
     console.print_json(json.dumps(info.model_dump(mode="json")))
+
+
+QUOTA_KEYS = ("sandboxes", "cpu_cores", "memory_mib")
+Sandboxes = Annotated[int | None, typer.Option(help="max concurrent sandboxes in the subtree")]
+Cores = Annotated[float | None, typer.Option(help="max CPU cores in the subtree")]
+Memory = Annotated[int | None, typer.Option(help="max memory (MiB) in the subtree")]
+
+
+@project_app.command("create")
+def project_create(
+    parent: str, name: str, sandboxes: Sandboxes = None, cpus: Cores = None, memory_mib: Memory = None
+) -> None:
+    """Create PARENT/NAME (quotas may not exceed the parent's)."""
+    info = _client_call(
+        lambda c: c.create_project(parent, name, sandboxes=sandboxes, cpu_cores=cpus, memory_mib=memory_mib)
+    )
+    console.print(f"created {info['id']}")
+
+
+@project_app.command("quota")
+def project_quota(
+    project: str, sandboxes: Sandboxes = None, cpus: Cores = None, memory_mib: Memory = None
+) -> None:
+    """Set a sub-project's quotas (a key can never raise its own)."""
+    _client_call(lambda c: c.set_quota(project, sandboxes=sandboxes, cpu_cores=cpus, memory_mib=memory_mib))
+    console.print(f"quota of {project} set")
+
+
+@project_app.command("ls")
+def project_ls(under: Annotated[str | None, typer.Argument()] = None) -> None:
+    """Projects under UNDER (default: your key's), with quotas and usage."""
+    projects = _client_call(lambda c: c.list_projects(under))
+    table = Table("project", "sandboxes", "cpu cores", "memory MiB")
+    for p in projects:
+        cells = [f"{p['usage'][k]} / {'-' if p['quota'][k] is None else p['quota'][k]}" for k in QUOTA_KEYS]
+        table.add_row(p["id"], *cells)
+    console.print(table)
+
+
+@key_app.command("issue")
+def key_issue(project: str, admin: bool = False, name: str = "") -> None:
+    """Issue an API key for PROJECT (printed once: only its digest is kept)."""
+    print(_client_call(lambda c: c.issue_key(project, admin=admin, name=name)))
+
+
+@key_app.command("ls")
+def key_ls(project: Annotated[str | None, typer.Argument()] = None) -> None:
+    """Keys of PROJECT (their IDs, never the keys)."""
+    keys = _client_call(lambda c: c.list_keys(project))
+    table = Table("key id", "project", "admin", "name", "revoked")
+    for k in keys:
+        table.add_row(k["key_id"], k["project"], str(k["admin"]), k["name"], str(k["revoked"]))
+    console.print(table)
+
+
+@key_app.command("revoke")
+def key_revoke(key_id: str) -> None:
+    """Revoke a key by its ID."""
+    revoked = _client_call(lambda c: c.revoke_key(key_id))
+    console.print("revoked" if revoked else "no such key")
 
 
 @image_app.command("import")
