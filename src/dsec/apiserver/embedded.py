@@ -18,7 +18,7 @@ from dsec.apiserver.app import ApiServer
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.edge.edge import Edge, EdgeConfig
-from dsec.iam import SqliteIamStore
+from dsec.iam import IamStore, open_iam_store
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
@@ -40,6 +40,7 @@ class NodeConfig:
     shared_layer_dir: Path | None = None  # a shared filesystem mounted on every node (overrides layer_dir)
     init_shared: bool = False  # make shared_layer_dir a new store (only for its first node)
     config_file: Path | None = None  # where the URL and admin key go; None: the SDK default
+    iam_url: str | None = None  # postgresql://... for a shared IAM; None: <data_dir>/iam.sqlite
     edge: dict[str, Any] = field(default_factory=dict)  # EdgeConfig overrides (tests)
 
 
@@ -67,13 +68,15 @@ class EmbeddedNode:
         )
         self.watcher = Watcher({config.node: self.edge})
         self.placement = Placement(self.watcher)
-        self.iam = SqliteIamStore(data / "iam.sqlite")
-        self.api = ApiServer({config.node: self.edge}, self.placement, self.store, self.iam)
         self._runner: web.AppRunner | None = None
+        self.iam: IamStore  # opened by start(): a PostgreSQL store connects asynchronously
+        self.api: ApiServer
         self.url = ""
         self.api_key = ""
 
     async def start(self) -> None:
+        self.iam = await open_iam_store(self.config.iam_url or str(self.config.data_dir / "iam.sqlite"))
+        self.api = ApiServer({self.config.node: self.edge}, self.placement, self.store, self.iam)
         await self.edge.start()
         await self.watcher.start()
         self._runner = web.AppRunner(self.api.app(), access_log=None)
@@ -97,11 +100,13 @@ class EmbeddedNode:
         """Stop serving. Sandboxes keep running unless asked (a restart re-adopts them)."""
         if self._runner is not None:
             await self._runner.cleanup()
-        await self.api.tenancy.close()
+        if hasattr(self, "api"):  # start() may have failed before it was built
+            await self.api.tenancy.close()
         await self.watcher.close()
         await self.edge.close(stop_sandboxes=stop_sandboxes)
         if not self.edge.list_sandboxes():
             self.mounts.unmount_all()
             await self.backend.release_node()
-        await self.iam.close()
+        if hasattr(self, "iam"):
+            await self.iam.close()
         self.store.close()

@@ -81,6 +81,10 @@ def up(
         Path | None, typer.Option(help="layer store on a shared filesystem mounted on every node")
     ] = None,
     init_shared: Annotated[bool, typer.Option(help="make --shared-layers a new, empty store")] = False,
+    iam: Annotated[
+        str | None,
+        typer.Option(envvar="DSEC_IAM_URL", help="postgresql://... (default: <data-dir>/iam.sqlite)"),
+    ] = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -95,6 +99,7 @@ def up(
         layer_dir=layer_dir,
         shared_layer_dir=shared_layers,
         init_shared=init_shared,
+        iam_url=iam,
     )
     if base:
         _ensure_base(open_layer_store(node_cfg))
