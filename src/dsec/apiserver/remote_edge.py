@@ -1,0 +1,345 @@
+"""An edge in another process, reached over HTTP: the cluster's :class:`~dsec.edge.link.EdgeLink`.
+
+It speaks the routes of :mod:`dsec.edge.server`. Errors come back as the same DSec classes the
+edge raised, so the apiserver cannot tell a remote edge from a local one; what only a network
+adds is classified: an edge that cannot be reached, or that stops answering mid-stream, is
+``InfraFailure(reason="edge_unreachable")`` naming the node (a trainer masks it; placement may
+try another node). An answer that is not a DSec edge's is ``InfraFailure(reason="protocol")``,
+never a validation error that would read as the caller's mistake.
+
+Nothing is retried here: a create or a command the edge may already have received must not
+run twice. Retrying is the caller's decision (placement retries creates on another node).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import aiohttp
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from dsec.edge.link import CHUNK, DEFAULT_FILE_MODE
+from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX
+from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+from dsec.protocol.models import (
+    CommandResult,
+    CommitRequest,
+    ContainerSpec,
+    ExecEvent,
+    ExecRequest,
+    FileStat,
+    LayerInfo,
+    SandboxInfo,
+    ShellRequest,
+    invalid_request,
+)
+
+M = TypeVar("M", bound=BaseModel)
+# Failures that happen before a single byte of the request left: the edge never saw it.
+_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+_INFOS = TypeAdapter(list[SandboxInfo])
+_STATS = TypeAdapter(list[FileStat])
+_JSON = {"Content-Type": "application/json"}
+
+
+def never_reached_edge(exc: BaseException) -> bool:
+    """Whether ``exc`` (from a link call) means the request never reached the edge.
+
+    Only then may a create be retried on another node without risking a sandbox that runs
+    but that nobody knows about: an edge killed a moment ago refuses connections until the
+    watcher notices, and placement should move on rather than fail the caller.
+    """
+    return (
+        isinstance(exc, InfraFailure)
+        and exc.reason == "edge_unreachable"
+        and isinstance(exc.__cause__, _NOT_SENT)
+    )
+
+
+class RemoteEdgeLink:
+    """Node ``node``'s edge at ``url`` (e.g. ``http://10.0.0.7:8643``), authenticated by ``secret``.
+
+    ``connect_timeout`` bounds reaching the edge (an edge that is down must be noticed quickly);
+    ``control_timeout`` bounds the quick calls (stats, get, list, layers in use). Creates,
+    commands and transfers are bounded by their callers: a command may legitimately run for a day.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        secret: str,
+        node: str,
+        *,
+        connect_timeout: float = 5.0,
+        control_timeout: float = 30.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.node = node
+        self._headers = {"Authorization": f"Bearer {secret}"}
+        self._connect_timeout = connect_timeout
+        self._control_timeout = control_timeout
+        self._epoch: int | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def epoch(self) -> int | None:
+        return self._epoch
+
+    def _http(self) -> aiohttp.ClientSession:
+        # Created on first use: a ClientSession belongs to the event loop it was made in.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                # No pool limit: every exec stream and long shell command holds a connection,
+                # and a default cap of 100 would queue the 101st behind them.
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _unreachable(self, what: str, exc: BaseException) -> InfraFailure:
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return InfraFailure(
+            f"edge {self.node!r} at {self.url} is unreachable ({what}): {detail}", reason="edge_unreachable"
+        )
+
+    def _observe(self, resp: aiohttp.ClientResponse) -> None:
+        node, epoch = resp.headers.get(NODE_HEADER), resp.headers.get(EPOCH_HEADER)
+        if node is None or epoch is None or not epoch.isdigit():
+            if resp.status == 401:
+                return  # refused before it said who it is; the 401 body tells the rest
+            raise InfraFailure(
+                f"{self.url} (node {self.node!r}) answered HTTP {resp.status} but is not a DSec edge",
+                reason="protocol",
+            )
+        if node != self.node:
+            raise InfraFailure(
+                f"{self.url} is node {node!r}, not {self.node!r}: the cluster's list of edges is wrong",
+                reason="edge_misconfigured",
+            )
+        self._epoch = int(epoch)
+
+    @asynccontextmanager
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | list[tuple[str, str]] | None = None,
+        data: Any = None,
+        headers: Mapping[str, str] | None = None,
+        quick: bool = False,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request; yields the response once it is known to be a success.
+
+        Network failures while the caller reads the body (an edge dying mid-stream) are
+        classified here too: they surface through the ``yield``.
+        """
+        what = f"{method} {path}"
+        timeout = aiohttp.ClientTimeout(
+            total=self._control_timeout if quick else None, sock_connect=self._connect_timeout
+        )
+        try:
+            async with self._http().request(
+                method,
+                self.url + PREFIX + path,
+                params=params,
+                data=data,
+                headers=headers,
+                timeout=timeout,
+            ) as resp:
+                self._observe(resp)
+                if resp.status >= 400:
+                    text = await resp.text()
+                    try:
+                        body: Any = json.loads(text)
+                    except ValueError:
+                        body = text
+                    raise error_from_wire(resp.status, body)
+                yield resp
+        except DSecError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise self._unreachable(what, exc) from exc
+
+    def _parse(self, model: type[M], data: bytes) -> M:
+        try:
+            return model.model_validate_json(data)
+        except ValidationError as exc:
+            # Version skew between apiserver and edge: the platform's fault, not the caller's.
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed {model.__name__}: {exc}", reason="protocol"
+            ) from exc
+
+    async def _json(
+        self, method: str, path: str, *, body: BaseModel | None = None, quick: bool = False, **kw: Any
+    ) -> bytes:
+        data = None if body is None else body.model_dump_json()
+        async with self._call(method, path, data=data, headers=_JSON, quick=quick, **kw) as resp:
+            return await resp.read()
+
+    @staticmethod
+    def _sandbox(sandbox_id: str, tail: str = "") -> str:
+        # Quoted: an ID is validated by the edge, and a malformed one must reach it intact.
+        return f"/sandboxes/{quote(sandbox_id, safe='')}{tail}"
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        raw = await self._json("GET", "/stats", quick=True)
+        try:
+            stats = json.loads(raw)
+        except ValueError as exc:
+            raise InfraFailure(f"edge {self.node!r} sent malformed stats", reason="protocol") from exc
+        if not isinstance(stats, dict):
+            raise InfraFailure(f"edge {self.node!r} sent malformed stats", reason="protocol")
+        return stats
+
+    async def create(self, spec: ContainerSpec) -> SandboxInfo:
+        return self._parse(SandboxInfo, await self._json("POST", "/sandboxes", body=spec))
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._parse(SandboxInfo, await self._json("GET", self._sandbox(sandbox_id), quick=True))
+
+    async def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        raw = await self._json("GET", "/sandboxes", params=params, quick=True)
+        try:
+            return _INFOS.validate_json(raw)
+        except ValidationError as exc:
+            raise InfraFailure(f"edge {self.node!r} sent a malformed list: {exc}", reason="protocol") from exc
+
+    async def stop(self, sandbox_id: str) -> SandboxInfo:
+        return self._parse(SandboxInfo, await self._json("DELETE", self._sandbox(sandbox_id)))
+
+    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        raw = await self._json("POST", self._sandbox(sandbox_id, "/shell"), body=req)
+        return self._parse(CommandResult, raw)
+
+    async def exec_stream(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        stdin: bytes | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        try:
+            req = ExecRequest(
+                argv=argv,
+                stdin_b64=None if stdin is None else base64.b64encode(stdin).decode(),
+                env=env or {},
+                cwd=cwd,
+                timeout=timeout,
+                max_output_bytes=max_output,
+            )
+        except ValidationError as exc:
+            raise invalid_request(exc) from exc
+        path = self._sandbox(sandbox_id, "/exec")
+        async with self._call("POST", path, data=req.model_dump_json(), headers=_JSON) as resp:
+            async for line in resp.content:  # closing this generator closes the response:
+                if not line.strip():  # the edge sees the hang-up and kills the process tree
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as exc:
+                    raise InfraFailure(
+                        f"edge {self.node!r} sent a malformed exec line", reason="protocol"
+                    ) from exc
+                if isinstance(obj, dict) and "error" in obj:
+                    raise error_from_wire(500, obj)
+                event = self._parse(ExecEvent, line)
+                yield event
+                if event.t == "exit":
+                    return
+        raise InfraFailure(
+            f"edge {self.node!r} at {self.url} ended an exec stream without its exit",
+            reason="edge_unreachable",
+        )
+
+    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
+        return self._parse(
+            LayerInfo, await self._json("POST", self._sandbox(sandbox_id, "/commit"), body=req)
+        )
+
+    async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
+        params = {"unmount_idle": "true" if unmount_idle else "false"}
+        raw = await self._json("POST", "/layers/in-use", params=params, quick=True)
+        try:
+            digests = json.loads(raw)["digests"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InfraFailure(f"edge {self.node!r} sent a malformed layer list", reason="protocol") from exc
+        return {str(d) for d in digests}
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        url = self._sandbox(sandbox_id, "/files/content")
+        async with self._call("GET", url, params={"path": path}) as resp:
+            # A download the edge cuts off mid-way fails here (payload error), never as a short file.
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                yield chunk
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
+    ) -> FileStat:
+        source_error: list[BaseException] = []
+
+        async def body() -> AsyncIterator[bytes]:
+            # aiohttp sends this as a chunked body, pulling one chunk at a time: memory stays flat.
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except BaseException as exc:
+                source_error.append(exc)  # the caller's own failure, to be raised as itself
+                raise
+
+        params = {"path": path, "mode": format(mode & 0o7777, "o")}
+        try:
+            async with self._call(
+                "PUT", self._sandbox(sandbox_id, "/files/content"), params=params, data=body()
+            ) as resp:
+                raw = await resp.read()
+        except BaseException:
+            # However aiohttp reports a body that failed (wrapped, or as a broken connection),
+            # the caller gets back the error its own source raised.
+            if source_error:
+                raise source_error[0] from None
+            raise
+        return self._parse(FileStat, raw)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileStat:
+        raw = await self._json("GET", self._sandbox(sandbox_id, "/files/stat"), params={"path": path})
+        return self._parse(FileStat, raw)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+        raw = await self._json("GET", self._sandbox(sandbox_id, "/files/list"), params={"path": path})
+        try:
+            return _STATS.validate_json(raw)
+        except ValidationError as exc:
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed listing: {exc}", reason="protocol"
+            ) from exc
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
+        params = {"path": path, "parents": "true" if parents else "false"}
+        raw = await self._json("POST", self._sandbox(sandbox_id, "/files/mkdir"), params=params)
+        return self._parse(FileStat, raw)
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        await self._json("DELETE", self._sandbox(sandbox_id, "/files"), params=params)

@@ -1,0 +1,245 @@
+"""The seam between apiservers and edges: what an apiserver may ask of a node.
+
+:class:`EdgeLink` is exactly what the apiserver uses of an :class:`~dsec.edge.edge.Edge`, all of
+it async, so that the same apiserver code drives an edge in its own process
+(:class:`LocalEdgeLink`, the embedded ``dsec up``) or one across the network
+(:class:`dsec.apiserver.remote_edge.RemoteEdgeLink`, a cluster). Both pass one conformance
+suite (``tests/edge/link_conformance.py``), which is what keeps them interchangeable.
+
+Files are not handed out as a :class:`~dsec.executor.files.SandboxFiles` object (a host path
+means nothing on another machine): they are async methods on the link, content streamed in
+chunks both ways so a large file never sits in memory.
+
+The link also checks that a sandbox ID belongs to this incarnation of this node. The ID
+carries its node's epoch; an ID from before the node's state was reset names a sandbox that
+can no longer exist, and saying so (``SandboxNotFound``, reason ``stale_epoch``) is clearer
+than a bare "not found". The check lives here rather than in the apiserver alone because only
+the edge knows its current epoch for certain: an apiserver's copy may lag a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterable
+from typing import Any, Protocol, runtime_checkable
+
+from dsec.edge.edge import Edge
+from dsec.executor.files import SandboxFiles
+from dsec.protocol.errors import SandboxNotFound
+from dsec.protocol.ids import SandboxId
+from dsec.protocol.models import (
+    CommandResult,
+    CommitRequest,
+    ContainerSpec,
+    ExecEvent,
+    FileStat,
+    LayerInfo,
+    SandboxInfo,
+    ShellRequest,
+)
+
+CHUNK = 1 << 20  # file content moves in pieces of at most this size: memory stays flat
+DEFAULT_FILE_MODE = 0o644
+
+
+@runtime_checkable
+class EdgeLink(Protocol):
+    """One edge as an apiserver sees it.
+
+    Errors are the DSec error tree on both sides of the wire. Streams (``exec_stream``,
+    ``read_stream``) raise errors that happen before any data (unknown sandbox, missing file)
+    from their *first* ``anext``, so a caller can still answer with a proper error status;
+    closing a stream early (``aclose``) stops the work behind it (an exec's process tree is
+    killed).
+    """
+
+    @property
+    def epoch(self) -> int | None:
+        """The node's registration epoch as last seen; ``None`` until the edge was reached."""
+        ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+    async def create(self, spec: ContainerSpec) -> SandboxInfo: ...
+
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...
+
+    async def stop(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult: ...
+
+    def exec_stream(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        stdin: bytes | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]: ...
+
+    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo: ...
+
+    def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        """The content of a regular file, in chunks of at most :data:`CHUNK` bytes."""
+        ...
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
+    ) -> FileStat:
+        """Write ``path`` from ``chunks``, atomically: all of it, or (on any error, including
+        one raised by ``chunks`` itself, which propagates) nothing."""
+        ...
+
+    async def stat(self, sandbox_id: str, path: str) -> FileStat: ...
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]: ...
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat: ...
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None: ...
+
+    async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]: ...
+
+
+def check_routed(node: str, epoch: int, sandbox_id: str) -> SandboxId:
+    """Parse ``sandbox_id`` (``InvalidRequest`` if malformed) and check it names this node as
+    it is now; a wrongly routed or outdated ID is ``SandboxNotFound``."""
+    sid = SandboxId.parse(sandbox_id)
+    if sid.node != node:
+        raise SandboxNotFound(f"sandbox {sandbox_id} belongs to node {sid.node!r}, not {node!r}")
+    if sid.epoch != epoch:
+        raise SandboxNotFound(
+            f"sandbox {sandbox_id} belonged to an earlier incarnation of node {node!r}"
+            f" (epoch {sid.epoch}, now {epoch}): it no longer exists",
+            reason="stale_epoch",
+        )
+    return sid
+
+
+class LocalEdgeLink:
+    """:class:`EdgeLink` over an :class:`Edge` in this process (``dsec up``, and the edge server).
+
+    The edge's synchronous members (``get``, ``stats``...) are cheap dictionary reads and are
+    called directly; file operations are blocking system calls and run in threads.
+    """
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+
+    @property
+    def node(self) -> str:
+        return self.edge.config.node
+
+    @property
+    def epoch(self) -> int:
+        return self.edge.epoch
+
+    def _routed(self, sandbox_id: str) -> str:
+        check_routed(self.edge.config.node, self.edge.epoch, sandbox_id)
+        return sandbox_id
+
+    def _files(self, sandbox_id: str) -> SandboxFiles:
+        return self.edge.files(self._routed(sandbox_id))
+
+    async def close(self) -> None:
+        """Nothing to release: the edge's owner closes the edge."""
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        return self.edge.stats()
+
+    async def create(self, spec: ContainerSpec) -> SandboxInfo:
+        return await self.edge.create(spec)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return self.edge.get(self._routed(sandbox_id))
+
+    async def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return self.edge.list_sandboxes(labels)
+
+    async def stop(self, sandbox_id: str) -> SandboxInfo:
+        return await self.edge.stop(self._routed(sandbox_id))
+
+    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        return await self.edge.run_shell(self._routed(sandbox_id), req)
+
+    async def exec_stream(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        stdin: bytes | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        events = self.edge.exec_stream(
+            self._routed(sandbox_id),
+            argv,
+            stdin=stdin,
+            env=env or {},
+            cwd=cwd,
+            timeout=timeout,
+            max_output=max_output,
+        )
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # an early close must reach the edge: it kills the process tree
+
+    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
+        return await self.edge.commit(self._routed(sandbox_id), req)
+
+    async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
+        return self.edge.layers_in_use(unmount_idle=unmount_idle)
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        files = self._files(sandbox_id)
+        fh = await asyncio.to_thread(files.open_read, path)
+        try:
+            while chunk := await asyncio.to_thread(fh.read, CHUNK):
+                yield chunk
+        finally:
+            fh.close()
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
+    ) -> FileStat:
+        files = self._files(sandbox_id)
+        writer = await asyncio.to_thread(files.open_write, path, mode)
+        try:
+            async for chunk in chunks:
+                await asyncio.to_thread(writer.write, chunk)
+            await asyncio.to_thread(writer.commit)
+        except BaseException:
+            # Also on cancellation (a caller that went away): no half-written file stays behind.
+            await asyncio.to_thread(writer.abort)
+            raise
+        return await asyncio.to_thread(files.stat, path)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileStat:
+        files = self._files(sandbox_id)
+        return await asyncio.to_thread(files.stat, path)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+        files = self._files(sandbox_id)
+        return await asyncio.to_thread(files.list_dir, path)
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
+        files = self._files(sandbox_id)
+        await asyncio.to_thread(files.mkdir, path, parents)
+        return await asyncio.to_thread(files.stat, path)
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        files = self._files(sandbox_id)
+        await asyncio.to_thread(files.remove, path, recursive)

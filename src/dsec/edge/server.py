@@ -1,0 +1,337 @@
+"""The edge's HTTP face: one node's :class:`~dsec.edge.link.EdgeLink` served to apiservers.
+
+Only apiservers talk to it (callers never do), so it trusts what they send as DSec's own: a
+create may carry reserved ``dsec.*`` labels, which the apiserver sets (the sandbox's project).
+Every request must carry the cluster secret, a bearer token shared by the apiservers and edges
+of one cluster. The secret travels in the clear: run edges on a private network, or behind TLS.
+
+Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protocol.models`)::
+
+    GET    /stats                                  the node's load, for the watcher
+    POST   /sandboxes                              ContainerSpec -> 201 SandboxInfo
+    GET    /sandboxes?label=k=v...                 -> [SandboxInfo] (running ones)
+    GET    /sandboxes/{id}                         -> SandboxInfo
+    DELETE /sandboxes/{id}                         -> SandboxInfo (stopped)
+    POST   /sandboxes/{id}/shell                   ShellRequest -> CommandResult
+    POST   /sandboxes/{id}/exec                    ExecRequest -> NDJSON of ExecEvent
+    POST   /sandboxes/{id}/commit                  CommitRequest -> 201 LayerInfo
+    GET    /sandboxes/{id}/files/content?path=     -> the bytes, streamed
+    PUT    /sandboxes/{id}/files/content?path=&mode=644   bytes streamed -> 201 FileStat
+    GET    /sandboxes/{id}/files/stat?path=        -> FileStat
+    GET    /sandboxes/{id}/files/list?path=        -> [FileStat]
+    POST   /sandboxes/{id}/files/mkdir?path=&parents=true -> 201 FileStat
+    DELETE /sandboxes/{id}/files?path=&recursive=false    -> {"removed": true}
+    POST   /layers/in-use?unmount_idle=false       -> {"digests": [...]}
+
+Errors are DSec wire bodies (``{"error": {"code", "message", "reason"}}``) with the error's
+HTTP status. An exec stream that fails after it started ends with one such body as its last
+line; a file download that fails after it started is cut off (the connection is dropped), so
+a client can never take a short file for a whole one. Every authenticated response names the
+node and its epoch in headers: an apiserver learns a restarted node's new epoch from any
+answer, and notices when an address it was given belongs to another node.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from dsec.edge.edge import Edge
+from dsec.edge.link import CHUNK, LocalEdgeLink
+from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
+from dsec.protocol.models import (
+    CommitRequest,
+    ContainerSpec,
+    ExecRequest,
+    ShellRequest,
+    invalid_request,
+)
+
+log = logging.getLogger("dsec.edge.server")
+
+PREFIX = "/edge/v1"
+NODE_HEADER = "X-DSec-Edge-Node"
+EPOCH_HEADER = "X-DSec-Edge-Epoch"
+SECRET_ENV = "DSEC_CLUSTER_SECRET"
+MIN_SECRET_LEN = 16
+# Bodies read whole are JSON; the largest is an exec's stdin, base64 inside an ExecRequest
+# that an apiserver accepted under its own 64 MiB limit. File content is streamed, not read whole.
+MAX_JSON_BODY = 96 << 20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_AUTHED = web.RequestKey("dsec_edge_authed", bool)
+
+
+def check_secret(secret: str) -> str:
+    if len(secret) < MIN_SECRET_LEN:
+        raise InvalidRequest(f"the cluster secret must be at least {MIN_SECRET_LEN} characters")
+    return secret
+
+
+def read_cluster_secret(path: Path | None = None) -> str:
+    """The cluster secret from ``path`` (first line) or else from ``$DSEC_CLUSTER_SECRET``."""
+    if path is not None:
+        try:
+            text = path.read_text().strip()
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read the cluster secret from {path}: {exc.strerror}") from exc
+    else:
+        text = os.environ.get(SECRET_ENV, "").strip()
+        if not text:
+            raise InvalidRequest(f"no cluster secret: give a secret file or set {SECRET_ENV}")
+    return check_secret(text)
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    if isinstance(body, BaseModel):
+        text = body.model_dump_json()
+    elif isinstance(body, list):
+        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in body])
+    else:
+        text = json.dumps(body)
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
+def _error(exc: DSecError) -> web.Response:
+    return web.json_response(exc.to_wire(), status=exc.status)
+
+
+def _param(request: web.Request, name: str) -> str:
+    value = request.query.get(name)
+    if not value:
+        raise InvalidRequest(f"query parameter {name!r} is required")
+    return value
+
+
+def _flag(request: web.Request, name: str, default: bool) -> bool:
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if value not in ("true", "false"):
+        raise InvalidRequest(f"query parameter {name!r} must be true or false")
+    return value == "true"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except DSecError as exc:
+        return _error(exc)
+    except ValidationError as exc:
+        return _error(invalid_request(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        wrapped = InvalidRequest(exc.reason) if exc.status < 500 else InfraFailure(exc.reason, reason="http")
+        return web.json_response(wrapped.to_wire(), status=exc.status)
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(InfraFailure(f"edge internal error: {type(exc).__name__}: {exc}", reason="edge"))
+
+
+class EdgeServer:
+    """Serves one edge over HTTP; ``start`` listens, ``close`` stops listening (not the edge)."""
+
+    def __init__(self, edge: Edge | LocalEdgeLink, secret: str, *, shutdown_timeout: float = 5.0) -> None:
+        self.link = edge if isinstance(edge, LocalEdgeLink) else LocalEdgeLink(edge)
+        self._secret = check_secret(secret).encode()
+        # How long ``close`` lets requests in flight finish. Exec streams and shell commands may
+        # run for hours: they are cut off (and their process trees killed) rather than awaited.
+        self._shutdown_timeout = shutdown_timeout
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer "):
+            raise Unauthorized("missing cluster secret (Authorization: Bearer ...)")
+        # Constant time: the comparison must not tell an attacker how much of a guess was right.
+        if not hmac.compare_digest(header[7:].encode(), self._secret):
+            raise Unauthorized("wrong cluster secret")
+        request[_AUTHED] = True
+        return await handler(request)
+
+    async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        # Only to those holding the secret: a stranger learns nothing about the node.
+        if request.get(_AUTHED):
+            response.headers[NODE_HEADER] = self.link.node
+            response.headers[EPOCH_HEADER] = str(self.link.epoch)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors, self._auth], client_max_size=MAX_JSON_BODY)
+        app.on_response_prepare.append(self._stamp)
+        r = app.router
+        r.add_get(f"{PREFIX}/stats", self.stats)
+        r.add_post(f"{PREFIX}/sandboxes", self.create)
+        r.add_get(f"{PREFIX}/sandboxes", self.list)
+        r.add_get(PREFIX + "/sandboxes/{id}", self.get)
+        r.add_delete(PREFIX + "/sandboxes/{id}", self.stop)
+        r.add_post(PREFIX + "/sandboxes/{id}/shell", self.shell)
+        r.add_post(PREFIX + "/sandboxes/{id}/exec", self.exec)
+        r.add_post(PREFIX + "/sandboxes/{id}/commit", self.commit)
+        r.add_get(PREFIX + "/sandboxes/{id}/files/content", self.download)
+        r.add_put(PREFIX + "/sandboxes/{id}/files/content", self.upload)
+        r.add_get(PREFIX + "/sandboxes/{id}/files/stat", self.stat)
+        r.add_get(PREFIX + "/sandboxes/{id}/files/list", self.list_dir)
+        r.add_post(PREFIX + "/sandboxes/{id}/files/mkdir", self.mkdir)
+        r.add_delete(PREFIX + "/sandboxes/{id}/files", self.remove)
+        r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on ``host:port`` (0: any free port); returns the URL apiservers use."""
+        # handler_cancellation: an apiserver that hangs up (its own caller went away) cancels
+        # the work it asked for, e.g. kills the process tree of an exec that still runs.
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=self._shutdown_timeout
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = self._runner.addresses[0][1] if port == 0 else port
+        self.url = f"http://{host}:{bound}"
+        return self.url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return _json(await self.link.stats())
+
+    async def create(self, request: web.Request) -> web.Response:
+        # Trusted: the apiserver labels the spec with its project (a reserved dsec.* label).
+        spec = ContainerSpec.model_validate_json(await request.read() or b"{}", context={"trusted": True})
+        return _json(await self.link.create(spec), status=201)
+
+    async def list(self, request: web.Request) -> web.Response:
+        labels: dict[str, str] = {}
+        for item in request.query.getall("label", []):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise InvalidRequest(f"label filter {item!r} must be key=value")
+            labels[key] = value
+        return _json(await self.link.list_sandboxes(labels))
+
+    async def get(self, request: web.Request) -> web.Response:
+        return _json(await self.link.get(request.match_info["id"]))
+
+    async def stop(self, request: web.Request) -> web.Response:
+        return _json(await self.link.stop(request.match_info["id"]))
+
+    async def shell(self, request: web.Request) -> web.Response:
+        req = ShellRequest.model_validate_json(await request.read() or b"{}")
+        return _json(await self.link.run_shell(request.match_info["id"], req))
+
+    async def exec(self, request: web.Request) -> web.StreamResponse:
+        req = ExecRequest.model_validate_json(await request.read() or b"{}")
+        try:
+            stdin = base64.b64decode(req.stdin_b64, validate=True) if req.stdin_b64 is not None else None
+        except ValueError as exc:
+            raise InvalidRequest("stdin_b64 is not valid base64") from exc
+        events = self.link.exec_stream(
+            request.match_info["id"],
+            req.argv,
+            stdin=stdin,
+            env=req.env,
+            cwd=req.cwd,
+            timeout=req.timeout,
+            max_output=req.max_output_bytes,
+        )
+        try:
+            event = await anext(events, None)  # errors before any output get their own status
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            while event is not None:
+                await resp.write(event.model_dump_json().encode() + b"\n")
+                try:
+                    event = await anext(events, None)
+                except DSecError as exc:
+                    # Too late for a status: the error is the stream's last line instead.
+                    await resp.write(json.dumps(exc.to_wire()).encode() + b"\n")
+                    break
+                except Exception as exc:
+                    log.exception("exec on %s failed mid-stream", request.match_info["id"])
+                    infra = InfraFailure(
+                        f"exec failed on the edge: {type(exc).__name__}: {exc}", reason="edge"
+                    )
+                    await resp.write(json.dumps(infra.to_wire()).encode() + b"\n")
+                    break
+            await resp.write_eof()
+            return resp
+        finally:
+            await events.aclose()
+
+    async def commit(self, request: web.Request) -> web.Response:
+        req = CommitRequest.model_validate_json(await request.read() or b"{}")
+        return _json(await self.link.commit(request.match_info["id"], req), status=201)
+
+    async def layers_in_use(self, request: web.Request) -> web.Response:
+        digests = await self.link.layers_in_use(unmount_idle=_flag(request, "unmount_idle", False))
+        return _json({"digests": sorted(digests)})
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        chunks = self.link.read_stream(request.match_info["id"], _param(request, "path"))
+        try:
+            chunk = await anext(chunks, None)  # a missing file is a 404, not an empty 200
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            await resp.prepare(request)
+            while chunk is not None:
+                await resp.write(chunk)
+                try:
+                    chunk = await anext(chunks, None)
+                except Exception:
+                    # Bytes are on the wire already: the only honest signal left is to cut the
+                    # stream off before its terminating chunk, so the client sees it incomplete.
+                    log.exception("download of %s from %s broke off", request.query.get("path"), request.path)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
+            await resp.write_eof()
+            return resp
+        finally:
+            await chunks.aclose()
+
+    async def upload(self, request: web.Request) -> web.Response:
+        path = _param(request, "path")
+        try:
+            mode = int(request.query.get("mode", "644"), 8)
+        except ValueError as exc:
+            raise InvalidRequest("mode must be octal, e.g. 644") from exc
+        # The body is pulled as it is written: TCP flow control holds back a faster sender.
+        body = request.content.iter_chunked(CHUNK)
+        info = await self.link.write_stream(request.match_info["id"], path, body, mode=mode)
+        return _json(info, status=201)
+
+    async def stat(self, request: web.Request) -> web.Response:
+        return _json(await self.link.stat(request.match_info["id"], _param(request, "path")))
+
+    async def list_dir(self, request: web.Request) -> web.Response:
+        return _json(await self.link.list_dir(request.match_info["id"], _param(request, "path")))
+
+    async def mkdir(self, request: web.Request) -> web.Response:
+        parents = _flag(request, "parents", True)
+        info = await self.link.mkdir(request.match_info["id"], _param(request, "path"), parents=parents)
+        return _json(info, status=201)
+
+    async def remove(self, request: web.Request) -> web.Response:
+        recursive = _flag(request, "recursive", False)
+        await self.link.remove(request.match_info["id"], _param(request, "path"), recursive=recursive)
+        return _json({"removed": True})

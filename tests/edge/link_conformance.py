@@ -1,0 +1,362 @@
+"""The conformance suite of the apiserver-to-edge seam: what the apiserver relies on from a link.
+
+A module subclasses :class:`LinkConformance` as ``Test<Name>Link`` and provides a ``link``
+fixture: the :class:`EdgeLink` under test, reaching the edge of the ``edge_env`` fixture
+(tests/edge/conftest.py). Failures only a network can have are tested through two more
+fixtures, ``links_with_secret`` (a factory: the link as it would be with another cluster secret,
+``None`` for none) and ``unreachable_link``; an implementation that cannot fail that way sets
+those tests to ``None`` (they do not apply, which is different from skipping them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import random
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from dsec.edge.link import EdgeLink
+from dsec.protocol.errors import (
+    CapacityExhausted,
+    Conflict,
+    FileNotFound,
+    InfraFailure,
+    InvalidRequest,
+    LayerNotFound,
+    SandboxNotFound,
+    Unauthorized,
+)
+from dsec.protocol.ids import SandboxId
+from dsec.protocol.models import (
+    PROJECT_LABEL,
+    CommandResult,
+    CommitRequest,
+    ContainerSpec,
+    ExecEvent,
+    FileType,
+    SandboxState,
+    ShellRequest,
+)
+from tests.backends.conformance import host_pids_running
+from tests.support import eventually
+from tests.unit.conftest import TINY
+
+from .conftest import EdgeEnv
+
+SecretLink = Callable[[str | None], Awaitable[EdgeLink]]
+BIG = 32 << 20
+
+
+def spec(**kw: Any) -> ContainerSpec:
+    return ContainerSpec(image=TINY, **kw)
+
+
+async def drain(events: AsyncIterator[ExecEvent]) -> tuple[bytes, bytes, CommandResult]:
+    out, err = bytearray(), bytearray()
+    result: CommandResult | None = None
+    async for event in events:
+        assert result is None, "nothing may follow the exit event"
+        if event.t == "exit":
+            result = event.result
+        else:
+            assert event.d is not None
+            (out if event.t == "out" else err).extend(base64.b64decode(event.d))
+    assert result is not None, "an exec stream ends with its exit event"
+    return bytes(out), bytes(err), result
+
+
+async def pattern(total: int, seed: int, digest: Any) -> AsyncIterator[bytes]:
+    """``total`` pseudo-random bytes in uneven chunks (hashed into ``digest`` as they go)."""
+    rng = random.Random(seed)
+    sent = 0
+    while sent < total:
+        size = min(total - sent, rng.randint(1, 2 << 20))
+        chunk = rng.randbytes(size)
+        digest.update(chunk)
+        sent += size
+        yield chunk
+
+
+async def read_all(link: EdgeLink, sid: str, path: str) -> bytes:
+    return b"".join([chunk async for chunk in link.read_stream(sid, path)])
+
+
+async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+class LinkConformance:
+    # -- identity and stats -------------------------------------------------------------------
+
+    async def test_is_an_edge_link_and_reports_the_edge(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        assert isinstance(link, EdgeLink)
+        stats = await link.stats()
+        assert stats["node"] == edge_env.edge.config.node
+        assert stats["epoch"] == edge_env.edge.epoch
+        assert stats["running"] == 0 and stats["backends"] == ["container"]
+        assert link.epoch == edge_env.edge.epoch  # known once the edge answered
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def test_create_get_list_by_labels_and_stop(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        a = await link.create(spec(labels={"job": "j1", "role": "a"}))
+        b = await link.create(spec(labels={"job": "j1", "role": "b"}, memory_limit_mb=256))
+        c = await link.create(spec(labels={"job": "j2"}))
+        assert a.state is SandboxState.running and a.node == edge_env.edge.config.node
+        assert a.layers == [edge_env.tiny]
+        assert (await link.get(b.id)).memory_limit_mb == 256
+        assert (await link.stats())["running"] == 3
+        assert {i.id for i in await link.list_sandboxes({"job": "j1"})} == {a.id, b.id}
+        assert [i.id for i in await link.list_sandboxes({"job": "j1", "role": "b"})] == [b.id]
+        assert await link.list_sandboxes({"job": "none"}) == []
+        assert [i.id for i in await link.list_sandboxes()] == [a.id, b.id, c.id]  # oldest first
+        stopped = await link.stop(a.id)
+        assert stopped.state is SandboxState.stopped and stopped.stop_reason == "stopped by user"
+        assert (await link.stop(a.id)).state is SandboxState.stopped  # twice is not an error
+        assert (await link.get(a.id)).state is SandboxState.stopped  # still answerable
+        assert {i.id for i in await link.list_sandboxes()} == {b.id, c.id}
+        for info in (b, c):
+            await link.stop(info.id)
+        assert await edge_env.backend.leftovers() == []
+
+    async def test_reserved_labels_set_by_the_apiserver_reach_the_edge(self, link: EdgeLink) -> None:
+        # The apiserver writes the project into a dsec.* label, which callers may not set.
+        labelled = spec(labels={"job": "j"}).model_copy(update={"labels": {"job": "j", PROJECT_LABEL: "p1"}})
+        info = await link.create(labelled)
+        assert info.project == "p1" and info.labels == {"job": "j"}
+        assert [i.id for i in await link.list_sandboxes({PROJECT_LABEL: "p1"})] == [info.id]
+        await link.stop(info.id)
+
+    async def test_concurrent_creates(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        infos = await asyncio.gather(*(link.create(spec(labels={"n": str(i)})) for i in range(12)))
+        assert len({i.id for i in infos}) == 12
+        await asyncio.gather(*(link.stop(i.id) for i in infos))
+        assert (await link.stats())["running"] == 0
+
+    async def test_layers_in_use(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        info = await link.create(spec())
+        assert edge_env.tiny in await link.layers_in_use()
+        await link.stop(info.id)
+        assert edge_env.tiny in await link.layers_in_use()  # kept mounted for the page cache
+        assert edge_env.tiny not in await link.layers_in_use(unmount_idle=True)
+
+    # -- commands -----------------------------------------------------------------------------
+
+    async def test_shell_sessions_keep_their_state(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        r = await link.run_shell(info.id, ShellRequest(command="export X=42; echo set"))
+        assert (r.exit_code, r.stdout) == (0, "set\n")
+        r = await link.run_shell(info.id, ShellRequest(command='echo "x=$X"; echo oops >&2; exit 3'))
+        assert (r.exit_code, r.stdout, r.stderr) == (3, "x=42\n", "oops\n")
+        other = await link.run_shell(info.id, ShellRequest(command='echo "x=$X"', session="other"))
+        assert other.stdout == "x=\n"
+        slow = await link.run_shell(info.id, ShellRequest(command="sleep 5", session="slow", timeout=0.3))
+        assert slow.timed_out
+        await link.stop(info.id)
+
+    async def test_exec_streams_with_stdin_env_and_exit(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        events = link.exec_stream(
+            info.id,
+            ["sh", "-c", 'cat; echo "$GREETING" >&2; pwd; exit 7'],
+            stdin=b"from stdin\n",
+            env={"GREETING": "hi"},
+            cwd="/tmp",
+            timeout=30,
+        )
+        out, err, result = await drain(events)
+        assert out.startswith(b"from stdin\n") and out.rstrip().endswith(b"/tmp")
+        assert err == b"hi\n"
+        assert result.exit_code == 7 and not result.timed_out
+        # Many NDJSON lines, more than the default output cap, all in order.
+        big = link.exec_stream(info.id, ["head", "-c", "3000000", "/dev/zero"], max_output=4 << 20)
+        out, _, result = await drain(big)
+        assert (len(out), result.exit_code, result.truncated) == (3_000_000, 0, False)
+        capped = link.exec_stream(info.id, ["head", "-c", "100000", "/dev/zero"], max_output=1000)
+        out, _, result = await drain(capped)
+        assert len(out) == 1000 and result.truncated
+        timed = link.exec_stream(info.id, ["sleep", "30"], timeout=0.3)
+        *_, result = await drain(timed)
+        assert result.timed_out
+        await link.stop(info.id)
+
+    async def test_closing_an_exec_stream_kills_its_process_tree(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        argv = ["sleep", "7391"]
+        events = link.exec_stream(info.id, ["sh", "-c", "echo started; sleep 7391; echo never"])
+        first = await anext(events)
+        assert first.t == "out" and base64.b64decode(first.d or "") == b"started\n"
+        await eventually(lambda: host_pids_running(argv), "the command to run")
+        await events.aclose()  # the caller went away
+        await eventually(lambda: not host_pids_running(argv), "the process tree to be killed")
+        await link.stop(info.id)
+
+    async def test_commit_packs_the_sandbox_into_a_layer(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        info = await link.create(spec())
+        await link.write_stream(info.id, "/made.txt", one_chunk(b"committed\n"))
+        layer = await link.commit(info.id, CommitRequest(ref="committed:1"))
+        assert "committed:1" in layer.names
+        again = await link.create(ContainerSpec(image="committed:1"))
+        assert await read_all(link, again.id, "/made.txt") == b"committed\n"
+        for sid in (info.id, again.id):
+            await link.stop(sid)
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def test_files_round_trip(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        sid = info.id
+        assert await read_all(link, sid, "/hello.txt") == b"hello from the layer\n"
+        stat = await link.write_stream(sid, "/work/deep/a.txt", one_chunk(b"abc"), mode=0o600)
+        assert (stat.path, stat.size, stat.type, stat.mode & 0o777) == (
+            "/work/deep/a.txt",
+            3,
+            FileType.file,
+            0o600,
+        )
+        assert await read_all(link, sid, "/work/deep/a.txt") == b"abc"
+        empty = await link.write_stream(sid, "/work/empty", one_chunk(b""))
+        assert empty.size == 0 and await read_all(link, sid, "/work/empty") == b""
+        made = await link.mkdir(sid, "/work/x/y")
+        assert made.type is FileType.dir
+        with pytest.raises(Conflict):
+            await link.mkdir(sid, "/work/x/y", parents=False)
+        assert [s.name for s in await link.list_dir(sid, "/work")] == ["deep", "empty", "x"]
+        assert (await link.stat(sid, "/work/deep")).type is FileType.dir
+        await link.remove(sid, "/work/empty")
+        with pytest.raises(InvalidRequest):
+            await link.remove(sid, "/work/x")  # not empty, not recursive
+        await link.remove(sid, "/work/x", recursive=True)
+        assert [s.name for s in await link.list_dir(sid, "/work")] == ["deep"]
+        with pytest.raises(FileNotFound):
+            await link.stat(sid, "/work/empty")
+        with pytest.raises(FileNotFound):  # raised by the first anext, before any data
+            await anext(link.read_stream(sid, "/no/such/file"))
+        with pytest.raises(InvalidRequest):
+            await read_all(link, sid, "/work")  # a directory has no content
+        await link.stop(sid)
+
+    async def test_a_32_mib_file_streams_both_ways_in_constant_memory(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        sent, got = hashlib.sha256(), hashlib.sha256()
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            stat = await link.write_stream(info.id, "/big.bin", pattern(BIG, 1, sent))
+            received = 0
+            async for chunk in link.read_stream(info.id, "/big.bin"):
+                received += len(chunk)
+                got.update(chunk)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert stat.size == BIG and received == BIG
+        assert got.hexdigest() == sent.hexdigest()
+        assert peak < 16 << 20, f"peak {peak >> 20} MiB while moving {BIG >> 20} MiB: not streamed"
+        await link.stop(info.id)
+
+    async def test_an_upload_whose_source_fails_leaves_nothing(
+        self, link: EdgeLink, edge_env: EdgeEnv
+    ) -> None:
+        info = await link.create(spec())
+        await link.mkdir(info.id, "/up")
+
+        async def failing() -> AsyncIterator[bytes]:
+            yield b"x" * (1 << 20)
+            raise RuntimeError("the caller's source broke")
+
+        with pytest.raises(RuntimeError, match="source broke"):
+            await link.write_stream(info.id, "/up/f.bin", failing())
+
+        async def nothing_left() -> bool:
+            return await link.list_dir(info.id, "/up") == []  # no target, no temporary file
+
+        await eventually(nothing_left, "the partial upload to be removed")
+        await link.stop(info.id)
+
+    # -- typed errors -------------------------------------------------------------------------
+
+    async def test_typed_errors(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        edge = edge_env.edge
+        missing = str(SandboxId.new(edge.config.node, edge.epoch))
+        calls: list[Callable[[str], Awaitable[object]]] = [
+            link.get,
+            link.stop,
+            lambda s: link.run_shell(s, ShellRequest(command="true")),
+            lambda s: anext(link.exec_stream(s, ["true"])),
+            lambda s: link.commit(s, CommitRequest(ref="x:1")),
+            lambda s: anext(link.read_stream(s, "/hello.txt")),
+            lambda s: link.write_stream(s, "/f", one_chunk(b"x" * (4 << 20))),
+            lambda s: link.stat(s, "/"),
+            lambda s: link.list_dir(s, "/"),
+            lambda s: link.mkdir(s, "/d"),
+            lambda s: link.remove(s, "/f"),
+        ]
+        for call in calls:
+            with pytest.raises(SandboxNotFound):
+                await call(missing)
+            with pytest.raises(InvalidRequest, match="malformed sandbox id"):
+                await call("nope")
+            with pytest.raises(InvalidRequest):
+                await call("sb-a/../b")
+        with pytest.raises(LayerNotFound, match="nope:1"):
+            await link.create(ContainerSpec(image="nope:1"))
+
+    async def test_ids_of_another_node_or_an_earlier_epoch_are_not_found(
+        self, link: EdgeLink, edge_env: EdgeEnv
+    ) -> None:
+        edge = edge_env.edge
+        info = await link.create(spec())
+        tag = SandboxId.parse(info.id).tag
+        with pytest.raises(SandboxNotFound) as stale:
+            await link.get(str(SandboxId(edge.config.node, edge.epoch - 1, tag)))
+        assert stale.value.reason == "stale_epoch" and "earlier incarnation" in stale.value.message
+        with pytest.raises(SandboxNotFound, match="belongs to node 'elsewhere'"):
+            await link.run_shell(str(SandboxId("elsewhere", edge.epoch, tag)), ShellRequest(command="true"))
+        await link.stop(info.id)
+
+    async def test_a_full_node_says_capacity_exhausted(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        # Placement catches exactly this class to retry on another node: it must cross the link.
+        edge_env.edge.config.max_sandboxes = 0
+        with pytest.raises(CapacityExhausted):
+            await link.create(spec())
+
+    # -- failures only a network has ----------------------------------------------------------
+
+    async def test_a_wrong_or_missing_secret_is_unauthorized(
+        self, links_with_secret: SecretLink, edge_env: EdgeEnv
+    ) -> None:
+        for secret in ("w" * 32, None):
+            bad = await links_with_secret(secret)
+            with pytest.raises(Unauthorized):
+                await bad.stats()
+            with pytest.raises(Unauthorized):
+                await bad.create(spec())
+            with pytest.raises(Unauthorized):
+                await anext(bad.exec_stream("sb-x-1-" + "a" * 20, ["true"]))
+            assert bad.epoch is None  # a refused caller learns nothing about the node
+        assert edge_env.edge.list_sandboxes() == []
+
+    async def test_an_unreachable_edge_is_a_classified_infra_failure(
+        self, unreachable_link: EdgeLink
+    ) -> None:
+        sid = "sb-edge-a-1-" + "a" * 20
+        calls: list[Callable[[], Awaitable[object]]] = [
+            unreachable_link.stats,
+            lambda: unreachable_link.create(spec()),
+            lambda: unreachable_link.get(sid),
+            unreachable_link.list_sandboxes,
+            lambda: anext(unreachable_link.exec_stream(sid, ["true"])),
+            lambda: anext(unreachable_link.read_stream(sid, "/x")),
+            lambda: unreachable_link.write_stream(sid, "/x", one_chunk(b"x")),
+        ]
+        for call in calls:
+            with pytest.raises(InfraFailure) as info:
+                await call()
+            assert info.value.reason == "edge_unreachable"
+            assert "edge-a" in info.value.message
