@@ -234,7 +234,7 @@ async def test_a_second_sandbox_on_a_full_node_is_capacity_exhausted(nodes: Node
             await client.run_container(DSecContainerRunArgs(container_image=TINY))
         assert await fake(node).leftovers() == [first.id], "the rejected create started nothing"
         await first.stop()
-        node.watcher.poll()  # see test_capacity_freed_by_a_stop_is_usable_at_once
+        await node.watcher.poll()  # see test_capacity_freed_by_a_stop_is_usable_at_once
         second = await client.run_container(DSecContainerRunArgs(container_image=TINY))
         await second.stop()
 
@@ -243,7 +243,7 @@ async def test_capacity_freed_by_a_stop_is_usable_at_once(nodes: Nodes) -> None:
     node = await nodes.start(max_sandboxes=1)
     async with DSecClient(node.url, node.api_key) as client:
         first = await client.run_container(DSecContainerRunArgs(container_image=TINY))
-        node.watcher.poll()  # the watcher's regular poll happens to land now
+        await node.watcher.poll()  # the watcher's regular poll happens to land now
         await first.stop()
         second = await client.run_container(DSecContainerRunArgs(container_image=TINY))
         await second.stop()

@@ -28,7 +28,7 @@ class FakeNode:
         self.down = False
         self.polls = 0
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         self.polls += 1
         if self.down:
             raise ConnectionError("edge unreachable")
@@ -40,54 +40,54 @@ class FakeNode:
         }
 
 
-def placement(nodes: dict[str, FakeNode], k: int = 2) -> Placement:
+async def placement(nodes: dict[str, FakeNode], k: int = 2) -> Placement:
     watcher = Watcher(dict(nodes))
-    watcher.poll()
+    await watcher.poll()
     return Placement(watcher, k=k)
 
 
-def test_power_of_two_picks_the_less_loaded_of_two_nodes() -> None:
-    p = placement({"busy": FakeNode(running=8), "idle": FakeNode(running=1)})
-    assert {p.choose("container") for _ in range(50)} == {"idle"}
+async def test_power_of_two_picks_the_less_loaded_of_two_nodes() -> None:
+    p = await placement({"busy": FakeNode(running=8), "idle": FakeNode(running=1)})
+    assert {await p.choose("container") for _ in range(50)} == {"idle"}
 
 
-def test_load_is_relative_to_capacity() -> None:
+async def test_load_is_relative_to_capacity() -> None:
     # 5 of 100 is less loaded than 2 of 4.
-    p = placement({"big": FakeNode(running=5, capacity=100), "small": FakeNode(running=2, capacity=4)})
-    assert {p.choose("container") for _ in range(50)} == {"big"}
+    p = await placement({"big": FakeNode(running=5, capacity=100), "small": FakeNode(running=2, capacity=4)})
+    assert {await p.choose("container") for _ in range(50)} == {"big"}
 
 
-def test_the_most_loaded_node_is_never_picked_with_k_2() -> None:
+async def test_the_most_loaded_node_is_never_picked_with_k_2() -> None:
     nodes = {f"n{i}": FakeNode(running=i) for i in range(5)}
-    p = placement(nodes)
-    picks = Counter(p.choose("container") for _ in range(400))
+    p = await placement(nodes)
+    picks = Counter([await p.choose("container") for _ in range(400)])
     assert "n4" not in picks
     assert picks["n0"] > picks["n3"], "lighter nodes win more often"
     assert len(picks) >= 3, "the random sample spreads load rather than herding on one node"
 
 
-def test_in_flight_creates_count_against_a_node_before_the_watcher_sees_them() -> None:
-    p = placement({"a": FakeNode(running=1), "b": FakeNode(running=2)})
+async def test_in_flight_creates_count_against_a_node_before_the_watcher_sees_them() -> None:
+    p = await placement({"a": FakeNode(running=1), "b": FakeNode(running=2)})
     with p.reserve("a"), p.reserve("a"):
-        assert p.choose("container") == "b"  # a: 1 running + 2 in flight
+        assert await p.choose("container") == "b"  # a: 1 running + 2 in flight
     assert p.in_flight["a"] == 0, "a reservation is released also when the create ends"
-    assert p.choose("container") == "a"
+    assert await p.choose("container") == "a"
 
 
-def test_creates_in_progress_count_as_load() -> None:
+async def test_creates_in_progress_count_as_load() -> None:
     # Another apiserver's burst is visible only as "creating" in the watcher's snapshot.
-    p = placement({"bursting": FakeNode(running=1, creating=5), "steady": FakeNode(running=2)})
-    assert {p.choose("container") for _ in range(20)} == {"steady"}
+    p = await placement({"bursting": FakeNode(running=1, creating=5), "steady": FakeNode(running=2)})
+    assert {await p.choose("container") for _ in range(20)} == {"steady"}
 
 
-def test_a_reservation_is_released_when_the_create_fails() -> None:
-    p = placement({"a": FakeNode()})
+async def test_a_reservation_is_released_when_the_create_fails() -> None:
+    p = await placement({"a": FakeNode()})
     with pytest.raises(RuntimeError), p.reserve("a"):
         raise RuntimeError("edge rejected")
     assert p.in_flight["a"] == 0
 
 
-def test_full_unhealthy_excluded_and_wrong_backend_nodes_are_filtered() -> None:
+async def test_full_unhealthy_excluded_and_wrong_backend_nodes_are_filtered() -> None:
     nodes = {
         "full": FakeNode(running=3, capacity=3),
         "almost": FakeNode(running=2, creating=1, capacity=3),
@@ -97,28 +97,28 @@ def test_full_unhealthy_excluded_and_wrong_backend_nodes_are_filtered() -> None:
         "ok": FakeNode(running=9, capacity=10),
     }
     nodes["down"].down = True
-    p = placement(nodes)
+    p = await placement(nodes)
     assert p.watcher.snapshot["down"]["healthy"] is False
     assert p.candidates("container", {"tried"}) == ["ok"]
-    assert {p.choose("container", {"tried"}) for _ in range(20)} == {"ok"}
+    assert {await p.choose("container", {"tried"}) for _ in range(20)} == {"ok"}
     assert p.candidates("vm", set()) == ["vm-only"]
 
 
-def test_no_eligible_node_is_capacity_exhausted() -> None:
-    p = placement({"full": FakeNode(running=1, capacity=1)})
+async def test_no_eligible_node_is_capacity_exhausted() -> None:
+    p = await placement({"full": FakeNode(running=1, capacity=1)})
     with pytest.raises(CapacityExhausted):
-        p.choose("container")
-    p = placement({"a": FakeNode()})
+        await p.choose("container")
+    p = await placement({"a": FakeNode()})
     with pytest.raises(CapacityExhausted):
-        p.choose("container", {"a"})
+        await p.choose("container", {"a"})
     with pytest.raises(CapacityExhausted):
-        placement({}).choose("container")
+        await (await placement({})).choose("container")
 
 
-def test_in_flight_reservations_fill_a_node() -> None:
-    p = placement({"a": FakeNode(running=0, capacity=2)})
+async def test_in_flight_reservations_fill_a_node() -> None:
+    p = await placement({"a": FakeNode(running=0, capacity=2)})
     with p.reserve("a"), p.reserve("a"), pytest.raises(CapacityExhausted):
-        p.choose("container")
+        await p.choose("container")
 
 
 async def test_the_watcher_polls_at_start_and_then_periodically() -> None:

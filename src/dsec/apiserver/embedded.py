@@ -18,6 +18,7 @@ from dsec.apiserver.app import ApiServer
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.edge.edge import Edge, EdgeConfig
+from dsec.edge.link import LocalEdgeLink
 from dsec.iam import IamStore, open_iam_store
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.mounts import LayerMounts
@@ -66,7 +67,8 @@ class EmbeddedNode:
         self.edge = Edge(
             EdgeConfig(data_dir=data, node=config.node, **config.edge), self.backend, self.store, self.mounts
         )
-        self.watcher = Watcher({config.node: self.edge})
+        self.link = LocalEdgeLink(self.edge)
+        self.watcher = Watcher({config.node: self.link})
         self.placement = Placement(self.watcher)
         self._runner: web.AppRunner | None = None
         self.iam: IamStore  # opened by start(): a PostgreSQL store connects asynchronously
@@ -76,7 +78,7 @@ class EmbeddedNode:
 
     async def start(self) -> None:
         self.iam = await open_iam_store(self.config.iam_url or str(self.config.data_dir / "iam.sqlite"))
-        self.api = ApiServer({self.config.node: self.edge}, self.placement, self.store, self.iam)
+        self.api = ApiServer({self.config.node: self.link}, self.placement, self.store, self.iam)
         await self.edge.start()
         await self.watcher.start()
         self._runner = web.AppRunner(self.api.app(), access_log=None)

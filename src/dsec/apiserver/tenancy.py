@@ -21,9 +21,9 @@ import logging
 import secrets
 from collections.abc import Mapping
 
-from dsec.edge.edge import Edge
+from dsec.edge.link import EdgeLink
 from dsec.iam import IamStore, Principal, can_access
-from dsec.protocol.errors import Forbidden, SandboxNotFound
+from dsec.protocol.errors import Forbidden, InfraFailure, SandboxNotFound
 from dsec.protocol.models import PROJECT_LABEL, ContainerSpec, SandboxInfo
 
 log = logging.getLogger("dsec.apiserver")
@@ -65,22 +65,25 @@ class Tenancy:
     async def release(self, sandbox_id: str) -> None:
         await self.iam.release(sandbox_id)
 
-    async def reconcile(self, edges: Mapping[str, Edge], *, grace_s: float = 30.0) -> None:
+    async def reconcile(self, edges: Mapping[str, EdgeLink], *, grace_s: float = 30.0) -> None:
         """Release the quota of sandboxes the edges no longer run (reaped, died, lost).
 
         Reservations younger than ``grace_s`` are spared: a report may predate their create.
         """
         for node, edge in edges.items():
-            live = {info.id for info in edge.list_sandboxes()}
+            try:
+                live = {info.id for info in await edge.list_sandboxes()}
+            except InfraFailure:
+                continue  # a node that does not answer keeps its quota: its sandboxes may run
             released = await self.iam.reconcile(live, node, grace_s=grace_s)
             if released:
                 log.info("released quota of %d sandboxes gone from %s", len(released), node)
         await self.iam.expire_pending(self.pending_expiry_s)
 
-    def start(self, edges: Mapping[str, Edge]) -> None:
+    def start(self, edges: Mapping[str, EdgeLink]) -> None:
         self._task = asyncio.create_task(self._reconcile_forever(edges))
 
-    async def _reconcile_forever(self, edges: Mapping[str, Edge]) -> None:
+    async def _reconcile_forever(self, edges: Mapping[str, EdgeLink]) -> None:
         while True:
             await asyncio.sleep(self.reconcile_interval_s)
             try:

@@ -12,45 +12,50 @@ import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from dsec.protocol.errors import CapacityExhausted
 
 
 class NodeProbe(Protocol):
-    def stats(self) -> dict[str, Any]: ...
+    async def stats(self) -> dict[str, Any]: ...
 
 
 class Watcher:
     """Polls every edge for health and load. Holds no durable state: a restart polls again."""
 
-    def __init__(self, nodes: dict[str, NodeProbe], interval_s: float = 1.0) -> None:
+    def __init__(
+        self, nodes: Mapping[str, NodeProbe], interval_s: float = 1.0, timeout_s: float = 2.0
+    ) -> None:
         self.nodes = nodes
         self.interval_s = interval_s
+        self.timeout_s = timeout_s  # a node slower than this to answer counts as unhealthy
         self.snapshot: dict[str, dict[str, Any]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def poll(self) -> None:
-        snap = {}
-        for name, node in self.nodes.items():
-            try:
-                stats = dict(node.stats())
-                stats["healthy"] = True
-            except Exception:
-                stats = {"healthy": False}
-            stats["polled_at"] = time.time()
-            snap[name] = stats
-        self.snapshot = snap
+    async def _probe(self, node: NodeProbe) -> dict[str, Any]:
+        try:
+            stats = dict(await asyncio.wait_for(node.stats(), self.timeout_s))
+            stats["healthy"] = True
+        except Exception:
+            stats = {"healthy": False}
+        stats["polled_at"] = time.time()
+        return stats
+
+    async def poll(self) -> None:
+        names = list(self.nodes)
+        results = await asyncio.gather(*(self._probe(self.nodes[n]) for n in names))
+        self.snapshot = dict(zip(names, results, strict=True))
 
     async def start(self) -> None:
-        self.poll()
+        await self.poll()
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            self.poll()
+            await self.poll()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -80,11 +85,11 @@ class Placement:
         busy = s.get("running", 0) + s.get("creating", 0) + self.in_flight[name]
         return float(busy) / max(1, int(s.get("capacity", 1)))
 
-    def choose(self, backend: str, exclude: set[str] | None = None) -> str:
+    async def choose(self, backend: str, exclude: set[str] | None = None) -> str:
         eligible = self.candidates(backend, exclude or set())
         if not eligible:
             # The snapshot may be a poll old: a node that was full then may have room now.
-            self.watcher.poll()
+            await self.watcher.poll()
             eligible = self.candidates(backend, exclude or set())
         if not eligible:
             raise CapacityExhausted(f"no node can take a {backend} sandbox right now")

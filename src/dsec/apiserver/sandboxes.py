@@ -1,0 +1,225 @@
+"""Sandbox routes: create through placement, everything else routed by the ID to its node.
+
+Nodes are :class:`~dsec.edge.link.EdgeLink` s, in this process (``dsec up``) or across the
+network (a cluster); this module holds no per-sandbox state, so any apiserver instance serves
+any request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Mapping
+
+from aiohttp import web
+
+from dsec.apiserver._http import PRINCIPAL, label_filter, query_param, read_body, respond
+from dsec.apiserver.remote_edge import never_reached_edge
+from dsec.apiserver.tenancy import Tenancy
+from dsec.edge.link import EdgeLink
+from dsec.placement.placement import Placement
+from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest, SandboxNotFound
+from dsec.protocol.ids import SandboxId
+from dsec.protocol.models import (
+    CommitRequest,
+    ContainerSpec,
+    CreateRequest,
+    ExecRequest,
+    SandboxInfo,
+    ShellRequest,
+)
+
+_CHUNK = 1 << 20
+
+
+class SandboxRoutes:
+    def __init__(self, links: Mapping[str, EdgeLink], placement: Placement, tenancy: Tenancy) -> None:
+        self.links = links
+        self.placement = placement
+        self.tenancy = tenancy
+
+    def register(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/v1/sandboxes", self.create)
+        r.add_get("/v1/sandboxes", self.list)
+        r.add_delete("/v1/sandboxes", self.stop_by_label)
+        r.add_get("/v1/sandboxes/{id}", self.get)
+        r.add_delete("/v1/sandboxes/{id}", self.stop)
+        r.add_post("/v1/sandboxes/{id}/shell", self.shell)
+        r.add_post("/v1/sandboxes/{id}/exec", self.exec)
+        r.add_post("/v1/sandboxes/{id}/commit", self.commit)
+        r.add_get("/v1/sandboxes/{id}/files/content", self.download)
+        r.add_put("/v1/sandboxes/{id}/files/content", self.upload)
+        r.add_get("/v1/sandboxes/{id}/files/stat", self.stat)
+        r.add_get("/v1/sandboxes/{id}/files/list", self.list_dir)
+        r.add_post("/v1/sandboxes/{id}/files/mkdir", self.mkdir)
+        r.add_delete("/v1/sandboxes/{id}/files", self.remove)
+
+    def link_for(self, sandbox_id: str) -> EdgeLink:
+        sid = SandboxId.parse(sandbox_id)
+        link = self.links.get(sid.node)
+        if link is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id}: node {sid.node!r} is not part of this cluster")
+        if link.epoch is not None and link.epoch != sid.epoch:
+            raise SandboxNotFound(
+                f"sandbox {sandbox_id} belonged to an earlier incarnation of node {sid.node!r}"
+                f" (epoch {sid.epoch}, now {link.epoch}): it no longer exists",
+                reason="stale_epoch",
+            )
+        return link
+
+    async def owned(self, request: web.Request) -> tuple[EdgeLink, str]:
+        """The sandbox a request names, if the request's key may see it (else: not found)."""
+        sid = request.match_info["id"]
+        link = self.link_for(sid)
+        self.tenancy.check_visible(request[PRINCIPAL], await link.get(sid))
+        return link, sid
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def create(self, request: web.Request) -> web.Response:
+        req = await read_body(request, CreateRequest)
+        token, spec = await self.tenancy.reserve(request[PRINCIPAL], req.project, req.spec)
+        try:
+            info = await self._place(spec, req.timeout)
+        except BaseException:
+            await asyncio.shield(self.tenancy.release(token))
+            raise
+        await self.tenancy.bind(token, info)
+        return respond(info, status=201)
+
+    async def _place(self, spec: ContainerSpec, timeout: float) -> SandboxInfo:
+        tried: set[str] = set()
+        async with asyncio.timeout(timeout):
+            while True:
+                node = await self.placement.choose(spec.type, tried)
+                with self.placement.reserve(node):
+                    try:
+                        return await self.links[node].create(spec)
+                    except CapacityExhausted:
+                        tried.add(node)  # the edge has the final word; try the next node
+                    except InfraFailure as exc:
+                        if not never_reached_edge(exc):
+                            raise  # it may have been created: retrying could make two
+                        tried.add(node)  # the node is down: the create never left
+
+    async def _listed(self, request: web.Request) -> list[SandboxInfo]:
+        labels = label_filter(request)
+        names = list(self.links)
+        answers = await asyncio.gather(
+            *(self.links[n].list_sandboxes(labels) for n in names), return_exceptions=True
+        )
+        everything = [info for a in answers if not isinstance(a, BaseException) for info in a]
+        return self.tenancy.visible(request[PRINCIPAL], everything)
+
+    async def list(self, request: web.Request) -> web.Response:
+        return respond(await self._listed(request))
+
+    async def stop_by_label(self, request: web.Request) -> web.Response:
+        """Stop every sandbox carrying all the given labels, on every node: "this job is gone"."""
+        if not label_filter(request):
+            raise InvalidRequest("give at least one label=key=value: stopping everything is not a bulk call")
+        ids = [info.id for info in await self._listed(request)]
+        results = await asyncio.gather(*(self.link_for(sid).stop(sid) for sid in ids), return_exceptions=True)
+        stopped, failed = [], {}
+        for sid, result in zip(ids, results, strict=True):
+            if isinstance(result, BaseException):
+                failed[sid] = str(result)
+            else:
+                await self.tenancy.release(sid)
+                stopped.append(result.model_dump(mode="json"))
+        return respond({"stopped": stopped, "failed": failed})
+
+    async def get(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        return respond(await link.get(sid))
+
+    async def stop(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        info = await link.stop(sid)
+        await self.tenancy.release(sid)
+        return respond(info)
+
+    # -- commands -----------------------------------------------------------------------------
+
+    async def shell(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        return respond(await link.run_shell(sid, await read_body(request, ShellRequest)))
+
+    async def exec(self, request: web.Request) -> web.StreamResponse:
+        link, sid = await self.owned(request)
+        req = await read_body(request, ExecRequest)
+        try:
+            stdin = base64.b64decode(req.stdin_b64, validate=True) if req.stdin_b64 is not None else None
+        except ValueError as exc:
+            raise InvalidRequest("stdin_b64 is not valid base64") from exc
+        events = link.exec_stream(
+            sid,
+            req.argv,
+            stdin=stdin,
+            env=req.env,
+            cwd=req.cwd,
+            timeout=req.timeout,
+            max_output=req.max_output_bytes,
+        )
+        try:
+            first = await anext(events)  # errors before any output still become a proper 4xx/5xx
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            await resp.write(first.model_dump_json().encode() + b"\n")
+            async for event in events:
+                await resp.write(event.model_dump_json().encode() + b"\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            await events.aclose()  # kills the process tree if the client went away
+
+    async def commit(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        return respond(await link.commit(sid, await read_body(request, CommitRequest)), status=201)
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        link, sid = await self.owned(request)
+        chunks = link.read_stream(sid, query_param(request, "path"))
+        try:
+            first = await anext(chunks, None)  # a missing file is still a proper 404
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            await resp.prepare(request)
+            if first:
+                await resp.write(first)
+            async for chunk in chunks:
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        finally:
+            await chunks.aclose()
+
+    async def upload(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        try:
+            mode = int(request.query.get("mode", "644"), 8)
+        except ValueError as exc:
+            raise InvalidRequest("mode must be octal, e.g. 644") from exc
+        path = query_param(request, "path")
+        info = await link.write_stream(sid, path, request.content.iter_chunked(_CHUNK), mode=mode)
+        return respond(info, status=201)
+
+    async def stat(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        return respond(await link.stat(sid, query_param(request, "path")))
+
+    async def list_dir(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        return respond(await link.list_dir(sid, query_param(request, "path")))
+
+    async def mkdir(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        parents = request.query.get("parents", "true") == "true"
+        return respond(await link.mkdir(sid, query_param(request, "path"), parents=parents), status=201)
+
+    async def remove(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        recursive = request.query.get("recursive", "false") == "true"
+        await link.remove(sid, query_param(request, "path"), recursive=recursive)
+        return respond({"removed": True})
