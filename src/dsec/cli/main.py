@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dsec.apiserver.embedded import NodeConfig
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError
 from dsec.protocol.models import CommandResult
@@ -88,7 +89,7 @@ def up(
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
-    from dsec.apiserver.embedded import EmbeddedNode, NodeConfig, open_layer_store
+    from dsec.apiserver.embedded import EmbeddedNode, open_layer_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     node_cfg = NodeConfig(
@@ -125,6 +126,85 @@ def up(
         asyncio.run(serve())
     except DSecError as exc:
         raise _fail(exc) from None
+
+
+SecretFile = Annotated[Path | None, typer.Option(help="cluster secret file (else $DSEC_CLUSTER_SECRET)")]
+
+
+async def _serve_until_signalled(started: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    console.print(started)
+    await stop.wait()
+
+
+@app.command("edge")
+def edge_cmd(
+    node: Annotated[str, typer.Option(help="this node's name (part of every sandbox ID)")],
+    data_dir: DataDir = Path("/var/lib/dsec"),
+    host: Annotated[str, typer.Option(help="address apiservers reach this edge on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8643,
+    shared_layers: Annotated[Path | None, typer.Option(help="the cluster's shared layer store")] = None,
+    secret_file: Annotated[
+        Path | None, typer.Option(help="cluster secret (else $DSEC_CLUSTER_SECRET)")
+    ] = None,
+) -> None:
+    """Run one node's edge for a cluster (apiservers reach it with the cluster secret)."""
+    from dsec.apiserver.cluster import EdgeNode
+    from dsec.edge.server import read_cluster_secret
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = NodeConfig(data_dir=data_dir, host=host, port=port, node=node, shared_layer_dir=shared_layers)
+
+    async def serve() -> None:
+        edge = EdgeNode(cfg, read_cluster_secret(secret_file))
+        url = await edge.start()
+        await _serve_until_signalled(f"[green]edge {node} is up[/green] at {url} (data in {data_dir})")
+        await edge.close()
+
+    try:
+        asyncio.run(serve())
+    except DSecError as exc:
+        raise _fail(exc) from None
+
+
+@app.command("apiserver")
+def apiserver_cmd(
+    edge: Annotated[list[str], typer.Option(help="NODE=URL of an edge (repeat for each)")],
+    iam: Annotated[
+        str, typer.Option(envvar="DSEC_IAM_URL", help="postgresql://... shared by all apiservers")
+    ],
+    shared_layers: Annotated[Path, typer.Option(help="the cluster's shared layer store")],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8642,
+    secret_file: Annotated[
+        Path | None, typer.Option(help="cluster secret (else $DSEC_CLUSTER_SECRET)")
+    ] = None,
+    scratch: Annotated[Path, typer.Option(help="local directory for imports and builds")] = Path(
+        "/var/lib/dsec/apiserver-scratch"
+    ),
+) -> None:
+    """Run a stateless apiserver over the given edges (run as many as you like)."""
+    from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer, parse_edges
+    from dsec.edge.server import read_cluster_secret
+    from dsec.images.blobstore import SharedMountBlobStore
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def serve() -> None:
+        store = LayerStore.over(SharedMountBlobStore(shared_layers), scratch=scratch)
+        cfg = ApiServerConfig(parse_edges(edge), read_cluster_secret(secret_file), store, iam, host, port)
+        server = ClusterApiServer(cfg)
+        url = await server.start()
+        await _serve_until_signalled(f"[green]apiserver is up[/green] at {url} over {len(cfg.edges)} edges")
+        await server.close()
+
+    try:
+        asyncio.run(serve())
+    except (DSecError, ValueError) as exc:
+        raise _fail(exc if isinstance(exc, DSecError) else DSecError(str(exc))) from None
 
 
 def _ensure_base(store: LayerStore) -> None:
