@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from dsec.iam import IamStore, Principal
 from dsec.protocol.errors import Forbidden, InvalidRequest
+from dsec.protocol.http import respond
+
+__all__ = ["IAM_KEY", "PRINCIPAL", "label_filter", "query_param", "read_body", "require_admin", "respond"]
 
 M = TypeVar("M", bound=BaseModel)
 
 IAM_KEY = web.AppKey("iam", IamStore)
 PRINCIPAL = web.RequestKey("principal", Principal)
-
-
-def respond(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
-    if isinstance(model, BaseModel):
-        text = model.model_dump_json()
-    elif isinstance(model, list):
-        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model])
-    else:
-        text = json.dumps(model)
-    return web.Response(text=text, status=status, content_type="application/json")
 
 
 async def read_body(request: web.Request, model: type[M]) -> M:

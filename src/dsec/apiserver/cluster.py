@@ -26,6 +26,7 @@ from dsec.iam import IamStore, open_iam_store
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement, Watcher
+from dsec.protocol.http import listen
 from dsec.protocol.ids import validate_node_name
 
 log = logging.getLogger("dsec.cluster")
@@ -90,12 +91,7 @@ class ClusterApiServer:
         self.iam = await open_iam_store(self.config.iam_url)
         self.api = ApiServer(self.links, self.placement, self.config.store, self.iam)
         await self.watcher.start()
-        self._runner = web.AppRunner(self.api.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        port = self._runner.addresses[0][1] if self.config.port == 0 else self.config.port
-        self.url = f"http://{self.config.host}:{port}"
+        self._runner, self.url = await listen(self.api.app(), self.config.host, self.config.port)
         self.api.tenancy.start(self.links)
         return self.url
 

@@ -24,6 +24,7 @@ from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement, Watcher
+from dsec.protocol.http import listen
 from dsec.sdk.config import read_config_file, write_client_config
 
 log = logging.getLogger("dsec.up")
@@ -81,12 +82,7 @@ class EmbeddedNode:
         self.api = ApiServer({self.config.node: self.link}, self.placement, self.store, self.iam)
         await self.edge.start()
         await self.watcher.start()
-        self._runner = web.AppRunner(self.api.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        port = self._runner.addresses[0][1] if self.config.port == 0 else self.config.port
-        self.url = f"http://{self.config.host}:{port}"
+        self._runner, self.url = await listen(self.api.app(), self.config.host, self.config.port)
         self.api_key = await self._admin_key()
         self.api.tenancy.start(self.api.edges)
         write_client_config(self.url, self.api_key, self.config.config_file)

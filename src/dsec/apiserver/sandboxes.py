@@ -8,7 +8,6 @@ any request.
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -30,6 +29,7 @@ from dsec.protocol.models import (
 )
 
 _CHUNK = 1 << 20
+_PROJECT_CACHE = 100_000
 
 
 class SandboxRoutes:
@@ -37,6 +37,7 @@ class SandboxRoutes:
         self.links = links
         self.placement = placement
         self.tenancy = tenancy
+        self._projects: dict[str, str] = {}  # sandbox ID -> project, oldest first
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/sandboxes", self.create)
@@ -71,7 +72,15 @@ class SandboxRoutes:
         """The sandbox a request names, if the request's key may see it (else: not found)."""
         sid = request.match_info["id"]
         link = self.link_for(sid)
-        self.tenancy.check_visible(request[PRINCIPAL], await link.get(sid))
+        project = self._projects.get(sid)
+        if project is None:
+            # A sandbox's project never changes, so one lookup per sandbox (not per request)
+            # keeps exec and shell at one round trip to the edge; the cache is derived, bounded.
+            project = (await link.get(sid)).project
+            if len(self._projects) >= _PROJECT_CACHE:
+                self._projects.pop(next(iter(self._projects)))
+            self._projects[sid] = project
+        self.tenancy.check_visible(request[PRINCIPAL], sid, project)
         return link, sid
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -148,14 +157,10 @@ class SandboxRoutes:
     async def exec(self, request: web.Request) -> web.StreamResponse:
         link, sid = await self.owned(request)
         req = await read_body(request, ExecRequest)
-        try:
-            stdin = base64.b64decode(req.stdin_b64, validate=True) if req.stdin_b64 is not None else None
-        except ValueError as exc:
-            raise InvalidRequest("stdin_b64 is not valid base64") from exc
         events = link.exec_stream(
             sid,
             req.argv,
-            stdin=stdin,
+            stdin=req.stdin_bytes(),
             env=req.env,
             cwd=req.cwd,
             timeout=req.timeout,

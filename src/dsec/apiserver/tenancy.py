@@ -38,10 +38,9 @@ class Tenancy:
         self.pending_expiry_s = pending_expiry_s  # longer than any create may take
         self._task: asyncio.Task[None] | None = None
 
-    def check_visible(self, principal: Principal, info: SandboxInfo) -> SandboxInfo:
-        if not can_access(principal, info.project):
-            raise SandboxNotFound(f"sandbox {info.id} does not exist")
-        return info
+    def check_visible(self, principal: Principal, sandbox_id: str, project: str) -> None:
+        if not can_access(principal, project):
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
 
     def visible(self, principal: Principal, infos: list[SandboxInfo]) -> list[SandboxInfo]:
         return [i for i in infos if can_access(principal, i.project)]

@@ -33,7 +33,6 @@ answer, and notices when an address it was given belongs to another node.
 
 from __future__ import annotations
 
-import base64
 import hmac
 import json
 import logging
@@ -42,11 +41,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from dsec.edge.edge import Edge
 from dsec.edge.link import CHUNK, LocalEdgeLink
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
+from dsec.protocol.http import listen, respond
 from dsec.protocol.models import (
     CommitRequest,
     ContainerSpec,
@@ -88,16 +88,6 @@ def read_cluster_secret(path: Path | None = None) -> str:
         if not text:
             raise InvalidRequest(f"no cluster secret: give a secret file or set {SECRET_ENV}")
     return check_secret(text)
-
-
-def _json(body: object, status: int = 200) -> web.Response:
-    if isinstance(body, BaseModel):
-        text = body.model_dump_json()
-    elif isinstance(body, list):
-        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in body])
-    else:
-        text = json.dumps(body)
-    return web.Response(text=text, status=status, content_type="application/json")
 
 
 def _error(exc: DSecError) -> web.Response:
@@ -194,14 +184,9 @@ class EdgeServer:
         """Listen on ``host:port`` (0: any free port); returns the URL apiservers use."""
         # handler_cancellation: an apiserver that hangs up (its own caller went away) cancels
         # the work it asked for, e.g. kills the process tree of an exec that still runs.
-        self._runner = web.AppRunner(
-            self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=self._shutdown_timeout
+        self._runner, self.url = await listen(
+            self.app(), host, port, handler_cancellation=True, shutdown_timeout=self._shutdown_timeout
         )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = self._runner.addresses[0][1] if port == 0 else port
-        self.url = f"http://{host}:{bound}"
         return self.url
 
     async def close(self) -> None:
@@ -212,12 +197,12 @@ class EdgeServer:
     # -- sandboxes ----------------------------------------------------------------------------
 
     async def stats(self, request: web.Request) -> web.Response:
-        return _json(await self.link.stats())
+        return respond(await self.link.stats())
 
     async def create(self, request: web.Request) -> web.Response:
         # Trusted: the apiserver labels the spec with its project (a reserved dsec.* label).
         spec = ContainerSpec.model_validate_json(await request.read() or b"{}", context={"trusted": True})
-        return _json(await self.link.create(spec), status=201)
+        return respond(await self.link.create(spec), status=201)
 
     async def list(self, request: web.Request) -> web.Response:
         labels: dict[str, str] = {}
@@ -226,28 +211,24 @@ class EdgeServer:
             if not sep:
                 raise InvalidRequest(f"label filter {item!r} must be key=value")
             labels[key] = value
-        return _json(await self.link.list_sandboxes(labels))
+        return respond(await self.link.list_sandboxes(labels))
 
     async def get(self, request: web.Request) -> web.Response:
-        return _json(await self.link.get(request.match_info["id"]))
+        return respond(await self.link.get(request.match_info["id"]))
 
     async def stop(self, request: web.Request) -> web.Response:
-        return _json(await self.link.stop(request.match_info["id"]))
+        return respond(await self.link.stop(request.match_info["id"]))
 
     async def shell(self, request: web.Request) -> web.Response:
         req = ShellRequest.model_validate_json(await request.read() or b"{}")
-        return _json(await self.link.run_shell(request.match_info["id"], req))
+        return respond(await self.link.run_shell(request.match_info["id"], req))
 
     async def exec(self, request: web.Request) -> web.StreamResponse:
         req = ExecRequest.model_validate_json(await request.read() or b"{}")
-        try:
-            stdin = base64.b64decode(req.stdin_b64, validate=True) if req.stdin_b64 is not None else None
-        except ValueError as exc:
-            raise InvalidRequest("stdin_b64 is not valid base64") from exc
         events = self.link.exec_stream(
             request.match_info["id"],
             req.argv,
-            stdin=stdin,
+            stdin=req.stdin_bytes(),
             env=req.env,
             cwd=req.cwd,
             timeout=req.timeout,
@@ -279,11 +260,11 @@ class EdgeServer:
 
     async def commit(self, request: web.Request) -> web.Response:
         req = CommitRequest.model_validate_json(await request.read() or b"{}")
-        return _json(await self.link.commit(request.match_info["id"], req), status=201)
+        return respond(await self.link.commit(request.match_info["id"], req), status=201)
 
     async def layers_in_use(self, request: web.Request) -> web.Response:
         digests = await self.link.layers_in_use(unmount_idle=_flag(request, "unmount_idle", False))
-        return _json({"digests": sorted(digests)})
+        return respond({"digests": sorted(digests)})
 
     # -- files --------------------------------------------------------------------------------
 
@@ -318,20 +299,20 @@ class EdgeServer:
         # The body is pulled as it is written: TCP flow control holds back a faster sender.
         body = request.content.iter_chunked(CHUNK)
         info = await self.link.write_stream(request.match_info["id"], path, body, mode=mode)
-        return _json(info, status=201)
+        return respond(info, status=201)
 
     async def stat(self, request: web.Request) -> web.Response:
-        return _json(await self.link.stat(request.match_info["id"], _param(request, "path")))
+        return respond(await self.link.stat(request.match_info["id"], _param(request, "path")))
 
     async def list_dir(self, request: web.Request) -> web.Response:
-        return _json(await self.link.list_dir(request.match_info["id"], _param(request, "path")))
+        return respond(await self.link.list_dir(request.match_info["id"], _param(request, "path")))
 
     async def mkdir(self, request: web.Request) -> web.Response:
         parents = _flag(request, "parents", True)
         info = await self.link.mkdir(request.match_info["id"], _param(request, "path"), parents=parents)
-        return _json(info, status=201)
+        return respond(info, status=201)
 
     async def remove(self, request: web.Request) -> web.Response:
         recursive = _flag(request, "recursive", False)
         await self.link.remove(request.match_info["id"], _param(request, "path"), recursive=recursive)
-        return _json({"removed": True})
+        return respond({"removed": True})

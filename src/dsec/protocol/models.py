@@ -7,6 +7,7 @@ any node does work. Sandbox specs are chosen by their ``type`` field so later ba
 
 from __future__ import annotations
 
+import base64
 import re
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -172,6 +173,12 @@ class ExecRequest(_Model):
     cwd: str | None = None
     timeout: float | None = Field(default=None, gt=0, le=86400)
     max_output_bytes: int | None = Field(default=None, ge=0, le=1 << 30)
+
+    def stdin_bytes(self) -> bytes | None:
+        try:
+            return None if self.stdin_b64 is None else base64.b64decode(self.stdin_b64, validate=True)
+        except ValueError as exc:
+            raise InvalidRequest("stdin_b64 is not valid base64") from exc
 
 
 class ExecEvent(_Model):

@@ -1,0 +1,28 @@
+"""What both HTTP servers (apiserver, edge) share: their JSON answer, and starting to listen."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+
+
+def respond(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
+    if isinstance(model, BaseModel):
+        text = model.model_dump_json()
+    elif isinstance(model, list):
+        text = json.dumps([m.model_dump(mode="json") if isinstance(m, BaseModel) else m for m in model])
+    else:
+        text = json.dumps(model)
+    return web.Response(text=text, status=status, content_type="application/json")
+
+
+async def listen(app: web.Application, host: str, port: int, **runner: Any) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on ``host:port`` (0: any free port); the runner and the URL it answers on."""
+    r = web.AppRunner(app, access_log=None, **runner)
+    await r.setup()
+    await web.TCPSite(r, host, port).start()
+    bound = r.addresses[0][1] if port == 0 else port
+    return r, f"http://{host}:{bound}"
