@@ -10,7 +10,8 @@ provides three fixtures:
   in a separate process.
 
 The projects, quotas and keys half lives here; the ledger and concurrency half in
-:mod:`tests.iam.conformance_ledger`, mixed into the same class.
+:mod:`tests.iam.conformance_ledger` and membership in :mod:`tests.iam.conformance_registry`,
+mixed into the same class.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dsec.protocol.errors import Conflict, Forbidden, InvalidRequest, QuotaExcee
 from tests.support import eventually
 
 from .conformance_ledger import LedgerConformance, sid
+from .conformance_registry import RegistryConformance
 
 Reopen = Callable[..., Awaitable[IamStore]]
 
@@ -34,7 +36,7 @@ async def as_key(iam: IamStore, project: str, *, admin: bool = False) -> Princip
     return await iam.authenticate(await iam.issue_key(project, admin=admin))
 
 
-class IamConformance(LedgerConformance):
+class IamConformance(LedgerConformance, RegistryConformance):
     # -- projects ---------------------------------------------------------------------------
 
     async def test_root_exists_and_is_unbounded(self, iam: IamStore) -> None:

@@ -1,9 +1,14 @@
-"""A cluster in one process: two edges behind their HTTP servers, two apiservers over them."""
+"""A cluster in one process: edges behind their HTTP servers that register through the
+apiservers, and two stateless apiservers that learn them from the shared registry."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,7 @@ from dsec.apiserver.embedded import NodeConfig
 from dsec.backends.fake import FakeBackend
 from dsec.iam import open_iam_store
 from dsec.images.store import LayerStore
+from tests.support import eventually
 
 from .conftest import TINY, build_tiny_layer
 
@@ -26,53 +32,151 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_apiservers_route_by_id_and_survive_a_lost_edge(tmp_path: Path) -> None:
-    store_dir = tmp_path / "layers"
-    store = LayerStore(store_dir)  # stands in for the shared store every node mounts
+@dataclass
+class Cluster:
+    tmp: Path
+    store: LayerStore
+    iam_url: str
+    key: str
+    apis: list[ClusterApiServer] = field(default_factory=list)
+    edges: dict[str, EdgeNode] = field(default_factory=dict)
+
+    async def api(self) -> ClusterApiServer:
+        cfg = ApiServerConfig(SECRET, self.store, self.iam_url, port=0, watch_interval_s=0.2)
+        api = ClusterApiServer(cfg)
+        await api.start()
+        self.apis.append(api)
+        return api
+
+    async def edge(self, name: str, port: int = 0, *, data: str | None = None) -> EdgeNode:
+        data_dir = self.tmp / (data or name)
+        cfg = NodeConfig(
+            data_dir=data_dir, layer_dir=self.tmp / "layers", port=port or free_port(), node=name
+        )
+        node = EdgeNode(
+            cfg, SECRET, [a.url for a in self.apis], backend=FakeBackend(data_dir / "fake"), heartbeat_s=0.2
+        )
+        await node.start()
+        self.edges[name] = node
+        return node
+
+    def client(self, i: int) -> DSecClient:
+        return DSecClient(self.apis[i].url, self.key)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    store = LayerStore(tmp_path / "layers")  # stands in for the shared store every node mounts
     store.import_path(build_tiny_layer(tmp_path / "tiny"), TINY)
-
-    def edge_node(name: str, port: int) -> EdgeNode:
-        cfg = NodeConfig(data_dir=tmp_path / name, layer_dir=store_dir, port=port, node=name)
-        return EdgeNode(cfg, SECRET, backend=FakeBackend(tmp_path / f"{name}-fake"))
-
-    edges = [edge_node("e1", free_port()), edge_node("e2", free_port())]
-    for edge in edges:
-        await edge.start()
     iam_url = str(tmp_path / "iam.sqlite")  # PostgreSQL in a real cluster: one IAM for all
     iam = await open_iam_store(iam_url)
     key = await iam.issue_key(admin=True)
     await iam.close()
-    apis = []
-    for _ in range(2):
-        api = ClusterApiServer(
-            ApiServerConfig({e.config.node: e.url for e in edges}, SECRET, store, iam_url, port=0)
-        )
-        await api.start()
-        apis.append(api)
+    c = Cluster(tmp_path, store, iam_url, key)
     try:
-        async with DSecClient(apis[0].url, key) as one, DSecClient(apis[1].url, key) as two:
-            made = [await one.run_container(DSecContainerRunArgs(container_image=TINY)) for _ in range(6)]
-            assert {s.id.split("-")[1] for s in made} == {"e1", "e2"}, "placement spreads creates"
-            for sb in made:  # the other apiserver serves sandboxes it never saw created
-                assert (await (await two.get(sb.id)).run_shell("echo hi")).stdout == "hi\n"
-            lost = [s for s in made if s.id.startswith("sb-e2-")]
-            await edges[1].close()  # the node goes away (its sandboxes keep running there)
-            with pytest.raises(InfraFailure) as err:
-                await two.get(lost[0].id)
-            assert err.value.reason == "edge_unreachable"
-            for _ in range(4):  # creates keep succeeding on the node that is left
-                sb = await two.run_container(DSecContainerRunArgs(container_image=TINY))
-                assert sb.id.startswith("sb-e1-")
-            with pytest.raises(SandboxNotFound):
-                await one.get("sb-e9-1-" + "a" * 20)
-            edges[1] = edge_node("e2", edges[1].config.port)  # the process starts again
-            await edges[1].start()  # and re-adopts what still runs
-            assert (await (await one.get(lost[0].id)).run_shell("echo back")).stdout == "back\n"
-            for sb in await one.list():
-                await sb.stop()
+        yield c
     finally:
-        for api in apis:
+        for api in c.apis:
             await api.close()
-        for edge in edges:
+        for edge in c.edges.values():
             with contextlib.suppress(Exception):
                 await edge.close(stop_sandboxes=True)
+
+
+def knows(api: ClusterApiServer, *nodes: str) -> bool:
+    return all(api.watcher.snapshot.get(n, {}).get("healthy") for n in nodes)
+
+
+async def test_apiservers_route_by_id_and_survive_a_lost_edge(cluster: Cluster) -> None:
+    await cluster.api()
+    await cluster.api()
+    await cluster.edge("e1")
+    e2 = await cluster.edge("e2")
+    for api in cluster.apis:  # registered through one apiserver, known to both
+        await eventually(partial(knows, api, "e1", "e2"), "both apiservers see both edges")
+    async with cluster.client(0) as one, cluster.client(1) as two:
+        made = [await one.run_container(DSecContainerRunArgs(container_image=TINY)) for _ in range(6)]
+        assert {s.id.split("-")[1] for s in made} == {"e1", "e2"}, "placement spreads creates"
+        for sb in made:  # the other apiserver serves sandboxes it never saw created
+            assert (await (await two.get(sb.id)).run_shell("echo hi")).stdout == "hi\n"
+        lost = [s for s in made if s.id.startswith("sb-e2-")]
+        await e2.close()  # the node goes away (its sandboxes keep running there)
+        with pytest.raises(InfraFailure) as err:
+            await two.get(lost[0].id)
+        assert err.value.reason == "edge_unreachable"
+        for _ in range(4):  # creates keep succeeding on the node that is left
+            sb = await two.run_container(DSecContainerRunArgs(container_image=TINY))
+            assert sb.id.startswith("sb-e1-")
+        with pytest.raises(SandboxNotFound):
+            await one.get("sb-e9-1-" + "a" * 20)
+        await cluster.edge("e2", e2.config.port)  # the process starts again, same state
+        assert cluster.edges["e2"].edge.epoch == int(lost[0].id.split("-")[2]), "it keeps its epoch"
+        assert (await (await one.get(lost[0].id)).run_shell("echo back")).stdout == "back\n"
+
+        async def e2_load() -> object:
+            nodes = {n["node"]: n for n in await one.nodes()}
+            return set(nodes) == {"e1", "e2"} and nodes["e2"].get("running") == len(lost)
+
+        await eventually(e2_load, "the nodes listing shows the re-adopted sandboxes")
+
+
+async def test_a_node_that_lost_its_state_gets_a_new_epoch(cluster: Cluster) -> None:
+    api = await cluster.api()
+    edge = await cluster.edge("e1")
+    async with cluster.client(0) as client:
+        old = await client.run_container(DSecContainerRunArgs(container_image=TINY))
+        await edge.close(stop_sandboxes=True)
+        shutil.rmtree(edge.config.data_dir)  # the node was reinstalled
+        fresh = await cluster.edge("e1", edge.config.port)
+        assert fresh.edge.epoch > edge.edge.epoch
+        await eventually(lambda: api.links["e1"].epoch == fresh.edge.epoch, "the apiserver follows")
+        with pytest.raises(SandboxNotFound) as err:
+            await client.get(old.id)
+        assert err.value.reason == "stale_epoch"
+        new = await client.run_container(DSecContainerRunArgs(container_image=TINY))
+        assert new.id.startswith(f"sb-e1-{fresh.edge.epoch}-")
+
+
+async def test_an_edge_replaced_under_its_name_stops_creating(cluster: Cluster) -> None:
+    await cluster.api()
+    first = await cluster.edge("e1", data="first")
+    second = await cluster.edge("e1", data="second")  # another machine took the name
+    assert second.edge.epoch > first.edge.epoch
+    await first.heartbeat.beat()
+    assert first.edge.fenced and first.edge.stats()["capacity"] == 0
+    assert not second.edge.fenced
+    await first.close(stop_sandboxes=True)
+    async with cluster.client(0) as client:
+        sb = await client.run_container(DSecContainerRunArgs(container_image=TINY))
+        assert sb.id.startswith(f"sb-e1-{second.edge.epoch}-")
+
+
+async def test_a_restarted_apiserver_rebuilds_its_view_from_the_registry(cluster: Cluster) -> None:
+    await cluster.api()
+    await cluster.edge("e1")
+    await cluster.edge("e2")
+    await cluster.apis.pop().close()
+    api = await cluster.api()  # holds nothing from before; the edges do not re-register now
+    assert set(api.links) == {"e1", "e2"}
+    assert knows(api, "e1", "e2"), "its first poll ran before it served"
+    async with cluster.client(0) as client:
+        sb = await client.run_container(DSecContainerRunArgs(container_image=TINY, labels={"job": "j"}))
+        assert sb.id.split("-")[1] in {"e1", "e2"}
+        await eventually(
+            lambda: api.watcher.snapshot[sb.id.split("-")[1]].get("by_label", {}).get("job=j") == 1,
+            "the watcher counts per label",
+        )
+
+
+async def test_registration_needs_the_cluster_secret(cluster: Cluster) -> None:
+    import aiohttp
+
+    api = await cluster.api()
+    async with aiohttp.ClientSession() as http:
+        body = {"node": "evil", "url": "http://127.0.0.1:1", "epoch": None}
+        async with http.post(api.url + "/cluster/v1/register", json=body) as resp:
+            assert resp.status == 401
+        headers = {"Authorization": f"Bearer {SECRET}"}
+        async with http.post(api.url + "/cluster/v1/register", json={"node": "BAD"}, headers=headers) as resp:
+            assert resp.status == 400
+    assert "evil" not in api.links

@@ -48,6 +48,7 @@ from dsec.protocol.models import (
 log = logging.getLogger("dsec.apiserver")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _CHUNK = 1 << 20
+CLUSTER_PREFIX = "/cluster/v1/"
 
 
 @web.middleware
@@ -74,6 +75,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith(CLUSTER_PREFIX):
+        return await handler(request)  # edges, with the cluster secret (apiserver/membership.py)
     header = request.headers.get("Authorization", "")
     key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
     request[PRINCIPAL] = await request.app[IAM_KEY].authenticate(key)
@@ -96,6 +99,7 @@ class ApiServer:
         app[IAM_KEY] = self.iam
         r = app.router
         r.add_get("/v1/health", self.health)
+        r.add_get("/v1/nodes", self.nodes)
         self.sandboxes.register(r)
         r.add_get("/v1/layers", self.layers)
         r.add_post("/v1/layers", self.import_layer)
@@ -109,6 +113,24 @@ class ApiServer:
 
     async def health(self, request: web.Request) -> web.Response:
         return respond({"ok": True, "nodes": self.placement.watcher.snapshot})
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        """The registry joined with the watcher's latest poll of each node (admin keys only)."""
+        require_admin(request)
+        snapshot = self.placement.watcher.snapshot
+        return respond(
+            [
+                {
+                    "node": n.node,
+                    "url": n.url,
+                    "epoch": n.epoch,
+                    "registered_at": n.registered_at,
+                    "last_seen": n.last_seen,
+                    **snapshot.get(n.node, {"healthy": False}),
+                }
+                for n in await self.iam.list_nodes()
+            ]
+        )
 
     # -- layers -----------------------------------------------------------------------------
 

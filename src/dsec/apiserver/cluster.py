@@ -1,10 +1,11 @@
 """The two halves of a cluster as separate processes: `dsec edge` and `dsec apiserver`.
 
-An edge serves its node over HTTP to apiservers that hold the cluster secret; an apiserver
-knows its edges by name and URL, polls them (the watcher), places creates on them and routes
-every later request by the node in the sandbox ID. Apiservers hold no per-sandbox state, so
-any number of them can serve the same edges; IAM (PostgreSQL) and the layer store (a shared
-mount) are what they share.
+An edge serves its node over HTTP to apiservers that hold the cluster secret, and registers
+itself through any apiserver (``edge/registration.py``); apiservers learn the edges from the
+shared registry (``apiserver/membership.py``), poll them (the watcher), place creates on them
+and route every later request by the node in the sandbox ID. Apiservers hold no per-sandbox
+state, so any number of them can serve the same edges; IAM with the registry (PostgreSQL) and
+the layer store (a shared mount) are what they share.
 """
 
 from __future__ import annotations
@@ -16,26 +17,39 @@ from aiohttp import web
 
 from dsec.apiserver.app import ApiServer
 from dsec.apiserver.embedded import NodeConfig, open_layer_store
-from dsec.apiserver.remote_edge import RemoteEdgeLink
+from dsec.apiserver.membership import Membership
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.edge.link import EdgeLink
+from dsec.edge.registration import ClusterRegistrar, Heartbeat
 from dsec.edge.server import EdgeServer
 from dsec.iam import IamStore, open_iam_store
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.http import listen
-from dsec.protocol.ids import validate_node_name
 
 log = logging.getLogger("dsec.cluster")
 
 
 class EdgeNode:
-    """One node's edge behind its HTTP server (`dsec edge`)."""
+    """One node's edge behind its HTTP server (`dsec edge`), registered with the cluster.
 
-    def __init__(self, config: NodeConfig, secret: str, backend: Backend | None = None) -> None:
+    ``apiservers``: where to register (any one that answers will do); ``advertise_url``:
+    the URL apiservers reach this edge on, if not the one it listens on.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        secret: str,
+        apiservers: list[str],
+        *,
+        backend: Backend | None = None,
+        advertise_url: str | None = None,
+        heartbeat_s: float = 5.0,
+    ) -> None:
         self.config = config
         self.store = open_layer_store(config)
         self.mounts = LayerMounts(config.data_dir / "mnt")
@@ -43,15 +57,24 @@ class EdgeNode:
         edge_config = EdgeConfig(data_dir=config.data_dir, node=config.node, **config.edge)
         self.edge = Edge(edge_config, self.backend, self.store, self.mounts)
         self.server = EdgeServer(self.edge, secret)
+        self.registrar = ClusterRegistrar(apiservers, secret, config.node)
+        self.heartbeat = Heartbeat(self.edge, self.registrar, heartbeat_s)
+        self.advertise_url = advertise_url
         self.url = ""
 
     async def start(self) -> str:
-        await self.edge.start()
+        # Listen first (the registration names the URL), but answer nothing until re-adopted.
+        self.server.ready = False
         self.url = await self.server.start(self.config.host, self.config.port)
+        self.registrar.url = self.advertise_url or self.url
+        await self.edge.start(self.registrar.until_registered)
+        self.server.ready = True
+        self.heartbeat.start()
         return self.url
 
     async def close(self, *, stop_sandboxes: bool = False) -> None:
         """Stop serving; sandboxes keep running unless asked (the next start re-adopts them)."""
+        await self.heartbeat.close()
         await self.server.close()
         await self.edge.close(stop_sandboxes=stop_sandboxes)
         if not self.edge.list_sandboxes():
@@ -62,44 +85,54 @@ class EdgeNode:
 
 @dataclass
 class ApiServerConfig:
-    edges: dict[str, str]  # node name -> the edge's URL
     secret: str
     store: LayerStore
     iam_url: str
     host: str = "127.0.0.1"
     port: int = 8642
-    watch_interval_s: float = 1.0
+    watch_interval_s: float = 1.0  # how often the registry is read and every edge polled
+    placement_k: int = 2
 
 
 class ClusterApiServer:
-    """An apiserver over remote edges (`dsec apiserver`)."""
+    """An apiserver over the edges that registered with the cluster (`dsec apiserver`)."""
 
     def __init__(self, config: ApiServerConfig) -> None:
         self.config = config
-        self.links: dict[str, EdgeLink] = {
-            validate_node_name(node): RemoteEdgeLink(url, config.secret, node)
-            for node, url in config.edges.items()
-        }
+        self.links: dict[str, EdgeLink] = {}  # filled and kept current by the membership
         self.watcher = Watcher(self.links, interval_s=config.watch_interval_s)
-        self.placement = Placement(self.watcher)
+        self.placement = Placement(self.watcher, k=config.placement_k)
         self.iam: IamStore
         self.api: ApiServer
+        self.membership: Membership
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> str:
         self.iam = await open_iam_store(self.config.iam_url)
-        self.api = ApiServer(self.links, self.placement, self.config.store, self.iam)
+        self.membership = Membership(
+            self.iam, self.config.secret, self.links, interval_s=self.config.watch_interval_s
+        )
+        await self.membership.start()
+        self.api = ApiServer(self.links, self.placement, self.store, self.iam)
         await self.watcher.start()
-        self._runner, self.url = await listen(self.api.app(), self.config.host, self.config.port)
+        app = self.api.app()
+        self.membership.register_routes(app)
+        self._runner, self.url = await listen(app, self.config.host, self.config.port)
         self.api.tenancy.start(self.links)
         return self.url
+
+    @property
+    def store(self) -> LayerStore:
+        return self.config.store
 
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
         if hasattr(self, "api"):
             await self.api.tenancy.close()
+        if hasattr(self, "membership"):
+            await self.membership.close()
         await self.watcher.close()
         for link in self.links.values():
             close = getattr(link, "close", None)
@@ -107,14 +140,3 @@ class ClusterApiServer:
                 await close()
         if hasattr(self, "iam"):
             await self.iam.close()
-
-
-def parse_edges(items: list[str]) -> dict[str, str]:
-    """``NODE=URL`` arguments into a mapping, with clear errors."""
-    out = {}
-    for item in items:
-        node, sep, url = item.partition("=")
-        if not sep or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--edge {item!r}: expected NODE=http://host:port")
-        out[validate_node_name(node)] = url.rstrip("/")
-    return out

@@ -80,12 +80,16 @@ class EmbeddedNode:
     async def start(self) -> None:
         self.iam = await open_iam_store(self.config.iam_url or str(self.config.data_dir / "iam.sqlite"))
         self.api = ApiServer({self.config.node: self.link}, self.placement, self.store, self.iam)
-        await self.edge.start()
+        await self.edge.start(self._register)
         await self.watcher.start()
         self._runner, self.url = await listen(self.api.app(), self.config.host, self.config.port)
         self.api_key = await self._admin_key()
         self.api.tenancy.start(self.api.edges)
         write_client_config(self.url, self.api_key, self.config.config_file)
+
+    async def _register(self, claimed: int | None) -> int:
+        # The same registry as a cluster's, so the node's epoch follows the same rule.
+        return (await self.iam.register_node(self.config.node, "local:", claimed)).epoch
 
     async def _admin_key(self) -> str:
         # Reuse the key in the config file if this node issued it, so clients survive restarts.

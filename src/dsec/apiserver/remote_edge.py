@@ -24,7 +24,7 @@ import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dsec.edge.link import CHUNK, DEFAULT_FILE_MODE
-from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX
+from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
 from dsec.protocol.models import (
     CommandResult,
@@ -54,10 +54,11 @@ def never_reached_edge(exc: BaseException) -> bool:
     but that nobody knows about: an edge killed a moment ago refuses connections until the
     watcher notices, and placement should move on rather than fail the caller.
     """
-    return (
-        isinstance(exc, InfraFailure)
-        and exc.reason == "edge_unreachable"
-        and isinstance(exc.__cause__, _NOT_SENT)
+    if not isinstance(exc, InfraFailure):
+        return False
+    # A starting edge refuses everything until it has re-adopted its sandboxes (EdgeServer).
+    return exc.reason == STARTING_REASON or (
+        exc.reason == "edge_unreachable" and isinstance(exc.__cause__, _NOT_SENT)
     )
 
 
@@ -77,18 +78,24 @@ class RemoteEdgeLink:
         *,
         connect_timeout: float = 5.0,
         control_timeout: float = 30.0,
+        epoch: int | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.node = node
         self._headers = {"Authorization": f"Bearer {secret}"}
         self._connect_timeout = connect_timeout
         self._control_timeout = control_timeout
-        self._epoch: int | None = None
+        self._epoch = epoch
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def epoch(self) -> int | None:
         return self._epoch
+
+    def follow(self, url: str, epoch: int) -> None:
+        """The registry says where the node is now and under which epoch."""
+        self.url = url.rstrip("/")
+        self._epoch = epoch
 
     def _http(self) -> aiohttp.ClientSession:
         # Created on first use: a ClientSession belongs to the event loop it was made in.

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from dsec.apiserver.embedded import NodeConfig
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import DSecError
+from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.models import CommandResult
 from dsec.sdk.args import DSecContainerRunArgs
 from dsec.sdk.client import DSecClient, Sandbox
@@ -44,6 +44,8 @@ app.add_typer(project_app, name="project")
 app.add_typer(key_app, name="key")
 image_app = typer.Typer(help="Images: ordered lists of layers under one name:version.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
+node_app = typer.Typer(help="Nodes: the edges of this DSec (admin keys).", no_args_is_help=True)
+app.add_typer(node_app, name="node")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -143,25 +145,40 @@ async def _serve_until_signalled(started: str) -> None:
 @app.command("edge")
 def edge_cmd(
     node: Annotated[str, typer.Option(help="this node's name (part of every sandbox ID)")],
+    apiserver: Annotated[
+        list[str], typer.Option(help="an apiserver URL to register through (repeat: any one will do)")
+    ],
     data_dir: DataDir = Path("/var/lib/dsec"),
-    host: Annotated[str, typer.Option(help="address apiservers reach this edge on")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8643,
-    shared_layers: Annotated[Path | None, typer.Option(help="the cluster's shared layer store")] = None,
-    secret_file: Annotated[
-        Path | None, typer.Option(help="cluster secret (else $DSEC_CLUSTER_SECRET)")
+    advertise_url: Annotated[
+        str | None, typer.Option(help="URL apiservers reach this edge on (default: http://HOST:PORT)")
     ] = None,
+    shared_layers: Annotated[Path | None, typer.Option(help="the cluster's shared layer store")] = None,
+    heartbeat: Annotated[float, typer.Option(help="seconds between re-registrations")] = 5.0,
+    secret_file: SecretFile = None,
 ) -> None:
-    """Run one node's edge for a cluster (apiservers reach it with the cluster secret)."""
+    """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
     from dsec.apiserver.cluster import EdgeNode
     from dsec.edge.server import read_cluster_secret
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if host in ("0.0.0.0", "::") and advertise_url is None:
+        raise _fail(InvalidRequest(f"--host {host} listens everywhere: give --advertise-url too"))
     cfg = NodeConfig(data_dir=data_dir, host=host, port=port, node=node, shared_layer_dir=shared_layers)
 
     async def serve() -> None:
-        edge = EdgeNode(cfg, read_cluster_secret(secret_file))
+        edge = EdgeNode(
+            cfg,
+            read_cluster_secret(secret_file),
+            apiserver,
+            advertise_url=advertise_url,
+            heartbeat_s=heartbeat,
+        )
         url = await edge.start()
-        await _serve_until_signalled(f"[green]edge {node} is up[/green] at {url} (data in {data_dir})")
+        await _serve_until_signalled(
+            f"[green]edge {node} is up[/green] at {url} (epoch {edge.edge.epoch}, data in {data_dir})"
+        )
         await edge.close()
 
     try:
@@ -172,22 +189,23 @@ def edge_cmd(
 
 @app.command("apiserver")
 def apiserver_cmd(
-    edge: Annotated[list[str], typer.Option(help="NODE=URL of an edge (repeat for each)")],
     iam: Annotated[
         str, typer.Option(envvar="DSEC_IAM_URL", help="postgresql://... shared by all apiservers")
     ],
     shared_layers: Annotated[Path, typer.Option(help="the cluster's shared layer store")],
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to listen on")] = 8642,
-    secret_file: Annotated[
-        Path | None, typer.Option(help="cluster secret (else $DSEC_CLUSTER_SECRET)")
-    ] = None,
+    secret_file: SecretFile = None,
     scratch: Annotated[Path, typer.Option(help="local directory for imports and builds")] = Path(
         "/var/lib/dsec/apiserver-scratch"
     ),
+    watch_interval: Annotated[
+        float, typer.Option(help="seconds between reads of the registry and polls of the edges")
+    ] = 1.0,
+    placement_k: Annotated[int, typer.Option(min=1, help="power of k choices")] = 2,
 ) -> None:
-    """Run a stateless apiserver over the given edges (run as many as you like)."""
-    from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer, parse_edges
+    """Run a stateless apiserver over the edges that register with the cluster (run several)."""
+    from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer
     from dsec.edge.server import read_cluster_secret
     from dsec.images.blobstore import SharedMountBlobStore
 
@@ -195,10 +213,12 @@ def apiserver_cmd(
 
     async def serve() -> None:
         store = LayerStore.over(SharedMountBlobStore(shared_layers), scratch=scratch)
-        cfg = ApiServerConfig(parse_edges(edge), read_cluster_secret(secret_file), store, iam, host, port)
+        cfg = ApiServerConfig(
+            read_cluster_secret(secret_file), store, iam, host, port, watch_interval, placement_k
+        )
         server = ClusterApiServer(cfg)
         url = await server.start()
-        await _serve_until_signalled(f"[green]apiserver is up[/green] at {url} over {len(cfg.edges)} edges")
+        await _serve_until_signalled(f"[green]apiserver is up[/green] at {url} ({len(server.links)} edges)")
         await server.close()
 
     try:
@@ -399,6 +419,26 @@ def layer_ls() -> None:
     for layer in layers:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(layer.created_at))
         table.add_row(layer.digest[:19], f"{layer.size / 1e6:.1f} MB", ", ".join(layer.names), created)
+    console.print(table)
+
+
+@node_app.command("ls")
+def node_ls() -> None:
+    """List the registered nodes with their epoch, health and load."""
+    nodes = _client_call(lambda c: c.nodes())
+    table = Table("node", "epoch", "url", "healthy", "running", "capacity", "last seen")
+    for n in nodes:
+        seen = time.strftime("%H:%M:%S", time.localtime(n["last_seen"]))
+        healthy = "yes" if n.get("healthy") else "[red]no[/red]"
+        table.add_row(
+            n["node"],
+            str(n["epoch"]),
+            n["url"],
+            healthy,
+            str(n.get("running", "-")),
+            str(n.get("capacity", "-")),
+            seen,
+        )
     console.print(table)
 
 

@@ -12,7 +12,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections import Counter
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,11 @@ from dsec.protocol.models import (
 )
 
 log = logging.getLogger("dsec.edge")
+
+# Registers this node with its cluster: given the epoch the journal claims (None: no state),
+# returns the epoch to use (iam/registry.py has the rule).
+Registrar = Callable[[int | None], Awaitable[int]]
+_MAX_LABELS_REPORTED = 1000
 
 
 @dataclass
@@ -82,12 +88,10 @@ class Edge:
         self.store = store
         self.mounts = mounts
         self.journal = Journal(config.data_dir / "edge" / "journal.sqlite")
-        epoch = self.journal.meta("epoch")
-        if epoch is None:
-            # A new epoch only when the node's state is new: a restart that re-adopts keeps it.
-            epoch = str(int(time.time()))
-            self.journal.set_meta("epoch", epoch)
-        self.epoch = int(epoch)
+        claimed = self.journal.meta("epoch")
+        # The epoch this node's journal was written under; start() confirms it with the cluster.
+        self.epoch = int(claimed) if claimed is not None else 0
+        self.fenced = ""  # why this edge must not create (another registration replaced it)
         self._live: dict[str, _Live] = {}
         self._creating = 0
         self._reaper: asyncio.Task[None] | None = None
@@ -95,7 +99,20 @@ class Edge:
 
     # -- lifecycle of the edge itself -------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, register: Registrar | None = None) -> None:
+        """Take the node's epoch (from the cluster's registry if given), then re-adopt.
+
+        Without a registry the edge keeps its journal's epoch, or starts a new one from the
+        clock. Sandboxes journaled under another epoch than the one granted cannot be reached
+        by their IDs any more, so they are stopped rather than adopted.
+        """
+        claimed = self.epoch or None
+        if register is not None:
+            self.epoch = await register(claimed)
+        elif claimed is None:
+            self.epoch = int(time.time())
+        if self.epoch != claimed:
+            self.journal.set_meta("epoch", str(self.epoch))
         await self.backend.prepare_node()
         await self._reconcile()
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -118,7 +135,8 @@ class Edge:
         for rec in self.journal.live():
             known.add(rec.id)
             user = User(**rec.user)
-            if rec.state is SandboxState.running and await self.backend.alive(rec.id, rec.handle):
+            current = SandboxId.parse(rec.id).epoch == self.epoch
+            if current and rec.state is SandboxState.running and await self.backend.alive(rec.id, rec.handle):
                 for digest in rec.layers:
                     self.mounts.acquire_layer(self.store, digest)
                 self._live[rec.id] = _Live(rec, user)
@@ -128,6 +146,8 @@ class Edge:
                 SandboxState.creating: "edge restarted during create",
                 SandboxState.stopping: rec.stop_reason or "stopped",
             }.get(rec.state, "sandbox died while the edge was down")
+            if not current and rec.state is SandboxState.running:
+                reason = f"the node re-registered with a new epoch ({self.epoch})"
             await self.backend.destroy(rec.id, rec.handle, self._workdir(rec.id))
             rec.state = SandboxState.stopped if rec.state is SandboxState.stopping else SandboxState.failed
             rec.stop_reason = reason
@@ -152,17 +172,36 @@ class Edge:
         used = {digest for live in self._live.values() for digest in live.record.layers}
         return used | set(self.mounts.mounted())
 
+    def fence(self, reason: str) -> None:
+        """Refuse creates from now on: this node's name and epoch belong to another edge."""
+        if not self.fenced:
+            log.error("edge fenced, creates refused: %s", reason)
+        self.fenced = reason
+
     def stats(self) -> dict[str, Any]:
+        """Health and load for the watcher: totals, and running counts per backend, project, label."""
+        by_project: Counter[str] = Counter()
+        by_label: Counter[str] = Counter()
+        for live in self._live.values():
+            labels = live.record.spec.labels
+            by_project[labels.get(PROJECT_LABEL, DEFAULT_PROJECT)] += 1
+            by_label.update(f"{k}={v}" for k, v in labels.items() if not k.startswith(RESERVED_LABEL_PREFIX))
         return {
             "node": self.config.node,
             "epoch": self.epoch,
             "backends": [self.backend.name],
             "running": len(self._live),
             "creating": self._creating,
-            "capacity": self.config.max_sandboxes,
+            "capacity": 0 if self.fenced else self.config.max_sandboxes,
+            "by_backend": {self.backend.name: len(self._live)},
+            "by_project": dict(by_project),
+            # Bounded: a label per rollout would otherwise make every poll as large as the node.
+            "by_label": dict(by_label.most_common(_MAX_LABELS_REPORTED)),
         }
 
     async def create(self, spec: ContainerSpec) -> SandboxInfo:
+        if self.fenced:
+            raise CapacityExhausted(f"node {self.config.node} refuses creates: {self.fenced}")
         if len(self._live) + self._creating >= self.config.max_sandboxes:
             raise CapacityExhausted(
                 f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)"

@@ -61,6 +61,7 @@ PREFIX = "/edge/v1"
 NODE_HEADER = "X-DSec-Edge-Node"
 EPOCH_HEADER = "X-DSec-Edge-Epoch"
 SECRET_ENV = "DSEC_CLUSTER_SECRET"
+STARTING_REASON = "edge_starting"
 MIN_SECRET_LEN = 16
 # Bodies read whole are JSON; the largest is an exec's stdin, base64 inside an ExecRequest
 # that an apiserver accepted under its own 64 MiB limit. File content is streamed, not read whole.
@@ -88,6 +89,16 @@ def read_cluster_secret(path: Path | None = None) -> str:
         if not text:
             raise InvalidRequest(f"no cluster secret: give a secret file or set {SECRET_ENV}")
     return check_secret(text)
+
+
+def require_cluster_secret(request: web.Request, secret: bytes) -> None:
+    """``Unauthorized`` unless the request carries the cluster secret as its bearer token."""
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        raise Unauthorized("missing cluster secret (Authorization: Bearer ...)")
+    # Constant time: the comparison must not tell an attacker how much of a guess was right.
+    if not hmac.compare_digest(header[7:].encode(), secret):
+        raise Unauthorized("wrong cluster secret")
 
 
 def _error(exc: DSecError) -> web.Response:
@@ -139,18 +150,17 @@ class EdgeServer:
         self._shutdown_timeout = shutdown_timeout
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self.ready = True  # False while the edge behind it is still starting (see EdgeNode)
 
     # -- plumbing -----------------------------------------------------------------------------
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer "):
-            raise Unauthorized("missing cluster secret (Authorization: Bearer ...)")
-        # Constant time: the comparison must not tell an attacker how much of a guess was right.
-        if not hmac.compare_digest(header[7:].encode(), self._secret):
-            raise Unauthorized("wrong cluster secret")
+        require_cluster_secret(request, self._secret)
         request[_AUTHED] = True
+        if not self.ready:
+            # Before re-adoption, "no such sandbox" could be a lie: refuse everything instead.
+            raise InfraFailure(f"edge {self.link.node!r} is starting", reason=STARTING_REASON)
         return await handler(request)
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:

@@ -19,6 +19,7 @@ from dsec.iam.base import (
     Usage,
     can_access,
 )
+from dsec.iam.registry import NodeRecord
 from dsec.iam.sqlite import SqliteIamStore
 from dsec.protocol.errors import InvalidRequest
 
@@ -41,6 +42,7 @@ __all__ = [
     "ROOT_PROJECT",
     "IamStore",
     "KeyInfo",
+    "NodeRecord",
     "Principal",
     "ProjectInfo",
     "Quota",

@@ -24,9 +24,12 @@ import re
 import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from dsec.protocol.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from dsec.iam.registry import NodeRecord
 
 ROOT_PROJECT = "root"
 KEY_PREFIX = "dsec_"
@@ -280,5 +283,15 @@ class IamStore(Protocol):
     ) -> list[Reservation]: ...
 
     async def recount(self) -> dict[str, tuple[Usage, Usage]]: ...
+
+    # -- cluster membership (iam/registry.py): kept here because every apiserver shares it --
+
+    async def register_node(
+        self, node: str, url: str, claimed_epoch: int | None, *, heartbeat: bool = False
+    ) -> NodeRecord: ...
+
+    async def list_nodes(self) -> list[NodeRecord]: ...
+
+    async def forget_node(self, node: str) -> bool: ...
 
     async def close(self) -> None: ...

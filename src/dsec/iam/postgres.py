@@ -66,6 +66,13 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_node ON ledger(node, since);
 CREATE INDEX IF NOT EXISTS ledger_project ON ledger(project);
+CREATE TABLE IF NOT EXISTS nodes (
+    node TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    epoch BIGINT NOT NULL,
+    registered_at DOUBLE PRECISION NOT NULL,
+    last_seen DOUBLE PRECISION NOT NULL
+);
 """
 
 _UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Self
 
-from dsec.iam import ledger
+from dsec.iam import ledger, registry
 from dsec.iam.base import (
     KEY_PREFIX,
     ROOT_PROJECT,
@@ -40,6 +40,7 @@ from dsec.iam.base import (
     validate_project,
 )
 from dsec.iam.ledger import PROJECT_COLS, Driver, ProjectRow, Tx, lock_chain, quota_limits
+from dsec.iam.registry import NodeRecord
 from dsec.protocol.errors import Conflict, Forbidden, InvalidRequest, Unauthorized
 from dsec.protocol.ids import SandboxId
 
@@ -449,6 +450,30 @@ class SqlIamStore:
     async def recount(self) -> dict[str, tuple[Usage, Usage]]:
         """Rebuild the subtree counters from the ledger; returns what had drifted (nothing, normally)."""
         return await self._db.write(ledger.recount)
+
+    # -- cluster membership -----------------------------------------------------------------
+
+    async def register_node(
+        self, node: str, url: str, claimed_epoch: int | None, *, heartbeat: bool = False
+    ) -> NodeRecord:
+        """Record an edge's registration or heartbeat; returns the epoch it must use."""
+        registry.validate_registration(node, url, claimed_epoch)
+
+        async def tx(tx: Tx) -> NodeRecord:
+            return await registry.register(tx, node, url, claimed_epoch, heartbeat=heartbeat)
+
+        return await self._db.write(tx)
+
+    async def list_nodes(self) -> list[NodeRecord]:
+        return await self._db.read(registry.list_nodes)
+
+    async def forget_node(self, node: str) -> bool:
+        """Drop a node that is gone for good (it registers anew, with a new epoch, if it returns)."""
+
+        async def tx(tx: Tx) -> bool:
+            return await registry.forget(tx, node)
+
+        return await self._db.write(tx)
 
 
 def _with_quota(row: ProjectRow, quota: Quota) -> ProjectRow:

@@ -27,9 +27,10 @@ from dsec.iam.sql import SqlIamStore
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Version 1 is the schema before quotas and revocation (projects, api_keys with four columns);
-# files from then are upgraded in place so existing admin keys keep working.
+# files from then are upgraded in place so existing admin keys keep working. Version 3 adds the
+# cluster membership table (iam/registry.py).
 _TABLES = """
 CREATE TABLE IF NOT EXISTS projects (
     id TEXT PRIMARY KEY, parent TEXT REFERENCES projects(id), created_at REAL NOT NULL
@@ -44,6 +45,10 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_node ON ledger(node, since);
 CREATE INDEX IF NOT EXISTS ledger_project ON ledger(project);
+CREATE TABLE IF NOT EXISTS nodes (
+    node TEXT PRIMARY KEY, url TEXT NOT NULL, epoch INTEGER NOT NULL,
+    registered_at REAL NOT NULL, last_seen REAL NOT NULL
+);
 """
 _ADDED_COLUMNS = {
     "projects": [

@@ -355,6 +355,11 @@ class DSecClient(ProjectCalls):
             raise InfraFailure(f"could not stop {sorted(body['failed'])}: {body['failed']}", reason="runtime")
         return [SandboxInfo.model_validate(x) for x in body["stopped"]]
 
+    async def nodes(self) -> builtins.list[dict[str, Any]]:
+        """The cluster's registered nodes with their epoch, health and load (admin keys only)."""
+        body: builtins.list[dict[str, Any]] = await self._t.request("GET", "/v1/nodes")
+        return body
+
     async def layers(self) -> builtins.list[LayerInfo]:
         return [LayerInfo.model_validate(x) for x in await self._t.request("GET", "/v1/layers")]
 

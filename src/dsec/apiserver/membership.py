@@ -1,0 +1,91 @@
+"""An apiserver's view of the cluster's edges, rebuilt from the shared registry.
+
+Edges register (and heartbeat) through any apiserver, which records them in the registry
+(``iam/registry.py``) and answers with the epoch to use. Every apiserver reads the registry
+every ``interval_s`` into its map of links, so a node registered through one instance is
+known to all within an interval and an apiserver that restarts knows every node after its
+first read: nothing here is durable. A link's epoch comes from the registry, which is what
+lets an apiserver refuse an ID of a replaced incarnation without asking the edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.apiserver._http import read_body, respond
+from dsec.apiserver.remote_edge import RemoteEdgeLink
+from dsec.edge.link import EdgeLink
+from dsec.edge.registration import REGISTER_PATH
+from dsec.edge.server import check_secret, require_cluster_secret
+from dsec.iam import IamStore, NodeRecord
+
+log = logging.getLogger("dsec.apiserver.membership")
+
+
+class Registration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node: str
+    url: str
+    epoch: int | None = Field(default=None, description="the epoch the edge's journal claims")
+    heartbeat: bool = False
+
+
+class Membership:
+    def __init__(
+        self, iam: IamStore, secret: str, links: dict[str, EdgeLink], *, interval_s: float = 1.0
+    ) -> None:
+        self.iam = iam
+        self._secret_text = check_secret(secret)
+        self._secret = self._secret_text.encode()
+        self.links = links  # shared with the routes, the watcher and tenancy: updated in place
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def register_routes(self, app: web.Application) -> None:
+        app.router.add_post(REGISTER_PATH, self.register)
+
+    async def register(self, request: web.Request) -> web.Response:
+        require_cluster_secret(request, self._secret)
+        reg: Registration = await read_body(request, Registration)
+        record = await self.iam.register_node(reg.node, reg.url, reg.epoch, heartbeat=reg.heartbeat)
+        self._apply(record)  # this instance knows at once; the others at their next read
+        if not reg.heartbeat or record.epoch != reg.epoch:
+            log.info("edge %s registered at %s with epoch %d", record.node, record.url, record.epoch)
+        return respond({"node": record.node, "epoch": record.epoch, "url": record.url})
+
+    def _apply(self, record: NodeRecord) -> None:
+        link = self.links.get(record.node)
+        if isinstance(link, RemoteEdgeLink):
+            link.follow(record.url, record.epoch)
+        elif link is None:
+            self.links[record.node] = RemoteEdgeLink(
+                record.url, self._secret_text, record.node, epoch=record.epoch
+            )
+
+    async def refresh(self) -> None:
+        for record in await self.iam.list_nodes():
+            self._apply(record)
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # the registry's store is down: keep the last view
+                log.warning("could not read the cluster registry: %s", exc)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
