@@ -132,6 +132,24 @@ class LinkConformance:
         assert [i.id for i in await link.list_sandboxes({PROJECT_LABEL: "p1"})] == [info.id]
         await link.stop(info.id)
 
+    async def test_a_bulk_stop_takes_the_labels_and_the_project_subtree(self, link: EdgeLink) -> None:
+        def made(project: str, **labels: str) -> ContainerSpec:
+            s = spec(labels=labels)
+            return s.model_copy(update={"labels": {**labels, PROJECT_LABEL: project}})
+
+        mine = [await link.create(made(p, job="j")) for p in ("root/a", "root/a/rollout-1", "root/a")]
+        other_job = await link.create(made("root/a", job="k"))
+        other_project = await link.create(made("root/ab", job="j"))  # a name prefix, not a sub-project
+        result = await link.stop_matching({"job": "j"}, "root/a")
+        assert sorted(i.id for i in result.stopped) == sorted(i.id for i in mine)
+        assert all(i.state is SandboxState.stopped for i in result.stopped) and not result.failed
+        assert {i.id for i in await link.list_sandboxes()} == {other_job.id, other_project.id}
+        assert (await link.stop_matching({"job": "j"}, "root/a")).stopped == []  # again: nothing left
+        with pytest.raises(InvalidRequest):
+            await link.stop_matching({}, "root")  # never "everything" by accident
+        for info in (other_job, other_project):
+            await link.stop(info.id)
+
     async def test_concurrent_creates(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
         infos = await asyncio.gather(*(link.create(spec(labels={"n": str(i)})) for i in range(12)))
         assert len({i.id for i in infos}) == 12

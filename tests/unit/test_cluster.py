@@ -3,7 +3,6 @@ apiservers, and two stateless apiservers that learn them from the shared registr
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import socket
 from collections.abc import AsyncIterator
@@ -40,6 +39,7 @@ class Cluster:
     key: str
     apis: list[ClusterApiServer] = field(default_factory=list)
     edges: dict[str, EdgeNode] = field(default_factory=dict)
+    stopped: dict[str, EdgeNode] = field(default_factory=dict)
 
     async def api(self) -> ClusterApiServer:
         cfg = ApiServerConfig(SECRET, self.store, self.iam_url, port=0, watch_interval_s=0.2)
@@ -58,6 +58,14 @@ class Cluster:
         )
         await node.start()
         self.edges[name] = node
+        self.stopped.pop(name, None)
+        return node
+
+    async def down(self, name: str) -> EdgeNode:
+        """The edge process goes away; its sandboxes keep running (until teardown restarts it)."""
+        node = self.edges[name]
+        await node.close()
+        self.stopped[name] = node
         return node
 
     def client(self, i: int) -> DSecClient:
@@ -76,11 +84,12 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     try:
         yield c
     finally:
+        for name, node in list(c.stopped.items()):  # a failed test may leave one down
+            await c.edge(name, node.config.port)
         for api in c.apis:
             await api.close()
         for edge in c.edges.values():
-            with contextlib.suppress(Exception):
-                await edge.close(stop_sandboxes=True)
+            await edge.close(stop_sandboxes=True)
 
 
 def knows(api: ClusterApiServer, *nodes: str) -> bool:
@@ -100,7 +109,7 @@ async def test_apiservers_route_by_id_and_survive_a_lost_edge(cluster: Cluster) 
         for sb in made:  # the other apiserver serves sandboxes it never saw created
             assert (await (await two.get(sb.id)).run_shell("echo hi")).stdout == "hi\n"
         lost = [s for s in made if s.id.startswith("sb-e2-")]
-        await e2.close()  # the node goes away (its sandboxes keep running there)
+        await cluster.down("e2")  # the node goes away (its sandboxes keep running there)
         with pytest.raises(InfraFailure) as err:
             await two.get(lost[0].id)
         assert err.value.reason == "edge_unreachable"
@@ -180,3 +189,35 @@ async def test_registration_needs_the_cluster_secret(cluster: Cluster) -> None:
         async with http.post(api.url + "/cluster/v1/register", json={"node": "BAD"}, headers=headers) as resp:
             assert resp.status == 400
     assert "evil" not in api.links
+
+
+async def test_a_job_is_stopped_across_the_cluster_in_one_call(cluster: Cluster) -> None:
+    api = await cluster.api()
+    await cluster.edge("e1")
+    e2 = await cluster.edge("e2")
+    job = DSecContainerRunArgs(container_image=TINY, labels={"job": "j"})
+    async with cluster.client(0) as admin:
+        await admin.create_project("root", "team")
+        team_key = await admin.issue_key("root/team")
+        async with DSecClient(api.url, team_key) as team:
+            theirs = [await team.run_container(job) for _ in range(6)]
+            ours = await admin.run_container(job)  # same label, in the parent project
+            assert {s.id.split("-")[1] for s in theirs} == {"e1", "e2"}
+            stopped = await team.stop_all({"job": "j"})  # only what the key may touch
+            assert sorted(i.id for i in stopped) == sorted(s.id for s in theirs)
+            assert [s.id for s in await admin.list({"job": "j"})] == [ours.id]
+            more = [await team.run_container(job) for _ in range(4)]
+            await cluster.down("e2")  # a node is down during the cleanup: the caller must hear of it
+            await eventually(lambda: not knows(api, "e2"), "the watcher sees e2 down")
+            with pytest.raises(InfraFailure) as err:
+                await team.stop_all({"job": "j"})
+            assert err.value.reason == "edge_unreachable" and "e2" in str(err.value)
+            # what the node that answered held is stopped (e2 cannot be listed while down)
+            listed_e1 = [ours.id] if ours.id.startswith("sb-e1-") else []
+            assert [s.id for s in await admin.list({"job": "j"})] == listed_e1
+            await cluster.edge("e2", e2.config.port)
+            on_e2 = {s.id for s in more if s.id.startswith("sb-e2-")}
+            await eventually(lambda: knows(api, "e2"), "e2 is back")
+            assert {s.id for s in await admin.list({"job": "j"})} == on_e2 | {ours.id}
+            await team.stop_all({"job": "j"})  # again, once the node is back: nothing remains
+            assert [s.id for s in await admin.list({"job": "j"})] == [ours.id]

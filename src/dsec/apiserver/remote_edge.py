@@ -36,6 +36,7 @@ from dsec.protocol.models import (
     LayerInfo,
     SandboxInfo,
     ShellRequest,
+    StopResult,
     invalid_request,
 )
 
@@ -229,6 +230,10 @@ class RemoteEdgeLink:
 
     async def stop(self, sandbox_id: str) -> SandboxInfo:
         return self._parse(SandboxInfo, await self._json("DELETE", self._sandbox(sandbox_id)))
+
+    async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
+        params = [("label", f"{k}={v}") for k, v in labels.items()] + [("within", within)]
+        return self._parse(StopResult, await self._json("DELETE", "/sandboxes", params=params))
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         raw = await self._json("POST", self._sandbox(sandbox_id, "/shell"), body=req)

@@ -26,10 +26,12 @@ from dsec.protocol.models import (
     ExecRequest,
     SandboxInfo,
     ShellRequest,
+    StopResult,
 )
 
 _CHUNK = 1 << 20
 _PROJECT_CACHE = 100_000
+UNREACHABLE_HEADER = "X-DSec-Unreachable-Nodes"
 
 
 class SandboxRoutes:
@@ -111,32 +113,45 @@ class SandboxRoutes:
                             raise  # it may have been created: retrying could make two
                         tried.add(node)  # the node is down: the create never left
 
-    async def _listed(self, request: web.Request) -> list[SandboxInfo]:
+    async def list(self, request: web.Request) -> web.Response:
+        """Running sandboxes on every node; nodes that did not answer are named in a header."""
         labels = label_filter(request)
         names = list(self.links)
         answers = await asyncio.gather(
             *(self.links[n].list_sandboxes(labels) for n in names), return_exceptions=True
         )
         everything = [info for a in answers if not isinstance(a, BaseException) for info in a]
-        return self.tenancy.visible(request[PRINCIPAL], everything)
-
-    async def list(self, request: web.Request) -> web.Response:
-        return respond(await self._listed(request))
+        resp = respond(self.tenancy.visible(request[PRINCIPAL], everything))
+        missing = [n for n, a in zip(names, answers, strict=True) if isinstance(a, BaseException)]
+        if missing:
+            resp.headers[UNREACHABLE_HEADER] = ",".join(missing)
+        return resp
 
     async def stop_by_label(self, request: web.Request) -> web.Response:
-        """Stop every sandbox carrying all the given labels, on every node: "this job is gone"."""
-        if not label_filter(request):
+        """Stop every sandbox carrying all the given labels, on every node: "this job is gone".
+
+        One request per node (the edge stops its own matches), so a job of any size costs the
+        same number of round trips; a node that does not answer is reported, not skipped quietly.
+        """
+        labels = label_filter(request)
+        if not labels:
             raise InvalidRequest("give at least one label=key=value: stopping everything is not a bulk call")
-        ids = [info.id for info in await self._listed(request)]
-        results = await asyncio.gather(*(self.link_for(sid).stop(sid) for sid in ids), return_exceptions=True)
-        stopped, failed = [], {}
-        for sid, result in zip(ids, results, strict=True):
-            if isinstance(result, BaseException):
-                failed[sid] = str(result)
+        within = request[PRINCIPAL].project
+        names = list(self.links)
+        answers = await asyncio.gather(
+            *(self.links[n].stop_matching(labels, within) for n in names), return_exceptions=True
+        )
+        total = StopResult()
+        for name, answer in zip(names, answers, strict=True):
+            if isinstance(answer, StopResult):
+                total.stopped += answer.stopped
+                total.failed.update(answer.failed)
+            elif isinstance(answer, Exception):
+                total.unreachable_nodes.append(name)
             else:
-                await self.tenancy.release(sid)
-                stopped.append(result.model_dump(mode="json"))
-        return respond({"stopped": stopped, "failed": failed})
+                raise answer
+        await self.tenancy.release_many([info.id for info in total.stopped])
+        return respond(total)
 
     async def get(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)

@@ -64,6 +64,10 @@ class Tenancy:
     async def release(self, sandbox_id: str) -> None:
         await self.iam.release(sandbox_id)
 
+    async def release_many(self, sandbox_ids: list[str]) -> None:
+        if sandbox_ids:
+            await self.iam.release_many(sandbox_ids)
+
     async def reconcile(self, edges: Mapping[str, EdgeLink], *, grace_s: float = 30.0) -> None:
         """Release the quota of sandboxes the edges no longer run (reaped, died, lost).
 

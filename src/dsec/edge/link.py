@@ -25,7 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from dsec.edge.edge import Edge
 from dsec.executor.files import SandboxFiles
-from dsec.protocol.errors import SandboxNotFound
+from dsec.iam.base import in_subtree
+from dsec.protocol.errors import InvalidRequest, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     CommandResult,
@@ -36,8 +37,10 @@ from dsec.protocol.models import (
     LayerInfo,
     SandboxInfo,
     ShellRequest,
+    StopResult,
 )
 
+_BULK_CONCURRENCY = 32  # stops in flight per node: each one kills a process tree and unmounts
 CHUNK = 1 << 20  # file content moves in pieces of at most this size: memory stays flat
 DEFAULT_FILE_MODE = 0o644
 
@@ -67,6 +70,11 @@ class EdgeLink(Protocol):
     async def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...
 
     async def stop(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
+        """Stop every sandbox on the node with all ``labels`` whose project is ``within`` or
+        below it: one call per node for a bulk stop, however many sandboxes match."""
+        ...
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult: ...
 
@@ -165,6 +173,27 @@ class LocalEdgeLink:
 
     async def stop(self, sandbox_id: str) -> SandboxInfo:
         return await self.edge.stop(self._routed(sandbox_id))
+
+    async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
+        if not labels:
+            raise InvalidRequest("a bulk stop needs at least one label")
+        ids = [i.id for i in self.edge.list_sandboxes(labels) if in_subtree(i.project, within)]
+        gate = asyncio.Semaphore(_BULK_CONCURRENCY)
+
+        async def one(sid: str) -> SandboxInfo:
+            async with gate:
+                return await self.edge.stop(sid)
+
+        result = StopResult()
+        outcomes = await asyncio.gather(*map(one, ids), return_exceptions=True)
+        for sid, outcome in zip(ids, outcomes, strict=True):
+            if isinstance(outcome, SandboxInfo):
+                result.stopped.append(outcome)
+            elif isinstance(outcome, Exception):
+                result.failed[sid] = str(outcome)
+            else:
+                raise outcome
+        return result
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         return await self.edge.run_shell(self._routed(sandbox_id), req)

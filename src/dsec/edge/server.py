@@ -10,6 +10,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     GET    /stats                                  the node's load, for the watcher
     POST   /sandboxes                              ContainerSpec -> 201 SandboxInfo
     GET    /sandboxes?label=k=v...                 -> [SandboxInfo] (running ones)
+    DELETE /sandboxes?label=k=v...&within=PROJECT  -> StopResult (a bulk stop)
     GET    /sandboxes/{id}                         -> SandboxInfo
     DELETE /sandboxes/{id}                         -> SandboxInfo (stopped)
     POST   /sandboxes/{id}/shell                   ShellRequest -> CommandResult
@@ -112,6 +113,16 @@ def _param(request: web.Request, name: str) -> str:
     return value
 
 
+def _labels(request: web.Request) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for item in request.query.getall("label", []):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidRequest(f"label filter {item!r} must be key=value")
+        labels[key] = value
+    return labels
+
+
 def _flag(request: web.Request, name: str, default: bool) -> bool:
     value = request.query.get(name)
     if value is None:
@@ -176,6 +187,7 @@ class EdgeServer:
         r.add_get(f"{PREFIX}/stats", self.stats)
         r.add_post(f"{PREFIX}/sandboxes", self.create)
         r.add_get(f"{PREFIX}/sandboxes", self.list)
+        r.add_delete(f"{PREFIX}/sandboxes", self.stop_matching)
         r.add_get(PREFIX + "/sandboxes/{id}", self.get)
         r.add_delete(PREFIX + "/sandboxes/{id}", self.stop)
         r.add_post(PREFIX + "/sandboxes/{id}/shell", self.shell)
@@ -215,13 +227,10 @@ class EdgeServer:
         return respond(await self.link.create(spec), status=201)
 
     async def list(self, request: web.Request) -> web.Response:
-        labels: dict[str, str] = {}
-        for item in request.query.getall("label", []):
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise InvalidRequest(f"label filter {item!r} must be key=value")
-            labels[key] = value
-        return respond(await self.link.list_sandboxes(labels))
+        return respond(await self.link.list_sandboxes(_labels(request)))
+
+    async def stop_matching(self, request: web.Request) -> web.Response:
+        return respond(await self.link.stop_matching(_labels(request), _param(request, "within")))
 
     async def get(self, request: web.Request) -> web.Response:
         return respond(await self.link.get(request.match_info["id"]))

@@ -390,11 +390,16 @@ class SqlIamStore:
 
     async def release(self, sandbox_id: str) -> bool:
         """Give a sandbox's quota back; False if it held none (already released)."""
+        return bool(await self.release_many([sandbox_id]))
+
+    async def release_many(self, sandbox_ids: Collection[str]) -> list[str]:
+        """Give many sandboxes' quota back in one transaction; returns those that held some."""
+        ids = list(sandbox_ids)
 
         async def tx(tx: Tx) -> list[str]:
-            return await ledger.release_many(tx, [sandbox_id])
+            return await ledger.release_many(tx, ids)
 
-        return bool(await self._db.write(tx))
+        return await self._db.write(tx)
 
     async def reconcile(self, live_ids: Collection[str], node: str, *, grace_s: float = 30.0) -> list[str]:
         """Release the rows of ``node`` whose sandbox is not in ``live_ids`` (what the edge reports).

@@ -140,6 +140,14 @@ class SandboxInfo(_Model):
     stop_reason: str | None = None
 
 
+class StopResult(_Model):
+    """A bulk stop's outcome: what stopped, what failed (ID -> why), which nodes did not answer."""
+
+    stopped: list[SandboxInfo] = Field(default_factory=list)
+    failed: dict[str, str] = Field(default_factory=dict)
+    unreachable_nodes: list[str] = Field(default_factory=list)
+
+
 class ShellRequest(_Model):
     command: str = Field(max_length=1 << 20)
     session: str = "default"

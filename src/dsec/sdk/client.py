@@ -36,6 +36,7 @@ from dsec.protocol.models import (
     RetagRequest,
     SandboxInfo,
     ShellRequest,
+    StopResult,
 )
 from dsec.sdk._projects import ProjectCalls
 from dsec.sdk._transport import Transport
@@ -350,10 +351,18 @@ class DSecClient(ProjectCalls):
         if not labels:
             raise InvalidRequest("stop_all needs at least one label")
         params = [("label", f"{k}={v}") for k, v in labels.items()]
-        body = await self._t.request("DELETE", "/v1/sandboxes", params=params, timeout=600)
-        if body["failed"]:
-            raise InfraFailure(f"could not stop {sorted(body['failed'])}: {body['failed']}", reason="runtime")
-        return [SandboxInfo.model_validate(x) for x in body["stopped"]]
+        result = StopResult.model_validate(
+            await self._t.request("DELETE", "/v1/sandboxes", params=params, timeout=600)
+        )
+        if result.unreachable_nodes:
+            raise InfraFailure(
+                f"stopped {len(result.stopped)} sandboxes, but nodes {result.unreachable_nodes} did not"
+                " answer: their sandboxes with these labels may still run (call again)",
+                reason="edge_unreachable",
+            )
+        if result.failed:
+            raise InfraFailure(f"could not stop {sorted(result.failed)}: {result.failed}", reason="runtime")
+        return result.stopped
 
     async def nodes(self) -> builtins.list[dict[str, Any]]:
         """The cluster's registered nodes with their epoch, health and load (admin keys only)."""
