@@ -150,6 +150,25 @@ class LinkConformance:
         for info in (other_job, other_project):
             await link.stop(info.id)
 
+    async def test_a_create_takes_the_id_the_apiserver_chose(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
+        node, epoch = edge_env.edge.config.node, edge_env.edge.epoch
+        chosen = str(SandboxId(node, epoch, SandboxId.new_tag()))
+        info = await link.create(spec(), chosen)
+        assert info.id == chosen and (await link.get(chosen)).state is SandboxState.running
+        with pytest.raises(Conflict):
+            await link.create(spec(), chosen)  # an ID names one sandbox, ever
+        # An ID for another incarnation or node: the apiserver's view is stale, place it again.
+        for other in (
+            SandboxId(node, epoch + 1, SandboxId.new_tag()),
+            SandboxId("elsewhere", epoch, "a" * 20),
+        ):
+            with pytest.raises(CapacityExhausted):
+                await link.create(spec(), str(other))
+        with pytest.raises(InvalidRequest):
+            await link.create(spec(), "sb-not-an-id")
+        await link.stop(chosen)
+        assert [i.id for i in await link.list_sandboxes()] == []
+
     async def test_concurrent_creates(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
         infos = await asyncio.gather(*(link.create(spec(labels={"n": str(i)})) for i in range(12)))
         assert len({i.id for i in infos}) == 12

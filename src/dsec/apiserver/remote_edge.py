@@ -214,8 +214,9 @@ class RemoteEdgeLink:
             raise InfraFailure(f"edge {self.node!r} sent malformed stats", reason="protocol")
         return stats
 
-    async def create(self, spec: ContainerSpec) -> SandboxInfo:
-        return self._parse(SandboxInfo, await self._json("POST", "/sandboxes", body=spec))
+    async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
+        params = {"id": sandbox_id} if sandbox_id else None
+        return self._parse(SandboxInfo, await self._json("POST", "/sandboxes", body=spec, params=params))
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self._parse(SandboxInfo, await self._json("GET", self._sandbox(sandbox_id), quick=True))

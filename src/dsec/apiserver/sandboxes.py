@@ -8,6 +8,7 @@ any request.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -31,6 +32,8 @@ from dsec.protocol.models import (
 
 _CHUNK = 1 << 20
 _PROJECT_CACHE = 100_000
+# Quota reconciliation spares rows younger than 30 s; a create slower than this re-confirms its row.
+_SLOW_CREATE_S = 10.0
 UNREACHABLE_HEADER = "X-DSec-Unreachable-Nodes"
 
 
@@ -89,29 +92,51 @@ class SandboxRoutes:
 
     async def create(self, request: web.Request) -> web.Response:
         req = await read_body(request, CreateRequest)
-        token, spec = await self.tenancy.reserve(request[PRINCIPAL], req.project, req.spec)
+        principal = request[PRINCIPAL]
+        spec = self.tenancy.admit(principal, req.project, req.spec)
+        started = time.monotonic()
+        tag = SandboxId.new_tag()  # the sandbox keeps it on whichever node takes it
+        reserved: str | None = None
+        tried: set[str] = set()
         try:
-            info = await self._place(spec, req.timeout)
+            async with asyncio.timeout(req.timeout):
+                while True:
+                    node = await self.placement.choose(spec.type, tried)
+                    epoch = self.links[node].epoch
+                    if epoch is None:  # never reached: no ID can be made for it yet
+                        tried.add(node)
+                        continue
+                    sid = str(SandboxId(node, epoch, tag))
+                    if reserved is None:
+                        await self.tenancy.reserve(principal, sid, spec)
+                    elif reserved != sid:
+                        await self.tenancy.move(reserved, sid)
+                    reserved = sid
+                    info = await self._create_on(node, spec, sid, tried)
+                    if info is not None:
+                        break
         except BaseException:
-            await asyncio.shield(self.tenancy.release(token))
+            if reserved is not None:
+                await asyncio.shield(self.tenancy.release(reserved))
             raise
-        await self.tenancy.bind(token, info)
+        if time.monotonic() - started > _SLOW_CREATE_S:
+            await self.tenancy.confirm(principal, info.id, spec)
         return respond(info, status=201)
 
-    async def _place(self, spec: ContainerSpec, timeout: float) -> SandboxInfo:
-        tried: set[str] = set()
-        async with asyncio.timeout(timeout):
-            while True:
-                node = await self.placement.choose(spec.type, tried)
-                with self.placement.reserve(node):
-                    try:
-                        return await self.links[node].create(spec)
-                    except CapacityExhausted:
-                        tried.add(node)  # the edge has the final word; try the next node
-                    except InfraFailure as exc:
-                        if not never_reached_edge(exc):
-                            raise  # it may have been created: retrying could make two
-                        tried.add(node)  # the node is down: the create never left
+    async def _create_on(
+        self, node: str, spec: ContainerSpec, sid: str, tried: set[str]
+    ) -> SandboxInfo | None:
+        """The sandbox, or None when the node refused it before doing anything (try another)."""
+        with self.placement.reserve(node):
+            try:
+                return await self.links[node].create(spec, sid)
+            except CapacityExhausted:
+                tried.add(node)  # the edge has the final word; try the next node
+            except InfraFailure as exc:
+                if not never_reached_edge(exc):
+                    raise  # it may have been created: retrying could make two
+                tried.add(node)  # the node is down: the create never left
+            return None
 
     async def list(self, request: web.Request) -> web.Response:
         """Running sandboxes on every node; nodes that did not answer are named in a header."""

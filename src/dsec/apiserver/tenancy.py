@@ -7,8 +7,9 @@ A key sees its project's sandboxes and those of its sub-projects; any other sand
 
 Quotas are enforced by the IAM store's ledger: a create reserves its CPU and memory in the
 project's whole ancestor chain in one transaction before any node works (no overshoot under
-concurrent creates from several apiservers), binds the reservation to the sandbox ID once it
-runs, and releases it when the sandbox stops. What an edge reaps by itself (idle TTL, lifetime,
+concurrent creates from several apiservers), under the ID the apiserver chose for the sandbox
+on the node placement picked (one transaction per create; a retry on another node moves the
+row), and releases it when the sandbox stops. What an edge reaps by itself (idle TTL, lifetime,
 death) is released by :meth:`Tenancy.reconcile_forever`, which compares the ledger with what the
 edges report.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import Mapping
 
 from dsec.edge.link import EdgeLink
@@ -45,21 +45,31 @@ class Tenancy:
     def visible(self, principal: Principal, infos: list[SandboxInfo]) -> list[SandboxInfo]:
         return [i for i in infos if can_access(principal, i.project)]
 
-    async def reserve(
-        self, principal: Principal, project: str | None, spec: ContainerSpec
-    ) -> tuple[str, ContainerSpec]:
-        """Reserve the spec's resources in ``project`` (default: the key's); returns the
-        reservation token and the spec labelled with its project."""
+    def admit(self, principal: Principal, project: str | None, spec: ContainerSpec) -> ContainerSpec:
+        """The spec labelled with the project it is billed to (default: the key's project)."""
         project = project or principal.project
         if not can_access(principal, project):
             raise Forbidden(f"this key cannot create sandboxes in project {project!r}")
-        token = "create-" + secrets.token_hex(8)
-        await self.iam.reserve(project, token, spec.cpu_cores_limit, spec.memory_limit_mb, actor=principal)
-        labelled = spec.model_copy(update={"labels": {**spec.labels, PROJECT_LABEL: project}})
-        return token, labelled
+        return spec.model_copy(update={"labels": {**spec.labels, PROJECT_LABEL: project}})
 
-    async def bind(self, token: str, info: SandboxInfo) -> None:
-        await self.iam.bind(token, info.id, node=info.node)
+    async def reserve(self, principal: Principal, sandbox_id: str, spec: ContainerSpec) -> None:
+        """Hold the spec's resources under the ID the sandbox will have (``QuotaExceeded``)."""
+        project = spec.labels[PROJECT_LABEL]
+        await self.iam.reserve(
+            project, sandbox_id, spec.cpu_cores_limit, spec.memory_limit_mb, actor=principal
+        )
+
+    async def move(self, old_id: str, new_id: str) -> None:
+        """The create went to another node: its reservation follows it under the new ID."""
+        await self.iam.bind(old_id, new_id)
+
+    async def confirm(self, principal: Principal, sandbox_id: str, spec: ContainerSpec) -> None:
+        """After a slow create: reconciliation may have released the reservation meanwhile
+        (the edge did not list the sandbox yet); refresh it, or reserve again."""
+        try:
+            await self.iam.bind(sandbox_id, sandbox_id)
+        except SandboxNotFound:
+            await self.reserve(principal, sandbox_id, spec)
 
     async def release(self, sandbox_id: str) -> None:
         await self.iam.release(sandbox_id)

@@ -28,7 +28,7 @@ from dsec.images.commit import DEFAULT_SCRUB, scrub
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import CapacityExhausted, DSecError, InfraFailure, SandboxNotFound
+from dsec.protocol.errors import CapacityExhausted, Conflict, DSecError, InfraFailure, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     DEFAULT_PROJECT,
@@ -199,7 +199,8 @@ class Edge:
             "by_label": dict(by_label.most_common(_MAX_LABELS_REPORTED)),
         }
 
-    async def create(self, spec: ContainerSpec) -> SandboxInfo:
+    async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
+        """Admit and start a sandbox; ``sandbox_id`` is the ID the apiserver chose, if it did."""
         if self.fenced:
             raise CapacityExhausted(f"node {self.config.node} refuses creates: {self.fenced}")
         if len(self._live) + self._creating >= self.config.max_sandboxes:
@@ -211,7 +212,7 @@ class Edge:
         # overlayfs refuses one lower directory twice; the upper-most copy alone means the same
         by_digest = {layer.digest: layer for layer in stacked}
         layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
-        sid = str(SandboxId.new(self.config.node, self.epoch))
+        sid = self._new_id(sandbox_id)
         self._creating += 1
         acquired: list[str] = []
         rec: Record | None = None
@@ -265,6 +266,19 @@ class Edge:
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist or is no longer running")
         live.record.last_active_at = time.time()
         return live
+
+    def _new_id(self, requested: str | None) -> str:
+        if requested is None:
+            return str(SandboxId.new(self.config.node, self.epoch))
+        sid = SandboxId.parse(requested)
+        if (sid.node, sid.epoch) != (self.config.node, self.epoch):
+            # The apiserver's view of this node is out of date: it should place the create again.
+            raise CapacityExhausted(
+                f"{requested} is not an ID of node {self.config.node!r} epoch {self.epoch}: place it again"
+            )
+        if requested in self._live or self.journal.get(requested) is not None:
+            raise Conflict(f"sandbox {requested} already exists")
+        return requested
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         SandboxId.parse(sandbox_id)

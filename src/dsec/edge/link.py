@@ -63,7 +63,10 @@ class EdgeLink(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
-    async def create(self, spec: ContainerSpec) -> SandboxInfo: ...
+    async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
+        """Start a sandbox; ``sandbox_id``: the ID the apiserver chose for it (its quota is
+        reserved under that ID before the edge is asked), else the edge picks one."""
+        ...
 
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
 
@@ -162,8 +165,8 @@ class LocalEdgeLink:
     async def stats(self) -> dict[str, Any]:
         return self.edge.stats()
 
-    async def create(self, spec: ContainerSpec) -> SandboxInfo:
-        return await self.edge.create(spec)
+    async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
+        return await self.edge.create(spec, sandbox_id)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self.edge.get(self._routed(sandbox_id))

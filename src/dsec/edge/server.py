@@ -8,7 +8,7 @@ of one cluster. The secret travels in the clear: run edges on a private network,
 Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protocol.models`)::
 
     GET    /stats                                  the node's load, for the watcher
-    POST   /sandboxes                              ContainerSpec -> 201 SandboxInfo
+    POST   /sandboxes?id=                          ContainerSpec -> 201 SandboxInfo
     GET    /sandboxes?label=k=v...                 -> [SandboxInfo] (running ones)
     DELETE /sandboxes?label=k=v...&within=PROJECT  -> StopResult (a bulk stop)
     GET    /sandboxes/{id}                         -> SandboxInfo
@@ -224,7 +224,7 @@ class EdgeServer:
     async def create(self, request: web.Request) -> web.Response:
         # Trusted: the apiserver labels the spec with its project (a reserved dsec.* label).
         spec = ContainerSpec.model_validate_json(await request.read() or b"{}", context={"trusted": True})
-        return respond(await self.link.create(spec), status=201)
+        return respond(await self.link.create(spec, request.query.get("id")), status=201)
 
     async def list(self, request: web.Request) -> web.Response:
         return respond(await self.link.list_sandboxes(_labels(request)))

@@ -32,8 +32,11 @@ class SandboxId:
 
     @classmethod
     def new(cls, node: str, epoch: int) -> SandboxId:
-        tag = "".join(secrets.choice(_ALPHABET) for _ in range(20))
-        return cls(validate_node_name(node), epoch, tag)
+        return cls(validate_node_name(node), epoch, cls.new_tag())
+
+    @staticmethod
+    def new_tag() -> str:
+        return "".join(secrets.choice(_ALPHABET) for _ in range(20))
 
     @classmethod
     def parse(cls, text: str) -> SandboxId:
