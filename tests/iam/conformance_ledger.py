@@ -154,6 +154,34 @@ class LedgerConformance:
 
     # -- quotas under concurrency -----------------------------------------------------------
 
+    async def test_concurrent_reserves_each_get_their_own_answer(self, iam: IamStore) -> None:
+        # Concurrent reserves share transactions (iam/group_commit.py): one caller's refusal,
+        # retry or unknown project must not leak into another's answer.
+        await iam.create_project("root", "g", Quota(sandboxes=2))
+        await iam.reserve("root/g", "earlier", 1, 1)
+        calls = [
+            iam.reserve("root/g", "earlier", 1, 1),  # a retried request: the same row again
+            iam.reserve("root/g", "twice", 1, 1),
+            iam.reserve("root/g", "twice", 1, 1),  # the same ID twice in one batch
+            iam.reserve("root/nope", "lost", 1, 1),
+            iam.reserve("root/g", "one-more", 1, 1),  # the quota of 2 is full now
+            iam.reserve("root", "elsewhere", 1, 1),
+            iam.reserve("root/g", "earlier", 2, 1),  # the same ID with other amounts
+        ]
+        out = await asyncio.gather(*calls, return_exceptions=True)
+        assert [type(o).__name__ for o in out] == [
+            "Reservation",
+            "Reservation",
+            "Reservation",
+            "InvalidRequest",
+            "QuotaExceeded",
+            "Reservation",
+            "Conflict",
+        ]
+        assert (await iam.usage("root/g")).sandboxes == 2
+        assert {r.sandbox_id for r in await iam.reservations()} == {"earlier", "twice", "elsewhere"}
+        assert await iam.recount() == {}
+
     async def test_concurrent_reserves_never_overshoot(self, iam: IamStore) -> None:
         await iam.create_project("root", "q", Quota(sandboxes=10))
         await iam.create_project("root/q", "leaf")

@@ -39,6 +39,7 @@ from dsec.iam.base import (
     to_millicores,
     validate_project,
 )
+from dsec.iam.group_commit import ReservationQueue, Want
 from dsec.iam.ledger import PROJECT_COLS, Driver, ProjectRow, Tx, lock_chain, quota_limits
 from dsec.iam.registry import NodeRecord
 from dsec.protocol.errors import Conflict, Forbidden, InvalidRequest, Unauthorized
@@ -75,6 +76,7 @@ def _info(row: ProjectRow) -> ProjectInfo:
 class SqlIamStore:
     def __init__(self, db: Driver, *, cache_ttl_s: float = 5.0) -> None:
         self._db = db
+        self._reservations = ReservationQueue(db, self._reserve_one, self.release)  # iam/group_commit.py
         self.cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[Principal, float]] = {}
         self._inflight: dict[str, asyncio.Task[Principal]] = {}
@@ -372,10 +374,12 @@ class SqlIamStore:
         if cpu_cores < 0 or memory_mib < 0:
             raise InvalidRequest("a reservation's CPU and memory must be >= 0")
         node = node if node is not None else _node_of(sandbox_id)
-        cpu_m = to_millicores(cpu_cores)
+        want = Want(project, sandbox_id, node, to_millicores(cpu_cores), memory_mib)
+        return await self._reservations.reserve(want)
 
+    async def _reserve_one(self, w: Want) -> Reservation:
         async def tx(tx: Tx) -> Reservation:
-            return await ledger.reserve(tx, project, sandbox_id, node, cpu_m, memory_mib)
+            return await ledger.reserve(tx, w.project, w.sandbox_id, w.node, w.cpu_m, w.memory_mib)
 
         return await self._db.write(tx)
 
