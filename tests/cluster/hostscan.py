@@ -1,0 +1,67 @@
+"""What this test's cluster could leave on the host, found by attribution rather than by count.
+
+``tests/leaks.py`` counts host-wide (every mount, every sandbox process), which is exact when
+the suite runs alone; these find what is provably ours (under the test's directory, in its
+namespaces, of its nodes), so a leak is named, and another suite running at the same time
+cannot be mistaken for one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _pids() -> list[int]:
+    me = os.getpid()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def netns_inode(path: str | os.PathLike[str]) -> int:
+    return os.stat(path).st_ino
+
+
+def processes_in_netns(inodes: Iterable[int]) -> list[int]:
+    wanted = set(inodes)
+    found = []
+    for pid in _pids():
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino in wanted:
+                found.append(pid)
+        except OSError:
+            pass  # exited meanwhile
+    return found
+
+
+def processes_mentioning(path: Path) -> list[str]:
+    """Processes whose command line names ``path`` (edges, and crun with its state root)."""
+    needle = f"{path}/"  # not a sibling whose name merely starts the same
+    return [f"{pid} {line}" for pid in _pids() if needle in (line := cmdline(pid))]
+
+
+def sandbox_cgroups(nodes: Iterable[str]) -> list[str]:
+    return sorted(str(p) for node in nodes for p in CGROUP_ROOT.glob(f"*/dsec/sb-{node}-*"))
+
+
+def sandbox_processes() -> set[str]:
+    """The processes tests/leaks.py counts, named, for a readable difference."""
+    out = set()
+    for pid in _pids():
+        line = cmdline(pid)
+        if "/.dsec/busybox" in line or line.startswith("crun"):
+            out.add(f"{pid} {line}")
+    return out
+
+
+def mount_table() -> set[str]:
+    return set(Path("/proc/self/mounts").read_text().splitlines())
