@@ -22,7 +22,7 @@ from dsec.protocol.errors import (
     SessionLost,
     Unauthorized,
 )
-from dsec.protocol.models import CommandResult, FileStat, LayerInfo, SandboxInfo, SandboxState
+from dsec.protocol.models import CommandResult, FileStat, Hardware, LayerInfo, SandboxInfo, SandboxState
 from dsec.sdk import DSec, DSecClient, DSecContainerRunArgs, ExecChunk, Sandbox, SyncSandbox
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "FileNotFound",
     "FileStat",
     "Forbidden",
+    "Hardware",
     "InfraFailure",
     "InvalidRequest",
     "LayerInfo",

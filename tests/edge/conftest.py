@@ -43,7 +43,10 @@ async def edge_env(tmp_path: Path) -> AsyncIterator[EdgeEnv]:
     mounts = LayerMounts(tmp_path / "data" / "mnt")
     backend = FakeBackend(tmp_path / "fake-state")
     edge = Edge(
-        EdgeConfig(data_dir=tmp_path / "data", node=NODE, reap_interval_s=0.05), backend, store, mounts
+        EdgeConfig(data_dir=tmp_path / "data", node=NODE, reap_interval_s=0.05, node_labels={"zone": "a"}),
+        backend,
+        store,
+        mounts,
     )
     await edge.start()
     try:

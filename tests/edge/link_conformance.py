@@ -39,6 +39,7 @@ from dsec.protocol.models import (
     ContainerSpec,
     ExecEvent,
     FileType,
+    Hardware,
     SandboxState,
     ShellRequest,
 )
@@ -168,6 +169,18 @@ class LinkConformance:
             await link.create(spec(), "sb-not-an-id")
         await link.stop(chosen)
         assert [i.id for i in await link.list_sandboxes()] == []
+
+    async def test_the_edge_refuses_hardware_it_does_not_have(self, link: EdgeLink) -> None:
+        stats = await link.stats()
+        assert stats["hardware"]["labels"] == {"zone": "a"} and stats["hardware"]["memory_mib"] > 0
+        fits = await link.create(
+            spec(hardware=Hardware(arch=stats["hardware"]["arch"], node_labels={"zone": "a"}))
+        )
+        for need in (Hardware(gpus=stats["hardware"]["gpus"] + 1), Hardware(node_labels={"zone": "b"})):
+            with pytest.raises(CapacityExhausted, match="cannot host"):  # placement then tries elsewhere
+                await link.create(spec(hardware=need))
+        assert [i.id for i in await link.list_sandboxes()] == [fits.id]
+        await link.stop(fits.id)
 
     async def test_concurrent_creates(self, link: EdgeLink, edge_env: EdgeEnv) -> None:
         infos = await asyncio.gather(*(link.create(spec(labels={"n": str(i)})) for i in range(12)))

@@ -10,6 +10,7 @@ import pytest
 
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.errors import CapacityExhausted
+from dsec.protocol.models import Hardware
 from tests.support import eventually
 
 
@@ -20,11 +21,13 @@ class FakeNode:
         capacity: int = 10,
         creating: int = 0,
         backends: tuple[str, ...] = ("container",),
+        hardware: dict[str, Any] | None = None,
     ):
         self.running = running
         self.capacity = capacity
         self.creating = creating
         self.backends = list(backends)
+        self.hardware = hardware or {"arch": "x86_64", "gpus": 0, "labels": {}}
         self.down = False
         self.polls = 0
 
@@ -37,6 +40,7 @@ class FakeNode:
             "creating": self.creating,
             "capacity": self.capacity,
             "backends": self.backends,
+            "hardware": self.hardware,
         }
 
 
@@ -102,6 +106,32 @@ async def test_full_unhealthy_excluded_and_wrong_backend_nodes_are_filtered() ->
     assert p.candidates("container", {"tried"}) == ["ok"]
     assert {await p.choose("container", {"tried"}) for _ in range(20)} == {"ok"}
     assert p.candidates("vm", set()) == ["vm-only"]
+
+
+async def test_only_nodes_with_the_hardware_asked_for_are_chosen() -> None:
+    nodes = {
+        "plain": FakeNode(),
+        "gpu": FakeNode(running=9, hardware={"arch": "x86_64", "gpus": 4, "labels": {"zone": "a"}}),
+        "arm": FakeNode(hardware={"arch": "aarch64", "gpus": 0, "labels": {"zone": "a"}}),
+    }
+    p = await placement(nodes)
+    assert {await p.choose("container", need=Hardware(gpus=1)) for _ in range(20)} == {"gpu"}
+    assert {await p.choose("container", need=Hardware(arch="aarch64")) for _ in range(20)} == {"arm"}
+    zone_a = {await p.choose("container", need=Hardware(node_labels={"zone": "a"})) for _ in range(40)}
+    assert zone_a == {"arm"}, "the less loaded of the two zone-a nodes"
+    with pytest.raises(CapacityExhausted, match="gpus"):
+        await p.choose("container", need=Hardware(gpus=8))
+    assert {await p.choose("container") for _ in range(40)} == {"plain", "arm"}, "no need: any node"
+
+
+async def test_a_choice_looks_at_k_nodes_not_the_whole_cluster() -> None:
+    nodes = {f"n{i}": FakeNode(capacity=1000) for i in range(200)}
+    p = await placement(nodes, k=2)
+    looked: list[str] = []
+    room = p._has_room
+    p._has_room = lambda name: looked.append(name) or room(name)  # type: ignore[method-assign]
+    await p.choose("container")
+    assert len(looked) == 2
 
 
 async def test_no_eligible_node_is_capacity_exhausted() -> None:

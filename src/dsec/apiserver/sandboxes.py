@@ -101,7 +101,7 @@ class SandboxRoutes:
         try:
             async with asyncio.timeout(req.timeout):
                 while True:
-                    node = await self.placement.choose(spec.type, tried)
+                    node = await self.placement.choose(spec.type, tried, spec.hardware)
                     epoch = self.links[node].epoch
                     if epoch is None:  # never reached: no ID can be made for it yet
                         tried.add(node)

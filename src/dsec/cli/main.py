@@ -156,6 +156,9 @@ def edge_cmd(
     ] = None,
     shared_layers: Annotated[Path | None, typer.Option(help="the cluster's shared layer store")] = None,
     heartbeat: Annotated[float, typer.Option(help="seconds between re-registrations")] = 5.0,
+    label: Annotated[
+        list[str] | None, typer.Option(help="key=value: a node label sandboxes can ask for (repeat)")
+    ] = None,
     secret_file: SecretFile = None,
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
@@ -165,7 +168,17 @@ def edge_cmd(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if host in ("0.0.0.0", "::") and advertise_url is None:
         raise _fail(InvalidRequest(f"--host {host} listens everywhere: give --advertise-url too"))
-    cfg = NodeConfig(data_dir=data_dir, host=host, port=port, node=node, shared_layer_dir=shared_layers)
+    labels = dict(item.partition("=")[::2] for item in label or [])
+    if any(not k or not v for k, v in labels.items()):
+        raise _fail(InvalidRequest(f"--label takes key=value, got {label}"))
+    cfg = NodeConfig(
+        data_dir=data_dir,
+        host=host,
+        port=port,
+        node=node,
+        shared_layer_dir=shared_layers,
+        edge={"node_labels": labels},
+    )
 
     async def serve() -> None:
         edge = EdgeNode(

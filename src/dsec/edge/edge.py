@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import Backend, CreateContext, User, sandbox_env
+from dsec.edge import hardware
 from dsec.edge.journal import Journal, Record
 from dsec.edge.users import resolve_user
 from dsec.executor.files import SandboxFiles
@@ -61,6 +62,7 @@ class EdgeConfig:
     liveness_interval_s: float = 2.0  # how often the reaper checks that sandboxes still run
     default_shell_timeout_s: float = 600.0
     keep_finished_s: float = 24 * 3600.0
+    node_labels: dict[str, str] = field(default_factory=dict)  # what Hardware.node_labels matches
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Edge:
         # The epoch this node's journal was written under; start() confirms it with the cluster.
         self.epoch = int(claimed) if claimed is not None else 0
         self.fenced = ""  # why this edge must not create (another registration replaced it)
+        self.hardware = hardware.detect(config.node_labels)
         self._live: dict[str, _Live] = {}
         self._creating = 0
         self._reaper: asyncio.Task[None] | None = None
@@ -193,6 +196,7 @@ class Edge:
             "running": len(self._live),
             "creating": self._creating,
             "capacity": 0 if self.fenced else self.config.max_sandboxes,
+            "hardware": self.hardware,
             "by_backend": {self.backend.name: len(self._live)},
             "by_project": dict(by_project),
             # Bounded: a label per rollout would otherwise make every poll as large as the node.
@@ -203,6 +207,9 @@ class Edge:
         """Admit and start a sandbox; ``sandbox_id`` is the ID the apiserver chose, if it did."""
         if self.fenced:
             raise CapacityExhausted(f"node {self.config.node} refuses creates: {self.fenced}")
+        unmet = spec.hardware.unmet(self.hardware)
+        if unmet is not None:
+            raise CapacityExhausted(f"node {self.config.node} cannot host this sandbox: it {unmet}")
         if len(self._live) + self._creating >= self.config.max_sandboxes:
             raise CapacityExhausted(
                 f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)"

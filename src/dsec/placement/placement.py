@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from dsec.protocol.errors import CapacityExhausted
+from dsec.protocol.models import Hardware
 
 
 class NodeProbe(Protocol):
@@ -65,35 +66,78 @@ class Watcher:
 
 
 class Placement:
+    """Power of k choices over the nodes that can take a sandbox.
+
+    Which nodes are eligible (healthy, offer the backend, fit the hardware asked for) changes
+    only when the watcher polls, so the eligible list is computed once per snapshot and
+    hardware request; a choice then samples ``k`` of it and checks only those for room, which
+    keeps a create's cost independent of the cluster's size.
+    """
+
     def __init__(self, watcher: Watcher, k: int = 2) -> None:
+        if k < 1:
+            raise ValueError("power of k choices needs k >= 1")
         self.watcher = watcher
         self.k = k
         self.in_flight: Counter[str] = Counter()
+        self._pools: dict[tuple[str, str], list[str]] = {}
+        self._pools_of: dict[str, dict[str, Any]] | None = None
 
-    def candidates(self, backend: str, exclude: set[str]) -> list[str]:
-        out = []
-        for name, s in self.watcher.snapshot.items():
-            if name in exclude or not s.get("healthy") or backend not in s.get("backends", ()):
-                continue
-            if s.get("running", 0) + s.get("creating", 0) + self.in_flight[name] >= s.get("capacity", 0):
-                continue
-            out.append(name)
-        return out
+    def _pool(self, backend: str, need: Hardware | None) -> list[str]:
+        snapshot = self.watcher.snapshot
+        if snapshot is not self._pools_of:  # a poll replaced it
+            self._pools, self._pools_of = {}, snapshot
+        key = (backend, "" if need is None else need.model_dump_json())
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = [
+                name
+                for name, s in snapshot.items()
+                if s.get("healthy")
+                and backend in s.get("backends", ())
+                and (need is None or need.unmet(s.get("hardware", {})) is None)
+            ]
+            self._pools[key] = pool
+        return pool
+
+    def _has_room(self, name: str) -> bool:
+        s = self.watcher.snapshot[name]
+        return bool(s.get("running", 0) + s.get("creating", 0) + self.in_flight[name] < s.get("capacity", 0))
+
+    def candidates(self, backend: str, exclude: set[str], need: Hardware | None = None) -> list[str]:
+        return [n for n in self._pool(backend, need) if n not in exclude and self._has_room(n)]
 
     def _load(self, name: str) -> float:
         s = self.watcher.snapshot[name]
         busy = s.get("running", 0) + s.get("creating", 0) + self.in_flight[name]
         return float(busy) / max(1, int(s.get("capacity", 1)))
 
-    async def choose(self, backend: str, exclude: set[str] | None = None) -> str:
-        eligible = self.candidates(backend, exclude or set())
-        if not eligible:
+    def _sample(self, backend: str, exclude: set[str], need: Hardware | None) -> list[str]:
+        pool = self._pool(backend, need)
+        picked = random.sample(pool, min(len(pool), self.k))
+        ok = [n for n in picked if n not in exclude and self._has_room(n)]
+        if len(ok) == len(picked):
+            return ok
+        # Some picks were tried or full: fall back to sampling among those that are not.
+        eligible = self.candidates(backend, exclude, need)
+        return random.sample(eligible, min(len(eligible), self.k))
+
+    async def choose(
+        self, backend: str, exclude: set[str] | None = None, need: Hardware | None = None
+    ) -> str:
+        exclude = exclude or set()
+        sample = self._sample(backend, exclude, need)
+        if not sample:
             # The snapshot may be a poll old: a node that was full then may have room now.
             await self.watcher.poll()
-            eligible = self.candidates(backend, exclude or set())
-        if not eligible:
-            raise CapacityExhausted(f"no node can take a {backend} sandbox right now")
-        sample = random.sample(eligible, min(self.k, len(eligible)))
+            sample = self._sample(backend, exclude, need)
+        if not sample:
+            wanted = (
+                ""
+                if need is None or need == Hardware()
+                else f" with {need.model_dump(exclude_defaults=True)}"
+            )
+            raise CapacityExhausted(f"no node can take a {backend} sandbox{wanted} right now")
         return min(sample, key=self._load)
 
     @contextlib.contextmanager

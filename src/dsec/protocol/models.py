@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -59,6 +60,32 @@ class LayerInfo(_Model):
     data_digest: str | None = Field(default=None, description="a split layer's data blob")
 
 
+class Hardware(_Model):
+    """What a sandbox needs of the node it runs on.
+
+    Placement only considers nodes that offer all of it; the edge refuses a create it does not
+    fit (the edge has the final word). ``node_labels`` match labels an operator gave the node
+    (``dsec edge --label zone=a``). CPU and memory limits are not matched against node sizes:
+    they are caps, and nodes overcommit them (most sandboxes use a fraction of what they ask).
+    """
+
+    arch: Literal["x86_64", "aarch64"] | None = None
+    gpus: int = Field(default=0, ge=0, le=64)
+    node_labels: dict[str, str] = Field(default_factory=dict)
+
+    def unmet(self, offer: Mapping[str, Any]) -> str | None:
+        """Why a node offering ``offer`` (its ``hardware`` stats) cannot host this, or None."""
+        if self.arch is not None and offer.get("arch") != self.arch:
+            return f"needs arch {self.arch}, the node is {offer.get('arch')}"
+        if self.gpus > int(offer.get("gpus", 0)):
+            return f"needs {self.gpus} GPUs, the node has {offer.get('gpus', 0)}"
+        labels = offer.get("labels", {})
+        for k, v in self.node_labels.items():
+            if labels.get(k) != v:
+                return f"needs node label {k}={v}"
+        return None
+
+
 class ContainerSpec(_Model):
     """What a caller asks for when it creates a container sandbox."""
 
@@ -74,6 +101,7 @@ class ContainerSpec(_Model):
     init_user: str = "root"
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+    hardware: Hardware = Field(default_factory=Hardware)
 
     @model_validator(mode="after")
     def _one_environment(self) -> ContainerSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dsec.protocol.models import ContainerSpec, invalid_request
+from dsec.protocol.models import ContainerSpec, Hardware, invalid_request
 
 
 class DSecContainerRunArgs(BaseModel):
@@ -23,6 +23,7 @@ class DSecContainerRunArgs(BaseModel):
     init_user: str = "root"
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+    hardware: Hardware = Field(default_factory=Hardware)  # arch, GPUs, node labels to run on
 
     def to_spec(self) -> ContainerSpec:
         """Validate against the wire model now, so bad input fails before any request."""
@@ -44,4 +45,5 @@ class DSecContainerRunArgs(BaseModel):
             init_user=self.init_user,
             env=self.env,
             labels=self.labels,
+            hardware=self.hardware,
         )
