@@ -3,7 +3,7 @@
 #   ./setup.sh up     install everything (Debian packages, the Python package, the base layer)
 #                     and run the embedded single-node DSec in the foreground
 #   ./setup.sh test   install what the tests need, then run ruff, mypy and the whole test suite
-#   ./setup.sh bench create|ondemand [options]   install what the benchmark needs, run it
+#   ./setup.sh bench create|ondemand|controlplane [options]   install what the benchmark needs, run it
 # Both are idempotent: a second run installs nothing and starts at once.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -77,13 +77,19 @@ case "$cmd" in
     exec .venv/bin/pytest -q -p no:cacheprovider "$@"
     ;;
   bench)
-    need_root; install_debian; install_services_quietly openssh-server openssh-client sshfs; install_python test
     which=${1:-create}
     shift || true
+    if [ "$which" = controlplane ]; then
+      # Simulated nodes only: no sandbox, no mount, no sshd; the Python package is enough.
+      [ -x .venv/bin/python ] || { need_root; install_debian; }
+      install_python base
+      exec .venv/bin/python bench/controlplane.py "$@"
+    fi
+    need_root; install_debian; install_services_quietly openssh-server openssh-client sshfs; install_python test
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane" >&2
     exit 2
     ;;
 esac

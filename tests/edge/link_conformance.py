@@ -116,6 +116,7 @@ class LinkConformance:
         assert [i.id for i in await link.list_sandboxes({"job": "j1", "role": "b"})] == [b.id]
         assert await link.list_sandboxes({"job": "none"}) == []
         assert [i.id for i in await link.list_sandboxes()] == [a.id, b.id, c.id]  # oldest first
+        assert sorted(await link.sandbox_ids()) == sorted([a.id, b.id, c.id])
         stopped = await link.stop(a.id)
         assert stopped.state is SandboxState.stopped and stopped.stop_reason == "stopped by user"
         assert (await link.stop(a.id)).state is SandboxState.stopped  # twice is not an error

@@ -70,11 +70,12 @@ async def test_the_most_loaded_node_is_never_picked_with_k_2() -> None:
     assert len(picks) >= 3, "the random sample spreads load rather than herding on one node"
 
 
-async def test_in_flight_creates_count_against_a_node_before_the_watcher_sees_them() -> None:
+async def test_creates_placed_since_the_last_poll_count_against_a_node() -> None:
     p = await placement({"a": FakeNode(running=1), "b": FakeNode(running=2)})
     with p.reserve("a"), p.reserve("a"):
-        assert await p.choose("container") == "b"  # a: 1 running + 2 in flight
-    assert p.in_flight["a"] == 0, "a reservation is released also when the create ends"
+        assert await p.choose("container") == "b"  # a: 1 running + 2 placed
+    assert await p.choose("container") == "b", "an answered create is in no snapshot until a poll"
+    await p.watcher.poll()  # the poll counts what the edge runs (here, as if both failed later)
     assert await p.choose("container") == "a"
 
 
@@ -145,10 +146,14 @@ async def test_no_eligible_node_is_capacity_exhausted() -> None:
         await (await placement({})).choose("container")
 
 
-async def test_in_flight_reservations_fill_a_node() -> None:
-    p = await placement({"a": FakeNode(running=0, capacity=2)})
-    with p.reserve("a"), p.reserve("a"), pytest.raises(CapacityExhausted):
-        await p.choose("container")
+async def test_placed_creates_fill_a_node_until_the_edge_reports_them() -> None:
+    node = FakeNode(running=0, capacity=2)
+    p = await placement({"a": node})
+    with p.reserve("a"), p.reserve("a"):
+        assert p.candidates("container", set()) == [], "full by this apiserver's own placements"
+        node.creating = 2  # what the edge reports once the creates reach it
+        with pytest.raises(CapacityExhausted):
+            await p.choose("container")  # the fresh poll agrees
 
 
 async def test_the_watcher_polls_at_start_and_then_periodically() -> None:

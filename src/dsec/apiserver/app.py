@@ -26,6 +26,7 @@ from dsec.apiserver._http import (
     require_admin,
     respond,
 )
+from dsec.apiserver.fncall import FnCallRoutes
 from dsec.apiserver.projects import ProjectRoutes
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.apiserver.tenancy import Tenancy
@@ -79,6 +80,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)  # edges, with the cluster secret (apiserver/membership.py)
     header = request.headers.get("Authorization", "")
     key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
+    # SandboxFusion clients send no headers: their URL carries the key (apiserver/fncall.py).
+    key = request.match_info.get("sf_key") or key
     request[PRINCIPAL] = await request.app[IAM_KEY].authenticate(key)
     return await handler(request)
 
@@ -93,6 +96,7 @@ class ApiServer:
         self.iam = iam
         self.tenancy = Tenancy(iam)
         self.sandboxes = SandboxRoutes(edges, placement, self.tenancy)
+        self.fncalls = FnCallRoutes(edges, placement)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=64 << 20)
@@ -101,6 +105,7 @@ class ApiServer:
         r.add_get("/v1/health", self.health)
         r.add_get("/v1/nodes", self.nodes)
         self.sandboxes.register(r)
+        self.fncalls.register(r)
         r.add_get("/v1/layers", self.layers)
         r.add_post("/v1/layers", self.import_layer)
         r.add_post("/v1/images", self.import_image)

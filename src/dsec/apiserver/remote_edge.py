@@ -26,6 +26,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from dsec.edge.link import CHUNK, DEFAULT_FILE_MODE
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import (
     CommandResult,
     CommitRequest,
@@ -232,6 +233,14 @@ class RemoteEdgeLink:
     async def stop(self, sandbox_id: str) -> SandboxInfo:
         return self._parse(SandboxInfo, await self._json("DELETE", self._sandbox(sandbox_id)))
 
+    async def sandbox_ids(self) -> list[str]:
+        raw = await self._json("GET", "/sandbox-ids", quick=True)
+        try:
+            ids = json.loads(raw)["ids"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InfraFailure(f"edge {self.node!r} sent a malformed ID list", reason="protocol") from exc
+        return [str(i) for i in ids]
+
     async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
         params = [("label", f"{k}={v}") for k, v in labels.items()] + [("within", within)]
         return self._parse(StopResult, await self._json("DELETE", "/sandboxes", params=params))
@@ -288,6 +297,10 @@ class RemoteEdgeLink:
         return self._parse(
             LayerInfo, await self._json("POST", self._sandbox(sandbox_id, "/commit"), body=req)
         )
+
+    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
+        raw = await self._json("POST", "/fncall", body=task, params={"pool": pool})
+        return self._parse(FnResult, raw)
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
         params = {"unmount_idle": "true" if unmount_idle else "false"}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import Backend, CreateContext, User, sandbox_env
+from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
 from dsec.edge import hardware
 from dsec.edge.journal import Journal, Record
 from dsec.edge.users import resolve_user
@@ -30,6 +31,7 @@ from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import CapacityExhausted, Conflict, DSecError, InfraFailure, SandboxNotFound
+from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     DEFAULT_PROJECT,
@@ -63,6 +65,7 @@ class EdgeConfig:
     default_shell_timeout_s: float = 600.0
     keep_finished_s: float = 24 * 3600.0
     node_labels: dict[str, str] = field(default_factory=dict)  # what Hardware.node_labels matches
+    fncall_pools: list[PoolConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class Edge:
         self.epoch = int(claimed) if claimed is not None else 0
         self.fenced = ""  # why this edge must not create (another registration replaced it)
         self.hardware = hardware.detect(config.node_labels)
+        self.pools = {c.name: FnPool(self, c) for c in config.fncall_pools}
         self._live: dict[str, _Live] = {}
         self._creating = 0
         self._reaper: asyncio.Task[None] | None = None
@@ -119,8 +123,13 @@ class Edge:
         await self.backend.prepare_node()
         await self._reconcile()
         self._reaper = asyncio.create_task(self._reap_forever())
+        # Pool sandboxes do not outlive their runners' pipes, which died with the last edge.
+        stale = [sid for sid, live in self._live.items() if POOL_LABEL in live.record.spec.labels]
+        await asyncio.gather(*(self.stop(sid, reason="fncall pool restarted") for sid in stale))
+        await asyncio.gather(*(pool.start() for pool in self.pools.values()))
 
     async def close(self, *, stop_sandboxes: bool = False) -> None:
+        await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -192,7 +201,7 @@ class Edge:
         return {
             "node": self.config.node,
             "epoch": self.epoch,
-            "backends": [self.backend.name],
+            "backends": [self.backend.name, *(["fncall"] if self.pools else [])],
             "running": len(self._live),
             "creating": self._creating,
             "capacity": 0 if self.fenced else self.config.max_sandboxes,
@@ -201,6 +210,7 @@ class Edge:
             "by_project": dict(by_project),
             # Bounded: a label per rollout would otherwise make every poll as large as the node.
             "by_label": dict(by_label.most_common(_MAX_LABELS_REPORTED)),
+            "fncall": {name: pool.stats() for name, pool in self.pools.items()},
         }
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
@@ -287,6 +297,20 @@ class Edge:
             raise Conflict(f"sandbox {requested} already exists")
         return requested
 
+    async def spawn_service(self, sandbox_id: str, argv: list[str]) -> asyncio.subprocess.Process:
+        """A long-lived process in a sandbox whose pipes the edge holds (a FnCall runner)."""
+        live = self._get_live(sandbox_id)
+        env = sandbox_env(live.record.spec, live.user, None)
+        return await self.backend.spawn(
+            sandbox_id, live.record.handle, argv, env=env, cwd="/", user=live.user
+        )
+
+    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
+        found = self.pools.get(pool)
+        if found is None:
+            raise CapacityExhausted(f"node {self.config.node} has no fncall pool {pool!r}")
+        return await found.call(task)
+
     def get(self, sandbox_id: str) -> SandboxInfo:
         SandboxId.parse(sandbox_id)
         live = self._live.get(sandbox_id)
@@ -295,10 +319,15 @@ class Edge:
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
         return self._info(rec)
 
+    def sandbox_ids(self) -> list[str]:
+        return list(self._live)
+
     def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         out = []
         for live in self._live.values():
             spec_labels = live.record.spec.labels
+            if POOL_LABEL in spec_labels:
+                continue  # the edge's own: FnCall pool members
             if not labels or all(spec_labels.get(k) == v for k, v in labels.items()):
                 out.append(self._info(live.record))
         return sorted(out, key=lambda i: i.created_at)

@@ -27,6 +27,7 @@ from dsec.edge.edge import Edge
 from dsec.executor.files import SandboxFiles
 from dsec.iam.base import in_subtree
 from dsec.protocol.errors import InvalidRequest, SandboxNotFound
+from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     CommandResult,
@@ -72,6 +73,10 @@ class EdgeLink(Protocol):
 
     async def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...
 
+    async def sandbox_ids(self) -> list[str]:
+        """The IDs of every sandbox running on the node: cheap, for quota reconciliation."""
+        ...
+
     async def stop(self, sandbox_id: str) -> SandboxInfo: ...
 
     async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
@@ -115,6 +120,10 @@ class EdgeLink(Protocol):
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None: ...
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]: ...
+
+    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
+        """Run one short stateless call in the node's warm pool ``pool``."""
+        ...
 
 
 def check_routed(node: str, epoch: int, sandbox_id: str) -> SandboxId:
@@ -177,6 +186,9 @@ class LocalEdgeLink:
     async def stop(self, sandbox_id: str) -> SandboxInfo:
         return await self.edge.stop(self._routed(sandbox_id))
 
+    async def sandbox_ids(self) -> list[str]:
+        return self.edge.sandbox_ids()
+
     async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
         if not labels:
             raise InvalidRequest("a bulk stop needs at least one label")
@@ -232,6 +244,9 @@ class LocalEdgeLink:
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
         return self.edge.layers_in_use(unmount_idle=unmount_idle)
+
+    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
+        return await self.edge.fncall(task, pool)
 
     # -- files --------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /sandboxes?id=                          ContainerSpec -> 201 SandboxInfo
     GET    /sandboxes?label=k=v...                 -> [SandboxInfo] (running ones)
     DELETE /sandboxes?label=k=v...&within=PROJECT  -> StopResult (a bulk stop)
+    GET    /sandbox-ids                            -> {"ids": [...]} (running, for reconciliation)
     GET    /sandboxes/{id}                         -> SandboxInfo
     DELETE /sandboxes/{id}                         -> SandboxInfo (stopped)
     POST   /sandboxes/{id}/shell                   ShellRequest -> CommandResult
@@ -23,6 +24,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /sandboxes/{id}/files/mkdir?path=&parents=true -> 201 FileStat
     DELETE /sandboxes/{id}/files?path=&recursive=false    -> {"removed": true}
     POST   /layers/in-use?unmount_idle=false       -> {"digests": [...]}
+    POST   /fncall?pool=default                    FnTask -> FnResult (a warm-pool call)
 
 Errors are DSec wire bodies (``{"error": {"code", "message", "reason"}}``) with the error's
 HTTP status. An exec stream that fails after it started ends with one such body as its last
@@ -47,6 +49,7 @@ from pydantic import ValidationError
 from dsec.edge.edge import Edge
 from dsec.edge.link import CHUNK, LocalEdgeLink
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
+from dsec.protocol.fncall import FnTask
 from dsec.protocol.http import listen, respond
 from dsec.protocol.models import (
     CommitRequest,
@@ -188,6 +191,7 @@ class EdgeServer:
         r.add_post(f"{PREFIX}/sandboxes", self.create)
         r.add_get(f"{PREFIX}/sandboxes", self.list)
         r.add_delete(f"{PREFIX}/sandboxes", self.stop_matching)
+        r.add_get(f"{PREFIX}/sandbox-ids", self.sandbox_ids)
         r.add_get(PREFIX + "/sandboxes/{id}", self.get)
         r.add_delete(PREFIX + "/sandboxes/{id}", self.stop)
         r.add_post(PREFIX + "/sandboxes/{id}/shell", self.shell)
@@ -200,6 +204,7 @@ class EdgeServer:
         r.add_post(PREFIX + "/sandboxes/{id}/files/mkdir", self.mkdir)
         r.add_delete(PREFIX + "/sandboxes/{id}/files", self.remove)
         r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
+        r.add_post(f"{PREFIX}/fncall", self.fncall)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -228,6 +233,9 @@ class EdgeServer:
 
     async def list(self, request: web.Request) -> web.Response:
         return respond(await self.link.list_sandboxes(_labels(request)))
+
+    async def sandbox_ids(self, request: web.Request) -> web.Response:
+        return respond({"ids": await self.link.sandbox_ids()})
 
     async def stop_matching(self, request: web.Request) -> web.Response:
         return respond(await self.link.stop_matching(_labels(request), _param(request, "within")))
@@ -280,6 +288,10 @@ class EdgeServer:
     async def commit(self, request: web.Request) -> web.Response:
         req = CommitRequest.model_validate_json(await request.read() or b"{}")
         return respond(await self.link.commit(request.match_info["id"], req), status=201)
+
+    async def fncall(self, request: web.Request) -> web.Response:
+        task = FnTask.model_validate_json(await request.read() or b"{}")
+        return respond(await self.link.fncall(task, request.query.get("pool", "default")))
 
     async def layers_in_use(self, request: web.Request) -> web.Response:
         digests = await self.link.layers_in_use(unmount_idle=_flag(request, "unmount_idle", False))

@@ -1,8 +1,12 @@
 """Placement: filter the nodes that can take a sandbox, then pick by power of k choices.
 
-The watcher's snapshot lags; each placement instance adds its own in-flight creates on top of
-it so a burst from one apiserver does not pile onto the node that looked emptiest a second ago.
-Instances need no coordination: the edge has the final word and rejects what it cannot admit.
+The watcher's snapshot lags; each placement instance adds on top of it every create it placed
+since that snapshot was taken (not only those still in flight: a create the edge has answered is
+in no snapshot until the next poll), so a burst from one apiserver does not pile onto the node
+that looked emptiest a second ago. Measured with bench/controlplane.py (160 nodes, 380,000
+placements, k=2): max/mean load 1.0046 counting only creates in flight, 1.0025 counting all since
+the poll; and k=3 then beats k=2 instead of herding. Instances need no coordination: the edge has
+the final word and rejects what it cannot admit.
 """
 
 from __future__ import annotations
@@ -79,14 +83,19 @@ class Placement:
             raise ValueError("power of k choices needs k >= 1")
         self.watcher = watcher
         self.k = k
-        self.in_flight: Counter[str] = Counter()
+        self.in_flight: Counter[str] = Counter()  # creates placed since the snapshot was taken
         self._pools: dict[tuple[str, str], list[str]] = {}
         self._pools_of: dict[str, dict[str, Any]] | None = None
 
-    def _pool(self, backend: str, need: Hardware | None) -> list[str]:
+    def _sync(self) -> None:
         snapshot = self.watcher.snapshot
-        if snapshot is not self._pools_of:  # a poll replaced it
+        if snapshot is not self._pools_of:  # a poll replaced it: it counts those creates itself
             self._pools, self._pools_of = {}, snapshot
+            self.in_flight.clear()
+
+    def _pool(self, backend: str, need: Hardware | None) -> list[str]:
+        self._sync()
+        snapshot = self.watcher.snapshot
         key = (backend, "" if need is None else need.model_dump_json())
         pool = self._pools.get(key)
         if pool is None:
@@ -142,8 +151,12 @@ class Placement:
 
     @contextlib.contextmanager
     def reserve(self, node: str) -> Iterator[None]:
+        """Count a create placed on ``node`` until the next poll (uncounted if it fails)."""
+        self._sync()
         self.in_flight[node] += 1
         try:
             yield
-        finally:
-            self.in_flight[node] -= 1
+        except BaseException:
+            if self._pools_of is self.watcher.snapshot:  # else a poll has cleared it already
+                self.in_flight[node] -= 1
+            raise

@@ -21,6 +21,7 @@ from typing import Any
 from dsec import _linux
 from dsec.backends.base import CreateContext, User
 from dsec.backends.container import cgroups, oci
+from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.protocol.errors import InfraFailure
 
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -74,6 +75,12 @@ class ContainerBackend:
             raise InfraFailure("/bin/busybox missing: install busybox-static", reason="runtime")
         if not target.exists() or target.stat().st_size != busybox.stat().st_size:
             shutil.copy2(busybox, target.with_suffix(".tmp"))
+            target.with_suffix(".tmp").replace(target)
+        # The FnCall runner runs in pool sandboxes from here (read-only, like busybox).
+        runner = FNCALL_RUNNER.read_bytes()
+        target = self.runtime_dir / "fncall-runner.py"
+        if not target.exists() or target.read_bytes() != runner:
+            target.with_suffix(".tmp").write_bytes(runner)
             target.with_suffix(".tmp").replace(target)
         cgroups.fix_hybrid_layout()
         _raise_nofile_limit()

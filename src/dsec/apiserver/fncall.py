@@ -1,0 +1,79 @@
+"""FnCall routes: one short stateless call, placed on a node with a warm pool.
+
+``POST /v1/fncall`` takes a :class:`FnCallRequest` and answers the :class:`FnResult`.
+``POST /sandboxfusion/{key}/run_code`` speaks SandboxFusion's schema (see
+``apiserver/sandboxfusion.py``), so an existing SandboxFusion client only changes its URL;
+the API key rides in that URL because such clients send no headers of their own.
+
+Calls go through placement like creates (nodes that offer the ``fncall`` backend, power of
+k on load) and move to another node when one refuses (no such pool, or all its sandboxes
+busy past the queue timeout) or cannot be reached. Pool sandboxes belong to the edge, so a
+call holds no quota of the caller's project.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.apiserver._http import read_body, respond
+from dsec.apiserver.remote_edge import never_reached_edge
+from dsec.apiserver.sandboxfusion import RunCodeRequest, RunCodeResponse, Unsupported, from_result, to_task
+from dsec.edge.link import EdgeLink
+from dsec.placement.placement import Placement
+from dsec.protocol.errors import CapacityExhausted, DSecError, InfraFailure
+from dsec.protocol.fncall import FnResult, FnTask
+
+FNCALL_BACKEND = "fncall"
+
+
+class FnCallRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task: FnTask
+    pool: str = Field(default="default", pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+    timeout: float = Field(default=600, gt=0, le=3600, description="for placement and the call")
+
+
+class FnCallRoutes:
+    def __init__(self, links: Mapping[str, EdgeLink], placement: Placement) -> None:
+        self.links = links
+        self.placement = placement
+
+    def register(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/v1/fncall", self.fncall)
+        r.add_post("/sandboxfusion/{sf_key}/run_code", self.run_code)
+
+    async def fncall(self, request: web.Request) -> web.Response:
+        req: FnCallRequest = await read_body(request, FnCallRequest)
+        _, result = await self.call(req.task, req.pool, req.timeout)
+        return respond(result)
+
+    async def run_code(self, request: web.Request) -> web.Response:
+        """SandboxFusion answers 200 with ``SandboxError`` for what it cannot run; so do we."""
+        sf: RunCodeRequest = await read_body(request, RunCodeRequest)
+        try:
+            task = to_task(sf)
+            node, result = await self.call(task, "default", task.compile_timeout_s + task.run_timeout_s + 60)
+        except (Unsupported, DSecError, TimeoutError) as exc:
+            why = str(exc) or "timed out waiting for a free sandbox"
+            return respond(RunCodeResponse(status="SandboxError", message=why))
+        return respond(from_result(result, node))
+
+    async def call(self, task: FnTask, pool: str, timeout: float) -> tuple[str, FnResult]:
+        tried: set[str] = set()
+        async with asyncio.timeout(timeout):
+            while True:
+                node = await self.placement.choose(FNCALL_BACKEND, tried)
+                with self.placement.reserve(node):
+                    try:
+                        return node, await self.links[node].fncall(task, pool)
+                    except CapacityExhausted:
+                        tried.add(node)
+                    except InfraFailure as exc:
+                        if not never_reached_edge(exc):
+                            raise
+                        tried.add(node)

@@ -1,0 +1,264 @@
+"""Warm pools for FnCall: pre-created container sandboxes, each serving calls through a runner.
+
+A pool is a set of ordinary container sandboxes of one environment (an image or layer list),
+created by the edge with no network and labelled as pool members (hidden from listings). In
+each, the edge starts ``runner.py`` (bind-mounted read-only from the node at ``/.dsec``) and
+holds its pipes: one ``FnTask`` JSON line in, one ``FnResult`` line out, one call at a time
+per sandbox. Creating, namespacing and mounting happen when the pool fills, never on a call.
+
+A sandbox is recycled (stopped, and a fresh one started in the background) after
+``max_calls`` calls, when the runner reports it could not prove the sandbox clean, or when
+the runner dies. A call whose runner died before answering is retried once on another
+sandbox: calls are stateless, and the runner, not user code, is what died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from dsec.protocol.errors import CapacityExhausted, InfraFailure
+from dsec.protocol.fncall import FnResult, FnRunnerReady, FnTask
+from dsec.protocol.models import RESERVED_LABEL_PREFIX, ContainerSpec
+
+if TYPE_CHECKING:
+    from dsec.edge.edge import Edge
+
+log = logging.getLogger("dsec.fncall")
+
+POOL_LABEL = RESERVED_LABEL_PREFIX + "pool"
+RUNNER_IN_SANDBOX = "/.dsec/fncall-runner.py"  # the node's runtime directory, read-only in sandboxes
+_READY_TIMEOUT_S = 60.0  # preloading heavy modules (numpy, torch) takes a while
+_ANSWER_MARGIN_S = 30.0  # beyond the task's own timeouts: cleanup, compiling, fetching files
+_LINE_LIMIT = 256 << 20
+_CLOSE_TIMEOUT_S = 5.0  # a result carries at most two capped streams and fetched files
+
+
+@dataclass
+class PoolConfig:
+    """One pool on every edge that has it configured."""
+
+    name: str = "default"
+    image: str = "debian:bookworm"
+    size: int = 2
+    max_calls: int = 500  # then the sandbox is replaced, whatever cleanup says
+    memory_mb: int = 4096  # the sandbox's cgroup; each call also has its own address-space limit
+    cpu_cores: float = 1.0
+    pids: int = 4096
+    preload: list[str] = field(default_factory=list)
+
+
+class WorkerLost(Exception):
+    """The runner died or stopped answering: the sandbox is replaced."""
+
+
+class Worker:
+    def __init__(self, sandbox_id: str, proc: asyncio.subprocess.Process) -> None:
+        self.sandbox_id = sandbox_id
+        self.proc = proc
+        self.calls = 0
+        self._buffer = bytearray()
+        self._stderr = asyncio.create_task(self._drain_stderr())
+
+    async def _drain_stderr(self) -> None:
+        # Read, or a chatty runner would block on a full pipe; kept in the edge's log.
+        assert self.proc.stderr is not None
+        async for line in self.proc.stderr:
+            log.warning("fncall runner %s: %s", self.sandbox_id, line.decode(errors="replace").rstrip())
+
+    async def ready(self) -> FnRunnerReady:
+        line = await self._line(_READY_TIMEOUT_S)
+        info = FnRunnerReady.model_validate_json(line)
+        if not info.ready:
+            raise WorkerLost(f"runner in {self.sandbox_id} did not start: {info.error}")
+        return info
+
+    async def call(self, task: FnTask) -> FnResult:
+        assert self.proc.stdin is not None
+        self.calls += 1
+        try:
+            self.proc.stdin.write(task.model_dump_json().encode() + b"\n")
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise WorkerLost(f"runner in {self.sandbox_id} is gone: {exc}") from exc
+        budget = task.run_timeout_s + (task.compile_timeout_s if task.language in ("c", "cpp") else 0)
+        line = await self._line(budget + _ANSWER_MARGIN_S)
+        try:
+            return FnResult.model_validate_json(line)
+        except ValidationError as exc:
+            raise WorkerLost(f"runner in {self.sandbox_id} answered nonsense: {exc}") from exc
+
+    async def _line(self, timeout: float) -> bytes:
+        try:
+            return await asyncio.wait_for(self._read_line(), timeout)
+        except TimeoutError as exc:
+            raise WorkerLost(f"runner in {self.sandbox_id} did not answer within {timeout:g} s") from exc
+
+    async def _read_line(self) -> bytes:
+        # Not StreamReader.readline: its 64 KiB line limit is far below a result's size.
+        assert self.proc.stdout is not None
+        while (end := self._buffer.find(b"\n")) < 0:
+            chunk = await self.proc.stdout.read(1 << 20)
+            if not chunk:
+                raise WorkerLost(f"runner in {self.sandbox_id} exited ({self.proc.returncode})")
+            self._buffer += chunk
+            if len(self._buffer) > _LINE_LIMIT:
+                raise WorkerLost(f"runner in {self.sandbox_id} sent a line over {_LINE_LIMIT} bytes")
+        line, self._buffer = bytes(self._buffer[:end]), self._buffer[end + 1 :]
+        return line
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+        try:
+            await asyncio.wait_for(self._stderr, _CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("fncall runner %s: its stderr stayed open after it was stopped", self.sandbox_id)
+
+
+class FnPool:
+    def __init__(self, edge: Edge, config: PoolConfig) -> None:
+        self.edge = edge
+        self.config = config
+        self._idle: asyncio.Queue[Worker] = asyncio.Queue()
+        self._workers: dict[str, Worker] = {}
+        self._starting: set[asyncio.Task[None]] = set()
+        self.closed = False
+        self.recycled = 0
+
+    # -- filling ------------------------------------------------------------------------------
+
+    def spec(self) -> ContainerSpec:
+        c = self.config
+        return ContainerSpec.model_validate(
+            {
+                "image": c.image,
+                "memory_limit_mb": c.memory_mb,
+                "cpu_cores_limit": c.cpu_cores,
+                "pids_limit": c.pids,
+                "labels": {POOL_LABEL: c.name},
+            },
+            context={"trusted": True},
+        )
+
+    async def start(self) -> None:
+        """Fill the pool; returns when every sandbox serves (raises if none could start)."""
+        results = await asyncio.gather(
+            *(self._add() for _ in range(self.config.size)), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures and len(failures) == len(results):
+            raise InfraFailure(
+                f"fncall pool {self.config.name!r} could not start: {failures[0]}", reason="fncall"
+            )
+        for exc in failures:
+            log.warning("fncall pool %s: a sandbox failed to start: %s", self.config.name, exc)
+            self._refill()
+
+    async def _add(self) -> None:
+        info = await self.edge.create(self.spec())
+        try:
+            argv = ["python3", RUNNER_IN_SANDBOX, "--workdir", "/tmp/fncall"]
+            if self.config.preload:
+                argv += ["--preload", ",".join(self.config.preload)]
+            proc = await self.edge.spawn_service(info.id, argv)
+            worker = Worker(info.id, proc)
+            await worker.ready()
+        except BaseException:
+            await self.edge.stop(info.id, reason="fncall runner failed to start")
+            raise
+        if self.closed:
+            await self._retire(worker, "pool closed")
+            return
+        self._workers[info.id] = worker
+        self._idle.put_nowait(worker)
+
+    def _refill(self) -> None:
+        if self.closed:
+            return
+
+        async def add() -> None:
+            try:
+                await self._add()
+            except Exception as exc:
+                log.error("fncall pool %s: could not replace a sandbox: %s", self.config.name, exc)
+
+        task = asyncio.create_task(add())
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    async def _retire(self, worker: Worker, reason: str) -> None:
+        self._workers.pop(worker.sandbox_id, None)
+        # The sandbox first: killing `crun exec` alone leaves the runner inside holding the pipes.
+        try:
+            await self.edge.stop(worker.sandbox_id, reason=f"fncall: {reason}")
+        except Exception as exc:
+            log.error("fncall pool %s: could not stop %s: %s", self.config.name, worker.sandbox_id, exc)
+        await worker.close()
+
+    async def _recycle(self, worker: Worker, reason: str) -> None:
+        self.recycled += 1
+        log.info("fncall pool %s: recycling %s (%s)", self.config.name, worker.sandbox_id, reason)
+        await self._retire(worker, reason)
+        self._refill()
+
+    # -- calls --------------------------------------------------------------------------------
+
+    async def call(self, task: FnTask, *, queue_timeout_s: float = 60.0) -> FnResult:
+        for attempt in (1, 2):
+            try:
+                worker = await asyncio.wait_for(self._idle.get(), queue_timeout_s)
+            except TimeoutError:
+                raise CapacityExhausted(
+                    f"fncall pool {self.config.name!r}: no sandbox free within {queue_timeout_s:g} s"
+                ) from None
+            try:
+                result = await worker.call(task)
+            except WorkerLost as exc:
+                await self._recycle(worker, str(exc))
+                if attempt == 2:
+                    raise InfraFailure(f"fncall: {exc}", reason="fncall_worker_lost") from exc
+                continue
+            except BaseException:
+                # Cancelled mid-call: the runner may still be busy with it; start afresh.
+                await asyncio.shield(self._recycle(worker, "call abandoned"))
+                raise
+            if not result.clean:
+                await self._recycle(worker, "cleanup could not prove the sandbox clean")
+            elif worker.calls >= self.config.max_calls:
+                await self._recycle(worker, f"served {worker.calls} calls")
+            else:
+                self._idle.put_nowait(worker)
+            return result
+        raise AssertionError("unreachable")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "size": self.config.size,
+            "ready": len(self._workers),
+            "idle": self._idle.qsize(),
+            "recycled": self.recycled,
+        }
+
+    async def close(self) -> None:
+        self.closed = True
+        for task in list(self._starting):
+            task.cancel()
+        await asyncio.gather(*self._starting, return_exceptions=True)
+        await asyncio.gather(*(self._retire(w, "pool closed") for w in list(self._workers.values())))
+
+
+def load_pools(text: str) -> list[PoolConfig]:
+    """Pool configuration from JSON: a list of objects with :class:`PoolConfig`'s fields."""
+    raw = json.loads(text)
+    if not isinstance(raw, list):
+        raise ValueError("fncall pools: expected a JSON list of pool objects")
+    return [PoolConfig(**item) for item in raw]

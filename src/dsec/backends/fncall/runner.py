@@ -1,0 +1,754 @@
+#!/usr/bin/env python3
+"""FnCall pool runner: serves short stateless calls inside one warm pool sandbox.
+
+Standalone on purpose (stdlib only, Python >= 3.11, never imports dsec): it is copied into the
+sandbox and run by the image's python3, which has neither pydantic nor dsec. The edge starts it
+once per sandbox, as root, through a pipe:
+
+    python3 runner.py --workdir /tmp/fncall --preload json,math
+                      [--uid 65534 --gid 65534] [--scrub /tmp,/var/tmp,/dev/shm,/run/lock]
+
+and speaks newline-delimited JSON (the shapes of ``dsec.protocol.fncall``). First line out:
+``{"ready": true, "preloaded": [...], "private_net": bool, "call_uid": int}``, or
+``{"ready": false, "error": "..."}`` and exit status 2. Then one FnTask per line in, one
+FnResult per line out, in order; EOF on stdin ends the runner.
+
+Isolation of a call:
+- Every process of a call is forked by a zygote, itself forked from this runner after the
+  preloads and before any task was read: a Python call starts with the modules imported, but
+  cannot find an earlier call's task or inputs, or its own ``expected_stdout``, in its memory.
+- The child: its own session (one killpg reaches its tree), its own network and IPC
+  namespaces when the runner may create them, a fresh 0700 call dir as cwd, rlimits, then the
+  unprivileged call uid with no_new_privs; stdin from a memfd, output to pipes read here.
+- After it: kill(-1, SIGKILL) from a helper running as the call uid (the kernel signals every
+  process of the uid while holding the task list lock, so a fork bomb cannot outrun it), reap
+  (the runner is the subreaper of orphans), repeat until /proc shows no process of the uid;
+  then fetch files, remove the call dir and the uid's entries in the scrub dirs, and verify
+  all of that: the result's ``clean``. Not root: calls run as the runner's own uid, which only
+  the process group kill can clean after, so every result says ``clean: false``.
+
+The call uid must belong to calls alone: every process of it is killed after each call, and
+RLIMIT_NPROC counts all of its processes and threads. ``--scrub`` must name every directory,
+outside the call dir, where that uid can create files (with the pool's layers read-only: the
+tmpfs ones). Per process of a call: RLIMIT_AS = memory_limit_mb (compilers: at least 1 GiB),
+RLIMIT_CPU = ceil(run_timeout_s) + 1 s (SIGXCPU; SIGKILL a second later), RLIMIT_NPROC 64,
+RLIMIT_FSIZE 256 MiB, RLIMIT_NOFILE 256, no core files; the wall-clock timeout is the
+runner's, which kills the call's session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import ctypes
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import resource
+import secrets
+import select
+import selectors
+import shutil
+import signal
+import socket
+import stat
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+LANGUAGES = ("python", "bash", "c", "cpp")
+SOURCE = {"python": "main.py", "bash": "main.sh", "c": "main.c", "cpp": "main.cpp"}
+RUN_ARGV: dict[str, list[str] | None] = {"python": None, "bash": ["bash", "main.sh"], "c": ["./main"]}
+RUN_ARGV["cpp"] = RUN_ARGV["c"]
+RESERVED = frozenset([*SOURCE.values(), "main"])  # input files may not take these names
+# field: (type, default, min, max); dsec.protocol.fncall.FnTask declares the same (a test checks).
+BOUNDS: dict[str, tuple[type, float, float, float]] = {
+    "compile_timeout_s": (float, 30.0, 0.1, 300.0),
+    "run_timeout_s": (float, 10.0, 0.1, 300.0),
+    "memory_limit_mb": (int, 256, 32, 16384),
+    "max_output_bytes": (int, 1 << 20, 1, 64 << 20),
+}
+MAX_CODE = 1 << 20  # bytes of UTF-8
+MAX_STDIN = 16 << 20
+MAX_EXPECTED = 16 << 20
+MAX_FILES = 64  # input files, and paths to fetch
+MAX_FILES_BYTES = 32 << 20  # all input files together, decoded
+MAX_FETCH_BYTES = 32 << 20  # all fetched files together
+MAX_PATH = 512
+MAX_LINE = 64 << 20
+NPROC, NOFILE, FSIZE = 64, 256, 256 << 20  # per call: processes+threads of the uid, fds, file size
+COMPILE_MEMORY_MB = 1024  # compilers need more address space than most programs they build
+KILL_ROUNDS = 50
+# A failing program with one of these in the tail of its stderr ran out of memory (FnResult doc).
+MEMORY_RE = re.compile(rb"std::bad_alloc|MemoryError|[Cc]annot allocate|[Oo]ut of memory")
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+CLONE_NEWIPC, CLONE_NEWNET = 0x08000000, 0x40000000
+PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class TaskError(ValueError):
+    """The task line is not a valid FnTask."""
+
+
+class CallFailed(RuntimeError):
+    """The runner could not carry the call out (not the code's fault)."""
+
+
+class ZygoteLost(CallFailed):
+    """The zygote died or stopped answering: no further call can run here."""
+
+
+@dataclasses.dataclass
+class Task:
+    language: str
+    code: str
+    stdin: bytes
+    files: dict[str, bytes]
+    fetch_files: list[str]
+    expected_stdout: str | None
+    compile_timeout_s: float
+    run_timeout_s: float
+    memory_limit_mb: int
+    max_output_bytes: int
+
+
+def check_path(p: object) -> str:
+    if not isinstance(p, str) or not 0 < len(p) <= MAX_PATH or "\0" in p or p.startswith("/"):
+        raise TaskError(f"bad path {p!r}: give a relative path of 1-{MAX_PATH} characters")
+    if any(part in ("", ".", "..") for part in p.split("/")):
+        raise TaskError(f"bad path {p!r}: empty, '.' and '..' components are refused")
+    return p
+
+
+def _text(obj: dict[str, Any], name: str, default: str | None, limit: int) -> Any:
+    v = obj.get(name, default)
+    if v is not None and (not isinstance(v, str) or len(v.encode()) > limit):
+        raise TaskError(f"{name} must be a string of at most {limit} bytes")
+    return v
+
+
+def parse_task(obj: Any) -> Task:
+    """Validate a decoded task line; mirrors FnTask, as the last line of defence."""
+    if not isinstance(obj, dict):
+        raise TaskError("a task is a JSON object")
+    unknown = set(obj) - {"language", "code", "stdin", "files", "fetch_files", "expected_stdout", *BOUNDS}
+    if unknown:
+        raise TaskError(f"unknown fields {sorted(unknown)}")
+    if obj.get("language") not in LANGUAGES:
+        raise TaskError(f"language must be one of {', '.join(LANGUAGES)}")
+    limits: dict[str, Any] = {}
+    for name, (typ, default, lo, hi) in BOUNDS.items():
+        v = obj.get(name, default)
+        ok_type = (int, float) if typ is float else int
+        if isinstance(v, bool) or not isinstance(v, ok_type) or not lo <= v <= hi:
+            raise TaskError(f"{name} must be a {typ.__name__} in [{lo}, {hi}]")
+        limits[name] = v
+    files_in, fetch = obj.get("files", {}), obj.get("fetch_files", [])
+    if not isinstance(files_in, dict) or len(files_in) > MAX_FILES:
+        raise TaskError(f"files must map at most {MAX_FILES} paths to base64 contents")
+    if not isinstance(fetch, list) or len(fetch) > MAX_FILES:
+        raise TaskError(f"fetch_files must list at most {MAX_FILES} paths")
+    files: dict[str, bytes] = {}
+    for path, data in files_in.items():
+        if not isinstance(data, str):
+            raise TaskError(f"files[{path!r}] must be base64 text")
+        files[check_path(path)] = base64.b64decode(data, validate=True)
+    if sum(map(len, files.values())) > MAX_FILES_BYTES:
+        raise TaskError(f"input files exceed {MAX_FILES_BYTES} bytes")
+    for path in files:
+        parts = path.split("/")
+        if any("/".join(parts[:i]) in files or "/".join(parts[:i]) in RESERVED for i in range(1, len(parts))):
+            raise TaskError(f"file {path!r} would sit under another file")
+        if path in RESERVED:
+            raise TaskError(f"file {path!r} would replace the program ({', '.join(sorted(RESERVED))})")
+    return Task(
+        language=obj["language"],
+        code=_text(obj, "code", None, MAX_CODE),
+        stdin=_text(obj, "stdin", "", MAX_STDIN).encode(),
+        files=files,
+        fetch_files=[check_path(p) for p in fetch],
+        expected_stdout=_text(obj, "expected_stdout", None, MAX_EXPECTED),
+        **limits,
+    )
+
+
+def result(status: str, message: str = "", clean: bool = False) -> dict[str, Any]:
+    """An FnResult with nothing run yet; the call fills in what happened."""
+    res: dict[str, Any] = dict.fromkeys(("exit_code", "signal", "judged"))
+    res.update(dict.fromkeys(("compile_time_s", "run_time_s", "cpu_time_s"), 0.0))
+    res.update(dict.fromkeys(("stdout_truncated", "stderr_truncated"), False))
+    res.update(
+        status=status, stdout="", stderr=message, files={}, fetch_errors={}, max_rss_kib=0, clean=clean
+    )
+    return res
+
+
+def _lines(text: str) -> list[str]:
+    """The judge's view of an output: trailing whitespace of lines and trailing blank lines ignored."""
+    lines = [line.rstrip() for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _exit_code(status: int) -> tuple[int | None, int | None]:
+    """A wait status as (exit code, None) or (None, signal)."""
+    return (os.WEXITSTATUS(status), None) if os.WIFEXITED(status) else (None, os.WTERMSIG(status))
+
+
+def _limits(memory_mb: int, cpu_s: float) -> list[list[int]]:
+    mem, cpu = memory_mb << 20, math.ceil(cpu_s) + 1
+    return [
+        [resource.RLIMIT_AS, mem, mem],
+        [resource.RLIMIT_CPU, cpu, cpu + 1],  # SIGXCPU first, SIGKILL a second later
+        [resource.RLIMIT_NPROC, NPROC, NPROC],
+        [resource.RLIMIT_FSIZE, FSIZE, FSIZE],
+        [resource.RLIMIT_NOFILE, NOFILE, NOFILE],
+        [resource.RLIMIT_CORE, 0, 0],
+    ]
+
+
+# ---------------------------------------------------------------- zygote and call processes
+
+
+def _zygote(sock: socket.socket) -> NoReturn:
+    """Fork one call process per request; report its pid, then its wait status and rusage."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)  # calls must never reach the edge's pipe
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        while True:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+            if not msg:
+                os._exit(0)
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                sock.send(json.dumps({"error": f"fork: {exc}"}).encode())
+                pid = -1
+            if pid == 0:
+                _child(msg, fds, sock)
+            for fd in fds:
+                os.close(fd)
+            if pid > 0:
+                sock.send(json.dumps({"pid": pid}).encode())
+                _, status, ru = os.wait4(pid, 0)
+                cpu = ru.ru_utime + ru.ru_stime
+                sock.send(json.dumps({"status": status, "maxrss": ru.ru_maxrss, "cpu": cpu}).encode())
+    finally:
+        os._exit(1)
+
+
+def _child(msg: bytes, fds: list[int], sock: socket.socket) -> NoReturn:
+    """Become the call: fds 0-3 from the runner, limits, the call uid; then exec or run Python.
+
+    fd 3 is a close-on-exec status pipe: b"E<why>" when setup failed (an internal error),
+    b"S" when Python user code starts, then b"M" if a MemoryError escaped it.
+    """
+    code = 127
+    try:
+        sock.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.set_inheritable(3, False)
+        os.closerange(4, 1 << 20)
+        req = json.loads(msg)
+        os.setsid()
+        if req["netns"] and _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET|CLONE_NEWIPC)")
+        os.chdir(req["cwd"])
+        for res, soft, hard in req["limits"]:
+            resource.setrlimit(res, (soft, hard))
+        if req["uid"] is not None:
+            try:
+                with open("/proc/self/oom_score_adj", "w") as f:  # an OOM kill takes a call, not the runner
+                    f.write("1000")
+            except OSError:
+                pass  # no /proc: a preference, not a requirement
+            os.setgroups([])
+            os.setgid(req["gid"])
+            os.setuid(req["uid"])
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if req["argv"] is not None:
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores them; programs expect defaults
+                signal.signal(sig, signal.SIG_DFL)
+            os.execvpe(req["argv"][0], req["argv"], req["env"])
+        code = _run_python(req["cwd"], req["env"])
+    except BaseException as exc:
+        try:
+            os.write(3, b"E" + f"call setup failed: {exc!r}".encode()[:4000])
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+
+
+def _run_python(cwd: str, env: dict[str, str]) -> int:
+    """Run main.py in this warm process the way `python3 main.py` would; return the exit status."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdin = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
+    sys.argv, sys.path[0] = ["main.py"], cwd
+    main = types.ModuleType("__main__")
+    main.__file__ = os.path.join(cwd, "main.py")
+    sys.modules["__main__"] = main
+    os.write(3, b"S")
+    status = 0
+    try:
+        with open("main.py", "rb") as f:
+            exec(compile(f.read(), "main.py", "exec"), main.__dict__)
+    except SystemExit as exc:
+        status = 0 if exc.code is None else exc.code & 0xFF if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except MemoryError as exc:
+        os.write(3, b"M")  # before anything that allocates
+        main.__dict__.clear()  # room to format the traceback
+        _print_user_exception(exc)
+        status = 1
+    except BaseException as exc:
+        _print_user_exception(exc)
+        status = 1
+    join_threads = getattr(sys.modules.get("threading"), "_shutdown", None)
+    flush_original = getattr(sys.__stdout__, "flush", None)  # the zygote's, still on fd 1
+    for finish in (join_threads, sys.stdout.flush, sys.stderr.flush, flush_original):  # as exit does
+        try:
+            if finish is not None:
+                finish()
+        except BaseException:
+            status = status or 120
+    return status
+
+
+def _print_user_exception(exc: BaseException) -> None:
+    tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop the runner's own frame
+    try:
+        traceback.print_exception(type(exc), exc, tb)
+    except BaseException:
+        pass
+
+
+# ---------------------------------------------------------------- the runner
+
+
+@dataclasses.dataclass
+class _Stream:
+    """One output pipe: the first ``cap`` bytes are kept, the rest read and dropped."""
+
+    fd: int
+    cap: int
+    data: bytearray = dataclasses.field(default_factory=bytearray)
+    tail: bytes = b""  # the last bytes, for memory-failure signatures past the cap
+    truncated: bool = False
+    eof: bool = False
+
+    def read(self) -> None:
+        chunk = os.read(self.fd, 1 << 16)
+        self.eof = not chunk
+        room = max(self.cap - len(self.data), 0)
+        self.truncated = self.truncated or len(chunk) > room
+        self.data += chunk[:room]
+        self.tail = (self.tail + chunk)[-8192:]
+
+    def text(self) -> str:
+        return self.data.decode(errors="replace")
+
+
+@dataclasses.dataclass
+class Proc:
+    out: _Stream
+    err: _Stream
+    status: int = 0
+    maxrss_kib: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    timed_out: bool = False
+    marker: bytes = b""
+
+
+def _pump(streams: list[_Stream], until: float, sock: socket.socket | None = None) -> bool:
+    """Read the streams until they end or ``until``; with ``sock``, stop when it is readable."""
+    with selectors.DefaultSelector() as sel:
+        for s in streams:
+            if not s.eof:
+                sel.register(s.fd, selectors.EVENT_READ, s)
+        if sock is not None:
+            sel.register(sock, selectors.EVENT_READ, None)
+        while sel.get_map() and (left := until - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                if key.data is None:
+                    return True
+                key.data.read()
+                if key.data.eof:
+                    sel.unregister(key.fd)
+    return False
+
+
+def _remove(path: str) -> None:
+    def unlock(_func: Callable[..., Any], p: str, _exc: Any) -> None:
+        for d in (os.path.dirname(p), p):  # a call may leave dirs unreadable or unwritable
+            try:
+                if not os.path.islink(d):
+                    os.chmod(d, 0o700)
+            except OSError:
+                pass
+
+    for _ in range(8):  # each pass can open one more level of locked dirs
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, onerror=unlock)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+        if not os.path.lexists(path):
+            return
+
+
+def _fetch(cdir: str, paths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Read the fetch_files back; no process of the call is alive, so the checks cannot race."""
+    root, files, errors, total = os.path.realpath(cdir), {}, {}, 0
+    for rel in paths:
+        full = os.path.join(root, rel)
+        if os.path.commonpath([os.path.realpath(full), root]) != root:
+            errors[rel] = "escapes the call directory"
+            continue
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            errors[rel] = "missing" if isinstance(exc, FileNotFoundError) else f"cannot open: {exc.strerror}"
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                errors[rel] = "not a regular file"
+            elif total + st.st_size > MAX_FETCH_BYTES:
+                errors[rel] = f"too large: all fetched files together are capped at {MAX_FETCH_BYTES} bytes"
+            else:
+                chunks, left = [], st.st_size
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                total += st.st_size - left
+                files[rel] = base64.b64encode(b"".join(chunks)).decode()
+        finally:
+            os.close(fd)
+    return files, errors
+
+
+class Runner:
+    def __init__(self, workdir: str, uid: int, gid: int, scrub: list[str]) -> None:
+        self.root = os.geteuid() == 0
+        self.uid, self.gid = (uid, gid) if self.root else (os.getuid(), os.getgid())
+        self.scrub, self.calls, self.proven_dead = scrub, 0, False
+        os.makedirs(workdir, exist_ok=True)
+        os.chmod(workdir, 0o711)  # calls may pass through to their dir, not list or write here
+        self.workdir = os.path.realpath(workdir)
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        unshare = lambda: _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC)  # noqa: E731
+        self.private_net = self.root and self._try_in_child(unshare)
+        self.sock, zsock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.zygote_pid = os.fork()
+        if self.zygote_pid == 0:
+            self.sock.close()
+            _zygote(zsock)
+        zsock.close()
+        self.zygote_dead = False
+        if self.root and not self._try_in_child(self._kill_as_call_uid):
+            raise OSError(f"cannot become uid {uid} / gid {gid} (setgroups, setgid, setuid)")
+        if not self._cleanup(None) and self.root:  # also clears what an earlier runner left behind
+            raise OSError(f"cannot start clean: processes of uid {uid} survive, or {workdir} stays non-empty")
+
+    @property
+    def healthy(self) -> bool:
+        """Nothing ran since the last cleanup proved the sandbox clean."""
+        return self.root and not self.zygote_dead
+
+    def _try_in_child(self, fn: Callable[[], int]) -> bool:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os._exit(0 if fn() == 0 else 1)
+            finally:
+                os._exit(1)
+        return os.waitpid(pid, 0)[1] == 0
+
+    def _recv(self, timeout: float) -> dict[str, Any]:
+        if not select.select([self.sock], [], [], timeout)[0]:
+            self.zygote_dead = True
+            raise ZygoteLost("the zygote stopped answering")
+        msg = self.sock.recv(1 << 16)
+        if not msg:
+            self.zygote_dead = True
+            raise ZygoteLost("the zygote died")
+        reply: dict[str, Any] = json.loads(msg)
+        if "error" in reply:
+            raise CallFailed(reply["error"])
+        return reply
+
+    def spawn(
+        self,
+        argv: list[str] | None,
+        cdir: str,
+        limits: list[list[int]],
+        stdin: bytes,
+        timeout: float,
+        cap: int,
+    ) -> Proc:
+        """Run one process of the call (argv None: main.py in a warm Python); kill its leftovers."""
+        if self.zygote_dead:
+            raise ZygoteLost("the zygote is gone")
+        self.proven_dead = False
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        st_r, st_w = os.pipe()
+        mem = os.memfd_create("stdin")  # the whole stdin up front: no writer to block on
+        try:
+            view = memoryview(stdin)
+            while view:
+                view = view[os.write(mem, view) :]
+            os.lseek(mem, 0, os.SEEK_SET)
+            uid = self.uid if self.root else None
+            env = {**ENV, "HOME": cdir, "TMPDIR": cdir}
+            req: dict[str, Any] = {"argv": argv, "cwd": cdir, "limits": limits, "netns": self.private_net}
+            req |= {"uid": uid, "gid": self.gid, "env": env}
+            start = time.monotonic()  # from the request: the fork and setup count as the call's time
+            socket.send_fds(self.sock, [json.dumps(req).encode()], [mem, out_w, err_w, st_w])
+        finally:
+            for fd in (mem, out_w, err_w, st_w):
+                os.close(fd)
+        proc = Proc(out=_Stream(out_r, cap), err=_Stream(err_r, cap))
+        streams = [proc.out, proc.err]
+        try:
+            pid = int(self._recv(10.0)["pid"])
+            if not _pump(streams, start + timeout, self.sock):
+                proc.timed_out = True
+                for kill in (os.kill, os.killpg):  # not reaped yet: the pid is still this call's
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                _pump(streams, time.monotonic() + 10.0, self.sock)
+            report = self._recv(0.0)
+            proc.wall_s = time.monotonic() - start
+            proc.status, proc.maxrss_kib, proc.cpu_s = report["status"], report["maxrss"], report["cpu"]
+            self.proven_dead = self._kill_all(pid)  # background processes hold the pipes open
+            _pump(streams, time.monotonic() + 2.0)
+            os.set_blocking(st_r, False)
+            try:
+                while chunk := os.read(st_r, 4096):
+                    proc.marker += chunk
+            except BlockingIOError:
+                pass
+        finally:
+            for fd in (out_r, err_r, st_r):
+                os.close(fd)
+        return proc
+
+    def _kill_all(self, pgid: int | None) -> bool:
+        """Kill the call's processes; True when /proc shows none of the call uid left."""
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+        if not self.root:
+            return False
+        for attempt in range(KILL_ROUNDS):
+            if self._try_in_child(self._kill_as_call_uid):
+                self._reap()
+                if not self._uid_pids():
+                    return True
+            time.sleep(0.001 * attempt)
+        return False
+
+    def _kill_as_call_uid(self) -> int:
+        os.setgroups([])
+        os.setgid(self.gid)
+        os.setuid(self.uid)
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # nothing left to kill
+        return 0
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.zygote_dead = self.zygote_dead or pid == self.zygote_pid
+
+    def _uid_pids(self) -> list[int]:
+        found = []
+        for name in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{name}/status", "rb") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith(b"Uid:"))
+            except (OSError, StopIteration, ValueError):
+                continue  # not a process, or it ended meanwhile
+            if uid == self.uid:
+                found.append(int(name))
+        return found
+
+    def _cleanup(self, cdir: str | None) -> bool:
+        procs_gone = self.proven_dead or self._kill_all(None)  # no process ran since the proof
+        self.proven_dead = False
+        if cdir is not None:
+            _remove(cdir)
+        for entry in os.listdir(self.workdir):
+            _remove(os.path.join(self.workdir, entry))
+        scrubbed = True
+        for d in self.scrub if self.root else []:
+            try:
+                with os.scandir(d) as it:
+                    mine = [e.path for e in it if e.stat(follow_symlinks=False).st_uid == self.uid]
+            except OSError:
+                continue
+            for path in mine:
+                _remove(path)
+                scrubbed = scrubbed and not os.path.lexists(path)
+        return procs_gone and scrubbed and not os.listdir(self.workdir) and not self.zygote_dead
+
+    def _prepare(self, cdir: str, t: Task) -> None:
+        os.mkdir(cdir, 0o700)
+        for rel, data in [*t.files.items(), (SOURCE[t.language], t.code.encode())]:
+            path = os.path.join(cdir, rel)
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
+                f.write(data)
+        if self.root:
+            for d, _, names in os.walk(cdir):
+                for p in [d, *(os.path.join(d, n) for n in names)]:
+                    os.lchown(p, self.uid, self.gid)
+
+    def call(self, t: Task) -> dict[str, Any]:
+        res = result("internal_error")
+        self.calls += 1
+        cdir = os.path.join(self.workdir, f"call-{self.calls}-{secrets.token_hex(8)}")
+        try:
+            self._prepare(cdir, t)
+            argv = RUN_ARGV[t.language]
+            if t.language in ("c", "cpp"):
+                cc = ["gcc", "-std=c17"] if t.language == "c" else ["g++", "-std=c++17"]
+                cc += ["-O2", "-o", "main", SOURCE[t.language], "-lm"]
+                limits = _limits(max(t.memory_limit_mb, COMPILE_MEMORY_MB), t.compile_timeout_s)
+                comp = self.spawn(cc, cdir, limits, b"", t.compile_timeout_s, t.max_output_bytes)
+                res["compile_time_s"] = comp.wall_s
+                if comp.marker.startswith(b"E"):
+                    raise CallFailed(comp.marker[1:].decode(errors="replace"))
+                if comp.timed_out or comp.status != 0:
+                    why = f"\ncompilation timed out after {t.compile_timeout_s} s" if comp.timed_out else ""
+                    code, sig = _exit_code(comp.status)
+                    res.update(status="compile_error", exit_code=code, signal=sig)
+                    res.update(stdout=comp.out.text(), stderr=comp.err.text() + why)
+                    return res
+            limits = _limits(t.memory_limit_mb, t.run_timeout_s)
+            run = self.spawn(argv, cdir, limits, t.stdin, t.run_timeout_s, t.max_output_bytes)
+            if run.marker.startswith(b"E"):
+                raise CallFailed(run.marker[1:].decode(errors="replace"))
+            self._classify(res, run, t)
+            res["files"], res["fetch_errors"] = _fetch(cdir, t.fetch_files)
+        except (CallFailed, OSError) as exc:
+            res.update(status="internal_error", stderr=f"runner: {exc}")
+        finally:
+            res["clean"] = self._cleanup(cdir)
+        return res
+
+    @staticmethod
+    def _classify(res: dict[str, Any], run: Proc, t: Task) -> None:
+        code, sig = _exit_code(run.status)
+        stdout = run.out.text()
+        res.update(exit_code=code, signal=sig, stdout=stdout, stderr=run.err.text())
+        res.update(stdout_truncated=run.out.truncated, stderr_truncated=run.err.truncated)
+        res.update(run_time_s=run.wall_s, cpu_time_s=run.cpu_s, max_rss_kib=run.maxrss_kib)
+        killed = sig == signal.SIGKILL
+        if run.timed_out or sig == signal.SIGXCPU or (killed and run.cpu_s >= math.ceil(t.run_timeout_s) + 1):
+            status = "timeout"
+        elif code != 0 and (
+            (run.marker[:1] == b"S" and b"M" in run.marker[1:])
+            or MEMORY_RE.search(run.err.tail)
+            or (killed and run.maxrss_kib * 1024 >= 0.9 * (t.memory_limit_mb << 20))
+        ):
+            status = "memory_exceeded"
+        elif code != 0:
+            status = "runtime_error"
+        elif run.out.truncated or run.err.truncated:
+            status = "output_truncated"
+        elif t.expected_stdout is not None and _lines(stdout) != _lines(t.expected_stdout):
+            status = "wrong_answer"
+        else:
+            status = "ok"
+        res["status"] = status
+        res["judged"] = None if t.expected_stdout is None else status == "ok"
+
+    def close(self) -> None:
+        self._kill_all(None)
+        self.sock.close()  # EOF: the zygote exits
+        os.waitpid(self.zygote_pid, 0)
+        self._reap()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="FnCall pool runner (one per pool sandbox)")
+    ap.add_argument("--workdir", required=True, help="calls get fresh directories under it")
+    ap.add_argument("--preload", default="", help="comma-separated modules to import once")
+    ap.add_argument("--uid", type=int, default=65534, help="calls run as this uid (when root)")
+    ap.add_argument("--gid", type=int, default=65534)
+    scrub_help = "writable dirs: their entries owned by the call uid go after each call"
+    ap.add_argument("--scrub", default="/tmp,/var/tmp,/dev/shm,/run/lock", help=scrub_help)
+    args = ap.parse_args(argv)
+
+    def send(obj: dict[str, Any]) -> None:
+        sys.stdout.buffer.write(json.dumps(obj).encode() + b"\n")
+        sys.stdout.buffer.flush()
+
+    preloaded = []
+    for name in filter(None, (n.strip() for n in args.preload.split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            send({"ready": False, "error": f"preload {name}: {exc!r}"})
+            return 2
+        preloaded.append(name)
+    try:
+        runner = Runner(args.workdir, args.uid, args.gid, [d for d in args.scrub.split(",") if d])
+    except OSError as exc:
+        send({"ready": False, "error": f"runner: {exc}"})
+        return 2
+    send({"ready": True, "preloaded": preloaded, "private_net": runner.private_net, "call_uid": runner.uid})
+    stdin = sys.stdin.buffer
+    while line := stdin.readline(MAX_LINE + 1):
+        if len(line) > MAX_LINE:
+            while line and not line.endswith(b"\n"):  # skip the rest of the oversized line
+                line = stdin.readline(1 << 20)
+            send(result("internal_error", f"task line longer than {MAX_LINE} bytes", runner.healthy))
+            continue
+        try:
+            task = parse_task(json.loads(line))
+        except ValueError as exc:  # JSON, base64 and TaskError
+            send(result("internal_error", f"invalid task: {exc}", runner.healthy))
+            continue
+        try:
+            send(runner.call(task))
+        except Exception:  # a runner bug: say so, and let the edge recycle the sandbox
+            send(result("internal_error", "runner bug:\n" + traceback.format_exc()))
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
