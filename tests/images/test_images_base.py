@@ -86,7 +86,7 @@ def test_existing_tag_is_returned_without_building(
 
 
 def test_failed_build_leaves_no_work_dir(store: LayerStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing(suite: str, target: Path, mirror: str, say: base.Progress) -> None:
+    def failing(suite: str, target: Path, mirror: str, say: base.Progress, packages: tuple[str, ...]) -> None:
         (target / "proc").mkdir(parents=True)
         mount("tmpfs", target / "proc", "tmpfs", 0, "size=1m")
         raise RuntimeError("network down")

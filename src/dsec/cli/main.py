@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -88,6 +88,12 @@ def up(
         str | None,
         typer.Option(envvar="DSEC_IAM_URL", help="postgresql://... (default: <data-dir>/iam.sqlite)"),
     ] = None,
+    fncall_pool_size: Annotated[
+        int, typer.Option(min=0, help="warm sandboxes of the default FnCall pool (0: none)")
+    ] = 2,
+    fncall_pools: Annotated[
+        Path | None, typer.Option(help="JSON list of FnCall pools (name, image, size, preload...)")
+    ] = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -103,6 +109,7 @@ def up(
         shared_layer_dir=shared_layers,
         init_shared=init_shared,
         iam_url=iam,
+        edge={"fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size)},
     )
     if base:
         _ensure_base(open_layer_store(node_cfg))
@@ -240,18 +247,30 @@ def apiserver_cmd(
         raise _fail(exc if isinstance(exc, DSecError) else DSecError(str(exc))) from None
 
 
-def _ensure_base(store: LayerStore) -> None:
-    from dsec.images.base import ensure_base_layer
+def _fncall_pools(path: Path | None, default_size: int) -> list[Any]:
+    from dsec.backends.fncall.pool import PoolConfig, load_pools
 
-    started = time.monotonic()
-    with console.status("default base layer debian:bookworm (debootstrap on first run, ~1 min)"):
-        info = ensure_base_layer(store, progress=lambda msg: console.log(msg))
-    console.print(f"base layer debian:bookworm = {info.digest[:19]} ({time.monotonic() - started:.1f}s)")
+    if path is None:
+        return [PoolConfig(size=default_size)] if default_size else []
+    try:
+        return list(load_pools(path.read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise _fail(InvalidRequest(f"--fncall-pools {path}: {exc}")) from None
+
+
+def _ensure_base(store: LayerStore) -> None:
+    from dsec.images.base import BASE_PACKAGES, TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
+
+    for ref, packages in (("debian:bookworm", BASE_PACKAGES), (TOOLCHAIN_REF, TOOLCHAIN_PACKAGES)):
+        started = time.monotonic()
+        with console.status(f"base layer {ref} (debootstrap on first run, 1-2 min)"):
+            info = ensure_base_layer(store, ref, progress=lambda msg: console.log(msg), packages=packages)
+        console.print(f"base layer {ref} = {info.digest[:19]} ({time.monotonic() - started:.1f}s)")
 
 
 @app.command("base")
 def base_cmd(data_dir: DataDir = Path("/var/lib/dsec")) -> None:
-    """Build the default base layer (Debian bookworm) if it is not there yet."""
+    """Build the base layers (Debian bookworm, and with compilers for FnCall) if missing."""
     try:
         _ensure_base(LayerStore(data_dir / "layers"))
     except DSecError as exc:

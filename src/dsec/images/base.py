@@ -26,6 +26,9 @@ from dsec.protocol.models import LayerInfo
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = ("bash", "coreutils", "python3", "git", "ca-certificates")
+# The FnCall pools' default environment: the base plus compilers for c and cpp calls.
+TOOLCHAIN_REF = "debian:bookworm-cc"
+TOOLCHAIN_PACKAGES = (*BASE_PACKAGES, "gcc", "g++", "libc6-dev")
 
 Progress = Callable[[str], None]
 
@@ -79,14 +82,14 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _debootstrap(suite: str, target: Path, mirror: str, say: Progress) -> None:
+def _debootstrap(suite: str, target: Path, mirror: str, say: Progress, packages: tuple[str, ...]) -> None:
     tool = shutil.which("debootstrap")
     if tool is None:
         raise InfraFailure("debootstrap not found: install the debootstrap package", reason="image_build")
     cmd = [
         tool,
         "--variant=minbase",
-        f"--include={','.join(BASE_PACKAGES)}",
+        f"--include={','.join(packages)}",
         suite,
         os.fspath(target),
         mirror,
@@ -170,6 +173,7 @@ def ensure_base_layer(
     progress: Progress | None = None,
     *,
     suite: str = "bookworm",
+    packages: tuple[str, ...] = BASE_PACKAGES,
 ) -> LayerInfo:
     """Return the base layer ``ref``, building it with debootstrap first if the store lacks it."""
     parse_tag(ref)
@@ -189,7 +193,7 @@ def ensure_base_layer(
         try:
             target = work / "rootfs"
             t0 = time.monotonic()
-            _debootstrap(suite, target, mirror, say)
+            _debootstrap(suite, target, mirror, say, packages)
             t1 = time.monotonic()
             say(f"debootstrap finished in {t1 - t0:.1f} s")
             # The target is still mounted-into if debootstrap left anything; clear that first.

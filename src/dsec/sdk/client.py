@@ -38,6 +38,7 @@ from dsec.protocol.models import (
     ShellRequest,
     StopResult,
 )
+from dsec.sdk._fncall import FnCalls
 from dsec.sdk._projects import ProjectCalls
 from dsec.sdk._transport import Transport
 from dsec.sdk.args import DSecContainerRunArgs
@@ -258,7 +259,7 @@ def _tar_dir(src: Path, archive: Path) -> None:
         tar.add(src, arcname=".")
 
 
-class DSecClient(ProjectCalls):
+class DSecClient(ProjectCalls, FnCalls):
     """Connects to DSec: by default the local node that ``dsec up`` wrote into the config file."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 300) -> None:

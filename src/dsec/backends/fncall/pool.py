@@ -45,7 +45,7 @@ class PoolConfig:
     """One pool on every edge that has it configured."""
 
     name: str = "default"
-    image: str = "debian:bookworm"
+    image: str = "debian:bookworm-cc"  # the base with gcc and g++: every language works
     size: int = 2
     max_calls: int = 500  # then the sandbox is replaced, whatever cleanup says
     memory_mb: int = 4096  # the sandbox's cgroup; each call also has its own address-space limit
