@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from dsec.iam import IamStore, open_iam_store
+from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.mount import mounts_under
+from dsec.images.store import LayerStore
 from tests import leaks
+from tests.conftest import DATA_DIR
 from tests.iam.pgserver import PgServer, PgSetupError
 
 from . import hostscan, netns
@@ -119,6 +122,9 @@ async def cluster(
     tmp_path: Path,
 ) -> AsyncIterator[Cluster]:
     seed_shared_store(tmp_path / "shared-layers", base_layer)
+    with LayerStore(DATA_DIR / "layers") as store:  # each edge keeps a one-sandbox FnCall pool
+        ensure_base_layer(store, TOOLCHAIN_REF, packages=TOOLCHAIN_PACKAGES)
+    seed_shared_store(tmp_path / "shared-layers", TOOLCHAIN_REF)
     c = Cluster(tmp_path, namespaces, cluster_pg.dsn, tmp_path / "shared-layers", admin_key)
     try:
         await c.start()

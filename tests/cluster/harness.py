@@ -51,15 +51,16 @@ def free_port() -> int:
 
 
 def seed_shared_store(shared: Path, ref: str) -> str:
-    """A new shared store holding layer ``ref`` from the test suite's local store.
+    """A shared store (new, or one seeded before) holding layer ``ref`` from the local store.
 
     The blob is hard-linked into the store (no copy of its bytes; ``put`` still hashes it and
     checks the digest) and tagged the same, so no node has to rebuild the base layer.
     """
-    shared.mkdir()
+    fresh = not shared.exists()
+    shared.mkdir(exist_ok=True)
     source = LayerStore(LOCAL_LAYERS)
     info = source.resolve(ref)
-    store = LayerStore.over(SharedMountBlobStore(shared, create=True))
+    store = LayerStore.over(SharedMountBlobStore(shared, create=fresh))
     link = store.tmp_dir / "seed.erofs"
     try:
         os.link(source.blob_path(info.digest), link)
@@ -143,6 +144,7 @@ class Cluster:
             "--shared-layers", str(self.shared),
             "--secret-file", str(self.secret_file),
             "--heartbeat", str(HEARTBEAT_S),
+            "--fncall-pool-size", "1",
         ]  # fmt: skip
         for port in self.api_ports:  # at the host end of its own veth: the only way out
             argv += ["--apiserver", f"http://{ns.host_ip}:{port}"]

@@ -20,6 +20,7 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, Sandbox, SandboxState
 from dsec.iam import IamStore, NodeRecord
+from dsec.protocol.fncall import FnResult
 from tests.support import eventually
 
 from .harness import HEARTBEAT_S, Cluster, epoch_of, free_port, node_of
@@ -123,6 +124,9 @@ async def test_a_cluster_of_processes_survives_losing_an_edge_then_an_apiserver(
             assert placed == nodes, f"apiserver {index} placed creates only on {sorted(placed)}"
         epochs = {node: record.epoch for node, record in (await _registry(iam)).items()}
         assert nodes <= set(epochs)
+        for client in apis:  # FnCall goes through placement too, to the edges' warm pools
+            calls = await client.fncall_many([{"language": "python", "code": "print(6 * 7)"}] * 6)
+            assert [r.stdout if isinstance(r, FnResult) else r for r in calls] == ["42\n"] * 6
         assert {sid: epoch_of(sid) for sid in made} == {sid: epochs[node_of(sid)] for sid in made}
 
         # 2. An edge dies: its sandboxes fail classified, creates go to the other two.
@@ -141,6 +145,8 @@ async def test_a_cluster_of_processes_survives_losing_an_edge_then_an_apiserver(
             for _ in range(3):
                 sb = await _create(client, base_layer, job=f"{job}-later")
                 assert node_of(sb.id) in nodes - {victim}
+            call = await client.fncall({"language": "bash", "code": "echo still"})
+            assert call.stdout == "still\n"
 
         # 3. It comes back on the same data directory: same epoch, its sandboxes re-adopted.
         restarted_at = time.time()

@@ -166,6 +166,12 @@ def edge_cmd(
     label: Annotated[
         list[str] | None, typer.Option(help="key=value: a node label sandboxes can ask for (repeat)")
     ] = None,
+    fncall_pool_size: Annotated[
+        int, typer.Option(min=0, help="warm sandboxes of the default FnCall pool (0: none)")
+    ] = 0,
+    fncall_pools: Annotated[
+        Path | None, typer.Option(help="JSON list of FnCall pools (name, image, size, preload...)")
+    ] = None,
     secret_file: SecretFile = None,
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
@@ -184,7 +190,7 @@ def edge_cmd(
         port=port,
         node=node,
         shared_layer_dir=shared_layers,
-        edge={"node_labels": labels},
+        edge={"node_labels": labels, "fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size)},
     )
 
     async def serve() -> None:

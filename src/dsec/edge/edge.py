@@ -201,7 +201,7 @@ class Edge:
         return {
             "node": self.config.node,
             "epoch": self.epoch,
-            "backends": [self.backend.name, *(["fncall"] if self.pools else [])],
+            "backends": [self.backend.name, *(["fncall"] if self._fncall_serving() else [])],
             "running": len(self._live),
             "creating": self._creating,
             "capacity": 0 if self.fenced else self.config.max_sandboxes,
@@ -304,6 +304,9 @@ class Edge:
         return await self.backend.spawn(
             sandbox_id, live.record.handle, argv, env=env, cwd="/", user=live.user
         )
+
+    def _fncall_serving(self) -> bool:
+        return any(pool.serving for pool in self.pools.values())
 
     async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
         found = self.pools.get(pool)

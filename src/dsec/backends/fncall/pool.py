@@ -133,6 +133,7 @@ class FnPool:
         self._starting: set[asyncio.Task[None]] = set()
         self.closed = False
         self.recycled = 0
+        self.error = ""
 
     # -- filling ------------------------------------------------------------------------------
 
@@ -150,15 +151,19 @@ class FnPool:
         )
 
     async def start(self) -> None:
-        """Fill the pool; returns when every sandbox serves (raises if none could start)."""
+        """Fill the pool; returns when every sandbox that could start serves.
+
+        A pool that cannot start at all (its image is missing, say) does not stop the edge: it
+        reports why in the node's stats and the node does not offer FnCall for it.
+        """
         results = await asyncio.gather(
             *(self._add() for _ in range(self.config.size)), return_exceptions=True
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures and len(failures) == len(results):
-            raise InfraFailure(
-                f"fncall pool {self.config.name!r} could not start: {failures[0]}", reason="fncall"
-            )
+            self.error = f"could not start: {failures[0]}"
+            log.error("fncall pool %s %s", self.config.name, self.error)
+            return
         for exc in failures:
             log.warning("fncall pool %s: a sandbox failed to start: %s", self.config.name, exc)
             self._refill()
@@ -246,7 +251,12 @@ class FnPool:
             "ready": len(self._workers),
             "idle": self._idle.qsize(),
             "recycled": self.recycled,
+            **({"error": self.error} if self.error else {}),
         }
+
+    @property
+    def serving(self) -> bool:
+        return bool(self._workers) or bool(self._starting)
 
     async def close(self) -> None:
         self.closed = True
