@@ -1,0 +1,132 @@
+"""FnCall calls per second and latency, against running the same code in a container sandbox.
+
+    .venv/bin/python bench/fncall.py [--calls 400] [--concurrency 1,4,16] [--pool-size 2]
+
+Runs an embedded node with one FnCall pool on a scratch data directory that shares the layer
+store of `dsec up` (`debian:bookworm-cc` must exist: `./setup.sh up` or `dsec base` builds it).
+Through the SDK and the HTTP API it measures, with the core count, p50/p99 and calls/s:
+  - `fncall` of a python `print`, at each concurrency;
+  - the baseline in the same run: the same program as `exec(["python3", "-c", ...])` in a
+    long-lived container sandbox (a process start per call, what a platform without warm
+    pools does at best: it does not even create a sandbox per call);
+  - one C++ compile-and-run call, and a judged python call, for the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from dsec import DSecClient, DSecContainerRunArgs
+from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.backends.fncall.pool import PoolConfig
+from dsec.images.base import TOOLCHAIN_REF
+from dsec.protocol.fncall import FnResult
+
+CODE = "print(sum(range(1000)))"
+EXPECTED = "499500\n"
+CPP = '#include <iostream>\nint main(){long s=0; for(int i=0;i<1000;i++) s+=i; std::cout<<s<<"\\n";}'
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+async def drive(
+    calls: int, concurrency: int, one: Callable[[], Awaitable[None]]
+) -> tuple[float, list[float]]:
+    """Run ``calls`` calls, ``concurrency`` at a time; returns (calls/s, latencies)."""
+    gate = asyncio.Semaphore(concurrency)
+    lat: list[float] = []
+
+    async def timed() -> None:
+        async with gate:
+            t = time.perf_counter()
+            await one()
+            lat.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(timed() for _ in range(calls)))
+    return calls / (time.perf_counter() - t0), lat
+
+
+def row(name: str, rate: float, lat: list[float], base: tuple[float, list[float]] | None) -> None:
+    line = f"{name:<30} {rate:8.1f}/s  p50 {pct(lat, 50) * 1e3:7.2f} ms  p99 {pct(lat, 99) * 1e3:7.2f} ms"
+    if base is not None:
+        b50 = pct(base[1], 50) * 1e3
+        line += f"  | baseline {base[0]:7.1f}/s p50 {b50:7.2f} ms  ratio {rate / base[0]:5.2f}x"
+    print(line)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--pool-size", type=int, default=2)
+    ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
+    a = ap.parse_args()
+    levels = [int(c) for c in a.concurrency.split(",")]
+
+    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-fncall-"))
+    pool = PoolConfig(size=a.pool_size, image=TOOLCHAIN_REF, max_calls=100_000)
+    node = EmbeddedNode(
+        NodeConfig(
+            data_dir=scratch,
+            layer_dir=a.layers,
+            port=0,
+            node="bench",
+            config_file=scratch / "config.json",
+            edge={"fncall_pools": [pool]},
+        )
+    )
+    await node.start()
+    print(
+        f"cores {os.cpu_count()}  python {sys.version.split()[0]}  pool of {a.pool_size} on {TOOLCHAIN_REF}"
+    )
+    try:
+        async with DSecClient(node.url, node.api_key) as client:
+            sandbox = await client.run_container(DSecContainerRunArgs(container_image=TOOLCHAIN_REF))
+
+            async def fn() -> None:
+                r = await client.fncall({"language": "python", "code": CODE})
+                assert r.stdout == EXPECTED, r
+
+            async def cold() -> None:
+                r = await sandbox.exec(["python3", "-c", CODE])
+                assert r.stdout == EXPECTED, r
+
+            await drive(8, 2, fn)  # warm: page cache, connections
+            await drive(8, 2, cold)
+            for c in levels:
+                base = await drive(max(40, a.calls // 4), c, cold)
+                rate, lat = await drive(a.calls, c, fn)
+                row(f"fncall python (concurrency {c})", rate, lat, base)
+            await sandbox.stop()
+
+            for name, task in (
+                ("c++ compile + run", {"language": "cpp", "code": CPP}),
+                ("python judged", {"language": "python", "code": CODE, "expected_stdout": EXPECTED}),
+            ):
+                results: list[FnResult] = []
+
+                async def call(task: dict[str, str] = task, results: list[FnResult] = results) -> None:
+                    results.append(await client.fncall(task))
+
+                rate, lat = await drive(20, 1, call)
+                assert all(r.status == "ok" for r in results), results[-1]
+                row(name, rate, lat, None)
+    finally:
+        await node.close(stop_sandboxes=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
