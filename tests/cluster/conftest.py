@@ -22,7 +22,7 @@ from dsec.images.mount import mounts_under
 from dsec.images.store import LayerStore
 from tests import leaks
 from tests.conftest import DATA_DIR
-from tests.iam.pgserver import PgServer, PgSetupError
+from tests.iam.pgserver import PgServer, running_pg_server
 
 from . import hostscan, netns
 from .harness import NODES, Cluster, seed_shared_store
@@ -30,19 +30,8 @@ from .harness import NODES, Cluster, seed_shared_store
 
 @pytest.fixture(scope="session")
 def cluster_pg() -> Iterator[PgServer]:
-    try:
-        server = PgServer()
-    except PgSetupError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        server.start()
-    except PgSetupError as exc:
-        server.stop()
-        pytest.fail(f"could not start the test PostgreSQL server: {exc}", pytrace=False)
-    try:
+    with running_pg_server() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _workdirs(data_dir: Path) -> list[str]:

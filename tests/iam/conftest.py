@@ -10,21 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from .pgserver import PgServer, PgSetupError
+from .pgserver import PgServer, running_pg_server
 
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PgServer]:
-    try:
-        server = PgServer()
-    except PgSetupError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        server.start()
-    except PgSetupError as exc:
-        server.stop()
-        pytest.fail(f"could not start the test PostgreSQL server: {exc}", pytrace=False)
-    try:
+    with running_pg_server() as server:
         yield server
-    finally:
-        server.stop()

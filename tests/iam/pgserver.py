@@ -16,7 +16,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 _MISSING = (
     "PostgreSQL server binaries (initdb, pg_ctl) not found: the IAM tests run against a real"
@@ -123,3 +127,22 @@ class PgServer:
         if pid_file.exists():
             pid = int(pid_file.read_text().split()[0])
             os.kill(pid, signal.SIGKILL)  # only the postmaster this object started
+
+
+@contextmanager
+def running_pg_server() -> Iterator[PgServer]:
+    """A started server for a test session, stopped and deleted afterwards; a setup failure
+    fails the tests that need it (never skips them), with the reason."""
+    try:
+        server = PgServer()
+    except PgSetupError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        server.start()
+    except PgSetupError as exc:
+        server.stop()
+        pytest.fail(f"could not start the test PostgreSQL server: {exc}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()

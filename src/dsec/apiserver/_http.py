@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from dsec.iam import IamStore, Principal
 from dsec.protocol.errors import Forbidden, InvalidRequest
-from dsec.protocol.http import respond
+from dsec.protocol.http import label_filter, respond
 
 __all__ = ["IAM_KEY", "PRINCIPAL", "label_filter", "query_param", "read_body", "require_admin", "respond"]
 
@@ -22,16 +22,6 @@ PRINCIPAL = web.RequestKey("principal", Principal)
 async def read_body(request: web.Request, model: type[M]) -> M:
     # Malformed JSON and bad fields both raise ValidationError: a 400 naming the field.
     return model.model_validate_json(await request.read() or b"{}")
-
-
-def label_filter(request: web.Request) -> dict[str, str]:
-    labels = {}
-    for item in request.query.getall("label", []):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise InvalidRequest(f"label filter {item!r} must be key=value")
-        labels[key] = value
-    return labels
 
 
 def require_admin(request: web.Request) -> None:

@@ -50,7 +50,7 @@ from dsec.edge.edge import Edge
 from dsec.edge.link import CHUNK, LocalEdgeLink
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
-from dsec.protocol.http import listen, respond
+from dsec.protocol.http import label_filter, listen, respond
 from dsec.protocol.models import (
     CommitRequest,
     ContainerSpec,
@@ -114,16 +114,6 @@ def _param(request: web.Request, name: str) -> str:
     if not value:
         raise InvalidRequest(f"query parameter {name!r} is required")
     return value
-
-
-def _labels(request: web.Request) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for item in request.query.getall("label", []):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise InvalidRequest(f"label filter {item!r} must be key=value")
-        labels[key] = value
-    return labels
 
 
 def _flag(request: web.Request, name: str, default: bool) -> bool:
@@ -232,13 +222,13 @@ class EdgeServer:
         return respond(await self.link.create(spec, request.query.get("id")), status=201)
 
     async def list(self, request: web.Request) -> web.Response:
-        return respond(await self.link.list_sandboxes(_labels(request)))
+        return respond(await self.link.list_sandboxes(label_filter(request)))
 
     async def sandbox_ids(self, request: web.Request) -> web.Response:
         return respond({"ids": await self.link.sandbox_ids()})
 
     async def stop_matching(self, request: web.Request) -> web.Response:
-        return respond(await self.link.stop_matching(_labels(request), _param(request, "within")))
+        return respond(await self.link.stop_matching(label_filter(request), _param(request, "within")))
 
     async def get(self, request: web.Request) -> web.Response:
         return respond(await self.link.get(request.match_info["id"]))

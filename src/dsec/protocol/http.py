@@ -1,4 +1,4 @@
-"""What both HTTP servers (apiserver, edge) share: their JSON answer, and starting to listen."""
+"""What both HTTP servers (apiserver, edge) share: their JSON answer, label filters, listening."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel
+
+from dsec.protocol.errors import InvalidRequest
 
 
 def respond(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
@@ -17,6 +19,17 @@ def respond(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) ->
     else:
         text = json.dumps(model)
     return web.Response(text=text, status=status, content_type="application/json")
+
+
+def label_filter(request: web.Request) -> dict[str, str]:
+    """``?label=k=v&label=...`` as a dict (``InvalidRequest`` for an item without ``=``)."""
+    labels: dict[str, str] = {}
+    for item in request.query.getall("label", []):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidRequest(f"label filter {item!r} must be key=value")
+        labels[key] = value
+    return labels
 
 
 async def listen(app: web.Application, host: str, port: int, **runner: Any) -> tuple[web.AppRunner, str]:
