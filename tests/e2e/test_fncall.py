@@ -16,7 +16,7 @@ from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.fncall.pool import POOL_LABEL, PoolConfig
 from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.errors import CapacityExhausted, InvalidRequest
 from dsec.protocol.fncall import FnResult, FnTask
 from tests.conftest import DATA_DIR
 from tests.support import eventually
@@ -30,14 +30,16 @@ async def fn_node(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Emb
     with LayerStore(DATA_DIR / "layers") as store:
         ensure_base_layer(store, TOOLCHAIN_REF, packages=TOOLCHAIN_PACKAGES)
     tmp = tmp_path_factory.mktemp("fncall")
-    pool = PoolConfig(size=POOL_SIZE, image=TOOLCHAIN_REF, max_calls=40, preload=["json"])
+    # Python calls go to "py" (listed first); everything else to "default", which has all four.
+    py_pool = PoolConfig(name="py", size=1, image=TOOLCHAIN_REF, preload=["json"], languages=["python"])
+    pool = PoolConfig(size=POOL_SIZE, image=TOOLCHAIN_REF, max_calls=40)
     cfg = NodeConfig(
         data_dir=DATA_DIR / "fncall-node",
         layer_dir=DATA_DIR / "layers",
         port=0,
         node="fn",
         config_file=tmp / "config.json",
-        edge={"reap_interval_s": 0.1, "fncall_pools": [pool]},
+        edge={"reap_interval_s": 0.1, "fncall_pools": [py_pool, pool]},
     )
     node = EmbeddedNode(cfg)
     await node.start()
@@ -109,10 +111,10 @@ async def test_a_call_sees_nothing_of_the_calls_before_it(fn: DSecClient) -> Non
         "print(os.path.exists('/tmp/left'), os.path.exists('left'), others)\n"
     )
     for _ in range(2 * POOL_SIZE):
-        left = await fn.fncall({"language": "bash", "code": leave})
+        left = await fn.fncall({"language": "bash", "code": leave}, pool="default")
         assert left.status == "ok" and left.clean
     for _ in range(2 * POOL_SIZE):
-        seen = await fn.fncall(py(look))
+        seen = await fn.fncall(py(look), pool="default")
         assert seen.stdout == "False False []\n", seen  # no file, no process of the calls uid
 
 
@@ -165,7 +167,8 @@ async def test_a_crashed_pool_sandbox_is_replaced_without_failing_other_calls(
     record = fn_node.edge.journal.get(victim)
     assert record is not None
     os.kill(int(record.handle["pid"]), signal.SIGKILL)  # the sandbox's init: everything in it dies
-    results = await fn.fncall_many([py("print('ok')") for _ in range(4 * POOL_SIZE)], concurrency=4)
+    calls = [py("print('ok')") for _ in range(4 * POOL_SIZE)]
+    results = await fn.fncall_many(calls, concurrency=4, pool="default")
     assert all(isinstance(r, FnResult) and r.stdout == "ok\n" for r in results), results
     await eventually(lambda: victim not in pool._workers and len(pool._workers) == POOL_SIZE, "a new sandbox")
     assert pool.recycled >= 1
@@ -174,8 +177,24 @@ async def test_a_crashed_pool_sandbox_is_replaced_without_failing_other_calls(
 async def test_pool_sandboxes_are_the_edges_own(fn: DSecClient, fn_node: EmbeddedNode) -> None:
     assert await fn.list() == []
     pools = {sid for sid, live in fn_node.edge._live.items() if POOL_LABEL in live.record.spec.labels}
-    assert len(pools) == POOL_SIZE
+    assert len(pools) == POOL_SIZE + 1
     assert "fncall" in fn_node.edge.stats()["backends"]
+
+
+async def test_calls_go_to_the_pool_of_their_language(fn: DSecClient, fn_node: EmbeddedNode) -> None:
+    pools = fn_node.edge.pools
+
+    def served(name: str) -> int:
+        return sum(w.calls for w in pools[name]._workers.values())
+
+    before = {name: served(name) for name in pools}
+    assert (await fn.fncall(py("import sys; print('json' in sys.modules)"))).stdout == "True\n"
+    assert (await fn.fncall({"language": "bash", "code": "echo b"})).stdout == "b\n"
+    assert served("py") == before["py"] + 1, "python: the preloading pool"
+    assert served("default") == before["default"] + 1, "bash: the general pool"
+    assert (await fn.fncall(py("print(1)"), pool="default")).stdout == "1\n"  # or by name
+    with pytest.raises(CapacityExhausted, match="no node"):
+        await fn.fncall(py("print(1)"), pool="nosuchpool")
 
 
 async def test_sandboxfusion_clients_only_change_their_url(fn_node: EmbeddedNode, tmp_path: Path) -> None:

@@ -34,7 +34,9 @@ class FnCallRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     task: FnTask
-    pool: str = Field(default="default", pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+    pool: str | None = Field(
+        default=None, pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$", description="None: by the task's language"
+    )
     timeout: float = Field(default=600, gt=0, le=3600, description="for placement and the call")
 
 
@@ -57,13 +59,13 @@ class FnCallRoutes:
         sf: RunCodeRequest = await read_body(request, RunCodeRequest)
         try:
             task = to_task(sf)
-            node, result = await self.call(task, "default", task.compile_timeout_s + task.run_timeout_s + 60)
+            node, result = await self.call(task, None, task.compile_timeout_s + task.run_timeout_s + 60)
         except (Unsupported, DSecError, TimeoutError) as exc:
             why = str(exc) or "timed out waiting for a free sandbox"
             return respond(RunCodeResponse(status="SandboxError", message=why))
         return respond(from_result(result, node))
 
-    async def call(self, task: FnTask, pool: str, timeout: float) -> tuple[str, FnResult]:
+    async def call(self, task: FnTask, pool: str | None, timeout: float) -> tuple[str, FnResult]:
         tried: set[str] = set()
         async with asyncio.timeout(timeout):
             while True:

@@ -298,8 +298,8 @@ class RemoteEdgeLink:
             LayerInfo, await self._json("POST", self._sandbox(sandbox_id, "/commit"), body=req)
         )
 
-    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
-        raw = await self._json("POST", "/fncall", body=task, params={"pool": pool})
+    async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
+        raw = await self._json("POST", "/fncall", body=task, params={"pool": pool} if pool else None)
         return self._parse(FnResult, raw)
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:

@@ -308,10 +308,15 @@ class Edge:
     def _fncall_serving(self) -> bool:
         return any(pool.serving for pool in self.pools.values())
 
-    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
-        found = self.pools.get(pool)
+    async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
+        """Run ``task`` in pool ``pool``, or in the first pool serving its language."""
+        if pool is None:
+            found = next((p for p in self.pools.values() if p.serves(task.language)), None)
+        else:
+            found = self.pools.get(pool)
         if found is None:
-            raise CapacityExhausted(f"node {self.config.node} has no fncall pool {pool!r}")
+            wanted = f"pool {pool!r}" if pool else f"a {task.language} pool"
+            raise CapacityExhausted(f"node {self.config.node} has no fncall {wanted}")
         return await found.call(task)
 
     def get(self, sandbox_id: str) -> SandboxInfo:

@@ -121,8 +121,9 @@ class EdgeLink(Protocol):
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]: ...
 
-    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
-        """Run one short stateless call in the node's warm pool ``pool``."""
+    async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
+        """Run one short stateless call in the node's warm pool ``pool`` (None: the first pool
+        that serves the task's language)."""
         ...
 
 
@@ -245,7 +246,7 @@ class LocalEdgeLink:
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
         return self.edge.layers_in_use(unmount_idle=unmount_idle)
 
-    async def fncall(self, task: FnTask, pool: str = "default") -> FnResult:
+    async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
         return await self.edge.fncall(task, pool)
 
     # -- files --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /sandboxes/{id}/files/mkdir?path=&parents=true -> 201 FileStat
     DELETE /sandboxes/{id}/files?path=&recursive=false    -> {"removed": true}
     POST   /layers/in-use?unmount_idle=false       -> {"digests": [...]}
-    POST   /fncall?pool=default                    FnTask -> FnResult (a warm-pool call)
+    POST   /fncall?pool=                           FnTask -> FnResult (a warm-pool call)
 
 Errors are DSec wire bodies (``{"error": {"code", "message", "reason"}}``) with the error's
 HTTP status. An exec stream that fails after it started ends with one such body as its last
@@ -281,7 +281,7 @@ class EdgeServer:
 
     async def fncall(self, request: web.Request) -> web.Response:
         task = FnTask.model_validate_json(await request.read() or b"{}")
-        return respond(await self.link.fncall(task, request.query.get("pool", "default")))
+        return respond(await self.link.fncall(task, request.query.get("pool")))
 
     async def layers_in_use(self, request: web.Request) -> web.Response:
         digests = await self.link.layers_in_use(unmount_idle=_flag(request, "unmount_idle", False))

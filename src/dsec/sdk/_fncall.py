@@ -24,7 +24,7 @@ class FnCalls:
         def _t(self) -> Transport: ...
 
     async def fncall(
-        self, task: FnTask | dict[str, Any], *, pool: str = "default", timeout: float = 600
+        self, task: FnTask | dict[str, Any], *, pool: str | None = None, timeout: float = 600
     ) -> FnResult:
         """Run one call (python, bash, c or cpp) in a warm pool; see ``FnResult.status``.
 
@@ -45,7 +45,7 @@ class FnCalls:
         tasks: Iterable[FnTask | dict[str, Any]],
         *,
         concurrency: int = 32,
-        pool: str = "default",
+        pool: str | None = None,
         timeout: float = 600,
     ) -> list[FnResult | DSecError]:
         """Run many calls, ``concurrency`` at a time; results in the order of ``tasks``.

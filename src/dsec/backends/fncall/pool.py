@@ -19,12 +19,12 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
 
 from dsec.protocol.errors import CapacityExhausted, InfraFailure
-from dsec.protocol.fncall import FnResult, FnRunnerReady, FnTask
+from dsec.protocol.fncall import FnResult, FnRunnerReady, FnTask, Language
 from dsec.protocol.models import RESERVED_LABEL_PREFIX, ContainerSpec
 
 if TYPE_CHECKING:
@@ -52,6 +52,9 @@ class PoolConfig:
     cpu_cores: float = 1.0
     pids: int = 4096
     preload: list[str] = field(default_factory=list)
+    # Calls without a pool name go to the first pool serving their language: a python pool with
+    # heavy preloads and a small c/cpp pool on the toolchain image, say.
+    languages: list[str] = field(default_factory=lambda: ["python", "bash", "c", "cpp"])
 
 
 class WorkerLost(Exception):
@@ -251,8 +254,12 @@ class FnPool:
             "ready": len(self._workers),
             "idle": self._idle.qsize(),
             "recycled": self.recycled,
+            "languages": self.config.languages,
             **({"error": self.error} if self.error else {}),
         }
+
+    def serves(self, language: str) -> bool:
+        return language in self.config.languages and self.serving
 
     @property
     def serving(self) -> bool:
@@ -271,4 +278,14 @@ def load_pools(text: str) -> list[PoolConfig]:
     raw = json.loads(text)
     if not isinstance(raw, list):
         raise ValueError("fncall pools: expected a JSON list of pool objects")
-    return [PoolConfig(**item) for item in raw]
+    pools = [PoolConfig(**item) for item in raw]
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"fncall pools: names must be unique, got {names}")
+    for p in pools:
+        unknown = set(p.languages) - set(get_args(Language))
+        if unknown:
+            raise ValueError(f"fncall pool {p.name!r}: unknown languages {sorted(unknown)}")
+        if p.size < 0 or p.max_calls < 1:
+            raise ValueError(f"fncall pool {p.name!r}: size must be >= 0 and max_calls >= 1")
+    return pools
