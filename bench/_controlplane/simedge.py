@@ -207,7 +207,7 @@ class SimulatedEdgeLink:
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         raise NotImplementedError(_UNUSED)
 
-    async def fncall(self, task: Any, pool: str = "default") -> Any:
+    async def fncall(self, task: Any, pool: str | None = None) -> Any:
         # Typed loosely: the function-call types are not what this bench is about.
         raise NotImplementedError(_UNUSED)
 

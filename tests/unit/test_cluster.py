@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, SandboxNotFound
+from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, QuotaExceeded, SandboxNotFound
 from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer, EdgeNode
 from dsec.apiserver.embedded import NodeConfig
 from dsec.backends.fake import FakeBackend
@@ -221,3 +221,22 @@ async def test_a_job_is_stopped_across_the_cluster_in_one_call(cluster: Cluster)
             assert {s.id for s in await admin.list({"job": "j"})} == on_e2 | {ours.id}
             await team.stop_all({"job": "j"})  # again, once the node is back: nothing remains
             assert [s.id for s in await admin.list({"job": "j"})] == [ours.id]
+
+
+async def test_a_batch_is_created_whole_or_not_at_all(cluster: Cluster) -> None:
+    api = await cluster.api()
+    await cluster.edge("e1")
+    await cluster.edge("e2")
+    args = DSecContainerRunArgs(container_image=TINY, labels={"job": "batch"})
+    async with cluster.client(0) as admin:
+        made = await admin.run_containers(args, 12)
+        assert len({s.id for s in made}) == 12
+        assert {s.id.split("-")[1] for s in made} == {"e1", "e2"}, "each one placed on its own"
+        await admin.stop_all({"job": "batch"})
+        await admin.create_project("root", "small", sandboxes=5)
+        key = await admin.issue_key("root/small")
+        async with DSecClient(api.url, key) as small:
+            with pytest.raises(QuotaExceeded):
+                await small.run_containers(args, 6)
+            assert await small.list() == [], "what was made before the refusal is stopped"
+            assert len(await small.run_containers(args, 5)) == 5, "and its quota given back"

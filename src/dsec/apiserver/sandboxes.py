@@ -17,10 +17,12 @@ from dsec.apiserver._http import PRINCIPAL, label_filter, query_param, read_body
 from dsec.apiserver.remote_edge import never_reached_edge
 from dsec.apiserver.tenancy import Tenancy
 from dsec.edge.link import EdgeLink
+from dsec.iam import Principal
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
+    BatchCreateRequest,
     CommitRequest,
     ContainerSpec,
     CreateRequest,
@@ -46,6 +48,7 @@ class SandboxRoutes:
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/sandboxes", self.create)
+        r.add_post("/v1/sandboxes/batch", self.create_batch)
         r.add_get("/v1/sandboxes", self.list)
         r.add_delete("/v1/sandboxes", self.stop_by_label)
         r.add_get("/v1/sandboxes/{id}", self.get)
@@ -94,12 +97,39 @@ class SandboxRoutes:
         req = await read_body(request, CreateRequest)
         principal = request[PRINCIPAL]
         spec = self.tenancy.admit(principal, req.project, req.spec)
+        return respond(await self._create(principal, spec, req.timeout), status=201)
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        """``count`` sandboxes of one spec in one request: what a trainer's step asks for.
+
+        Each is created as by a single create (own placement, reservation and retries); the
+        reservations share transactions (group commit) and the request's HTTP cost is paid once.
+        All or nothing: if any fails, those made are stopped and the first error is the answer.
+        """
+        req = await read_body(request, BatchCreateRequest)
+        principal = request[PRINCIPAL]
+        spec = self.tenancy.admit(principal, req.project, req.spec)
+        made = await asyncio.gather(
+            *(self._create(principal, spec, req.timeout) for _ in range(req.count)), return_exceptions=True
+        )
+        ok = [m for m in made if isinstance(m, SandboxInfo)]
+        failed = [m for m in made if not isinstance(m, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self._undo(info) for info in ok), return_exceptions=True)
+            raise failed[0]
+        return respond(ok, status=201)
+
+    async def _undo(self, info: SandboxInfo) -> None:
+        await self.links[info.node].stop(info.id)
+        await self.tenancy.release(info.id)
+
+    async def _create(self, principal: Principal, spec: ContainerSpec, timeout: float) -> SandboxInfo:
         started = time.monotonic()
         tag = SandboxId.new_tag()  # the sandbox keeps it on whichever node takes it
         reserved: str | None = None
         tried: set[str] = set()
         try:
-            async with asyncio.timeout(req.timeout):
+            async with asyncio.timeout(timeout):
                 while True:
                     node = await self.placement.choose(spec.type, tried, spec.hardware)
                     epoch = self.links[node].epoch
@@ -121,7 +151,7 @@ class SandboxRoutes:
             raise
         if time.monotonic() - started > _SLOW_CREATE_S:
             await self.tenancy.confirm(principal, info.id, spec)
-        return respond(info, status=201)
+        return info
 
     async def _create_on(
         self, node: str, spec: ContainerSpec, sid: str, tried: set[str]

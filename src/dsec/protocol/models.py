@@ -152,6 +152,10 @@ class CreateRequest(_Model):
     timeout: float = Field(default=120, gt=0, le=3600)
 
 
+class BatchCreateRequest(CreateRequest):
+    count: int = Field(ge=1, le=1000, description="sandboxes of this spec, created all or none")
+
+
 class SandboxInfo(_Model):
     id: str
     state: SandboxState

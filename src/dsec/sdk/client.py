@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from dsec.protocol.errors import InfraFailure, InvalidRequest, error_from_wire
 from dsec.protocol.models import (
+    BatchCreateRequest,
     CommandResult,
     CommitRequest,
     CreateRequest,
@@ -296,6 +297,16 @@ class DSecClient(ProjectCalls, FnCalls):
             "POST", "/v1/sandboxes", json_body=req.model_dump(mode="json"), timeout=timeout + 10
         )
         return Sandbox(self._t, SandboxInfo.model_validate(body))
+
+    async def run_containers(
+        self, args: DSecContainerRunArgs, count: int, timeout: float = 120
+    ) -> builtins.list[Sandbox]:
+        """Create ``count`` sandboxes of one kind in one request (all, or none and an error)."""
+        req = BatchCreateRequest(spec=args.to_spec(), timeout=timeout, count=count)
+        body = await self._t.request(
+            "POST", "/v1/sandboxes/batch", json_body=req.model_dump(mode="json"), timeout=timeout + 10
+        )
+        return [Sandbox(self._t, SandboxInfo.model_validate(x)) for x in body]
 
     async def get(self, sandbox_id: str) -> Sandbox:
         body = await self._t.request("GET", f"/v1/sandboxes/{sandbox_id}")
