@@ -49,6 +49,10 @@ app.add_typer(node_app, name="node")
 console = Console()
 err_console = Console(stderr=True)
 
+PoolSize = Annotated[int, typer.Option(min=0, help="warm sandboxes of the default FnCall pool (0: none)")]
+PoolsFile = Annotated[
+    Path | None, typer.Option(help="JSON list of FnCall pools (name, image, size, languages, preload...)")
+]
 DataDir = Annotated[
     Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="all node state lives here")
 ]
@@ -88,12 +92,8 @@ def up(
         str | None,
         typer.Option(envvar="DSEC_IAM_URL", help="postgresql://... (default: <data-dir>/iam.sqlite)"),
     ] = None,
-    fncall_pool_size: Annotated[
-        int, typer.Option(min=0, help="warm sandboxes of the default FnCall pool (0: none)")
-    ] = 2,
-    fncall_pools: Annotated[
-        Path | None, typer.Option(help="JSON list of FnCall pools (name, image, size, preload...)")
-    ] = None,
+    fncall_pool_size: PoolSize = 2,
+    fncall_pools: PoolsFile = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -166,12 +166,8 @@ def edge_cmd(
     label: Annotated[
         list[str] | None, typer.Option(help="key=value: a node label sandboxes can ask for (repeat)")
     ] = None,
-    fncall_pool_size: Annotated[
-        int, typer.Option(min=0, help="warm sandboxes of the default FnCall pool (0: none)")
-    ] = 0,
-    fncall_pools: Annotated[
-        Path | None, typer.Option(help="JSON list of FnCall pools (name, image, size, preload...)")
-    ] = None,
+    fncall_pool_size: PoolSize = 0,
+    fncall_pools: PoolsFile = None,
     secret_file: SecretFile = None,
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
