@@ -154,6 +154,21 @@ class LedgerConformance:
 
     # -- quotas under concurrency -----------------------------------------------------------
 
+    async def test_reconciling_many_nodes_at_once(self, iam: IamStore) -> None:
+        await iam.create_project("root", "r")
+        ids = {node: [sid(node) for _ in range(3)] for node in ("n1", "n2", "n3")}
+        for node_ids in ids.values():
+            for s in node_ids:
+                await iam.reserve("root/r", s, 1, 1)
+        live = {"n1": ids["n1"][:1], "n2": ids["n2"]}  # n3 did not answer: its rows stay
+        released = await iam.reconcile_nodes(live, grace_s=0)
+        assert sorted(released) == sorted(ids["n1"][1:])
+        held = {r.sandbox_id for r in await iam.reservations()}
+        assert held == {ids["n1"][0], *ids["n2"], *ids["n3"]}
+        assert (await iam.usage("root/r")).sandboxes == 7
+        assert await iam.reconcile_nodes({"n2": []}, grace_s=3600) == [], "young rows are spared"
+        assert await iam.reconcile_nodes({}) == []
+
     async def test_concurrent_reserves_each_get_their_own_answer(self, iam: IamStore) -> None:
         # Concurrent reserves share transactions (iam/group_commit.py): one caller's refusal,
         # retry or unknown project must not leak into another's answer.

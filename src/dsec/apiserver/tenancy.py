@@ -23,10 +23,11 @@ from collections.abc import Mapping
 
 from dsec.edge.link import EdgeLink
 from dsec.iam import IamStore, Principal, can_access
-from dsec.protocol.errors import Forbidden, InfraFailure, SandboxNotFound
+from dsec.protocol.errors import Forbidden, SandboxNotFound
 from dsec.protocol.models import PROJECT_LABEL, ContainerSpec, SandboxInfo
 
 log = logging.getLogger("dsec.apiserver")
+_NODES_PER_PASS = 16
 
 
 class Tenancy:
@@ -83,14 +84,17 @@ class Tenancy:
 
         Reservations younger than ``grace_s`` are spared: a report may predate their create.
         """
-        for node, edge in edges.items():
-            try:
-                live = set(await edge.sandbox_ids())  # IDs only: at 100k sandboxes, parsing is the cost
-            except InfraFailure:
-                continue  # a node that does not answer keeps its quota: its sandboxes may run
-            released = await self.iam.reconcile(live, node, grace_s=grace_s)
+        names = list(edges)
+        # A few nodes per query: one query for the whole cluster would hold the event loop for
+        # ~100 ms at 30k sandboxes (create p99 pays it); one per node costs 10x the CPU.
+        for at in range(0, len(names), _NODES_PER_PASS):
+            chunk = names[at : at + _NODES_PER_PASS]
+            answers = await asyncio.gather(*(edges[n].sandbox_ids() for n in chunk), return_exceptions=True)
+            # A node that does not answer keeps its quota: its sandboxes may still run.
+            live = {n: a for n, a in zip(chunk, answers, strict=True) if not isinstance(a, BaseException)}
+            released = await self.iam.reconcile_nodes(live, grace_s=grace_s)  # IDs only
             if released:
-                log.info("released quota of %d sandboxes gone from %s", len(released), node)
+                log.info("released quota of %d sandboxes gone from their nodes", len(released))
         await self.iam.expire_pending(self.pending_expiry_s)
 
     def start(self, edges: Mapping[str, EdgeLink]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -283,6 +283,10 @@ class IamStore(Protocol):
     async def reservations(
         self, *, project: str | None = None, node: str | None = None
     ) -> list[Reservation]: ...
+
+    async def reconcile_nodes(
+        self, live: Mapping[str, Collection[str]], *, grace_s: float = 30.0
+    ) -> list[str]: ...
 
     async def recount(self) -> dict[str, tuple[Usage, Usage]]: ...
 

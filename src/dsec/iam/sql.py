@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Self
 
 from dsec.iam import ledger, registry
@@ -411,8 +411,39 @@ class SqlIamStore:
         Rows reserved or bound less than ``grace_s`` ago are kept: the report may predate a
         create that has just finished. Returns the released IDs.
         """
+        return await self.reconcile_nodes({node: live_ids}, grace_s=grace_s)
+
+    async def reconcile_nodes(
+        self, live: Mapping[str, Collection[str]], *, grace_s: float = 30.0
+    ) -> list[str]:
+        """:meth:`reconcile` for many nodes at once: one read and one write, not one per node."""
+        if not live:
+            return []
         cutoff = time.time() - grace_s
-        return await self._release_where("node = $1 AND since < $2", node, cutoff, keep=set(live_ids))
+        nodes = list(live)
+
+        async def find(tx: Tx) -> list[ledger.Row]:
+            rows: list[ledger.Row] = []
+            for at in range(0, len(nodes), 500):
+                chunk = nodes[at : at + 500]
+                among = ledger.params(len(chunk), 2)
+                rows += await tx.fetch(
+                    f"SELECT sandbox_id, node FROM ledger WHERE since < $1 AND node IN ({among})",
+                    cutoff,
+                    *chunk,
+                )
+            return rows
+
+        keep = {node: set(ids) for node, ids in live.items()}
+        stale = [r[0] for r in await self._db.read(find) if r[0] not in keep[r[1]]]
+        if not stale:
+            return []
+
+        async def tx(tx: Tx) -> list[str]:
+            # The condition again: a row bound or re-reserved since the read is not stale.
+            return await ledger.release_many(tx, stale, " AND since < $1", cutoff)
+
+        return await self._db.write(tx)
 
     async def expire_pending(self, older_than_s: float) -> list[str]:
         """Release reservations never bound to a sandbox (their apiserver died mid-create)."""
