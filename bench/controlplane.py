@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--saturation-conns", type=int, default=64, help="phase B closed loop: connections")
     ap.add_argument("--step-s", type=float, default=4.0, help="phase B: seconds per load step")
     ap.add_argument("--batch", type=int, default=100, help="phase B: sandboxes per batch create request")
-    ap.add_argument("--batch-conns", type=int, default=4, help="phase B: connections sending batches")
+    ap.add_argument("--batch-conns", type=int, default=2, help="phase B: connections sending batches")
     ap.add_argument("--no-profile", action="store_true", help="phase B: skip the cProfile run")
     ap.add_argument("--memory-sandboxes", type=int, default=100_000, help="phase C: live sandboxes")
     ap.add_argument("--phases", default="ABC", help="which phases to run, e.g. B or AC")
