@@ -22,6 +22,7 @@ from dsec.backends.base import Backend, CreateContext, User, sandbox_env
 from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
 from dsec.edge import hardware
 from dsec.edge.journal import Journal, Record
+from dsec.edge.reclaim import Reclaimer
 from dsec.edge.users import resolve_user
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
@@ -86,7 +87,7 @@ class _Live:
             self.record.last_active_at = time.time()
 
 
-class Edge:
+class Edge(Reclaimer):
     def __init__(self, config: EdgeConfig, backend: Backend, store: LayerStore, mounts: LayerMounts) -> None:
         self.config = config
         self.backend = backend
@@ -477,52 +478,3 @@ class Edge:
     async def _exists(self, live: _Live, path: str) -> bool:
         files = SandboxFiles(self.backend.root_path(live.record.handle))
         return await asyncio.to_thread(files.exists, path)
-
-    # -- reclamation ------------------------------------------------------------------------
-
-    def _flush_activity(self) -> None:
-        self.journal.touch_many({i: live.record.last_active_at for i, live in self._live.items()})
-
-    async def reap_once(self) -> list[str]:
-        now = time.time()
-        due: list[tuple[str, str]] = []
-        dead: set[str] = set()
-        check_liveness = now - self._last_liveness >= self.config.liveness_interval_s
-        if check_liveness:
-            self._last_liveness = now
-        for sid, live in list(self._live.items()):
-            spec, rec = live.record.spec, live.record
-            if rec.state is SandboxState.stopping:
-                due.append((sid, rec.stop_reason or "stopped"))  # a destroy that failed before
-            elif check_liveness and not await self.backend.alive(sid, rec.handle):
-                due.append((sid, "sandbox exited unexpectedly"))
-                dead.add(sid)
-            elif spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
-                due.append((sid, "max_lifetime"))
-            elif (
-                spec.ttl_running_stop is not None
-                and not live.busy
-                and now - rec.last_active_at >= spec.ttl_running_stop
-            ):
-                due.append((sid, "idle_ttl"))
-        results = await asyncio.gather(
-            *(
-                self.stop(sid, reason=why, final=SandboxState.failed if sid in dead else SandboxState.stopped)
-                for sid, why in due
-            ),
-            return_exceptions=True,
-        )
-        for (sid, why), res in zip(due, results, strict=True):
-            if isinstance(res, BaseException):
-                log.warning("reclaiming %s (%s) failed: %s", sid, why, res)
-        self._flush_activity()
-        self.journal.forget_before(now - self.config.keep_finished_s)
-        return [sid for sid, _ in due]
-
-    async def _reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.reap_interval_s)
-            try:
-                await self.reap_once()
-            except Exception:
-                log.exception("reaper pass failed")

@@ -1,0 +1,85 @@
+"""Reclamation: what an edge takes back by itself, without being asked.
+
+A pass (every ``reap_interval_s``) stops sandboxes whose maximum lifetime ran out, that were
+idle (no request and no running command) for their ``ttl_running_stop``, or that died (checked
+every ``liveness_interval_s``), retries stops that failed before, writes the activity times to
+the journal in one batch and forgets finished sandboxes after ``keep_finished_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from dsec.protocol.models import SandboxInfo, SandboxState
+
+if TYPE_CHECKING:
+    from dsec.backends.base import Backend
+    from dsec.edge.edge import EdgeConfig, _Live
+    from dsec.edge.journal import Journal
+
+log = logging.getLogger("dsec.edge")
+
+
+class Reclaimer:
+    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+
+    if TYPE_CHECKING:
+        config: EdgeConfig
+        backend: Backend
+        journal: Journal
+        _live: dict[str, _Live]
+        _last_liveness: float
+
+        async def stop(
+            self, sandbox_id: str, *, reason: str = ..., final: SandboxState = ...
+        ) -> SandboxInfo: ...
+
+    def _flush_activity(self) -> None:
+        self.journal.touch_many({i: live.record.last_active_at for i, live in self._live.items()})
+
+    async def reap_once(self) -> list[str]:
+        now = time.time()
+        due: list[tuple[str, str]] = []
+        dead: set[str] = set()
+        check_liveness = now - self._last_liveness >= self.config.liveness_interval_s
+        if check_liveness:
+            self._last_liveness = now
+        for sid, live in list(self._live.items()):
+            spec, rec = live.record.spec, live.record
+            if rec.state is SandboxState.stopping:
+                due.append((sid, rec.stop_reason or "stopped"))  # a destroy that failed before
+            elif check_liveness and not await self.backend.alive(sid, rec.handle):
+                due.append((sid, "sandbox exited unexpectedly"))
+                dead.add(sid)
+            elif spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
+                due.append((sid, "max_lifetime"))
+            elif (
+                spec.ttl_running_stop is not None
+                and not live.busy
+                and now - rec.last_active_at >= spec.ttl_running_stop
+            ):
+                due.append((sid, "idle_ttl"))
+        results = await asyncio.gather(
+            *(
+                self.stop(sid, reason=why, final=SandboxState.failed if sid in dead else SandboxState.stopped)
+                for sid, why in due
+            ),
+            return_exceptions=True,
+        )
+        for (sid, why), res in zip(due, results, strict=True):
+            if isinstance(res, BaseException):
+                log.warning("reclaiming %s (%s) failed: %s", sid, why, res)
+        self._flush_activity()
+        self.journal.forget_before(now - self.config.keep_finished_s)
+        return [sid for sid, _ in due]
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            try:
+                await self.reap_once()
+            except Exception:
+                log.exception("reaper pass failed")
