@@ -14,17 +14,18 @@ call holds no quota of the caller's project.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.apiserver._http import read_body, respond
-from dsec.apiserver.remote_edge import never_reached_edge
+from dsec.apiserver.sandboxes import attempt_on
 from dsec.apiserver.sandboxfusion import RunCodeRequest, RunCodeResponse, Unsupported, from_result, to_task
 from dsec.edge.link import EdgeLink
 from dsec.placement.placement import Placement
-from dsec.protocol.errors import CapacityExhausted, DSecError, InfraFailure
+from dsec.protocol.errors import DSecError
 from dsec.protocol.fncall import FnResult, FnTask
 
 FNCALL_BACKEND = "fncall"
@@ -70,12 +71,7 @@ class FnCallRoutes:
         async with asyncio.timeout(timeout):
             while True:
                 node = await self.placement.choose(FNCALL_BACKEND, tried)
-                with self.placement.reserve(node):
-                    try:
-                        return node, await self.links[node].fncall(task, pool)
-                    except CapacityExhausted:
-                        tried.add(node)
-                    except InfraFailure as exc:
-                        if not never_reached_edge(exc):
-                            raise
-                        tried.add(node)
+                call = functools.partial(self.links[node].fncall, task, pool)
+                result = await attempt_on(self.placement, node, tried, call)
+                if result is not None:
+                    return node, result

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -33,10 +34,29 @@ from dsec.protocol.models import (
 )
 
 _CHUNK = 1 << 20
+T = TypeVar("T")
 _PROJECT_CACHE = 100_000
 # Quota reconciliation spares rows younger than 30 s; a create slower than this re-confirms its row.
 _SLOW_CREATE_S = 10.0
 UNREACHABLE_HEADER = "X-DSec-Unreachable-Nodes"
+
+
+async def attempt_on(
+    placement: Placement, node: str, tried: set[str], call: Callable[[], Awaitable[T]]
+) -> T | None:
+    """``call`` on ``node``; None when the node refused it before doing anything (add it to
+    ``tried`` and place again): the edge has the final word, and a node that is down never
+    saw the request. Any other failure is raised: the work may have happened there."""
+    with placement.reserve(node):
+        try:
+            return await call()
+        except CapacityExhausted:
+            tried.add(node)
+        except InfraFailure as exc:
+            if not never_reached_edge(exc):
+                raise  # e.g. a create that may have run: retrying could make two
+            tried.add(node)
+        return None
 
 
 class SandboxRoutes:
@@ -156,17 +176,7 @@ class SandboxRoutes:
     async def _create_on(
         self, node: str, spec: ContainerSpec, sid: str, tried: set[str]
     ) -> SandboxInfo | None:
-        """The sandbox, or None when the node refused it before doing anything (try another)."""
-        with self.placement.reserve(node):
-            try:
-                return await self.links[node].create(spec, sid)
-            except CapacityExhausted:
-                tried.add(node)  # the edge has the final word; try the next node
-            except InfraFailure as exc:
-                if not never_reached_edge(exc):
-                    raise  # it may have been created: retrying could make two
-                tried.add(node)  # the node is down: the create never left
-            return None
+        return await attempt_on(self.placement, node, tried, lambda: self.links[node].create(spec, sid))
 
     async def list(self, request: web.Request) -> web.Response:
         """Running sandboxes on every node; nodes that did not answer are named in a header."""
