@@ -26,6 +26,8 @@ from dsec.protocol.models import (
     DEFAULT_PROJECT,
     PROJECT_LABEL,
     RESERVED_LABEL_PREFIX,
+    BulkAction,
+    BulkResult,
     CommandResult,
     CommitRequest,
     ContainerSpec,
@@ -35,7 +37,6 @@ from dsec.protocol.models import (
     SandboxInfo,
     SandboxState,
     ShellRequest,
-    StopResult,
 )
 
 _UNUSED = "the control-plane bench simulates creates only"
@@ -161,14 +162,34 @@ class SimulatedEdgeLink:
         info = SandboxInfo.model_validate_json(sent)
         return info.model_copy(update={"state": SandboxState.stopped, "stop_reason": "stopped"})
 
-    async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
-        result = StopResult()
+    async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
+        if action != "stop":
+            raise NotImplementedError(_UNUSED)
+        result = BulkResult(action=action)
         for info in await self.list_sandboxes(labels):
             if in_subtree(info.project, within):
-                result.stopped.append(await self.stop(info.id))
+                result.done.append(await self.stop(info.id))
         return result
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        raise NotImplementedError(_UNUSED)
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        raise NotImplementedError(_UNUSED)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        raise NotImplementedError(_UNUSED)
+
+    async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
+        raise NotImplementedError(_UNUSED)
+
+    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[Any]:
+        raise NotImplementedError(_UNUSED)
+
+    async def changes(self, sandbox_id: str, under: str = "/") -> list[Any]:
+        raise NotImplementedError(_UNUSED)
+
+    async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
         raise NotImplementedError(_UNUSED)
 
     def exec_stream(
@@ -181,6 +202,7 @@ class SimulatedEdgeLink:
         cwd: str | None = None,
         timeout: float | None = None,
         max_output: int | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         raise NotImplementedError(_UNUSED)
 

@@ -142,13 +142,13 @@ class LinkConformance:
         mine = [await link.create(made(p, job="j")) for p in ("root/a", "root/a/rollout-1", "root/a")]
         other_job = await link.create(made("root/a", job="k"))
         other_project = await link.create(made("root/ab", job="j"))  # a name prefix, not a sub-project
-        result = await link.stop_matching({"job": "j"}, "root/a")
-        assert sorted(i.id for i in result.stopped) == sorted(i.id for i in mine)
-        assert all(i.state is SandboxState.stopped for i in result.stopped) and not result.failed
+        result = await link.bulk("stop", {"job": "j"}, "root/a")
+        assert sorted(i.id for i in result.done) == sorted(i.id for i in mine)
+        assert all(i.state is SandboxState.stopped for i in result.done) and not result.failed
         assert {i.id for i in await link.list_sandboxes()} == {other_job.id, other_project.id}
-        assert (await link.stop_matching({"job": "j"}, "root/a")).stopped == []  # again: nothing left
+        assert (await link.bulk("stop", {"job": "j"}, "root/a")).done == []  # again: nothing left
         with pytest.raises(InvalidRequest):
-            await link.stop_matching({}, "root")  # never "everything" by accident
+            await link.bulk("stop", {}, "root")  # never "everything" by accident
         for info in (other_job, other_project):
             await link.stop(info.id)
 

@@ -27,6 +27,7 @@ from dsec.apiserver._http import (
     respond,
 )
 from dsec.apiserver.fncall import FnCallRoutes
+from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.projects import ProjectRoutes
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.apiserver.tenancy import Tenancy
@@ -105,6 +106,7 @@ class ApiServer:
         r.add_get("/v1/health", self.health)
         r.add_get("/v1/nodes", self.nodes)
         self.sandboxes.register(r)
+        JobRoutes(self.sandboxes).register(r)
         self.fncalls.register(r)
         r.add_get("/v1/layers", self.layers)
         r.add_post("/v1/layers", self.import_layer)

@@ -28,6 +28,9 @@ from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import (
+    BulkAction,
+    BulkResult,
+    Change,
     CommandResult,
     CommitRequest,
     ContainerSpec,
@@ -35,17 +38,21 @@ from dsec.protocol.models import (
     ExecRequest,
     FileStat,
     LayerInfo,
+    LeaseRequest,
     SandboxInfo,
     ShellRequest,
-    StopResult,
+    TrajectoryEntry,
     invalid_request,
 )
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 # Failures that happen before a single byte of the request left: the edge never saw it.
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _INFOS = TypeAdapter(list[SandboxInfo])
 _STATS = TypeAdapter(list[FileStat])
+_ENTRIES = TypeAdapter(list[TrajectoryEntry])
+_CHANGES = TypeAdapter(list[Change])
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -182,6 +189,12 @@ class RemoteEdgeLink:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise self._unreachable(what, exc) from exc
 
+    def _parse_list(self, adapter: TypeAdapter[list[T]], data: bytes) -> list[T]:
+        try:
+            return adapter.validate_json(data)
+        except ValidationError as exc:
+            raise InfraFailure(f"edge {self.node!r} sent a malformed list: {exc}", reason="protocol") from exc
+
     def _parse(self, model: type[M], data: bytes) -> M:
         try:
             return model.model_validate_json(data)
@@ -241,9 +254,44 @@ class RemoteEdgeLink:
             raise InfraFailure(f"edge {self.node!r} sent a malformed ID list", reason="protocol") from exc
         return [str(i) for i in ids]
 
-    async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
+    async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
         params = [("label", f"{k}={v}") for k, v in labels.items()] + [("within", within)]
-        return self._parse(StopResult, await self._json("DELETE", "/sandboxes", params=params))
+        return self._parse(BulkResult, await self._json("POST", f"/bulk/{action}", params=params))
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        return self._parse(SandboxInfo, await self._json("POST", self._sandbox(sandbox_id, "/pause")))
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        return self._parse(SandboxInfo, await self._json("POST", self._sandbox(sandbox_id, "/resume")))
+
+    async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
+        path = f"/leases/{quote(job, safe='')}"
+        raw = await self._json("POST", path, body=LeaseRequest(lease_s=lease_s), params={"within": within})
+        try:
+            body = json.loads(raw)
+            return int(body["sandboxes"]), float(body["expires_at"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed lease answer", reason="protocol"
+            ) from exc
+
+    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
+        params = {"after": str(after), "limit": str(limit)}
+        raw = await self._json("GET", self._sandbox(sandbox_id, "/trajectory"), params=params, quick=True)
+        return self._parse_list(_ENTRIES, raw)
+
+    async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
+        raw = await self._json("GET", self._sandbox(sandbox_id, "/changes"), params={"under": under})
+        return self._parse_list(_CHANGES, raw)
+
+    async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
+        raw = await self._json("POST", self._sandbox(sandbox_id, "/fork-spec"), params={"ref": ref})
+        try:
+            body = json.loads(raw)
+            spec = ContainerSpec.model_validate(body["spec"], context={"trusted": True})
+            return spec, LayerInfo.model_validate(body["layer"])
+        except (ValueError, KeyError, TypeError, ValidationError) as exc:
+            raise InfraFailure(f"edge {self.node!r} sent a malformed fork answer", reason="protocol") from exc
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         raw = await self._json("POST", self._sandbox(sandbox_id, "/shell"), body=req)
@@ -259,6 +307,7 @@ class RemoteEdgeLink:
         cwd: str | None = None,
         timeout: float | None = None,
         max_output: int | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         try:
             req = ExecRequest(
@@ -268,6 +317,7 @@ class RemoteEdgeLink:
                 cwd=cwd,
                 timeout=timeout,
                 max_output_bytes=max_output,
+                idempotency_key=idempotency_key,
             )
         except ValidationError as exc:
             raise invalid_request(exc) from exc

@@ -24,13 +24,14 @@ from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     BatchCreateRequest,
+    BulkAction,
+    BulkResult,
     CommitRequest,
     ContainerSpec,
     CreateRequest,
     ExecRequest,
     SandboxInfo,
     ShellRequest,
-    StopResult,
 )
 
 _CHUNK = 1 << 20
@@ -129,15 +130,20 @@ class SandboxRoutes:
         req = await read_body(request, BatchCreateRequest)
         principal = request[PRINCIPAL]
         spec = self.tenancy.admit(principal, req.project, req.spec)
+        return respond(await self.create_many(principal, spec, req.count, req.timeout), status=201)
+
+    async def create_many(
+        self, principal: Principal, spec: ContainerSpec, count: int, timeout: float
+    ) -> list[SandboxInfo]:
         made = await asyncio.gather(
-            *(self._create(principal, spec, req.timeout) for _ in range(req.count)), return_exceptions=True
+            *(self._create(principal, spec, timeout) for _ in range(count)), return_exceptions=True
         )
         ok = [m for m in made if isinstance(m, SandboxInfo)]
         failed = [m for m in made if not isinstance(m, SandboxInfo)]
         if failed:
             await asyncio.gather(*(self._undo(info) for info in ok), return_exceptions=True)
             raise failed[0]
-        return respond(ok, status=201)
+        return ok
 
     async def _undo(self, info: SandboxInfo) -> None:
         await self.links[info.node].stop(info.id)
@@ -193,30 +199,37 @@ class SandboxRoutes:
         return resp
 
     async def stop_by_label(self, request: web.Request) -> web.Response:
-        """Stop every sandbox carrying all the given labels, on every node: "this job is gone".
+        """Stop every sandbox carrying all the given labels, on every node: "this job is gone"."""
+        return respond(await self.bulk(request, "stop"))
 
-        One request per node (the edge stops its own matches), so a job of any size costs the
+    async def bulk(self, request: web.Request, action: BulkAction) -> BulkResult:
+        """Stop, pause or resume every sandbox carrying all the given labels, on every node.
+
+        One request per node (the edge acts on its own matches), so a job of any size costs the
         same number of round trips; a node that does not answer is reported, not skipped quietly.
         """
         labels = label_filter(request)
         if not labels:
-            raise InvalidRequest("give at least one label=key=value: stopping everything is not a bulk call")
+            raise InvalidRequest(
+                f"give at least one label=key=value: a bulk {action} of everything is refused"
+            )
         within = request[PRINCIPAL].project
         names = list(self.links)
         answers = await asyncio.gather(
-            *(self.links[n].stop_matching(labels, within) for n in names), return_exceptions=True
+            *(self.links[n].bulk(action, labels, within) for n in names), return_exceptions=True
         )
-        total = StopResult()
+        total = BulkResult(action=action)
         for name, answer in zip(names, answers, strict=True):
-            if isinstance(answer, StopResult):
-                total.stopped += answer.stopped
+            if isinstance(answer, BulkResult):
+                total.done += answer.done
                 total.failed.update(answer.failed)
             elif isinstance(answer, Exception):
                 total.unreachable_nodes.append(name)
             else:
                 raise answer
-        await self.tenancy.release_many([info.id for info in total.stopped])
-        return respond(total)
+        if action == "stop":
+            await self.tenancy.release_many([info.id for info in total.done])
+        return total
 
     async def get(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)
@@ -245,6 +258,7 @@ class SandboxRoutes:
             cwd=req.cwd,
             timeout=req.timeout,
             max_output=req.max_output_bytes,
+            idempotency_key=req.idempotency_key,
         )
         try:
             first = await anext(events)  # errors before any output still become a proper 4xx/5xx

@@ -84,7 +84,16 @@ class Backend(Protocol):
         """Stop every process of the sandbox in place (so a commit sees a quiet file system)."""
 
     async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        """Undo :meth:`freeze`."""
+        """Undo :meth:`freeze`. Both are idempotent."""
+
+    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        """Push a frozen sandbox's memory out of RAM; returns the bytes no longer resident."""
+
+    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        """Bring paged-out memory back ahead of a thaw; returns the bytes advised (best effort)."""
+
+    def memory_bytes(self, sandbox_id: str) -> int:
+        """RAM the sandbox is charged for now."""
 
     def root_path(self, handle: dict[str, Any]) -> str:
         """A host path whose root is the sandbox's root filesystem (for confined file access)."""

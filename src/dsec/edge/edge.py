@@ -13,21 +13,22 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import Backend, CreateContext, User, sandbox_env
 from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
+from dsec.density.swap import Swap, SwapConfig, free_swap_bytes
 from dsec.edge import hardware
+from dsec.edge.commands import Commands
 from dsec.edge.journal import Journal, Record
+from dsec.edge.pausing import PauseTotals, Pausing
 from dsec.edge.reclaim import Reclaimer
+from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
-from dsec.executor.files import SandboxFiles
-from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
-from dsec.executor.session import DRIVER, Session
-from dsec.images.commit import DEFAULT_SCRUB, scrub
+from dsec.executor.session import Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
@@ -38,14 +39,9 @@ from dsec.protocol.models import (
     DEFAULT_PROJECT,
     PROJECT_LABEL,
     RESERVED_LABEL_PREFIX,
-    CommandResult,
-    CommitRequest,
     ContainerSpec,
-    ExecEvent,
-    LayerInfo,
     SandboxInfo,
     SandboxState,
-    ShellRequest,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -67,6 +63,7 @@ class EdgeConfig:
     keep_finished_s: float = 24 * 3600.0
     node_labels: dict[str, str] = field(default_factory=dict)  # what Hardware.node_labels matches
     fncall_pools: list[PoolConfig] = field(default_factory=list)
+    swap: SwapConfig = field(default_factory=SwapConfig)  # where paused sandboxes' memory goes
 
 
 @dataclass
@@ -74,7 +71,7 @@ class _Live:
     record: Record
     user: User
     sessions: dict[str, Session] = field(default_factory=dict)
-    stopping: asyncio.Lock = field(default_factory=asyncio.Lock)
+    stopping: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
     busy: int = 0  # commands running now: a sandbox running a command is not idle
 
     @contextlib.contextmanager
@@ -87,7 +84,7 @@ class _Live:
             self.record.last_active_at = time.time()
 
 
-class Edge(Reclaimer):
+class Edge(Reclaimer, Pausing, Commands):
     def __init__(self, config: EdgeConfig, backend: Backend, store: LayerStore, mounts: LayerMounts) -> None:
         self.config = config
         self.backend = backend
@@ -100,6 +97,10 @@ class Edge(Reclaimer):
         self.fenced = ""  # why this edge must not create (another registration replaced it)
         self.hardware = hardware.detect(config.node_labels)
         self.pools = {c.name: FnPool(self, c) for c in config.fncall_pools}
+        self.swap = Swap(config.swap, config.data_dir)
+        self.recorder = Recorder(TrajectoryLog(config.data_dir / "edge" / "trajectory.sqlite"))
+        self.leases = {(lease.project, lease.job): lease for lease in self.journal.leases()}
+        self.pause_totals = PauseTotals()
         self._live: dict[str, _Live] = {}
         self._creating = 0
         self._reaper: asyncio.Task[None] | None = None
@@ -122,6 +123,7 @@ class Edge(Reclaimer):
         if self.epoch != claimed:
             self.journal.set_meta("epoch", str(self.epoch))
         await self.backend.prepare_node()
+        await asyncio.to_thread(self.swap.ensure)
         await self._reconcile()
         self._reaper = asyncio.create_task(self._reap_forever())
         # Pool sandboxes do not outlive their runners' pipes, which died with the last edge.
@@ -141,7 +143,11 @@ class Edge(Reclaimer):
         for live in self._live.values():
             for s in live.sessions.values():
                 s.detach()  # what the agent started in the background keeps running
+        if not any(live.record.state is SandboxState.paused for live in self._live.values()):
+            # Swapping off pulls pages back into RAM: never while something is paused.
+            await asyncio.to_thread(self.swap.release)
         self.journal.close()
+        self.recorder.log.close()
 
     async def _reconcile(self) -> None:
         known = set()
@@ -149,17 +155,19 @@ class Edge(Reclaimer):
             known.add(rec.id)
             user = User(**rec.user)
             current = SandboxId.parse(rec.id).epoch == self.epoch
-            if current and rec.state is SandboxState.running and await self.backend.alive(rec.id, rec.handle):
+            adoptable = rec.state in (SandboxState.running, SandboxState.paused)
+            if current and adoptable and await self.backend.alive(rec.id, rec.handle):
                 for digest in rec.layers:
                     self.mounts.acquire_layer(self.store, digest)
+                await self.reapply_pause_state(rec)
                 self._live[rec.id] = _Live(rec, user)
-                log.info("re-adopted %s", rec.id)
+                log.info("re-adopted %s (%s)", rec.id, rec.state.value)
                 continue
             reason = {
                 SandboxState.creating: "edge restarted during create",
                 SandboxState.stopping: rec.stop_reason or "stopped",
             }.get(rec.state, "sandbox died while the edge was down")
-            if not current and rec.state is SandboxState.running:
+            if not current and adoptable:
                 reason = f"the node re-registered with a new epoch ({self.epoch})"
             await self.backend.destroy(rec.id, rec.handle, self._workdir(rec.id))
             rec.state = SandboxState.stopped if rec.state is SandboxState.stopping else SandboxState.failed
@@ -195,7 +203,9 @@ class Edge(Reclaimer):
         """Health and load for the watcher: totals, and running counts per backend, project, label."""
         by_project: Counter[str] = Counter()
         by_label: Counter[str] = Counter()
+        paused = 0
         for live in self._live.values():
+            paused += live.record.state is SandboxState.paused
             labels = live.record.spec.labels
             by_project[labels.get(PROJECT_LABEL, DEFAULT_PROJECT)] += 1
             by_label.update(f"{k}={v}" for k, v in labels.items() if not k.startswith(RESERVED_LABEL_PREFIX))
@@ -203,7 +213,8 @@ class Edge(Reclaimer):
             "node": self.config.node,
             "epoch": self.epoch,
             "backends": [self.backend.name, *(["fncall"] if self._fncall_serving() else [])],
-            "running": len(self._live),
+            "running": len(self._live),  # paused ones included: they hold the node's disk
+            "paused": paused,
             "creating": self._creating,
             "capacity": 0 if self.fenced else self.config.max_sandboxes,
             "hardware": self.hardware,
@@ -212,6 +223,9 @@ class Edge(Reclaimer):
             # Bounded: a label per rollout would otherwise make every poll as large as the node.
             "by_label": dict(by_label.most_common(_MAX_LABELS_REPORTED)),
             "fncall": {name: pool.stats() for name, pool in self.pools.items()},
+            "pause": dataclasses.asdict(self.pause_totals),
+            "swap_free_bytes": free_swap_bytes(),
+            "capabilities": {"pause": True, "fork_processes": False},
         }
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
@@ -250,6 +264,7 @@ class Edge(Reclaimer):
             rec.last_active_at = time.time()
             self.journal.update(rec)
             self._live[sid] = _Live(rec, user)
+            self.take_lease(spec)  # after it is live: a lease covering nothing is dropped
             return self._info(rec)
         except BaseException as exc:
             for digest in acquired:
@@ -276,14 +291,6 @@ class Edge(Reclaimer):
                 await job
                 self.mounts.release(digest)
             raise
-
-    def _get_live(self, sandbox_id: str) -> _Live:
-        SandboxId.parse(sandbox_id)  # a malformed ID is the caller's error, not a missing sandbox
-        live = self._live.get(sandbox_id)
-        if live is None or live.record.state is not SandboxState.running:
-            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist or is no longer running")
-        live.record.last_active_at = time.time()
-        return live
 
     def _new_id(self, requested: str | None) -> str:
         if requested is None:
@@ -350,12 +357,15 @@ class Edge(Reclaimer):
             return self.get(sandbox_id)  # already stopped: stopping twice is not an error
         async with live.stopping:
             rec = live.record
-            if rec.state not in (SandboxState.running, SandboxState.stopping):
+            if rec.state not in (SandboxState.running, SandboxState.paused, SandboxState.stopping):
                 return self._info(rec)
-            if rec.state is SandboxState.running:
+            if rec.state is not SandboxState.stopping:
                 rec.state = SandboxState.stopping
                 rec.stop_reason = reason
                 self.journal.update(rec)
+            # A frozen process cannot die: thaw first (a no-op if it was never frozen).
+            with contextlib.suppress(DSecError):
+                await self.backend.thaw(sandbox_id, rec.handle)
             for session in live.sessions.values():
                 await session.kill()
             try:
@@ -386,95 +396,6 @@ class Edge(Reclaimer):
             created_at=rec.created_at,
             last_active_at=rec.last_active_at,
             stop_reason=rec.stop_reason,
+            paused_at=rec.paused_at,
+            pause_reason=rec.pause_reason,
         )
-
-    # -- commands and files -----------------------------------------------------------------
-
-    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
-        live = self._get_live(sandbox_id)
-        session = live.sessions.get(req.session)
-        if session is None:
-            rec = live.record
-
-            async def spawn() -> asyncio.subprocess.Process:
-                shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
-                return await self.backend.spawn(
-                    sandbox_id,
-                    rec.handle,
-                    [shell, "-c", DRIVER],
-                    env=sandbox_env(rec.spec, live.user),
-                    cwd=live.user.home,
-                    user=live.user,
-                )
-
-            session = live.sessions[req.session] = Session(req.session, spawn)
-        timeout = req.timeout or self.config.default_shell_timeout_s
-        cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
-        with live.working():
-            return await session.run(
-                req.command,
-                timeout=timeout,
-                max_output=cap,
-                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
-            )
-
-    async def exec_stream(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        *,
-        stdin: bytes | None,
-        env: dict[str, str],
-        cwd: str | None,
-        timeout: float | None,
-        max_output: int | None,
-    ) -> AsyncGenerator[ExecEvent, None]:
-        live = self._get_live(sandbox_id)
-        with live.working():
-            proc = await self.backend.spawn(
-                sandbox_id,
-                live.record.handle,
-                argv,
-                env=sandbox_env(live.record.spec, live.user, env),
-                cwd=cwd or live.user.home,
-                user=live.user,
-            )
-            events = run_streaming(
-                proc,
-                stdin=stdin,
-                timeout=timeout or self.config.default_shell_timeout_s,
-                max_output=DEFAULT_MAX_OUTPUT if max_output is None else max_output,
-                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
-            )
-            try:
-                async for event in events:
-                    yield event
-            finally:
-                # A caller that goes away mid-stream (disconnect) must not leave the tree running.
-                await events.aclose()
-
-    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
-        """Pack what the sandbox changed into layer ``req.ref``, residue scrubbed first.
-
-        The sandbox is frozen while its upper directory is scrubbed and read, then thawed: it
-        keeps running, minus the scrubbed files.
-        """
-        live = self._get_live(sandbox_id)
-        upper = self.backend.upper_dir(self._workdir(sandbox_id))
-        patterns = [*(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
-        with live.working():
-            await self.backend.freeze(sandbox_id, live.record.handle)
-            try:
-                removed = await asyncio.to_thread(scrub, upper, patterns)
-                log.info("commit %s: scrubbed %d entries", sandbox_id, len(removed))
-                return await asyncio.to_thread(self.store.import_path, upper, req.ref)
-            finally:
-                await self.backend.thaw(sandbox_id, live.record.handle)
-
-    def files(self, sandbox_id: str) -> SandboxFiles:
-        live = self._get_live(sandbox_id)
-        return SandboxFiles(self.backend.root_path(live.record.handle), uid=live.user.uid, gid=live.user.gid)
-
-    async def _exists(self, live: _Live, path: str) -> bool:
-        files = SandboxFiles(self.backend.root_path(live.record.handle))
-        return await asyncio.to_thread(files.exists, path)

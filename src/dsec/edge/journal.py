@@ -31,9 +31,22 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     stop_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+CREATE TABLE IF NOT EXISTS leases (
+    project TEXT NOT NULL,
+    job TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    grace_s REAL NOT NULL,
+    PRIMARY KEY (project, job)
+);
 """
+# Columns added after the first release: (name, declaration); added in place when missing.
+_ADDED_COLUMNS = (("paused_at", "REAL"), ("pause_reason", "TEXT"))
+_COLUMNS = (
+    "id, state, backend, spec, layers, user, handle, created_at, last_active_at, stop_reason,"
+    " paused_at, pause_reason"
+)
 
-LIVE_STATES = (SandboxState.creating, SandboxState.running, SandboxState.stopping)
+LIVE_STATES = (SandboxState.creating, SandboxState.running, SandboxState.paused, SandboxState.stopping)
 
 
 @dataclass
@@ -48,6 +61,19 @@ class Record:
     created_at: float = field(default_factory=time.time)
     last_active_at: float = field(default_factory=time.time)
     stop_reason: str | None = None
+    paused_at: float | None = None
+    pause_reason: str | None = None
+
+
+@dataclass
+class Lease:
+    """A job's lease on this node: its sandboxes pause at ``expires_at`` and are reclaimed
+    ``grace_s`` later, unless the trainer renews it."""
+
+    project: str
+    job: str
+    expires_at: float
+    grace_s: float
 
 
 class Journal:
@@ -59,6 +85,10 @@ class Journal:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
+            for name, decl in _ADDED_COLUMNS:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -76,7 +106,7 @@ class Journal:
     def insert(self, rec: Record) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO sandboxes VALUES(?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO sandboxes({_COLUMNS}) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     rec.id,
                     rec.state.value,
@@ -88,14 +118,25 @@ class Journal:
                     rec.created_at,
                     rec.last_active_at,
                     rec.stop_reason,
+                    rec.paused_at,
+                    rec.pause_reason,
                 ),
             )
 
     def update(self, rec: Record) -> None:
         with self._lock:
             self._db.execute(
-                "UPDATE sandboxes SET state=?, handle=?, last_active_at=?, stop_reason=? WHERE id=?",
-                (rec.state.value, json.dumps(rec.handle), rec.last_active_at, rec.stop_reason, rec.id),
+                "UPDATE sandboxes SET state=?, handle=?, last_active_at=?, stop_reason=?, paused_at=?,"
+                " pause_reason=? WHERE id=?",
+                (
+                    rec.state.value,
+                    json.dumps(rec.handle),
+                    rec.last_active_at,
+                    rec.stop_reason,
+                    rec.paused_at,
+                    rec.pause_reason,
+                    rec.id,
+                ),
             )
 
     def touch_many(self, activity: dict[str, float]) -> None:
@@ -108,21 +149,43 @@ class Journal:
         marks = ",".join("?" for _ in LIVE_STATES)
         with self._lock:
             rows = self._db.execute(
-                f"SELECT * FROM sandboxes WHERE state IN ({marks})", [s.value for s in LIVE_STATES]
+                f"SELECT {_COLUMNS} FROM sandboxes WHERE state IN ({marks})", [s.value for s in LIVE_STATES]
             ).fetchall()
         return [self._record(r) for r in rows]
 
     def get(self, sandbox_id: str) -> Record | None:
         with self._lock:
-            row = self._db.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
         return None if row is None else self._record(row)
 
-    def forget_before(self, cutoff: float) -> None:
-        """Drop finished sandboxes older than ``cutoff`` so the journal does not grow forever."""
+    def forget_before(self, cutoff: float) -> list[str]:
+        """Drop finished sandboxes older than ``cutoff`` so the journal does not grow forever;
+        returns their IDs (their trajectories go with them)."""
+        with self._lock:
+            rows = self._db.execute(
+                "DELETE FROM sandboxes WHERE state IN ('stopped', 'failed') AND last_active_at < ?"
+                " RETURNING id",
+                (cutoff,),
+            ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    # -- job leases -------------------------------------------------------------------------
+
+    def leases(self) -> list[Lease]:
+        with self._lock:
+            rows = self._db.execute("SELECT project, job, expires_at, grace_s FROM leases").fetchall()
+        return [Lease(*r) for r in rows]
+
+    def put_lease(self, lease: Lease) -> None:
         with self._lock:
             self._db.execute(
-                "DELETE FROM sandboxes WHERE state IN ('stopped', 'failed') AND last_active_at < ?", (cutoff,)
+                "INSERT OR REPLACE INTO leases VALUES(?,?,?,?)",
+                (lease.project, lease.job, lease.expires_at, lease.grace_s),
             )
+
+    def drop_lease(self, project: str, job: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM leases WHERE project=? AND job=?", (project, job))
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> Record:
@@ -137,4 +200,6 @@ class Journal:
             created_at=row[7],
             last_active_at=row[8],
             stop_reason=row[9],
+            paused_at=row[10],
+            pause_reason=row[11],
         )

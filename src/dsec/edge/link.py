@@ -30,6 +30,9 @@ from dsec.protocol.errors import InvalidRequest, SandboxNotFound
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
+    BulkAction,
+    BulkResult,
+    Change,
     CommandResult,
     CommitRequest,
     ContainerSpec,
@@ -38,7 +41,7 @@ from dsec.protocol.models import (
     LayerInfo,
     SandboxInfo,
     ShellRequest,
-    StopResult,
+    TrajectoryEntry,
 )
 
 _BULK_CONCURRENCY = 32  # stops in flight per node: each one kills a process tree and unmounts
@@ -79,9 +82,30 @@ class EdgeLink(Protocol):
 
     async def stop(self, sandbox_id: str) -> SandboxInfo: ...
 
-    async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
-        """Stop every sandbox on the node with all ``labels`` whose project is ``within`` or
-        below it: one call per node for a bulk stop, however many sandboxes match."""
+    async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
+        """Stop, pause or resume every sandbox on the node with all ``labels`` whose project is
+        ``within`` or below it: one call per node for a whole job, however many match."""
+        ...
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze the sandbox and push its memory out of RAM; any later request resumes it."""
+        ...
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
+        """Extend job ``job``'s leases (projects at or below ``within``) by ``lease_s`` from now;
+        returns how many sandboxes they cover on the node, and the new expiry."""
+        ...
+
+    async def trajectory(
+        self, sandbox_id: str, after: int = 0, limit: int = 1000
+    ) -> list[TrajectoryEntry]: ...
+
+    async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]: ...
+
+    async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
+        """Pack the sandbox's state as layer ``ref``; the spec of a copy that starts from it."""
         ...
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult: ...
@@ -96,6 +120,7 @@ class EdgeLink(Protocol):
         cwd: str | None = None,
         timeout: float | None = None,
         max_output: int | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncGenerator[ExecEvent, None]: ...
 
     async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo: ...
@@ -164,8 +189,8 @@ class LocalEdgeLink:
         check_routed(self.edge.config.node, self.edge.epoch, sandbox_id)
         return sandbox_id
 
-    def _files(self, sandbox_id: str) -> SandboxFiles:
-        return self.edge.files(self._routed(sandbox_id))
+    async def _files(self, sandbox_id: str) -> SandboxFiles:
+        return await self.edge.files_ready(self._routed(sandbox_id))
 
     async def close(self) -> None:
         """Nothing to release: the edge's owner closes the edge."""
@@ -190,26 +215,45 @@ class LocalEdgeLink:
     async def sandbox_ids(self) -> list[str]:
         return self.edge.sandbox_ids()
 
-    async def stop_matching(self, labels: dict[str, str], within: str) -> StopResult:
+    async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
         if not labels:
-            raise InvalidRequest("a bulk stop needs at least one label")
+            raise InvalidRequest(f"a bulk {action} needs at least one label")
         ids = [i.id for i in self.edge.list_sandboxes(labels) if in_subtree(i.project, within)]
         gate = asyncio.Semaphore(_BULK_CONCURRENCY)
+        act = {"stop": self.edge.stop, "pause": self.edge.pause, "resume": self.edge.resume}[action]
 
         async def one(sid: str) -> SandboxInfo:
             async with gate:
-                return await self.edge.stop(sid)
+                return await act(sid)
 
-        result = StopResult()
+        result = BulkResult(action=action)
         outcomes = await asyncio.gather(*map(one, ids), return_exceptions=True)
         for sid, outcome in zip(ids, outcomes, strict=True):
             if isinstance(outcome, SandboxInfo):
-                result.stopped.append(outcome)
+                result.done.append(outcome)
             elif isinstance(outcome, Exception):
                 result.failed[sid] = str(outcome)
             else:
                 raise outcome
         return result
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        return await self.edge.pause(self._routed(sandbox_id))
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        return await self.edge.resume(self._routed(sandbox_id))
+
+    async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
+        return self.edge.renew_lease(job, lease_s, within)
+
+    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
+        return self.edge.trajectory(self._routed(sandbox_id), after, limit)
+
+    async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
+        return await self.edge.changes(self._routed(sandbox_id), under)
+
+    async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
+        return await self.edge.fork_spec(self._routed(sandbox_id), ref)
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         return await self.edge.run_shell(self._routed(sandbox_id), req)
@@ -224,6 +268,7 @@ class LocalEdgeLink:
         cwd: str | None = None,
         timeout: float | None = None,
         max_output: int | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         events = self.edge.exec_stream(
             self._routed(sandbox_id),
@@ -233,6 +278,7 @@ class LocalEdgeLink:
             cwd=cwd,
             timeout=timeout,
             max_output=max_output,
+            idempotency_key=idempotency_key,
         )
         try:
             async for event in events:
@@ -252,7 +298,7 @@ class LocalEdgeLink:
     # -- files --------------------------------------------------------------------------------
 
     async def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
-        files = self._files(sandbox_id)
+        files = await self._files(sandbox_id)
         fh = await asyncio.to_thread(files.open_read, path)
         try:
             while chunk := await asyncio.to_thread(fh.read, CHUNK):
@@ -263,31 +309,50 @@ class LocalEdgeLink:
     async def write_stream(
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
     ) -> FileStat:
-        files = self._files(sandbox_id)
-        writer = await asyncio.to_thread(files.open_write, path, mode)
-        try:
-            async for chunk in chunks:
-                await asyncio.to_thread(writer.write, chunk)
-            await asyncio.to_thread(writer.commit)
-        except BaseException:
-            # Also on cancellation (a caller that went away): no half-written file stays behind.
-            await asyncio.to_thread(writer.abort)
-            raise
-        return await asyncio.to_thread(files.stat, path)
+        files = await self._files(sandbox_id)
+
+        async def write() -> dict[str, Any]:
+            writer = await asyncio.to_thread(files.open_write, path, mode)
+            try:
+                async for chunk in chunks:
+                    await asyncio.to_thread(writer.write, chunk)
+                await asyncio.to_thread(writer.commit)
+            except BaseException:
+                # Also on cancellation (a caller that went away): no half-written file stays.
+                await asyncio.to_thread(writer.abort)
+                raise
+            return (await asyncio.to_thread(files.stat, path)).model_dump()
+
+        request = {"path": path, "mode": oct(mode)}
+        return FileStat.model_validate(
+            await self.edge.recorder.call(sandbox_id, "write", None, request, write)
+        )
 
     async def stat(self, sandbox_id: str, path: str) -> FileStat:
-        files = self._files(sandbox_id)
+        files = await self._files(sandbox_id)
         return await asyncio.to_thread(files.stat, path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
-        files = self._files(sandbox_id)
+        files = await self._files(sandbox_id)
         return await asyncio.to_thread(files.list_dir, path)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
-        files = self._files(sandbox_id)
-        await asyncio.to_thread(files.mkdir, path, parents)
-        return await asyncio.to_thread(files.stat, path)
+        files = await self._files(sandbox_id)
+
+        async def make() -> dict[str, Any]:
+            await asyncio.to_thread(files.mkdir, path, parents)
+            return (await asyncio.to_thread(files.stat, path)).model_dump()
+
+        request = {"path": path, "parents": parents}
+        return FileStat.model_validate(
+            await self.edge.recorder.call(sandbox_id, "mkdir", None, request, make)
+        )
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        files = self._files(sandbox_id)
-        await asyncio.to_thread(files.remove, path, recursive)
+        files = await self._files(sandbox_id)
+
+        async def rm() -> dict[str, Any]:
+            await asyncio.to_thread(files.remove, path, recursive)
+            return {"removed": True}
+
+        await self.edge.recorder.call(sandbox_id, "remove", None, {"path": path, "recursive": recursive}, rm)

@@ -1,9 +1,11 @@
 """Reclamation: what an edge takes back by itself, without being asked.
 
 A pass (every ``reap_interval_s``) stops sandboxes whose maximum lifetime ran out, that were
-idle (no request and no running command) for their ``ttl_running_stop``, or that died (checked
-every ``liveness_interval_s``), retries stops that failed before, writes the activity times to
-the journal in one batch and forgets finished sandboxes after ``keep_finished_s``.
+idle (no request and no running command) for their ``ttl_running_stop`` (paused or not), that
+died (checked every ``liveness_interval_s``), or whose job lease lapsed longer than its grace
+ago; pauses sandboxes idle for their ``pause_after_idle_s`` and those whose lease lapsed;
+retries stops that failed before, writes the activity times to the journal in one batch and
+forgets finished sandboxes (and their trajectories) after ``keep_finished_s``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from dsec.backends.base import Backend
     from dsec.edge.edge import EdgeConfig, _Live
     from dsec.edge.journal import Journal
+    from dsec.edge.trajectory import Recorder
 
 log = logging.getLogger("dsec.edge")
 
@@ -32,10 +35,15 @@ class Reclaimer:
         journal: Journal
         _live: dict[str, _Live]
         _last_liveness: float
+        recorder: Recorder
 
         async def stop(
             self, sandbox_id: str, *, reason: str = ..., final: SandboxState = ...
         ) -> SandboxInfo: ...
+
+        async def pause(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...
+
+        def lease_actions(self, now: float) -> tuple[list[str], list[str]]: ...
 
     def _flush_activity(self) -> None:
         self.journal.touch_many({i: live.record.last_active_at for i, live in self._live.items()})
@@ -44,6 +52,10 @@ class Reclaimer:
         now = time.time()
         due: list[tuple[str, str]] = []
         dead: set[str] = set()
+        lapsed, expired = self.lease_actions(now)
+        to_pause = [(sid, "lease_lapsed") for sid in lapsed]
+        lapsed_set = set(lapsed)
+        expired_set = set(expired)
         check_liveness = now - self._last_liveness >= self.config.liveness_interval_s
         if check_liveness:
             self._last_liveness = now
@@ -56,12 +68,30 @@ class Reclaimer:
                 dead.add(sid)
             elif spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
                 due.append((sid, "max_lifetime"))
+            elif sid in expired_set:
+                due.append((sid, "lease_expired"))
             elif (
                 spec.ttl_running_stop is not None
                 and not live.busy
                 and now - rec.last_active_at >= spec.ttl_running_stop
             ):
                 due.append((sid, "idle_ttl"))
+            elif (
+                spec.pause_after_idle_s is not None
+                and rec.state is SandboxState.running
+                and not live.busy
+                and now - rec.last_active_at >= spec.pause_after_idle_s
+                and sid not in lapsed_set
+            ):
+                to_pause.append((sid, "idle"))
+        due_ids = {sid for sid, _ in due}
+        to_pause = [(sid, why) for sid, why in to_pause if sid not in due_ids]
+        paused = await asyncio.gather(
+            *(self.pause(sid, reason=why) for sid, why in to_pause), return_exceptions=True
+        )
+        for (sid, why), res in zip(to_pause, paused, strict=True):
+            if isinstance(res, BaseException):
+                log.warning("pausing %s (%s) failed: %s", sid, why, res)
         results = await asyncio.gather(
             *(
                 self.stop(sid, reason=why, final=SandboxState.failed if sid in dead else SandboxState.stopped)
@@ -73,7 +103,7 @@ class Reclaimer:
             if isinstance(res, BaseException):
                 log.warning("reclaiming %s (%s) failed: %s", sid, why, res)
         self._flush_activity()
-        self.journal.forget_before(now - self.config.keep_finished_s)
+        self.recorder.log.forget(self.journal.forget_before(now - self.config.keep_finished_s))
         return [sid for sid, _ in due]
 
     async def _reap_forever(self) -> None:

@@ -10,13 +10,19 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     GET    /stats                                  the node's load, for the watcher
     POST   /sandboxes?id=                          ContainerSpec -> 201 SandboxInfo
     GET    /sandboxes?label=k=v...                 -> [SandboxInfo] (running ones)
-    DELETE /sandboxes?label=k=v...&within=PROJECT  -> StopResult (a bulk stop)
+    POST   /bulk/{stop|pause|resume}?label=k=v...&within=PROJECT -> BulkResult (a whole job)
+    POST   /leases/{job}?within=PROJECT            LeaseRequest -> {"sandboxes", "expires_at"}
     GET    /sandbox-ids                            -> {"ids": [...]} (running, for reconciliation)
     GET    /sandboxes/{id}                         -> SandboxInfo
     DELETE /sandboxes/{id}                         -> SandboxInfo (stopped)
     POST   /sandboxes/{id}/shell                   ShellRequest -> CommandResult
     POST   /sandboxes/{id}/exec                    ExecRequest -> NDJSON of ExecEvent
     POST   /sandboxes/{id}/commit                  CommitRequest -> 201 LayerInfo
+    POST   /sandboxes/{id}/pause                   -> SandboxInfo (paused)
+    POST   /sandboxes/{id}/resume                  -> SandboxInfo (running)
+    GET    /sandboxes/{id}/trajectory?after=&limit= -> [TrajectoryEntry]
+    GET    /sandboxes/{id}/changes?under=/         -> [Change]
+    POST   /sandboxes/{id}/fork-spec?ref=          -> {"spec": ContainerSpec, "layer": LayerInfo}
     GET    /sandboxes/{id}/files/content?path=     -> the bytes, streamed
     PUT    /sandboxes/{id}/files/content?path=&mode=644   bytes streamed -> 201 FileStat
     GET    /sandboxes/{id}/files/stat?path=        -> FileStat
@@ -55,6 +61,7 @@ from dsec.protocol.models import (
     CommitRequest,
     ContainerSpec,
     ExecRequest,
+    LeaseRequest,
     ShellRequest,
     invalid_request,
 )
@@ -113,6 +120,16 @@ def _param(request: web.Request, name: str) -> str:
     value = request.query.get(name)
     if not value:
         raise InvalidRequest(f"query parameter {name!r} is required")
+    return value
+
+
+def _int(request: web.Request, name: str, default: int) -> int:
+    try:
+        value = int(request.query.get(name, default))
+    except ValueError as exc:
+        raise InvalidRequest(f"query parameter {name!r} must be an integer") from exc
+    if value < 0:
+        raise InvalidRequest(f"query parameter {name!r} must not be negative")
     return value
 
 
@@ -180,13 +197,19 @@ class EdgeServer:
         r.add_get(f"{PREFIX}/stats", self.stats)
         r.add_post(f"{PREFIX}/sandboxes", self.create)
         r.add_get(f"{PREFIX}/sandboxes", self.list)
-        r.add_delete(f"{PREFIX}/sandboxes", self.stop_matching)
+        r.add_post(PREFIX + "/bulk/{action}", self.bulk)
+        r.add_post(PREFIX + "/leases/{job}", self.renew_lease)
         r.add_get(f"{PREFIX}/sandbox-ids", self.sandbox_ids)
         r.add_get(PREFIX + "/sandboxes/{id}", self.get)
         r.add_delete(PREFIX + "/sandboxes/{id}", self.stop)
         r.add_post(PREFIX + "/sandboxes/{id}/shell", self.shell)
         r.add_post(PREFIX + "/sandboxes/{id}/exec", self.exec)
         r.add_post(PREFIX + "/sandboxes/{id}/commit", self.commit)
+        r.add_post(PREFIX + "/sandboxes/{id}/pause", self.pause)
+        r.add_post(PREFIX + "/sandboxes/{id}/resume", self.resume)
+        r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
+        r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
+        r.add_post(PREFIX + "/sandboxes/{id}/fork-spec", self.fork_spec)
         r.add_get(PREFIX + "/sandboxes/{id}/files/content", self.download)
         r.add_put(PREFIX + "/sandboxes/{id}/files/content", self.upload)
         r.add_get(PREFIX + "/sandboxes/{id}/files/stat", self.stat)
@@ -227,8 +250,35 @@ class EdgeServer:
     async def sandbox_ids(self, request: web.Request) -> web.Response:
         return respond({"ids": await self.link.sandbox_ids()})
 
-    async def stop_matching(self, request: web.Request) -> web.Response:
-        return respond(await self.link.stop_matching(label_filter(request), _param(request, "within")))
+    async def bulk(self, request: web.Request) -> web.Response:
+        action = request.match_info["action"]
+        if action not in ("stop", "pause", "resume"):
+            raise InvalidRequest(f"unknown bulk action {action!r}: stop, pause or resume")
+        labels, within = label_filter(request), _param(request, "within")
+        return respond(await self.link.bulk(action, labels, within))  # type: ignore[arg-type]
+
+    async def renew_lease(self, request: web.Request) -> web.Response:
+        req = LeaseRequest.model_validate_json(await request.read() or b"{}")
+        job, within = request.match_info["job"], _param(request, "within")
+        covered, expires = await self.link.renew_lease(job, req.lease_s, within)
+        return respond({"sandboxes": covered, "expires_at": expires})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        return respond(await self.link.pause(request.match_info["id"]))
+
+    async def resume(self, request: web.Request) -> web.Response:
+        return respond(await self.link.resume(request.match_info["id"]))
+
+    async def trajectory(self, request: web.Request) -> web.Response:
+        after, limit = _int(request, "after", 0), _int(request, "limit", 1000)
+        return respond(await self.link.trajectory(request.match_info["id"], after, limit))
+
+    async def changes(self, request: web.Request) -> web.Response:
+        return respond(await self.link.changes(request.match_info["id"], request.query.get("under", "/")))
+
+    async def fork_spec(self, request: web.Request) -> web.Response:
+        spec, layer = await self.link.fork_spec(request.match_info["id"], _param(request, "ref"))
+        return respond({"spec": spec.model_dump(), "layer": layer.model_dump()})
 
     async def get(self, request: web.Request) -> web.Response:
         return respond(await self.link.get(request.match_info["id"]))
@@ -250,6 +300,7 @@ class EdgeServer:
             cwd=req.cwd,
             timeout=req.timeout,
             max_output=req.max_output_bytes,
+            idempotency_key=req.idempotency_key,
         )
         try:
             event = await anext(events, None)  # errors before any output get their own status

@@ -34,6 +34,7 @@ _SESSION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 RESERVED_LABEL_PREFIX = "dsec."
 PROJECT_LABEL = "dsec.project"  # set by the apiserver: the project a sandbox belongs to
 DEFAULT_PROJECT = "root"
+JOB_LABEL = "job"  # the label a job lease is kept under
 
 
 class _Model(BaseModel):
@@ -43,6 +44,7 @@ class _Model(BaseModel):
 class SandboxState(StrEnum):
     creating = "creating"
     running = "running"
+    paused = "paused"  # frozen, memory pushed out; any request resumes it
     stopping = "stopping"
     stopped = "stopped"
     failed = "failed"
@@ -97,6 +99,18 @@ class ContainerSpec(_Model):
     pids_limit: int = Field(default=1024, ge=16, le=1 << 22)
     ttl_running_stop: float | None = Field(default=None, gt=0, description="idle seconds before reclaim")
     max_lifetime_s: float | None = Field(default=None, gt=0)
+    pause_after_idle_s: float | None = Field(
+        default=None, gt=0, description="idle seconds before the sandbox pauses itself (resumes on use)"
+    )
+    lease_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 86400,
+        description="a job lease (needs the 'job' label): unless renewed, the job's sandboxes pause",
+    )
+    lease_grace_s: float = Field(
+        default=3600, ge=0, le=7 * 86400, description="how long a lapsed lease's sandboxes stay paused"
+    )
     network_rules: dict[str, bool] = Field(default_factory=dict)
     init_user: str = "root"
     env: dict[str, str] = Field(default_factory=dict)
@@ -109,6 +123,8 @@ class ContainerSpec(_Model):
             raise ValueError("give exactly one of image or layers")
         if self.layers is not None and not 1 <= len(self.layers) <= 64:
             raise ValueError("layers must name 1 to 64 layers")
+        if self.lease_s is not None and not self.labels.get(JOB_LABEL):
+            raise ValueError(f"lease_s needs a {JOB_LABEL!r} label: a lease is renewed per job")
         return self
 
     @field_validator("init_user")
@@ -170,14 +186,55 @@ class SandboxInfo(_Model):
     created_at: float
     last_active_at: float
     stop_reason: str | None = None
+    paused_at: float | None = None
+    pause_reason: str | None = None  # requested, idle, lease_lapsed
 
 
-class StopResult(_Model):
-    """A bulk stop's outcome: what stopped, what failed (ID -> why), which nodes did not answer."""
+BulkAction = Literal["stop", "pause", "resume"]
 
-    stopped: list[SandboxInfo] = Field(default_factory=list)
+
+class BulkResult(_Model):
+    """A bulk call's outcome: the sandboxes it acted on, what failed (ID -> why), which nodes
+    did not answer (their matching sandboxes were not touched)."""
+
+    action: BulkAction
+    done: list[SandboxInfo] = Field(default_factory=list)
     failed: dict[str, str] = Field(default_factory=dict)
     unreachable_nodes: list[str] = Field(default_factory=list)
+
+
+class LeaseRequest(_Model):
+    lease_s: float = Field(gt=0, le=7 * 86400)
+
+
+class LeaseResult(_Model):
+    """A renewal: how many of the job's sandboxes it covers, which nodes did not answer."""
+
+    job: str
+    expires_at: float
+    sandboxes: int = 0
+    unreachable_nodes: list[str] = Field(default_factory=list)
+
+
+class TrajectoryEntry(_Model):
+    """One request a sandbox received and what came of it, as the edge recorded it."""
+
+    seq: int
+    kind: str  # shell, exec, write, remove, mkdir, pause, resume, pack, stop
+    key: str | None = None  # the request's idempotency key
+    request: dict[str, Any] = Field(default_factory=dict)
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None  # the DSec wire error it failed with
+    status: Literal["running", "done", "failed", "interrupted"]
+    started_at: float
+    finished_at: float | None = None
+
+
+class ForkRequest(_Model):
+    count: int = Field(ge=1, le=256)
+    labels: dict[str, str] | None = Field(default=None, description="the copies' labels; default: the same")
+    processes: bool = Field(default=False, description="copy process state too (needs checkpoint/restore)")
+    timeout: float = Field(default=120, gt=0, le=3600)
 
 
 class ShellRequest(_Model):
@@ -185,6 +242,9 @@ class ShellRequest(_Model):
     session: str = "default"
     timeout: float | None = Field(default=None, gt=0, le=86400)
     max_output_bytes: int | None = Field(default=None, ge=0, le=1 << 30)
+    idempotency_key: str | None = Field(
+        default=None, min_length=1, max_length=256, description="run at most once; a repeat gets the record"
+    )
 
     @field_validator("session")
     @classmethod
@@ -213,6 +273,9 @@ class ExecRequest(_Model):
     cwd: str | None = None
     timeout: float | None = Field(default=None, gt=0, le=86400)
     max_output_bytes: int | None = Field(default=None, ge=0, le=1 << 30)
+    idempotency_key: str | None = Field(
+        default=None, min_length=1, max_length=256, description="run at most once; a repeat gets the record"
+    )
 
     def stdin_bytes(self) -> bytes | None:
         try:
@@ -266,7 +329,8 @@ class KeyCreate(_Model):
 
 
 class CommitRequest(_Model):
-    """Pack what a sandbox changed into a new layer ``ref`` (``name:version``)."""
+    """Pack what a sandbox changed into a new layer ``ref``: ``name:version``, or a bare
+    ``name`` for the next free integer version (what ``pack_diff`` does)."""
 
     ref: str
     scrub_defaults: bool = Field(default=True, description="remove caches, histories, temp files")
@@ -289,6 +353,20 @@ class FileStat(_Model):
     mtime: float
     uid: int
     gid: int
+
+
+class ChangeKind(StrEnum):
+    added = "added"
+    modified = "modified"
+    deleted = "deleted"
+
+
+class Change(_Model):
+    """One path the sandbox changed relative to its layers (read from the host side)."""
+
+    path: str
+    kind: ChangeKind
+    type: FileType
 
 
 def validate_name_ref(ref: str) -> str:

@@ -19,6 +19,9 @@ class DSecContainerRunArgs(BaseModel):
     pids_limit: int = 1024
     ttl_running_stop: float | None = None
     max_lifetime_s: float | None = None
+    pause_after_idle_s: float | None = None  # idle seconds before it pauses itself
+    lease_s: float | None = None  # a job lease (needs labels["job"]); renew with client.renew_lease
+    lease_grace_s: float = 3600  # how long a lapsed lease's sandboxes stay paused before reclaim
     network_rules: dict[str, bool] = Field(default_factory=dict)
     init_user: str = "root"
     env: dict[str, str] = Field(default_factory=dict)
@@ -41,6 +44,9 @@ class DSecContainerRunArgs(BaseModel):
             pids_limit=self.pids_limit,
             ttl_running_stop=self.ttl_running_stop,
             max_lifetime_s=self.max_lifetime_s,
+            pause_after_idle_s=self.pause_after_idle_s,
+            lease_s=self.lease_s,
+            lease_grace_s=self.lease_grace_s,
             network_rules=self.network_rules,
             init_user=self.init_user,
             env=self.env,

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest, error_from_wire
+from dsec.protocol.errors import InfraFailure, error_from_wire
 from dsec.protocol.models import (
     BatchCreateRequest,
     CommandResult,
@@ -37,10 +37,10 @@ from dsec.protocol.models import (
     RetagRequest,
     SandboxInfo,
     ShellRequest,
-    StopResult,
 )
 from dsec.sdk._fncall import FnCalls
 from dsec.sdk._projects import ProjectCalls
+from dsec.sdk._rl import JobCalls, SandboxRlCalls
 from dsec.sdk._transport import Transport
 from dsec.sdk.args import DSecContainerRunArgs
 from dsec.sdk.build import BuildEvent, build_layer
@@ -55,7 +55,7 @@ class ExecChunk:
     data: bytes
 
 
-class Sandbox:
+class Sandbox(SandboxRlCalls):
     """A handle on one sandbox. Cheap to create; holds no server-side state."""
 
     def __init__(self, transport: Transport, info: SandboxInfo) -> None:
@@ -66,6 +66,9 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, state={self.info.state.value!r})"
+
+    def _sibling(self, info: SandboxInfo) -> Sandbox:
+        return Sandbox(self._t, info)
 
     async def __aenter__(self) -> Sandbox:
         return self
@@ -92,14 +95,21 @@ class Sandbox:
         session: str = "default",
         timeout: float | None = None,
         max_output_bytes: int | None = None,
+        idempotency_key: str | None = None,
     ) -> CommandResult:
         """Run ``command`` in a named shell session that keeps cwd and variables between calls.
 
         A command that runs past ``timeout`` is killed with its session; the result then has
-        ``timed_out=True`` and the next call on that session starts a fresh shell.
+        ``timed_out=True`` and the next call on that session starts a fresh shell. With an
+        ``idempotency_key`` the command runs at most once in this sandbox: a repeat (a
+        restarted agent loop replaying its history) gets the recorded result.
         """
         req = ShellRequest(
-            command=command, session=session, timeout=timeout, max_output_bytes=max_output_bytes
+            command=command,
+            session=session,
+            timeout=timeout,
+            max_output_bytes=max_output_bytes,
+            idempotency_key=idempotency_key,
         )
         http_timeout = None if timeout is None else timeout + 30
         body = await self._t.request(
@@ -116,8 +126,12 @@ class Sandbox:
         cwd: str | None = None,
         timeout: float | None = None,
         max_output_bytes: int | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncIterator[ExecChunk | CommandResult]:
-        """Run ``argv`` (no shell) and yield its output as it comes; the last item is the result."""
+        """Run ``argv`` (no shell) and yield its output as it comes; the last item is the result.
+
+        With an ``idempotency_key`` it runs at most once, to its end even if this caller goes
+        away; a repeat streams the recorded output."""
         if isinstance(stdin, str):
             stdin = stdin.encode()
         req = ExecRequest(
@@ -127,6 +141,7 @@ class Sandbox:
             cwd=cwd,
             timeout=timeout,
             max_output_bytes=max_output_bytes,
+            idempotency_key=idempotency_key,
         )
         async for line in self._t.lines(
             "POST", self._base + "/exec", json_body=req.model_dump(exclude_none=True)
@@ -147,12 +162,19 @@ class Sandbox:
         cwd: str | None = None,
         timeout: float | None = None,
         max_output_bytes: int | None = None,
+        idempotency_key: str | None = None,
     ) -> CommandResult:
         """Run ``argv`` (no shell) to its end and collect its output."""
         out, err = bytearray(), bytearray()
         result: CommandResult | None = None
         async for item in self.exec_stream(
-            argv, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output_bytes=max_output_bytes
+            argv,
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            timeout=timeout,
+            max_output_bytes=max_output_bytes,
+            idempotency_key=idempotency_key,
         ):
             if isinstance(item, CommandResult):
                 result = item
@@ -260,7 +282,7 @@ def _tar_dir(src: Path, archive: Path) -> None:
         tar.add(src, arcname=".")
 
 
-class DSecClient(ProjectCalls, FnCalls):
+class DSecClient(ProjectCalls, FnCalls, JobCalls):
     """Connects to DSec: by default the local node that ``dsec up`` wrote into the config file."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 300) -> None:
@@ -356,25 +378,6 @@ class DSecClient(ProjectCalls, FnCalls):
             progress=progress,
             step_timeout=step_timeout,
         )
-
-    async def stop_all(self, labels: dict[str, str]) -> builtins.list[SandboxInfo]:
-        """Stop every sandbox that carries all ``labels`` (e.g. ``{"job": job_id}``), on every node,
-        in one call. Returns what was stopped; raises if any could not be stopped."""
-        if not labels:
-            raise InvalidRequest("stop_all needs at least one label")
-        params = [("label", f"{k}={v}") for k, v in labels.items()]
-        result = StopResult.model_validate(
-            await self._t.request("DELETE", "/v1/sandboxes", params=params, timeout=600)
-        )
-        if result.unreachable_nodes:
-            raise InfraFailure(
-                f"stopped {len(result.stopped)} sandboxes, but nodes {result.unreachable_nodes} did not"
-                " answer: their sandboxes with these labels may still run (call again)",
-                reason="edge_unreachable",
-            )
-        if result.failed:
-            raise InfraFailure(f"could not stop {sorted(result.failed)}: {result.failed}", reason="runtime")
-        return result.stopped
 
     async def nodes(self) -> builtins.list[dict[str, Any]]:
         """The cluster's registered nodes with their epoch, health and load (admin keys only)."""

@@ -22,6 +22,7 @@ from dsec import _linux
 from dsec.backends.base import CreateContext, User
 from dsec.backends.container import cgroups, oci
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
+from dsec.density import memory
 from dsec.protocol.errors import InfraFailure
 
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -202,25 +203,20 @@ class ContainerBackend:
     def upper_dir(self, workdir: Path) -> Path:
         return workdir / "upper"
 
-    async def _crun(self, *args: str) -> None:
-        proc = await asyncio.create_subprocess_exec(
-            *self._cmd(*args),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            env=_CRUN_ENV,
-        )
-        _, err = await proc.communicate()
-        if proc.returncode != 0:
-            raise InfraFailure(
-                f"crun {args[0]} failed: {err.decode(errors='replace').strip()}", reason="runtime"
-            )
-
     async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        await self._crun("pause", sandbox_id)  # the cgroup freezer: well under a millisecond
+        await cgroups.set_frozen(sandbox_id, True)  # the cgroup freezer: well under a millisecond
 
     async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        await self._crun("resume", sandbox_id)
+        await cgroups.set_frozen(sandbox_id, False)
+
+    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        return await asyncio.to_thread(memory.page_out, cgroups.memory_dir(sandbox_id))
+
+    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        return await asyncio.to_thread(memory.prefetch, cgroups.pids(sandbox_id))
+
+    def memory_bytes(self, sandbox_id: str) -> int:
+        return memory.usage_bytes(cgroups.memory_dir(sandbox_id))
 
     def root_path(self, handle: dict[str, Any]) -> str:
         return f"/proc/{int(handle['pid'])}/root"

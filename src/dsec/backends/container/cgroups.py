@@ -6,11 +6,14 @@ hybrid host acceptable to crun, reading OOM kills, and removing what a crash lef
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import time
 from pathlib import Path
 
 from dsec import _linux
+from dsec.protocol.errors import InfraFailure
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNIFIED = CGROUP_ROOT / "unified"
@@ -52,6 +55,37 @@ def hierarchies() -> list[Path]:
 
 def sandbox_dirs(sandbox_id: str) -> list[Path]:
     return [c / PARENT / sandbox_id for c in hierarchies() if (c / PARENT / sandbox_id).is_dir()]
+
+
+def memory_dir(sandbox_id: str) -> Path:
+    return CGROUP_ROOT / "memory" / PARENT / sandbox_id
+
+
+def pids(sandbox_id: str) -> list[int]:
+    try:
+        return [int(p) for p in (memory_dir(sandbox_id) / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+async def set_frozen(sandbox_id: str, frozen: bool, *, timeout_s: float = 10.0) -> None:
+    """Freeze or thaw the sandbox's freezer cgroup and wait until the kernel says it is so.
+
+    Written directly rather than through ``crun pause``: idempotent (an edge that restarts
+    mid-pause re-applies the journaled state), and no process start.
+    """
+    state = CGROUP_ROOT / "freezer" / PARENT / sandbox_id / "freezer.state"
+    want = "FROZEN" if frozen else "THAWED"
+    try:
+        state.write_text(want)
+        deadline = time.monotonic() + timeout_s
+        # FREEZING until every task stopped; usually done within the write itself.
+        while state.read_text().strip() != want:
+            if time.monotonic() > deadline:
+                raise InfraFailure(f"{sandbox_id} did not reach {want} in {timeout_s}s", reason="runtime")
+            await asyncio.sleep(0.001)
+    except OSError as exc:
+        raise InfraFailure(f"freezer of {sandbox_id}: {exc}", reason="runtime") from exc
 
 
 def oom_kills(sandbox_id: str) -> int:

@@ -328,6 +328,15 @@ class FakeBackend:
     async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
         return None
 
+    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        return 0  # plain processes: nothing to push out
+
+    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        return 0
+
+    def memory_bytes(self, sandbox_id: str) -> int:
+        return 0
+
     def root_path(self, handle: dict[str, Any]) -> str:
         return str(handle["root"])
 

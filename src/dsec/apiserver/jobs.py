@@ -1,0 +1,115 @@
+"""Routes for RL trainers: pause and resume (one sandbox or a whole job), job leases, fork,
+and what a sandbox was asked to do (its trajectory) and changed (for grading).
+
+Whole-job calls fan out as one request per node, like a bulk stop; a node that does not answer
+is named in the result rather than skipped quietly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from dsec.apiserver._http import PRINCIPAL, read_body, respond
+from dsec.apiserver.sandboxes import SandboxRoutes
+from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.models import (
+    RESERVED_LABEL_PREFIX,
+    ForkRequest,
+    LeaseRequest,
+    LeaseResult,
+)
+
+_MAX_JOB_LEN = 256
+
+
+def _int_param(request: web.Request, name: str, default: int) -> int:
+    try:
+        value = int(request.query.get(name, default))
+    except ValueError as exc:
+        raise InvalidRequest(f"query parameter {name!r} must be an integer") from exc
+    if value < 0:
+        raise InvalidRequest(f"query parameter {name!r} must not be negative")
+    return value
+
+
+class JobRoutes:
+    def __init__(self, sandboxes: SandboxRoutes) -> None:
+        self.sandboxes = sandboxes
+
+    def register(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/v1/sandboxes/pause", self.pause_all)
+        r.add_post("/v1/sandboxes/resume", self.resume_all)
+        r.add_post("/v1/sandboxes/{id}/pause", self.pause)
+        r.add_post("/v1/sandboxes/{id}/resume", self.resume)
+        r.add_post("/v1/sandboxes/{id}/fork", self.fork)
+        r.add_get("/v1/sandboxes/{id}/trajectory", self.trajectory)
+        r.add_get("/v1/sandboxes/{id}/changes", self.changes)
+        r.add_post("/v1/jobs/{job}/lease", self.renew_lease)
+
+    async def pause_all(self, request: web.Request) -> web.Response:
+        return respond(await self.sandboxes.bulk(request, "pause"))
+
+    async def resume_all(self, request: web.Request) -> web.Response:
+        return respond(await self.sandboxes.bulk(request, "resume"))
+
+    async def pause(self, request: web.Request) -> web.Response:
+        link, sid = await self.sandboxes.owned(request)
+        return respond(await link.pause(sid))
+
+    async def resume(self, request: web.Request) -> web.Response:
+        link, sid = await self.sandboxes.owned(request)
+        return respond(await link.resume(sid))
+
+    async def trajectory(self, request: web.Request) -> web.Response:
+        link, sid = await self.sandboxes.owned(request)
+        after, limit = _int_param(request, "after", 0), _int_param(request, "limit", 1000)
+        return respond(await link.trajectory(sid, after, limit))
+
+    async def changes(self, request: web.Request) -> web.Response:
+        link, sid = await self.sandboxes.owned(request)
+        return respond(await link.changes(sid, request.query.get("under", "/")))
+
+    async def fork(self, request: web.Request) -> web.Response:
+        """``count`` new sandboxes with the sandbox's disk state: its changes are packed once
+        as a layer (``dsec-fork/<id>:<n>``) and every copy starts from its layers plus that one,
+        created all or none like a batch."""
+        link, sid = await self.sandboxes.owned(request)
+        req = await read_body(request, ForkRequest)
+        if req.processes:
+            raise InvalidRequest(
+                "fork(processes=True): this node cannot checkpoint processes (no working CRIU);"
+                " fork copies the disk state only (node capability fork_processes=false)"
+            )
+        source = await link.get(sid)
+        spec, _layer = await link.fork_spec(sid, f"dsec-fork/{sid}")
+        own = {k: v for k, v in spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
+        clean = spec.model_copy(update={"labels": own if req.labels is None else req.labels})
+        principal = request[PRINCIPAL]
+        admitted = self.sandboxes.tenancy.admit(principal, source.project, clean)
+        made = await self.sandboxes.create_many(principal, admitted, req.count, req.timeout)
+        return respond(made, status=201)
+
+    async def renew_lease(self, request: web.Request) -> web.Response:
+        """Renew job ``job``'s lease on every node that holds one of its sandboxes."""
+        job = request.match_info["job"]
+        if not job or len(job) > _MAX_JOB_LEN:
+            raise InvalidRequest(f"job names are 1-{_MAX_JOB_LEN} characters")
+        req = await read_body(request, LeaseRequest)
+        within = request[PRINCIPAL].project
+        links = self.sandboxes.links
+        names = list(links)
+        answers = await asyncio.gather(
+            *(links[n].renew_lease(job, req.lease_s, within) for n in names), return_exceptions=True
+        )
+        result = LeaseResult(job=job, expires_at=0.0)
+        for name, answer in zip(names, answers, strict=True):
+            if isinstance(answer, tuple):
+                result.sandboxes += answer[0]
+                result.expires_at = max(result.expires_at, answer[1])
+            elif isinstance(answer, Exception):
+                result.unreachable_nodes.append(name)
+            else:
+                raise answer
+        return respond(result)

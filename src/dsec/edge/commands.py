@@ -1,0 +1,327 @@
+"""Work inside a sandbox: shell commands, execs, files, and packing what it changed.
+
+Every request goes through the trajectory recorder (:mod:`dsec.edge.trajectory`), and through
+:meth:`~dsec.edge.pausing.Pausing._use`, which resumes a paused sandbox first. Packing never
+changes the sandbox: its upper directory is copied as hard links (the sandbox frozen, so the
+copy is one moment) and residue is scrubbed from the copy, not from the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.backends.base import sandbox_env
+from dsec.executor.files import SandboxFiles
+from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
+from dsec.executor.session import DRIVER, Session
+from dsec.images.commit import DEFAULT_SCRUB, scrub
+from dsec.images.refs import parse_tag
+from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.models import (
+    Change,
+    ChangeKind,
+    CommandResult,
+    CommitRequest,
+    ContainerSpec,
+    ExecEvent,
+    FileType,
+    LayerInfo,
+    SandboxInfo,
+    ShellRequest,
+    TrajectoryEntry,
+)
+
+if TYPE_CHECKING:
+    from dsec.backends.base import Backend
+    from dsec.edge.edge import EdgeConfig, _Live
+    from dsec.edge.trajectory import Recorder
+    from dsec.images.mounts import LayerMounts
+    from dsec.images.store import LayerStore
+
+log = logging.getLogger("dsec.edge")
+_NODE_TOOLS = ".dsec"  # the node's read-only tool mount point: never part of a sandbox's state
+_OPAQUE = "trusted.overlay.opaque"
+_VERSION_RETRIES = 20
+
+
+def _summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the log keeps of an unkeyed exec: its result and how much output it made."""
+    out = sum(len(e.get("d") or "") for e in events if e.get("t") == "out") * 3 // 4
+    err = sum(len(e.get("d") or "") for e in events if e.get("t") == "err") * 3 // 4
+    end = next((e.get("result") for e in events if e.get("t") == "exit"), None)
+    return {"result": end, "stdout_bytes": out, "stderr_bytes": err}
+
+
+class Commands:
+    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+
+    if TYPE_CHECKING:
+        config: EdgeConfig
+        backend: Backend
+        store: LayerStore
+        mounts: LayerMounts
+        recorder: Recorder
+
+        async def _use(self, sandbox_id: str) -> _Live: ...
+        def _get_live(self, sandbox_id: str) -> _Live: ...
+        def _workdir(self, sandbox_id: str) -> Path: ...
+        def get(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        request = {"command": req.command, "session": req.session, "timeout": req.timeout}
+
+        async def run() -> dict[str, Any]:
+            return (await self._run_shell(sandbox_id, req)).model_dump()
+
+        out = await self.recorder.call(sandbox_id, "shell", req.idempotency_key, request, run)
+        return CommandResult.model_validate(out)
+
+    async def _run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        live = await self._use(sandbox_id)
+        session = live.sessions.get(req.session)
+        if session is None:
+            rec = live.record
+
+            async def spawn() -> asyncio.subprocess.Process:
+                shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
+                return await self.backend.spawn(
+                    sandbox_id,
+                    rec.handle,
+                    [shell, "-c", DRIVER],
+                    env=sandbox_env(rec.spec, live.user),
+                    cwd=live.user.home,
+                    user=live.user,
+                )
+
+            session = live.sessions[req.session] = Session(req.session, spawn)
+        timeout = req.timeout or self.config.default_shell_timeout_s
+        cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
+        with live.working():
+            return await session.run(
+                req.command,
+                timeout=timeout,
+                max_output=cap,
+                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
+            )
+
+    async def exec_stream(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        stdin: bytes | None,
+        env: dict[str, str],
+        cwd: str | None,
+        timeout: float | None,
+        max_output: int | None,
+        idempotency_key: str | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        self._get_live(sandbox_id)  # a missing sandbox fails before anything is recorded
+        request = {
+            "argv": argv,
+            "cwd": cwd,
+            "timeout": timeout,
+            "env_keys": sorted(env),  # values may be secrets: the log is readable by the caller
+            "stdin_bytes": len(stdin or b""),
+        }
+
+        async def events() -> AsyncGenerator[dict[str, Any], None]:
+            gen = self._exec(sandbox_id, argv, stdin, env, cwd, timeout, max_output)
+            try:
+                async for ev in gen:
+                    yield ev.model_dump()
+            finally:
+                await gen.aclose()
+
+        stream = self.recorder.stream(sandbox_id, "exec", idempotency_key, request, events, _summary)
+        try:
+            async for raw in stream:
+                yield ExecEvent.model_validate(raw)
+        finally:
+            await stream.aclose()
+
+    async def _exec(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        stdin: bytes | None,
+        env: dict[str, str],
+        cwd: str | None,
+        timeout: float | None,
+        max_output: int | None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        live = await self._use(sandbox_id)
+        with live.working():
+            proc = await self.backend.spawn(
+                sandbox_id,
+                live.record.handle,
+                argv,
+                env=sandbox_env(live.record.spec, live.user, env),
+                cwd=cwd or live.user.home,
+                user=live.user,
+            )
+            events = run_streaming(
+                proc,
+                stdin=stdin,
+                timeout=timeout or self.config.default_shell_timeout_s,
+                max_output=DEFAULT_MAX_OUTPUT if max_output is None else max_output,
+                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
+            )
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                # A caller that goes away mid-stream (disconnect) must not leave the tree running.
+                await events.aclose()
+
+    def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
+        """What the sandbox was asked to do and what came of it, oldest first, after ``after``."""
+        self.get(sandbox_id)  # the log outlives the sandbox, as long as its journal record
+        return self.recorder.log.entries(sandbox_id, after=after, limit=limit)
+
+    # -- packing ----------------------------------------------------------------------------
+
+    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
+        """Pack what the sandbox changed into layer ``req.ref`` (a bare name: the next version),
+        residue scrubbed from the packed copy. The sandbox keeps running, untouched."""
+        patterns = [_NODE_TOOLS, *(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
+
+        async def run() -> dict[str, Any]:
+            return (await self._pack(sandbox_id, req.ref, patterns)).model_dump()
+
+        out = await self.recorder.call(sandbox_id, "pack", None, req.model_dump(), run)
+        return LayerInfo.model_validate(out)
+
+    async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
+        """Pack the sandbox's whole state (nothing scrubbed) as ``ref`` and return the spec of
+        a sandbox that starts from it: the same spec over the same layers plus the packed one."""
+        info = await self.commit(sandbox_id, CommitRequest(ref=ref, scrub_defaults=False))
+        spec = self._get_live(sandbox_id).record.spec
+        layers = [*self._get_live(sandbox_id).record.layers, info.digest]
+        return spec.model_copy(update={"image": None, "layers": layers}), info
+
+    async def _pack(self, sandbox_id: str, ref: str, patterns: list[str]) -> LayerInfo:
+        live = await self._use(sandbox_id)
+        upper = self.backend.upper_dir(self._workdir(sandbox_id))
+        staging = self._workdir(sandbox_id) / "pack"
+        if ":" not in ref:
+            parse_tag(f"{ref}:1")  # a bad name fails before the sandbox is frozen
+        with live.working():
+            await self.backend.freeze(sandbox_id, live.record.handle)
+            try:
+                await asyncio.to_thread(_link_copy, upper, staging)
+                removed = await asyncio.to_thread(scrub, staging, patterns)
+                log.info("pack %s: scrubbed %d entries", sandbox_id, len(removed))
+                # Still frozen: the copy shares inodes with the sandbox, which must not write
+                # into them before mkfs has read them.
+                return await asyncio.to_thread(self._import_versioned, staging, ref)
+            finally:
+                await self.backend.thaw(sandbox_id, live.record.handle)
+                await asyncio.to_thread(shutil.rmtree, staging, True)
+
+    def _import_versioned(self, path: Path, ref: str) -> LayerInfo:
+        if ":" in ref:
+            return self.store.import_path(path, ref)
+        for _ in range(_VERSION_RETRIES):
+            taken = [int(v) for v in self.store.catalogue.versions(ref) if v.isdigit()]
+            version = max(taken, default=0) + 1
+            try:
+                return self.store.import_path(path, f"{ref}:{version}")
+            except InvalidRequest:
+                # Another pack took this version between our listing and our tag: next one.
+                if str(version) not in self.store.catalogue.versions(ref):
+                    raise
+        raise InfraFailure(f"no free version of {ref} after {_VERSION_RETRIES} tries", reason="storage")
+
+    async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
+        """What the sandbox changed relative to its layers, read from its upper directory on
+        the host (nothing inside the sandbox can hide a change from this), below ``under``."""
+        live = self._get_live(sandbox_id)
+        upper = self.backend.upper_dir(self._workdir(sandbox_id))
+        lowers = [self.mounts.path_for(d) for d in reversed(live.record.layers)]
+        if not under.startswith("/") or ".." in under.split("/"):
+            raise InvalidRequest(f"under={under!r}: give an absolute path without '..'")
+        return await asyncio.to_thread(_walk_changes, upper, lowers, under.rstrip("/") or "/")
+
+    def files(self, sandbox_id: str) -> SandboxFiles:
+        live = self._get_live(sandbox_id)
+        return SandboxFiles(self.backend.root_path(live.record.handle), uid=live.user.uid, gid=live.user.gid)
+
+    async def files_ready(self, sandbox_id: str) -> SandboxFiles:
+        """File access to a sandbox, resumed first if it was paused."""
+        await self._use(sandbox_id)
+        return self.files(sandbox_id)
+
+    async def _exists(self, live: _Live, path: str) -> bool:
+        files = SandboxFiles(self.backend.root_path(live.record.handle))
+        return await asyncio.to_thread(files.exists, path)
+
+
+def _link_copy(upper: Path, staging: Path) -> None:
+    """A copy of ``upper`` made of hard links (directories and their overlay xattrs copied):
+    instant, and scrubbing it cannot touch the sandbox."""
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    done = subprocess.run(
+        ["cp", "-a", "--link", f"{upper}/.", f"{staging}/"], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise InfraFailure(f"copying the sandbox's changes failed: {done.stderr.strip()}", reason="storage")
+
+
+def _ftype(mode: int) -> FileType:
+    if stat.S_ISDIR(mode):
+        return FileType.dir
+    if stat.S_ISREG(mode):
+        return FileType.file
+    if stat.S_ISLNK(mode):
+        return FileType.symlink
+    return FileType.other
+
+
+def _in_lower(lowers: list[Path], rel: str) -> bool:
+    return any(os.path.lexists(lower / rel) for lower in lowers)
+
+
+def _walk_changes(upper: Path, lowers: list[Path], under: str) -> list[Change]:
+    out: list[Change] = []
+    start = upper / under.lstrip("/") if under != "/" else upper
+    if not start.is_dir() or start.is_symlink():
+        return out
+    for dirpath, dirnames, filenames in os.walk(start):
+        rel_dir = os.path.relpath(dirpath, upper)
+        if rel_dir == _NODE_TOOLS or rel_dir.startswith(_NODE_TOOLS + "/"):
+            dirnames.clear()
+            continue
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            if rel == _NODE_TOOLS:
+                continue
+            st = os.lstat(full)
+            path = "/" + rel
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # an overlay whiteout
+                out.append(Change(path=path, kind=ChangeKind.deleted, type=FileType.other))
+            elif stat.S_ISDIR(st.st_mode):
+                opaque = False
+                with contextlib.suppress(OSError):
+                    opaque = os.getxattr(full, _OPAQUE, follow_symlinks=False) == b"y"
+                if opaque and _in_lower(lowers, rel):
+                    # Replaced as a whole ("rm -rf d; mkdir d"): gone, then made again.
+                    out.append(Change(path=path, kind=ChangeKind.deleted, type=FileType.dir))
+                    out.append(Change(path=path, kind=ChangeKind.added, type=FileType.dir))
+                elif not _in_lower(lowers, rel):
+                    out.append(Change(path=path, kind=ChangeKind.added, type=FileType.dir))
+            else:
+                kind = ChangeKind.modified if _in_lower(lowers, rel) else ChangeKind.added
+                out.append(Change(path=path, kind=kind, type=_ftype(st.st_mode)))
+    return sorted(out, key=lambda c: (c.path, c.kind != ChangeKind.deleted))

@@ -1,0 +1,194 @@
+"""Pause and resume, idle pausing, and the job leases that pause a trainer's sandboxes.
+
+Pause freezes the sandbox (cgroup freezer: it stops using CPU at once), then pushes its memory
+out of RAM (:mod:`dsec.density.memory`: anon pages to the swap the edge manages, page cache
+dropped), and journals ``paused``. Resume reads the swapped pages back ahead of time, thaws,
+and journals ``running``. Any request to a paused sandbox resumes it first, so a caller never
+has to know. The journaled state is re-applied on restart (freeze is idempotent), so a paused
+sandbox stays paused across an edge restart, and one caught mid-pause ends up as journaled.
+
+A job lease belongs to a (project, ``job`` label) pair and lives on every node that runs one of
+the job's leased sandboxes. The trainer renews it with one call per job (the apiserver fans it
+out, one request per node). When it lapses, the job's sandboxes pause (a dead trainer frees
+the node's CPU and RAM, and loses nothing); ``lease_grace_s`` later they are reclaimed. A new
+trainer that renews in time and touches a sandbox finds it as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dsec.edge.journal import Lease
+from dsec.iam.base import in_subtree
+from dsec.protocol.errors import Conflict, InfraFailure, SandboxNotFound
+from dsec.protocol.ids import SandboxId
+from dsec.protocol.models import (
+    DEFAULT_PROJECT,
+    JOB_LABEL,
+    PROJECT_LABEL,
+    ContainerSpec,
+    SandboxInfo,
+    SandboxState,
+)
+
+if TYPE_CHECKING:
+    from dsec.backends.base import Backend
+    from dsec.edge.edge import _Live
+    from dsec.edge.journal import Journal, Record
+    from dsec.edge.trajectory import Recorder
+
+log = logging.getLogger("dsec.edge")
+
+LeaseKey = tuple[str, str]  # (project, job)
+
+
+def lease_key(spec: ContainerSpec) -> LeaseKey | None:
+    if spec.lease_s is None:
+        return None
+    return spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT), spec.labels[JOB_LABEL]
+
+
+@dataclass
+class PauseTotals:
+    """What pausing did on this node (for stats and the benchmark)."""
+
+    pauses: int = 0
+    resumes: int = 0
+    returned_bytes: int = 0  # RAM given back by pauses
+    prefetched_bytes: int = 0
+    last_pause_s: float = 0.0
+    last_resume_s: float = 0.0
+
+
+class Pausing:
+    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+
+    if TYPE_CHECKING:
+        backend: Backend
+        journal: Journal
+        recorder: Recorder
+        _live: dict[str, _Live]
+        leases: dict[LeaseKey, Lease]
+        pause_totals: PauseTotals
+
+        def _info(self, rec: Record) -> SandboxInfo: ...
+
+    def _get_live(self, sandbox_id: str) -> _Live:
+        """A sandbox that is running or paused; touching it counts as activity."""
+        SandboxId.parse(sandbox_id)  # a malformed ID is the caller's error, not a missing sandbox
+        live = self._live.get(sandbox_id)
+        if live is None or live.record.state not in (SandboxState.running, SandboxState.paused):
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist or is no longer running")
+        live.record.last_active_at = time.time()
+        return live
+
+    async def _use(self, sandbox_id: str) -> _Live:
+        """The sandbox a request works on, resumed first if it was paused."""
+        live = self._get_live(sandbox_id)
+        if live.record.state is SandboxState.paused:
+            info = await self.resume(sandbox_id)
+            if info.state is not SandboxState.running:  # stopped while it resumed
+                raise SandboxNotFound(f"sandbox {sandbox_id} was stopped")
+        return live
+
+    async def pause(self, sandbox_id: str, *, reason: str = "requested") -> SandboxInfo:
+        live = self._get_live(sandbox_id)
+        async with live.stopping:
+            rec = live.record
+            if rec.state is SandboxState.paused:
+                return self._info(rec)
+            if rec.state is not SandboxState.running:
+                raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}: it cannot pause")
+            started = time.monotonic()
+            await self.backend.freeze(sandbox_id, rec.handle)
+            try:
+                returned = await self.backend.page_out(sandbox_id, rec.handle)
+            except Exception as exc:
+                await self.backend.thaw(sandbox_id, rec.handle)
+                raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason="runtime") from exc
+            rec.state = SandboxState.paused
+            rec.paused_at = time.time()
+            rec.pause_reason = reason
+            self.journal.update(rec)
+            totals = self.pause_totals
+            totals.pauses += 1
+            totals.returned_bytes += returned
+            totals.last_pause_s = time.monotonic() - started
+            log.info("paused %s (%s): %d MiB out", sandbox_id, reason, returned >> 20)
+            return self._info(rec)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        live = self._get_live(sandbox_id)
+        async with live.stopping:
+            rec = live.record
+            if rec.state is not SandboxState.paused:
+                return self._info(rec)
+            started = time.monotonic()
+            prefetched = await self.backend.prefetch(sandbox_id, rec.handle)
+            await self.backend.thaw(sandbox_id, rec.handle)
+            rec.state = SandboxState.running
+            rec.paused_at = None
+            rec.pause_reason = None
+            rec.last_active_at = time.time()
+            self.journal.update(rec)
+            totals = self.pause_totals
+            totals.resumes += 1
+            totals.prefetched_bytes += prefetched
+            totals.last_resume_s = time.monotonic() - started
+            return self._info(rec)
+
+    async def reapply_pause_state(self, rec: Record) -> None:
+        """After a restart: make the runtime match the journal (a crash may have come between)."""
+        if rec.state is SandboxState.paused:
+            await self.backend.freeze(rec.id, rec.handle)
+        else:
+            await self.backend.thaw(rec.id, rec.handle)
+
+    # -- job leases -------------------------------------------------------------------------
+
+    def take_lease(self, spec: ContainerSpec) -> None:
+        """A create under a lease starts it, or extends it to cover the new sandbox."""
+        key = lease_key(spec)
+        if key is None or spec.lease_s is None:
+            return
+        expires = time.time() + spec.lease_s
+        old = self.leases.get(key)
+        if old is None or old.expires_at < expires or old.grace_s != spec.lease_grace_s:
+            lease = Lease(key[0], key[1], max(expires, old.expires_at if old else 0), spec.lease_grace_s)
+            self.leases[key] = lease
+            self.journal.put_lease(lease)
+
+    def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
+        """Extend the leases of ``job`` in projects at or below ``within``; returns how many
+        sandboxes they cover on this node, and the new expiry."""
+        expires = time.time() + lease_s
+        renewed = set()
+        for key, lease in list(self.leases.items()):
+            if lease.job == job and in_subtree(lease.project, within):
+                lease.expires_at = expires
+                self.journal.put_lease(lease)
+                renewed.add(key)
+        covered = sum(1 for live in self._live.values() if lease_key(live.record.spec) in renewed)
+        return covered, expires
+
+    def lease_actions(self, now: float) -> tuple[list[str], list[str]]:
+        """(sandboxes to pause because their lease lapsed, sandboxes to stop after the grace);
+        forgets leases that no longer cover any sandbox."""
+        to_pause, to_stop, used = [], [], set()
+        for sid, live in self._live.items():
+            key = lease_key(live.record.spec)
+            lease = self.leases.get(key) if key is not None else None
+            if lease is None or key is None:
+                continue
+            used.add(key)
+            if now >= lease.expires_at + lease.grace_s:
+                to_stop.append(sid)
+            elif now >= lease.expires_at and live.record.state is SandboxState.running:
+                to_pause.append(sid)
+        for key in set(self.leases) - used:
+            del self.leases[key]
+            self.journal.drop_lease(*key)
+        return to_pause, to_stop
