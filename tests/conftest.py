@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.density.swap import SwapConfig
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
 from dsec.sdk.client import DSecClient, Sandbox
@@ -29,7 +30,9 @@ def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
         port=0,
         node="test",
         config_file=tmp / "config.json",
-        edge={"reap_interval_s": 0.1},
+        # Pause pushes memory to swap: a small swap file the session's first node turns on and
+        # its last close turns off (a node that finds it on uses it and leaves it).
+        edge={"reap_interval_s": 0.1, "swap": SwapConfig("file", 1024, DATA_DIR / "swap" / "test.swap")},
     )
 
 

@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsec.apiserver.embedded import NodeConfig
+from dsec.density.swap import SwapConfig
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.models import CommandResult
@@ -58,6 +59,22 @@ DataDir = Annotated[
 ]
 
 
+SwapOption = Annotated[
+    str,
+    typer.Option(
+        help="where paused sandboxes' memory goes: none, host (the host's swap), file[:MiB[:PATH]]"
+        " (a swap file in the data dir) or zram[:MiB]"
+    ),
+]
+
+
+def _swap(text: str) -> SwapConfig:
+    try:
+        return SwapConfig.parse(text)
+    except DSecError as exc:
+        raise _fail(exc) from None
+
+
 def _fail(exc: DSecError) -> typer.Exit:
     err_console.print(f"[red]error:[/red] {exc}")
     return typer.Exit(code=2)
@@ -94,6 +111,7 @@ def up(
     ] = None,
     fncall_pool_size: PoolSize = 2,
     fncall_pools: PoolsFile = None,
+    swap: SwapOption = "file:4096",
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -109,7 +127,7 @@ def up(
         shared_layer_dir=shared_layers,
         init_shared=init_shared,
         iam_url=iam,
-        edge={"fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size)},
+        edge={"fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size), "swap": _swap(swap)},
     )
     if base:
         _ensure_base(open_layer_store(node_cfg))
@@ -168,6 +186,7 @@ def edge_cmd(
     ] = None,
     fncall_pool_size: PoolSize = 0,
     fncall_pools: PoolsFile = None,
+    swap: SwapOption = "file:4096",
     secret_file: SecretFile = None,
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
@@ -186,7 +205,11 @@ def edge_cmd(
         port=port,
         node=node,
         shared_layer_dir=shared_layers,
-        edge={"node_labels": labels, "fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size)},
+        edge={
+            "node_labels": labels,
+            "fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size),
+            "swap": _swap(swap),
+        },
     )
 
     async def serve() -> None:

@@ -3,9 +3,10 @@
 Without swap, a paused sandbox keeps its anonymous memory resident (only page cache is
 dropped). The operator chooses: ``none`` (pause only freezes), ``host`` (use whatever swap
 the host has), ``file`` (a swap file under the edge's data directory) or ``zram`` (a
-compressed RAM device: smaller, no disk, but it still occupies RAM). Enabling is idempotent
-(an edge restart finds its swap already on); ``release`` turns off only what this edge turned
-on, and only when nothing is paused (swapping off pulls every page back into RAM).
+compressed RAM device: smaller, no disk, but it still occupies RAM). Enabling is idempotent:
+swap found already on (an earlier run of the edge, or another edge of the same host) is used
+as it is and left on at exit; ``release`` turns off only what this edge itself turned on, and
+the edge calls it only when nothing is paused (swapping off pulls every page back into RAM).
 """
 
 from __future__ import annotations
@@ -90,7 +91,6 @@ class Swap:
     def _ensure_file(self) -> None:
         name = os.path.realpath(self.path)
         if name in active_swaps():
-            self.device = name
             return
         size = self.config.size_mb << 20
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,8 +111,7 @@ class Swap:
         active = active_swaps()
         for dev in sorted(_ZRAM.glob("zram*")):
             if f"/dev/{dev.name}" in active:
-                self.device = f"/dev/{dev.name}"  # ours, from before a restart
-                return
+                return  # from an earlier run (or another edge here): used, not owned
         free = [d for d in sorted(_ZRAM.glob("zram*")) if (d / "disksize").read_text().strip() == "0"]
         if not free:
             control = Path("/sys/class/zram-control/hot_add")

@@ -362,6 +362,7 @@ class Edge(Reclaimer, Pausing, Commands):
             if rec.state is not SandboxState.stopping:
                 rec.state = SandboxState.stopping
                 rec.stop_reason = reason
+                rec.paused_at = rec.pause_reason = None
                 self.journal.update(rec)
             # A frozen process cannot die: thaw first (a no-op if it was never frozen).
             with contextlib.suppress(DSecError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsec.edge.journal import Lease
 from dsec.iam.base import in_subtree
@@ -95,6 +95,25 @@ class Pausing:
         return live
 
     async def pause(self, sandbox_id: str, *, reason: str = "requested") -> SandboxInfo:
+        self._get_live(sandbox_id)  # unknown: an error, not a trajectory entry
+
+        async def run() -> dict[str, Any]:
+            return (await self._pause(sandbox_id, reason)).model_dump()
+
+        out = await self.recorder.call(sandbox_id, "pause", None, {"reason": reason}, run)
+        return SandboxInfo.model_validate(out)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        live = self._get_live(sandbox_id)
+        if live.record.state is not SandboxState.paused:
+            return self._info(live.record)
+
+        async def run() -> dict[str, Any]:
+            return (await self._resume(sandbox_id)).model_dump()
+
+        return SandboxInfo.model_validate(await self.recorder.call(sandbox_id, "resume", None, {}, run))
+
+    async def _pause(self, sandbox_id: str, reason: str) -> SandboxInfo:
         live = self._get_live(sandbox_id)
         async with live.stopping:
             rec = live.record
@@ -120,7 +139,7 @@ class Pausing:
             log.info("paused %s (%s): %d MiB out", sandbox_id, reason, returned >> 20)
             return self._info(rec)
 
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
+    async def _resume(self, sandbox_id: str) -> SandboxInfo:
         live = self._get_live(sandbox_id)
         async with live.stopping:
             rec = live.record
