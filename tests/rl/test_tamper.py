@@ -6,6 +6,7 @@ import pytest
 
 from dsec.protocol.errors import InvalidRequest
 from dsec.rl.tamper import (
+    BYTECODE,
     CONFTEST,
     GIT_METADATA,
     HIDDEN_TEST,
@@ -53,6 +54,10 @@ CASES: list[tuple[str, Action, str]] = [
     ("/workspace/.git/hooks/pre-commit", "ignore", GIT_METADATA),
     ("/workspace/.git/conftest.py", "ignore", GIT_METADATA),
     ("/workspace/vendor/lib/.git/config", "ignore", GIT_METADATA),
+    ("/workspace/__pycache__", "ignore", BYTECODE),
+    ("/workspace/__pycache__/calc.cpython-311.pyc", "ignore", BYTECODE),
+    ("/workspace/pkg/mod.pyc", "ignore", BYTECODE),
+    ("/workspace/tests/__pycache__/test_x.cpython-311.pyc", "ignore", BYTECODE),
     ("/workspace/.gitignore", "apply", ""),
     # files pytest or the interpreter run by themselves
     ("/workspace/conftest.py", "tamper", CONFTEST),

@@ -1,0 +1,114 @@
+"""A gym-style environment over one DSec sandbox, built to survive its trainer.
+
+``reset`` creates the episode's sandbox under the job's lease (labels ``job`` and
+``episode``), or, if a sandbox of that episode still exists (the trainer was killed and
+restarted), reattaches to it. ``step`` runs a shell command with the idempotency key
+``<episode>:<step>``: a restarted policy that replays its actions from the start gets the
+recorded results of the steps already taken, and no command runs twice. The special action
+:data:`SUBMIT` ends the episode with a clean-room grade (:func:`dsec.rl.grading.grade`).
+
+Everything is async; the tuple shapes follow Gymnasium (``reset -> (obs, info)``,
+``step -> (obs, reward, terminated, truncated, info)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from dsec.protocol.errors import InvalidRequest
+from dsec.rl.grading import GradeResult, grade
+from dsec.sdk.args import DSecContainerRunArgs
+from dsec.sdk.client import DSecClient, Sandbox
+
+SUBMIT = "submit"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: the layers an agent starts from, hidden tests, and how to run them."""
+
+    task_id: str
+    layers: list[str]  # base image first, then the workspace
+    tests: list[str]  # the hidden-tests layer(s): never in the agent's sandbox
+    test_command: str  # run in ``workdir`` of the clean room; should write JUnit XML
+    workdir: str = "/workspace"
+    prompt: str = ""
+    junit_path: str = "/tmp/dsec-junit.xml"
+    memory_limit_mb: int = 512
+
+
+class Step(NamedTuple):
+    observation: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+
+
+@dataclass
+class SandboxEnv:
+    client: DSecClient
+    task: Task
+    job: str
+    episode: str
+    lease_s: float | None = 600.0
+    max_steps: int = 64
+    step_timeout: float = 120.0
+    sandbox: Sandbox | None = None
+    steps: int = 0
+    reattached: bool = False
+    grade_result: GradeResult | None = None
+    _labels: dict[str, str] = field(default_factory=dict)
+
+    async def reset(self) -> tuple[str, dict[str, Any]]:
+        self._labels = {"job": self.job, "episode": self.episode, "task": self.task.task_id[:200]}
+        self.steps = 0
+        self.grade_result = None
+        existing = await self.client.list(labels={"job": self.job, "episode": self.episode})
+        if existing:
+            self.sandbox, self.reattached = existing[0], True
+            for extra in existing[1:]:  # a create that raced a kill: keep one
+                await extra.stop()
+        else:
+            self.sandbox = await self.client.run_container(
+                DSecContainerRunArgs(
+                    layers=self.task.layers,
+                    labels=self._labels,
+                    lease_s=self.lease_s,
+                    memory_limit_mb=self.task.memory_limit_mb,
+                )
+            )
+            self.reattached = False
+        info = {"sandbox_id": self.sandbox.id, "reattached": self.reattached}
+        return self.task.prompt, info
+
+    async def step(self, action: str) -> Step:
+        if self.sandbox is None:
+            raise InvalidRequest("call reset() before step()")
+        key = f"{self.episode}:{self.steps}"
+        self.steps += 1
+        if action == SUBMIT:
+            self.grade_result = await grade(
+                self.client,
+                self.sandbox,
+                tests=self.task.tests,
+                command=self.task.test_command,
+                task_layers=self.task.layers,
+                workdir=self.task.workdir,
+                junit_path=self.task.junit_path,
+            )
+            g = self.grade_result
+            summary = f"{g.passed} passed, {g.failed} failed" + (" (tampered)" if g.tampered else "")
+            return Step(summary, g.reward, True, False, {"grade": g})
+        result = await self.sandbox.run_shell(
+            f"cd {self.task.workdir} && {action}", timeout=self.step_timeout, idempotency_key=key
+        )
+        observation = result.stdout + result.stderr + f"[exit {result.exit_code}]"
+        truncated = self.steps >= self.max_steps
+        return Step(observation, 0.0, False, truncated, {"result": result})
+
+    async def close(self) -> None:
+        if self.sandbox is not None:
+            await self.sandbox.stop()
+            self.sandbox = None
