@@ -72,6 +72,8 @@ def start_dsec_up(data_dir: Path, layer_dir: Path, config: Path, node: str) -> s
             "--no-base",
             "--node",
             node,
+            "--swap",
+            "host",
         ],
         env=dsec_env(config),
         stdout=subprocess.PIPE,

@@ -190,9 +190,17 @@ async def test_a_cluster_of_processes_survives_losing_an_edge_then_an_apiserver(
             seen = {node: round(r.last_seen - killed_at, 2) for node, r in (await _registry(iam)).items()}
             raise AssertionError(f"{exc}; last seen, in s after the kill: {seen}") from None
 
-        # 5. One call stops a job's sandboxes on every edge.
+        # 5. One call pauses, resumes or stops a job's sandboxes on every edge.
         labelled = await two.list(labels={"job": job})
         assert {node_of(sb.id) for sb in labelled} == nodes
+        paused = await two.pause_all({"job": job})
+        assert sorted(i.id for i in paused) == sorted(sb.id for sb in labelled)
+        assert {i.state for i in paused} == {SandboxState.paused}
+        assert (await labelled[0].run_shell("echo awake")).stdout == "awake\n"  # resumes by itself
+        resumed = await two.resume_all({"job": job})
+        assert {i.state for i in resumed} == {SandboxState.running} and len(resumed) == len(labelled)
+        lease = await two.renew_lease(job, 60)  # every edge answered; none holds a leased sandbox
+        assert lease.sandboxes == 0 and lease.unreachable_nodes == []
         ended = await two.stop_all({"job": job})
         assert sorted(info.id for info in ended) == sorted(sb.id for sb in labelled)
         assert {info.state for info in ended} == {SandboxState.stopped}

@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from dsec.apiserver.embedded import NodeConfig
+from dsec.cli._common import _client_call, _fail, console, err_console
+from dsec.cli.sandbox import job_app, sandbox_app
 from dsec.density.swap import SwapConfig
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
-from dsec.protocol.models import CommandResult
-from dsec.sdk.args import DSecContainerRunArgs
-from dsec.sdk.client import DSecClient, Sandbox
+from dsec.sdk.client import DSecClient
 
 T = TypeVar("T")
 
@@ -32,9 +29,9 @@ app = typer.Typer(
     help="DSec: sandboxes for agentic RL.", no_args_is_help=True, pretty_exceptions_enable=False
 )
 layer_app = typer.Typer(help="Layers: immutable, content-addressed EROFS images.", no_args_is_help=True)
-sandbox_app = typer.Typer(help="Sandboxes on this DSec.", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(job_app, name="job")
 project_app = typer.Typer(
     help="Projects: nested, each with quotas bounding its subtree.", no_args_is_help=True
 )
@@ -47,8 +44,6 @@ image_app = typer.Typer(help="Images: ordered lists of layers under one name:ver
 app.add_typer(image_app, name="image")
 node_app = typer.Typer(help="Nodes: the edges of this DSec (admin keys).", no_args_is_help=True)
 app.add_typer(node_app, name="node")
-console = Console()
-err_console = Console(stderr=True)
 
 PoolSize = Annotated[int, typer.Option(min=0, help="warm sandboxes of the default FnCall pool (0: none)")]
 PoolsFile = Annotated[
@@ -71,22 +66,6 @@ SwapOption = Annotated[
 def _swap(text: str) -> SwapConfig:
     try:
         return SwapConfig.parse(text)
-    except DSecError as exc:
-        raise _fail(exc) from None
-
-
-def _fail(exc: DSecError) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {exc}")
-    return typer.Exit(code=2)
-
-
-def _client_call(fn: Callable[[DSecClient], Awaitable[T]]) -> T:
-    async def run() -> T:
-        async with DSecClient() as client:
-            return await fn(client)
-
-    try:
-        return asyncio.run(run())
     except DSecError as exc:
         raise _fail(exc) from None
 
@@ -497,73 +476,3 @@ def node_ls() -> None:
             seen,
         )
     console.print(table)
-
-
-@sandbox_app.command("ls")
-def sandbox_ls(label: Annotated[list[str] | None, typer.Option(help="key=value filter")] = None) -> None:
-    """List running sandboxes."""
-    labels = dict(item.split("=", 1) for item in label or [] if "=" in item)
-    sandboxes = _client_call(lambda c: c.list(labels))
-    table = Table("state", "project", "labels")
-    table.add_column("id", no_wrap=True, min_width=40)  # IDs are copied from here: never fold one
-    for sb in sandboxes:
-        shown = json.dumps(sb.info.labels) if sb.info.labels else ""
-        table.add_row(sb.info.state.value, sb.info.project, shown, sb.id)
-    console.print(table)
-
-
-@sandbox_app.command("create")
-def sandbox_create(
-    image: Annotated[str, typer.Argument(help="layer name:version or digest")],
-    memory_mb: int = 1024,
-    cpus: float = 1.0,
-    ttl: Annotated[float | None, typer.Option(help="idle seconds before reclaim")] = None,
-) -> None:
-    """Create a container sandbox and print its ID."""
-
-    def make(c: DSecClient) -> Awaitable[Sandbox]:
-        args = DSecContainerRunArgs(
-            container_image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus, ttl_running_stop=ttl
-        )
-        return c.run_container(args)
-
-    sb = _client_call(make)
-    console.print(sb.id)
-
-
-@sandbox_app.command("sh")
-def sandbox_sh(sandbox_id: str, command: str, session: str = "default") -> None:
-    """Run a shell command in a sandbox and print its output."""
-
-    async def run(c: DSecClient) -> CommandResult:
-        sb = await c.get(sandbox_id)
-        return await sb.run_shell(command, session=session)
-
-    result = _client_call(run)
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr)
-    raise typer.Exit(code=result.exit_code if result.exit_code is not None else 124)
-
-
-@sandbox_app.command("stop")
-def sandbox_stop(
-    sandbox_ids: Annotated[list[str] | None, typer.Argument()] = None,
-    label: Annotated[
-        list[str] | None, typer.Option(help="stop every sandbox with these key=value labels")
-    ] = None,
-) -> None:
-    """Stop sandboxes by ID, or all of a job by label (their files and processes are gone)."""
-    if label:
-        labels = dict(item.split("=", 1) for item in label if "=" in item)
-        stopped = _client_call(lambda c: c.stop_all(labels))
-        console.print(f"stopped {len(stopped)} sandboxes")
-        return
-
-    async def run(c: DSecClient) -> None:
-        for sid in sandbox_ids or []:
-            sb = await c.get(sid)
-            with contextlib.suppress(DSecError):
-                await sb.stop()
-        return None
-
-    _client_call(run)

@@ -53,6 +53,20 @@ _OPAQUE = "trusted.overlay.opaque"
 _VERSION_RETRIES = 20
 
 
+_KEPT_OUTPUT = 64 << 10  # of each stream, in the record of an unkeyed command
+
+
+def _brief(result: dict[str, Any]) -> dict[str, Any]:
+    """An unkeyed command's record: its output capped (the caller got all of it)."""
+    out = dict(result)
+    for name in ("stdout", "stderr"):
+        text = out.get(name) or ""
+        if len(text) > _KEPT_OUTPUT:
+            out[name] = text[:_KEPT_OUTPUT]
+            out["record_truncated"] = True
+    return out
+
+
 def _summary(events: list[dict[str, Any]]) -> dict[str, Any]:
     """What the log keeps of an unkeyed exec: its result and how much output it made."""
     out = sum(len(e.get("d") or "") for e in events if e.get("t") == "out") * 3 // 4
@@ -82,7 +96,7 @@ class Commands:
         async def run() -> dict[str, Any]:
             return (await self._run_shell(sandbox_id, req)).model_dump()
 
-        out = await self.recorder.call(sandbox_id, "shell", req.idempotency_key, request, run)
+        out = await self.recorder.call(sandbox_id, "shell", req.idempotency_key, request, run, brief=_brief)
         return CommandResult.model_validate(out)
 
     async def _run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:

@@ -167,10 +167,15 @@ class Recorder:
         key: str | None,
         request: dict[str, Any],
         run: Callable[[], Awaitable[dict[str, Any]]],
+        *,
+        brief: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Record ``run()``'s outcome (a JSON-able dict); with a key, at most once."""
+        """Record ``run()``'s outcome (a JSON-able dict); with a key, at most once.
+
+        ``brief`` shortens what an unkeyed request's record keeps (a keyed one keeps all of
+        it: a repeat must get exactly what the first call got)."""
         if key is None:
-            return await self._record(sandbox_id, kind, None, request, run)
+            return await self._record(sandbox_id, kind, None, request, run, brief)
         task = self._running.get((sandbox_id, key))
         if task is None:
             entry = self.log.by_key(sandbox_id, key)
@@ -190,6 +195,7 @@ class Recorder:
         key: str | None,
         request: dict[str, Any],
         run: Callable[[], Awaitable[dict[str, Any]]],
+        brief: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         seq = self.log.begin(sandbox_id, kind, key, request)
         try:
@@ -201,7 +207,7 @@ class Recorder:
             wrapped = InfraFailure(f"{kind} did not finish: {type(exc).__name__}", reason="interrupted")
             self.log.finish(sandbox_id, seq, error=wrapped)
             raise
-        self.log.finish(sandbox_id, seq, result=result)
+        self.log.finish(sandbox_id, seq, result=result if brief is None else brief(result))
         return result
 
     async def stream(
