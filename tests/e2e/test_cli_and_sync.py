@@ -29,6 +29,12 @@ async def test_sync_client_has_the_same_surface(node: EmbeddedNode) -> None:
                 streamed = [type(item).__name__ for item in sb.exec_stream(["echo", "x"])]
                 listed = [s.id for s in client.list()]
                 assert sb.id in listed
+                assert sb.pause().state.value == "paused"
+                copies = sb.fork(2)
+                assert all(isinstance(c, SyncSandbox) for c in copies)
+                assert [c.read_file("/tmp/s.txt") for c in copies] == [b"sync-bytes"] * 2
+                for c in copies:
+                    c.stop()
             with pytest.raises(SandboxNotFound):
                 sb.run_shell("true")
             return sb.id, out, data, streamed
@@ -70,6 +76,14 @@ async def test_dsec_up_then_sdk_and_cli_connect_by_default(
             assert sb.id in shown.stdout
             said = await asyncio.to_thread(run, "sandbox", "sh", sb.id, "echo from-cli; exit 3")
             assert said.stdout == "from-cli\n" and said.returncode == 3
+            paused = await asyncio.to_thread(run, "sandbox", "pause", sb.id)
+            assert paused.returncode == 0 and f"{sb.id} paused" in paused.stdout, paused.stderr
+            assert (await sb.refresh()).state.value == "paused"
+            log = await asyncio.to_thread(run, "sandbox", "log", sb.id, "--json")
+            kinds = [json.loads(line)["kind"] for line in log.stdout.splitlines()]
+            assert kinds == ["shell", "shell", "pause"], log.stdout
+            renewed = await asyncio.to_thread(run, "job", "renew", "no-such-job", "--lease", "30")
+            assert renewed.returncode == 0 and "0 sandboxes" in renewed.stdout, renewed.stderr
             await sb.stop()
             (layer_dir / "Dockerfile").write_text(
                 "FROM debian:bookworm\nCOPY opt/tool.sh /opt/\nRUN echo built\n"
