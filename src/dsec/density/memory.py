@@ -96,14 +96,27 @@ def _advise(pidfd: int, ranges: list[tuple[int, int]]) -> int:
     return total
 
 
+def _swapped_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmSwap:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def prefetch(pids: Iterable[int]) -> int:
     """Read the processes' swapped-out pages back ahead of a thaw; returns the bytes advised.
 
-    Best effort: a process that exited, or a kernel without ``process_madvise``, only means
-    the pages come back on first touch instead.
+    Smallest first: the reads queue in this order, and the shells and agents that answer the
+    next request are small, while a process holding gigabytes would hold them up behind its
+    own pages. Best effort: a process that exited, or a kernel without ``process_madvise``,
+    only means the pages come back on first touch instead.
     """
     total = 0
-    for pid in pids:
+    for pid in sorted(pids, key=_swapped_kib):
         fd = _libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
         if fd < 0:
             continue
