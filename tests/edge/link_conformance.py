@@ -14,6 +14,7 @@ import asyncio
 import base64
 import hashlib
 import random
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -34,6 +35,7 @@ from dsec.protocol.errors import (
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     PROJECT_LABEL,
+    BulkAction,
     CommandResult,
     CommitRequest,
     ContainerSpec,
@@ -411,3 +413,159 @@ class LinkConformance:
                 await call()
             assert info.value.reason == "edge_unreachable"
             assert "edge-a" in info.value.message
+
+    # -- pause, resume, bulk, leases, idempotency, trajectory -----------------------------------
+
+    async def test_a_paused_sandbox_resumes_on_its_next_request(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        paused = await link.pause(info.id)
+        assert paused.state is SandboxState.paused and paused.pause_reason == "requested"
+        assert paused.paused_at is not None
+        got = await link.get(info.id)
+        assert (got.state, got.paused_at, got.pause_reason) == (
+            SandboxState.paused,
+            paused.paused_at,
+            "requested",
+        )
+        assert [i.id for i in await link.list_sandboxes()] == [info.id], "a paused sandbox is still listed"
+        again = await link.pause(info.id)  # twice is not an error
+        assert again.state is SandboxState.paused
+        # The caller need not know: a command resumes it first, and answers.
+        r = await link.run_shell(info.id, ShellRequest(command="echo awake"))
+        assert (r.exit_code, r.stdout) == (0, "awake\n")
+        got = await link.get(info.id)
+        assert (got.state, got.paused_at, got.pause_reason) == (SandboxState.running, None, None)
+        # So does file access.
+        await link.pause(info.id)
+        assert await read_all(link, info.id, "/hello.txt") == b"hello from the layer\n"
+        assert (await link.get(info.id)).state is SandboxState.running
+        stopped = await link.stop(info.id)
+        assert stopped.state is SandboxState.stopped
+        with pytest.raises(SandboxNotFound):
+            await link.pause(info.id)
+
+    async def test_resuming_a_running_sandbox_changes_nothing(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        resumed = await link.resume(info.id)
+        assert (resumed.state, resumed.paused_at) == (SandboxState.running, None)
+        assert "resume" not in [e.kind for e in await link.trajectory(info.id)], "nothing was done"
+        await link.pause(info.id)
+        assert (await link.resume(info.id)).state is SandboxState.running
+        assert (await link.resume(info.id)).state is SandboxState.running
+        assert [e.kind for e in await link.trajectory(info.id)] == ["pause", "resume"]
+        await link.stop(info.id)
+
+    async def test_a_bulk_pause_and_resume_take_the_labels_and_the_project_subtree(
+        self, link: EdgeLink
+    ) -> None:
+        def made(project: str, **labels: str) -> ContainerSpec:
+            s = spec(labels=labels)
+            return s.model_copy(update={"labels": {**labels, PROJECT_LABEL: project}})
+
+        mine = [await link.create(made(p, job="j")) for p in ("root/a", "root/a/rollout-1", "root/a")]
+        other_job = await link.create(made("root/a", job="k"))
+        other_project = await link.create(made("root/ab", job="j"))  # a name prefix, not a sub-project
+        untouched = {other_job.id, other_project.id}
+
+        paused = await link.bulk("pause", {"job": "j"}, "root/a")
+        assert paused.action == "pause" and not paused.failed
+        assert sorted(i.id for i in paused.done) == sorted(i.id for i in mine)
+        assert all(i.state is SandboxState.paused for i in paused.done)
+        for info in await link.list_sandboxes():
+            assert info.state is (SandboxState.running if info.id in untouched else SandboxState.paused)
+        again = await link.bulk("pause", {"job": "j"}, "root/a")  # already paused: fine
+        assert sorted(i.id for i in again.done) == sorted(i.id for i in mine) and not again.failed
+
+        resumed = await link.bulk("resume", {"job": "j"}, "root/a")
+        assert resumed.action == "resume" and not resumed.failed
+        assert sorted(i.id for i in resumed.done) == sorted(i.id for i in mine)
+        assert all(i.state is SandboxState.running for i in resumed.done)
+        assert all(i.state is SandboxState.running for i in await link.list_sandboxes())
+        assert (await link.bulk("pause", {"job": "none"}, "root")).done == []
+
+        actions: tuple[BulkAction, ...] = ("pause", "resume")
+        for action in actions:
+            with pytest.raises(InvalidRequest):
+                await link.bulk(action, {}, "root")  # never "everything" by accident
+        assert all(i.state is SandboxState.running for i in await link.list_sandboxes())
+        for info in [*mine, other_job, other_project]:
+            await link.stop(info.id)
+
+    async def test_a_keyed_command_runs_once(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        step = "echo x >> tmp/count.txt; wc -l < tmp/count.txt"
+        first = await link.run_shell(info.id, ShellRequest(command=step, idempotency_key="step-1"))
+        assert (first.exit_code, first.stdout.strip()) == (0, "1")
+        repeat = await link.run_shell(info.id, ShellRequest(command=step, idempotency_key="step-1"))
+        assert repeat == first, "a repeat gets the recorded result"
+        assert await read_all(link, info.id, "/tmp/count.txt") == b"x\n", "and did not run again"
+        other = await link.run_shell(info.id, ShellRequest(command=step, idempotency_key="step-2"))
+        assert other.stdout.strip() == "2"
+        unkeyed = await link.run_shell(info.id, ShellRequest(command=step))
+        assert unkeyed.stdout.strip() == "3"
+
+        argv = ["sh", "-c", "echo y >> tmp/exec.txt; wc -l < tmp/exec.txt"]
+        out, _, result = await drain(link.exec_stream(info.id, argv, idempotency_key="exec-1"))
+        assert (out.strip(), result.exit_code) == (b"1", 0)
+        out_again, _, result_again = await drain(link.exec_stream(info.id, argv, idempotency_key="exec-1"))
+        assert (out_again, result_again) == (out, result), "a keyed exec replays its events"
+        assert await read_all(link, info.id, "/tmp/exec.txt") == b"y\n"
+        await link.stop(info.id)
+
+    async def test_the_trajectory_lists_requests_in_order_and_pages(self, link: EdgeLink) -> None:
+        info = await link.create(spec())
+        sid = info.id
+        await link.run_shell(sid, ShellRequest(command="echo one"))
+        await link.run_shell(sid, ShellRequest(command="echo two", idempotency_key="k2"))
+        await link.run_shell(sid, ShellRequest(command="echo two", idempotency_key="k2"))  # replayed
+        await drain(link.exec_stream(sid, ["sh", "-c", "echo three"], idempotency_key="k3"))
+        await link.write_stream(sid, "/tmp/t.txt", one_chunk(b"four"))
+        await link.remove(sid, "/tmp/t.txt")
+        failed = await link.run_shell(sid, ShellRequest(command="exit 5"))
+        assert failed.exit_code == 5
+
+        entries = await link.trajectory(sid)
+        assert [(e.seq, e.kind, e.key, e.status) for e in entries] == [
+            (1, "shell", None, "done"),
+            (2, "shell", "k2", "done"),
+            (3, "exec", "k3", "done"),
+            (4, "write", None, "done"),
+            (5, "remove", None, "done"),
+            (6, "shell", None, "done"),
+        ]
+        assert entries[0].request["command"] == "echo one"
+        assert entries[0].result is not None and entries[0].result["stdout"] == "one\n"
+        assert entries[5].result is not None and entries[5].result["exit_code"] == 5
+        assert entries[3].request["path"] == "/tmp/t.txt"
+        assert all(e.finished_at is not None and e.finished_at >= e.started_at for e in entries)
+
+        assert [e.seq for e in await link.trajectory(sid, after=2)] == [3, 4, 5, 6]
+        assert [e.seq for e in await link.trajectory(sid, after=2, limit=2)] == [3, 4]
+        assert await link.trajectory(sid, after=6) == []
+        await link.stop(sid)
+        assert [e.seq for e in await link.trajectory(sid)] == [1, 2, 3, 4, 5, 6], "kept after a stop"
+
+    async def test_renewing_a_lease_extends_the_jobs_leases_in_the_subtree(self, link: EdgeLink) -> None:
+        def leased(project: str, job: str, lease_s: float | None = 60) -> ContainerSpec:
+            s = spec(labels={"job": job}, lease_s=lease_s)
+            return s.model_copy(update={"labels": {"job": job, PROJECT_LABEL: project}})
+
+        made = [
+            await link.create(leased("root/a", "j")),
+            await link.create(leased("root/a/rollout-1", "j")),
+            await link.create(leased("root/ab", "j")),
+            await link.create(leased("root/a", "k")),
+            await link.create(leased("root/a", "j", lease_s=None)),  # the job's, but without a lease
+        ]
+        before = time.time()
+        covered, expires_at = await link.renew_lease("j", 120, "root")
+        after = time.time()
+        assert covered == 3
+        assert before + 120 <= expires_at <= after + 120
+        assert (await link.renew_lease("j", 120, "root/a"))[0] == 2, "root/ab is not below root/a"
+        assert (await link.renew_lease("k", 30, "root"))[0] == 1
+        assert (await link.renew_lease("unknown", 120, "root"))[0] == 0
+        assert (await link.renew_lease("j", 120, "root/b"))[0] == 0
+        for info in made:
+            await link.stop(info.id)
+        assert (await link.renew_lease("j", 120, "root"))[0] == 0, "a lease covers live sandboxes only"

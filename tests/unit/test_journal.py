@@ -4,14 +4,18 @@ marked failed, half-created ones cleaned up, and sandboxes nobody has a record o
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
+import sqlite3
+import time
+from pathlib import Path
 from typing import Any
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.backends.base import CreateContext, User
 from dsec.backends.fake import FakeBackend
-from dsec.edge.journal import Journal, Record
+from dsec.edge.journal import Journal, Lease, Record
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec
 from tests.support import eventually
@@ -132,3 +136,150 @@ async def test_a_sandbox_that_dies_while_the_edge_runs_is_noticed(nodes: Nodes) 
             return (await client.get(sandbox.id)).info.state is not SandboxState.running
 
         await eventually(not_running, "the edge to notice the dead sandbox")
+
+
+# -- the journal file itself: schema upgrades, leases, forgetting ----------------------------------
+
+ROOT_USER = dataclasses.asdict(User("root", 0, 0, "/"))
+# The sandboxes table as the first release wrote it: no pause columns, no leases table.
+OLD_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE sandboxes (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    layers TEXT NOT NULL,
+    user TEXT NOT NULL,
+    handle TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_active_at REAL NOT NULL,
+    stop_reason TEXT
+);
+CREATE INDEX sandboxes_state ON sandboxes(state);
+"""
+
+
+def _sid(epoch: int = 1) -> str:
+    return str(SandboxId.new("n", epoch))
+
+
+def _record(state: SandboxState, last_active_at: float | None = None, sid: str | None = None) -> Record:
+    rec = Record(
+        sid or _sid(), state, "container", ContainerSpec(image=TINY), ["sha256:" + "a" * 64], ROOT_USER
+    )
+    if last_active_at is not None:
+        rec.last_active_at = last_active_at
+    return rec
+
+
+def test_a_journal_from_before_pausing_opens_keeps_its_sandboxes_and_stores_pauses(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite"
+    sid = _sid()
+    spec = ContainerSpec(image=TINY, labels={"job": "j"}, memory_limit_mb=256)
+    old = sqlite3.connect(path)
+    old.executescript(OLD_SCHEMA)
+    old.execute("INSERT INTO meta VALUES('epoch', '1')")
+    old.execute(
+        "INSERT INTO sandboxes VALUES(?,?,?,?,?,?,?,?,?,?)",
+        (
+            sid,
+            "running",
+            "container",
+            spec.model_dump_json(),
+            json.dumps(["sha256:" + "b" * 64]),
+            json.dumps(ROOT_USER),
+            json.dumps({"pid": 4242}),
+            1000.0,
+            2000.0,
+            None,
+        ),
+    )
+    old.commit()
+    old.close()
+
+    journal = Journal(path)
+    try:
+        assert journal.meta("epoch") == "1"
+        [rec] = journal.live()
+        assert (rec.id, rec.state, rec.spec, rec.handle) == (sid, SandboxState.running, spec, {"pid": 4242})
+        assert (rec.layers, rec.user, rec.created_at, rec.last_active_at) == (
+            ["sha256:" + "b" * 64],
+            ROOT_USER,
+            1000.0,
+            2000.0,
+        )
+        assert (rec.paused_at, rec.pause_reason) == (None, None)
+        rec.state, rec.paused_at, rec.pause_reason = SandboxState.paused, 3000.0, "lease_lapsed"
+        journal.update(rec)
+        journal.put_lease(Lease("root", "j", 4000.0, 60.0))
+    finally:
+        journal.close()
+
+    again = Journal(path)  # upgraded once: opening it again must not add the columns twice
+    try:
+        rec2 = again.get(sid)
+        assert rec2 is not None
+        assert (rec2.state, rec2.paused_at, rec2.pause_reason) == (
+            SandboxState.paused,
+            3000.0,
+            "lease_lapsed",
+        )
+        assert [r.id for r in again.live()] == [sid], "a paused sandbox is still the node's"
+        assert again.leases() == [Lease("root", "j", 4000.0, 60.0)]
+        fresh = _record(SandboxState.running)
+        again.insert(fresh)  # new rows use every column
+        got = again.get(fresh.id)
+        assert got is not None and got.paused_at is None
+    finally:
+        again.close()
+
+
+def test_leases_round_trip_and_survive_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite"
+    journal = Journal(path)
+    try:
+        assert journal.leases() == []
+        journal.put_lease(Lease("root/a", "j", 100.0, 30.0))
+        journal.put_lease(Lease("root/b", "j", 200.0, 0.0))
+        journal.put_lease(Lease("root/a", "k", 300.0, 3600.0))
+        journal.put_lease(Lease("root/a", "j", 150.0, 45.0))  # a renewal replaces, never adds
+        journal.drop_lease("root/a", "k")
+        journal.drop_lease("root/a", "nothing")  # dropping what is not there is fine
+    finally:
+        journal.close()
+    again = Journal(path)
+    try:
+        by_key = {(lease.project, lease.job): lease for lease in again.leases()}
+        assert by_key == {
+            ("root/a", "j"): Lease("root/a", "j", 150.0, 45.0),
+            ("root/b", "j"): Lease("root/b", "j", 200.0, 0.0),
+        }
+    finally:
+        again.close()
+
+
+def test_forget_before_returns_exactly_the_forgotten_ids(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite")
+    try:
+        now = time.time()
+        old_stopped = _record(SandboxState.stopped, now - 1000)
+        old_failed = _record(SandboxState.failed, now - 500)
+        recent_stopped = _record(SandboxState.stopped, now)
+        old_running = _record(SandboxState.running, now - 1000)
+        old_paused = _record(SandboxState.paused, now - 1000)
+        old_creating = _record(SandboxState.creating, now - 1000)
+        for rec in (old_stopped, old_failed, recent_stopped, old_running, old_paused, old_creating):
+            journal.insert(rec)
+
+        forgotten = journal.forget_before(now - 100)
+        assert sorted(forgotten) == sorted([old_stopped.id, old_failed.id])
+        assert len(forgotten) == 2
+        for rec in (old_stopped, old_failed):
+            assert journal.get(rec.id) is None
+        for rec in (recent_stopped, old_running, old_paused, old_creating):
+            assert journal.get(rec.id) is not None, "live and recent sandboxes are kept"
+        assert journal.forget_before(now - 100) == [], "nothing is forgotten twice"
+        assert journal.forget_before(now + 1) == [recent_stopped.id]
+    finally:
+        journal.close()

@@ -40,6 +40,8 @@ class SwapConfig:
         if kind not in ("none", "host", "file", "zram"):
             raise InvalidRequest(f"swap {text!r}: say none, host, file[:SIZE_MB[:PATH]] or zram[:SIZE_MB]")
         size, _, path = rest.partition(":")
+        if rest and kind in ("none", "host"):
+            raise InvalidRequest(f"swap {text!r}: {kind} takes no size or path")
         try:
             size_mb = int(size) if size else 4096
         except ValueError as exc:

@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+from dsec.protocol.errors import Conflict, DSecError, InfraFailure, error_from_wire
 from dsec.protocol.models import TrajectoryEntry
 
 _SCHEMA = """
@@ -158,7 +158,32 @@ class Recorder:
         self.log = log
         # Keyed work in progress, joined by repeats: (sandbox, key) -> its task.
         self._running: dict[tuple[str, str], asyncio.Task[dict[str, Any]]] = {}
+        self._kinds: dict[tuple[str, str], str] = {}  # what each running key was used for
         self._feeds: dict[tuple[str, str], _Feed] = {}
+
+    def _same_kind(self, sandbox_id: str, key: str, kind: str, used_for: str) -> None:
+        if used_for != kind:
+            raise Conflict(
+                f"idempotency key {key!r} of {sandbox_id} names a {used_for!r} request, not"
+                f" a {kind!r} one: use one key per request"
+            )
+
+    def _start(
+        self, sandbox_id: str, key: str, kind: str, work: Awaitable[dict[str, Any]]
+    ) -> asyncio.Task[dict[str, Any]]:
+        # A task of its own: the caller going away (a trainer killed mid-command) must not
+        # cancel a command it asked to run exactly once; its outcome is recorded either way.
+        task = asyncio.ensure_future(work)
+        self._running[(sandbox_id, key)] = task
+        self._kinds[(sandbox_id, key)] = kind
+
+        def forget(_t: object) -> None:
+            self._running.pop((sandbox_id, key), None)
+            self._kinds.pop((sandbox_id, key), None)
+            self._feeds.pop((sandbox_id, key), None)
+
+        task.add_done_callback(forget)
+        return task
 
     async def call(
         self,
@@ -180,12 +205,11 @@ class Recorder:
         if task is None:
             entry = self.log.by_key(sandbox_id, key)
             if entry is not None:
+                self._same_kind(sandbox_id, key, kind, entry.kind)
                 return _replayed(sandbox_id, entry)
-            # A task of its own: the caller going away (a trainer killed mid-command) must not
-            # cancel a command it asked to run exactly once; its outcome is recorded either way.
-            task = asyncio.ensure_future(self._record(sandbox_id, kind, key, request, run))
-            self._running[(sandbox_id, key)] = task
-            task.add_done_callback(lambda _t: self._running.pop((sandbox_id, key), None))
+            task = self._start(sandbox_id, key, kind, self._record(sandbox_id, kind, key, request, run))
+        else:
+            self._same_kind(sandbox_id, key, kind, self._kinds[(sandbox_id, key)])
         return await asyncio.shield(task)
 
     async def _record(
@@ -235,6 +259,11 @@ class Recorder:
             except DSecError as exc:
                 failure = exc
                 raise
+            except Exception as exc:
+                failure = InfraFailure(
+                    f"{kind} failed on the edge: {type(exc).__name__}", reason="interrupted"
+                )
+                raise
             finally:
                 await gen.aclose()
                 if failure is not None:
@@ -257,19 +286,14 @@ class Recorder:
         if task is None:
             entry = self.log.by_key(sandbox_id, key)
             if entry is not None:
+                self._same_kind(sandbox_id, key, kind, entry.kind)
                 for ev in _replayed(sandbox_id, entry).get("events", []):
                     yield ev
                 return
-            task = asyncio.ensure_future(self._record(sandbox_id, kind, key, request, collect))
-            self._running[(sandbox_id, key)] = task
             self._feeds[(sandbox_id, key)] = feed
-
-            def forget(_t: object) -> None:
-                self._running.pop((sandbox_id, key), None)
-                self._feeds.pop((sandbox_id, key), None)
-
-            task.add_done_callback(forget)
+            task = self._start(sandbox_id, key, kind, self._record(sandbox_id, kind, key, request, collect))
         else:
+            self._same_kind(sandbox_id, key, kind, self._kinds[(sandbox_id, key)])
             feed = self._feeds[(sandbox_id, key)]
         async for ev in feed.follow(task):
             yield ev
