@@ -159,7 +159,10 @@ class Edge(Reclaimer, Pausing, Commands):
             if current and adoptable and await self.backend.alive(rec.id, rec.handle):
                 for digest in rec.layers:
                     self.mounts.acquire_layer(self.store, digest)
-                await self.reapply_pause_state(rec)
+                try:
+                    await self.reapply_pause_state(rec)
+                except DSecError as exc:  # its cgroup vanished: the liveness check will reap it
+                    log.warning("re-adopting %s: %s", rec.id, exc)
                 self._live[rec.id] = _Live(rec, user)
                 log.info("re-adopted %s (%s)", rec.id, rec.state.value)
                 continue

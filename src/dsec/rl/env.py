@@ -67,9 +67,9 @@ class SandboxEnv:
         self.grade_result = None
         existing = await self.client.list(labels={"job": self.job, "episode": self.episode})
         if existing:
-            self.sandbox, self.reattached = existing[0], True
-            for extra in existing[1:]:  # a create that raced a kill: keep one
-                await extra.stop()
+            # The oldest is the episode's own; others with its labels are forks, left alone.
+            self.sandbox = min(existing, key=lambda sb: sb.info.created_at)
+            self.reattached = True
         else:
             self.sandbox = await self.client.run_container(
                 DSecContainerRunArgs(
