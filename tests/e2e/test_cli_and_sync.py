@@ -13,6 +13,7 @@ import pytest
 
 from dsec import DSec, DSecClient, DSecContainerRunArgs, SandboxNotFound, SyncSandbox
 from dsec.apiserver.embedded import EmbeddedNode
+from dsec.rl.demo import build_repository
 from tests.conftest import BASE, DATA_DIR
 from tests.support import DSEC, dsec_env, start_dsec_up
 
@@ -85,6 +86,17 @@ async def test_dsec_up_then_sdk_and_cli_connect_by_default(
             renewed = await asyncio.to_thread(run, "job", "renew", "no-such-job", "--lease", "30")
             assert renewed.returncode == 0 and "0 sandboxes" in renewed.stdout, renewed.stderr
             await sb.stop()
+            upstream = tmp_path / "upstream"
+            base = build_repository(upstream)  # a base commit, then the fix after it
+            ws_ref = f"cli-ws:{uuid.uuid4().hex[:8]}"
+            made_ws = await asyncio.to_thread(
+                run, "layer", "workspace", str(upstream), base, "--name", ws_ref
+            )
+            assert made_ws.returncode == 0, made_ws.stderr
+            task = await client.run_container(DSecContainerRunArgs(layers=[BASE, ws_ref]))
+            history = await task.run_shell("cd /workspace && git log --all --format=%H && cat calc.py")
+            assert history.stdout.startswith(f"{base}\n") and "THE-FUTURE-FIX" not in history.stdout
+            await task.stop()
             (layer_dir / "Dockerfile").write_text(
                 "FROM debian:bookworm\nCOPY opt/tool.sh /opt/\nRUN echo built\n"
             )

@@ -121,3 +121,22 @@ def test_a_swap_file_is_turned_on_shared_and_turned_off_by_its_owner(tmp_path: P
     assert name in active_swaps() and again.device == name
     again.release()
     assert name not in active_swaps()
+
+
+@pytest.mark.skipif(not Path("/sys/class/zram-control").exists(), reason="no zram kernel module on this host")
+def test_a_zram_swap_is_made_compressed_turned_on_and_reset(tmp_path: Path) -> None:
+    before = active_swaps()
+    swap = Swap(SwapConfig.parse("zram:128"), tmp_path)
+    device = ""
+    try:
+        swap.ensure()
+        device = swap.device or ""
+        assert device.startswith("/dev/zram")
+        assert active_swaps()[device] >= 127 << 20
+        again = Swap(SwapConfig.parse("zram:128"), tmp_path)
+        again.ensure()  # finds it on: uses it, does not own it
+        assert again.device is None and active_swaps()[device] >= 127 << 20
+    finally:
+        swap.release()
+    assert active_swaps() == before
+    assert (Path("/sys/block") / Path(device).name / "disksize").read_text().strip() == "0", "reset"

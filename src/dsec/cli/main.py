@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -289,6 +290,26 @@ def layer_import(
     """Import a directory or tar archive as an immutable EROFS layer."""
     with err_console.status(f"importing {path} as {name} (pack, upload, mkfs.erofs)"):
         info = _client_call(lambda c: c.import_layer(path, name))
+    console.print_json(json.dumps(info.model_dump(mode="json")))
+
+
+@layer_app.command("workspace")
+def layer_workspace(
+    repo: Annotated[Path, typer.Argument(help="a local git repository (working tree or bare)")],
+    base: Annotated[str, typer.Argument(help="the task's base commit (sha, branch or tag)")],
+    name: Annotated[str, typer.Option("--name", help="name:version of the new layer")],
+    subdir: Annotated[str, typer.Option(help="where the workspace sits in the sandbox")] = "workspace",
+) -> None:
+    """A task workspace layer: the repository at BASE, with no way back to later commits."""
+    from dsec.rl.workspace import prepare_workspace
+
+    with tempfile.TemporaryDirectory(prefix="dsec-workspace-") as tmp:
+        try:
+            prepare_workspace(repo, base, Path(tmp) / "layer", subdir=subdir)
+        except DSecError as exc:
+            raise _fail(exc) from None
+        with err_console.status(f"importing the workspace as {name}"):
+            info = _client_call(lambda c: c.import_layer(Path(tmp) / "layer", name))
     console.print_json(json.dumps(info.model_dump(mode="json")))
 
 
