@@ -18,7 +18,8 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from dsec.edge.link import DEFAULT_FILE_MODE, check_routed
+from dsec.edge.link import check_routed
+from dsec.executor.file_ops import DEFAULT_FILE_MODE
 from dsec.iam.base import in_subtree
 from dsec.protocol.errors import CapacityExhausted, SandboxNotFound
 from dsec.protocol.ids import SandboxId

@@ -23,8 +23,8 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from dsec.edge.link import CHUNK, DEFAULT_FILE_MODE
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
+from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import (

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dsec.executor.file_ops import FileOps
 from dsec.protocol.models import ContainerSpec
 
 
@@ -95,8 +96,8 @@ class Backend(Protocol):
     def memory_bytes(self, sandbox_id: str) -> int:
         """RAM the sandbox is charged for now."""
 
-    def root_path(self, handle: dict[str, Any]) -> str:
-        """A host path whose root is the sandbox's root filesystem (for confined file access)."""
+    def files(self, handle: dict[str, Any], user: User) -> FileOps:
+        """The sandbox's files, as ``user`` would create them (owner of new files)."""
 
     def oom_kills(self, sandbox_id: str) -> int:
         """How many processes of this sandbox the kernel has OOM-killed so far."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.backends.base import sandbox_env
-from dsec.executor.files import SandboxFiles
+from dsec.executor.file_ops import FileOps
 from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
 from dsec.executor.session import DRIVER, Session
 from dsec.images.commit import DEFAULT_SCRUB, scrub
@@ -266,18 +266,13 @@ class Commands:
             raise InvalidRequest(f"under={under!r}: give an absolute path without '..'")
         return await asyncio.to_thread(_walk_changes, upper, lowers, under.rstrip("/") or "/")
 
-    def files(self, sandbox_id: str) -> SandboxFiles:
-        live = self._get_live(sandbox_id)
-        return SandboxFiles(self.backend.root_path(live.record.handle), uid=live.user.uid, gid=live.user.gid)
-
-    async def files_ready(self, sandbox_id: str) -> SandboxFiles:
-        """File access to a sandbox, resumed first if it was paused."""
-        await self._use(sandbox_id)
-        return self.files(sandbox_id)
+    async def files_ready(self, sandbox_id: str) -> FileOps:
+        """File access to a sandbox (as its user), resumed first if it was paused."""
+        live = await self._use(sandbox_id)
+        return self.backend.files(live.record.handle, live.user)
 
     async def _exists(self, live: _Live, path: str) -> bool:
-        files = SandboxFiles(self.backend.root_path(live.record.handle))
-        return await asyncio.to_thread(files.exists, path)
+        return await self.backend.files(live.record.handle, live.user).exists(path)
 
 
 def _link_copy(upper: Path, staging: Path) -> None:

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterable
 from typing import Any, Protocol, runtime_checkable
 
 from dsec.edge.edge import Edge
-from dsec.executor.files import SandboxFiles
+from dsec.executor.file_ops import DEFAULT_FILE_MODE, FileOps
 from dsec.iam.base import in_subtree
 from dsec.protocol.errors import InvalidRequest, SandboxNotFound
 from dsec.protocol.fncall import FnResult, FnTask
@@ -45,8 +45,6 @@ from dsec.protocol.models import (
 )
 
 _BULK_CONCURRENCY = 32  # stops in flight per node: each one kills a process tree and unmounts
-CHUNK = 1 << 20  # file content moves in pieces of at most this size: memory stays flat
-DEFAULT_FILE_MODE = 0o644
 
 
 @runtime_checkable
@@ -189,7 +187,7 @@ class LocalEdgeLink:
         check_routed(self.edge.config.node, self.edge.epoch, sandbox_id)
         return sandbox_id
 
-    async def _files(self, sandbox_id: str) -> SandboxFiles:
+    async def _files(self, sandbox_id: str) -> FileOps:
         return await self.edge.files_ready(self._routed(sandbox_id))
 
     async def close(self) -> None:
@@ -299,12 +297,12 @@ class LocalEdgeLink:
 
     async def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
         files = await self._files(sandbox_id)
-        fh = await asyncio.to_thread(files.open_read, path)
+        chunks = files.read_stream(path)
         try:
-            while chunk := await asyncio.to_thread(fh.read, CHUNK):
+            async for chunk in chunks:
                 yield chunk
         finally:
-            fh.close()
+            await chunks.aclose()
 
     async def write_stream(
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
@@ -312,47 +310,34 @@ class LocalEdgeLink:
         files = await self._files(sandbox_id)
 
         async def write() -> dict[str, Any]:
-            writer = await asyncio.to_thread(files.open_write, path, mode)
-            try:
-                async for chunk in chunks:
-                    await asyncio.to_thread(writer.write, chunk)
-                await asyncio.to_thread(writer.commit)
-            except BaseException:
-                # Also on cancellation (a caller that went away): no half-written file stays.
-                await asyncio.to_thread(writer.abort)
-                raise
-            return (await asyncio.to_thread(files.stat, path)).model_dump()
+            return (await files.write_stream(path, chunks, mode)).model_dump()
 
         request = {"path": path, "mode": oct(mode)}
-        return FileStat.model_validate(
-            await self.edge.recorder.call(sandbox_id, "write", None, request, write)
-        )
+        recorded = await self.edge.recorder.call(sandbox_id, "write", None, request, write)
+        return FileStat.model_validate(recorded)
 
     async def stat(self, sandbox_id: str, path: str) -> FileStat:
-        files = await self._files(sandbox_id)
-        return await asyncio.to_thread(files.stat, path)
+        return await (await self._files(sandbox_id)).stat(path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
-        files = await self._files(sandbox_id)
-        return await asyncio.to_thread(files.list_dir, path)
+        return await (await self._files(sandbox_id)).list_dir(path)
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
         files = await self._files(sandbox_id)
 
         async def make() -> dict[str, Any]:
-            await asyncio.to_thread(files.mkdir, path, parents)
-            return (await asyncio.to_thread(files.stat, path)).model_dump()
+            return (await files.mkdir(path, parents)).model_dump()
 
-        request = {"path": path, "parents": parents}
-        return FileStat.model_validate(
-            await self.edge.recorder.call(sandbox_id, "mkdir", None, request, make)
+        recorded = await self.edge.recorder.call(
+            sandbox_id, "mkdir", None, {"path": path, "parents": parents}, make
         )
+        return FileStat.model_validate(recorded)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         files = await self._files(sandbox_id)
 
         async def rm() -> dict[str, Any]:
-            await asyncio.to_thread(files.remove, path, recursive)
+            await files.remove(path, recursive)
             return {"removed": True}
 
         await self.edge.recorder.call(sandbox_id, "remove", None, {"path": path, "recursive": recursive}, rm)

@@ -53,7 +53,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from dsec.edge.edge import Edge
-from dsec.edge.link import CHUNK, LocalEdgeLink
+from dsec.edge.link import LocalEdgeLink
+from dsec.executor.file_ops import CHUNK
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
 from dsec.protocol.http import label_filter, listen, respond

@@ -23,6 +23,8 @@ from dsec.backends.base import CreateContext, User
 from dsec.backends.container import cgroups, oci
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import memory
+from dsec.executor.file_ops import FileOps, HostFileOps
+from dsec.executor.files import SandboxFiles
 from dsec.protocol.errors import InfraFailure
 
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -220,6 +222,9 @@ class ContainerBackend:
 
     def root_path(self, handle: dict[str, Any]) -> str:
         return f"/proc/{int(handle['pid'])}/root"
+
+    def files(self, handle: dict[str, Any], user: User) -> FileOps:
+        return HostFileOps(SandboxFiles(self.root_path(handle), uid=user.uid, gid=user.gid))
 
     def oom_kills(self, sandbox_id: str) -> int:
         return cgroups.oom_kills(sandbox_id)

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import CreateContext, User
+from dsec.executor.file_ops import FileOps, HostFileOps
+from dsec.executor.files import SandboxFiles
 from dsec.protocol.errors import DSecError, InfraFailure
 
 MARKER_ENV = "DSEC_FAKE_SANDBOX"
@@ -339,6 +341,9 @@ class FakeBackend:
 
     def root_path(self, handle: dict[str, Any]) -> str:
         return str(handle["root"])
+
+    def files(self, handle: dict[str, Any], user: User) -> FileOps:
+        return HostFileOps(SandboxFiles(self.root_path(handle), uid=user.uid, gid=user.gid))
 
     def oom_kills(self, sandbox_id: str) -> int:
         return 0
