@@ -8,12 +8,12 @@ edge journals. Every implementation passes ``tests/backends/conformance.py``.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from dsec.executor.file_ops import FileOps
+from dsec.executor.process import SandboxProcess
 from dsec.protocol.models import ContainerSpec
 
 
@@ -72,7 +72,7 @@ class Backend(Protocol):
         env: dict[str, str],
         cwd: str,
         user: User,
-    ) -> asyncio.subprocess.Process:
+    ) -> SandboxProcess:
         """Start ``argv`` inside the sandbox with stdin/stdout/stderr pipes held by the edge.
 
         The process leads its own process group so a timeout can kill its whole tree.

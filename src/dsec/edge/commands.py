@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.backends.base import sandbox_env
 from dsec.executor.file_ops import FileOps
-from dsec.executor.process import DEFAULT_MAX_OUTPUT, run_streaming
+from dsec.executor.process import DEFAULT_MAX_OUTPUT, SandboxProcess, run_streaming
 from dsec.executor.session import DRIVER, Session
 from dsec.images.commit import DEFAULT_SCRUB, scrub
 from dsec.images.refs import parse_tag
@@ -105,7 +105,7 @@ class Commands:
         if session is None:
             rec = live.record
 
-            async def spawn() -> asyncio.subprocess.Process:
+            async def spawn() -> SandboxProcess:
                 shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
                 return await self.backend.spawn(
                     sandbox_id,

@@ -28,6 +28,7 @@ from dsec.edge.pausing import PauseTotals, Pausing
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
+from dsec.executor.process import SandboxProcess
 from dsec.executor.session import Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
@@ -308,7 +309,7 @@ class Edge(Reclaimer, Pausing, Commands):
             raise Conflict(f"sandbox {requested} already exists")
         return requested
 
-    async def spawn_service(self, sandbox_id: str, argv: list[str]) -> asyncio.subprocess.Process:
+    async def spawn_service(self, sandbox_id: str, argv: list[str]) -> SandboxProcess:
         """A long-lived process in a sandbox whose pipes the edge holds (a FnCall runner)."""
         live = self._get_live(sandbox_id)
         env = sandbox_env(live.record.spec, live.user, None)

@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from dsec.protocol.models import CommandResult, ExecEvent
 
@@ -41,6 +41,48 @@ def descendants(pid: int) -> list[int]:
                 out.append(int(child))
                 stack.append(int(child))
     return out
+
+
+class ProcessStdin(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SandboxProcess(Protocol):
+    """A process in a sandbox as the edge drives it: :class:`asyncio.subprocess.Process` for a
+    container, :class:`dsec.backends.microvm.channel.VmProcess` for a microVM. A process that
+    is not on this host has a ``kill_tree`` method of its own (see :func:`kill_process_tree`)."""
+
+    @property
+    def stdin(self) -> ProcessStdin | None: ...
+
+    @property
+    def stdout(self) -> asyncio.StreamReader | None: ...
+
+    @property
+    def stderr(self) -> asyncio.StreamReader | None: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+def kill_process_tree(proc: SandboxProcess) -> None:
+    """SIGKILL ``proc`` with its group and descendants, wherever it runs."""
+    own: Callable[[], None] | None = getattr(proc, "kill_tree", None)
+    if own is not None:
+        own()
+    else:
+        kill_process_tree(proc)
 
 
 def kill_tree(pid: int) -> None:
@@ -75,7 +117,7 @@ class CappedBuffer:
 
 
 async def run_streaming(
-    proc: asyncio.subprocess.Process,
+    proc: SandboxProcess,
     *,
     stdin: bytes | None,
     timeout: float | None,
@@ -126,7 +168,7 @@ async def run_streaming(
                 event = await asyncio.wait_for(queue.get(), remaining)
             except TimeoutError:
                 timed_out = True
-                kill_tree(proc.pid)
+                kill_process_tree(proc)
                 # Drain what the dying tree still wrote; the pipes close once it is gone.
                 while (event := await queue.get()) is not None:
                     yield event
@@ -136,7 +178,7 @@ async def run_streaming(
             yield event
     finally:
         if not task.done():
-            kill_tree(proc.pid)
+            kill_process_tree(proc)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task

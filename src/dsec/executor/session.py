@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
-from dsec.executor.process import CHUNK, CappedBuffer, kill_tree, shell_exit_code
+from dsec.executor.process import CHUNK, CappedBuffer, SandboxProcess, kill_process_tree, shell_exit_code
 from dsec.protocol.models import CommandResult
 
 # POSIX sh, so images without bash still get sessions (through /bin/sh).
@@ -37,7 +37,7 @@ while IFS= read -r __dsec_n; do
 done
 """
 
-Spawner = Callable[[], Awaitable[asyncio.subprocess.Process]]
+Spawner = Callable[[], Awaitable[SandboxProcess]]
 
 
 class SessionDied(Exception):
@@ -86,14 +86,14 @@ class Session:
     def __init__(self, name: str, spawner: Spawner) -> None:
         self.name = name
         self._spawner = spawner
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: SandboxProcess | None = None
         self.lock = asyncio.Lock()
 
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
-    async def _ensure(self) -> asyncio.subprocess.Process:
+    async def _ensure(self) -> SandboxProcess:
         if self._proc is None or self._proc.returncode is not None:
             self._proc = await self._spawner()
         return self._proc
@@ -164,12 +164,12 @@ class Session:
             return
         self._proc = None
         if proc.returncode is None:
-            kill_tree(proc.pid)
+            kill_process_tree(proc)
         await _reap(proc)
 
 
 async def _reap(
-    proc: asyncio.subprocess.Process, out: CappedBuffer | None = None, err: CappedBuffer | None = None
+    proc: SandboxProcess, out: CappedBuffer | None = None, err: CappedBuffer | None = None
 ) -> int | None:
     """Wait for a finished or killed session shell; its exit code in shell form, if known.
 

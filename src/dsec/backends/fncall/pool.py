@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
 
+from dsec.executor.process import SandboxProcess
 from dsec.protocol.errors import CapacityExhausted, InfraFailure
 from dsec.protocol.fncall import FnResult, FnRunnerReady, FnTask, Language
 from dsec.protocol.models import RESERVED_LABEL_PREFIX, ContainerSpec
@@ -62,7 +63,7 @@ class WorkerLost(Exception):
 
 
 class Worker:
-    def __init__(self, sandbox_id: str, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, sandbox_id: str, proc: SandboxProcess) -> None:
         self.sandbox_id = sandbox_id
         self.proc = proc
         self.calls = 0
