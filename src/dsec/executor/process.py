@@ -82,7 +82,7 @@ def kill_process_tree(proc: SandboxProcess) -> None:
     if own is not None:
         own()
     else:
-        kill_process_tree(proc)
+        kill_tree(proc.pid)
 
 
 def kill_tree(pid: int) -> None:
