@@ -23,7 +23,15 @@ from dsec.protocol.errors import (
     Unauthorized,
 )
 from dsec.protocol.models import CommandResult, FileStat, Hardware, LayerInfo, SandboxInfo, SandboxState
-from dsec.sdk import DSec, DSecClient, DSecContainerRunArgs, ExecChunk, Sandbox, SyncSandbox
+from dsec.sdk import (
+    DSec,
+    DSecClient,
+    DSecContainerRunArgs,
+    DSecMicroVMRunArgs,
+    ExecChunk,
+    Sandbox,
+    SyncSandbox,
+)
 
 __all__ = [
     "BuildFailed",
@@ -35,6 +43,7 @@ __all__ = [
     "DSecClient",
     "DSecContainerRunArgs",
     "DSecError",
+    "DSecMicroVMRunArgs",
     "ExecChunk",
     "FileNotFound",
     "FileStat",

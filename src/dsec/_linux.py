@@ -1,4 +1,5 @@
-"""Thin ctypes wrappers for the few Linux syscalls Python 3.11 lacks (mount, umount2, unshare).
+"""Thin ctypes wrappers for the few Linux syscalls Python 3.11 lacks (mount, umount2, unshare),
+and reading a process's start time (how a PID is told apart from a later one that reuses it).
 
 They are safe to call between fork and exec (a ``preexec_fn``): no allocation beyond ctypes
 argument conversion, no locks. util-linux ``mount`` is never used: for an EROFS image file it
@@ -67,3 +68,16 @@ def private_mount_namespace() -> None:
     """Move the calling process into a fresh mount namespace that propagates nothing back."""
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # Fields after the parenthesised command name (which may hold spaces): state is field 3,
+    # starttime field 22. A zombie is as good as gone.
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])

@@ -17,6 +17,8 @@ from aiohttp import web
 from dsec.apiserver.app import ApiServer
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
+from dsec.backends.microvm.backend import MicroVMBackend
+from dsec.backends.microvm.qemu import Accel
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.edge.link import LocalEdgeLink
 from dsec.iam import IamStore, open_iam_store
@@ -24,6 +26,7 @@ from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement, Watcher
+from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.http import listen
 from dsec.sdk.config import read_config_file, write_client_config
 
@@ -44,6 +47,8 @@ class NodeConfig:
     config_file: Path | None = None  # where the URL and admin key go; None: the SDK default
     iam_url: str | None = None  # postgresql://... for a shared IAM; None: <data_dir>/iam.sqlite
     edge: dict[str, Any] = field(default_factory=dict)  # EdgeConfig overrides (tests)
+    microvm: bool = False  # also run microVM sandboxes (QEMU; the guest kit is built at start)
+    microvm_accel: str | None = None  # "kvm" or "tcg"; None: detected at start
 
 
 def open_layer_store(config: NodeConfig) -> LayerStore:
@@ -58,6 +63,27 @@ def open_layer_store(config: NodeConfig) -> LayerStore:
     return LayerStore(config.layer_dir or config.data_dir / "layers")
 
 
+def microvm_backend(data_dir: Path, store: LayerStore, accel: str | None) -> MicroVMBackend:
+    """The microVM backend of a node whose layers are in ``store``."""
+
+    def layer_file(digest: str) -> Path:
+        if store.split_info(digest) is not None:
+            raise InvalidRequest(
+                f"layer {digest[:19]} is split (metadata + data read in place): microVMs attach"
+                " single-file layers only, for now"
+            )
+        return store.blob_path(digest)
+
+    chosen: Accel | None = None
+    if accel == "kvm":
+        chosen = "kvm"
+    elif accel == "tcg":
+        chosen = "tcg"
+    elif accel is not None:
+        raise InvalidRequest(f"microVM accelerator {accel!r}: say kvm or tcg (or nothing: detect)")
+    return MicroVMBackend(data_dir, accel=chosen, layer_file=layer_file)
+
+
 class EmbeddedNode:
     def __init__(self, config: NodeConfig, backend: Backend | None = None) -> None:
         self.config = config
@@ -65,8 +91,15 @@ class EmbeddedNode:
         self.store = open_layer_store(config)
         self.mounts = LayerMounts(data / "mnt")
         self.backend = backend or ContainerBackend(data)
+        self.more_backends = (
+            [microvm_backend(data, self.store, config.microvm_accel)] if config.microvm else []
+        )
         self.edge = Edge(
-            EdgeConfig(data_dir=data, node=config.node, **config.edge), self.backend, self.store, self.mounts
+            EdgeConfig(data_dir=data, node=config.node, **config.edge),
+            self.backend,
+            self.store,
+            self.mounts,
+            more_backends=self.more_backends,
         )
         self.link = LocalEdgeLink(self.edge)
         self.watcher = Watcher({config.node: self.link})
@@ -108,7 +141,8 @@ class EmbeddedNode:
         await self.edge.close(stop_sandboxes=stop_sandboxes)
         if not self.edge.list_sandboxes():
             self.mounts.unmount_all()
-            await self.backend.release_node()
+            for backend in (self.backend, *self.more_backends):
+                await backend.release_node()
         if hasattr(self, "iam"):
             await self.iam.close()
         self.store.close()

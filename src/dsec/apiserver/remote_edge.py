@@ -43,6 +43,7 @@ from dsec.protocol.models import (
     ShellRequest,
     TrajectoryEntry,
     invalid_request,
+    parse_spec,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -288,7 +289,7 @@ class RemoteEdgeLink:
         raw = await self._json("POST", self._sandbox(sandbox_id, "/fork-spec"), params={"ref": ref})
         try:
             body = json.loads(raw)
-            spec = ContainerSpec.model_validate(body["spec"], context={"trusted": True})
+            spec = parse_spec(body["spec"], trusted=True)
             return spec, LayerInfo.model_validate(body["layer"])
         except (ValueError, KeyError, TypeError, ValidationError) as exc:
             raise InfraFailure(f"edge {self.node!r} sent a malformed fork answer", reason="protocol") from exc

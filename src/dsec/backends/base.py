@@ -46,6 +46,7 @@ class CreateContext:
     user: User
     workdir: Path  # per-sandbox directory on local disk owned by the edge
     handle: dict[str, Any] = field(default_factory=dict)
+    layer_digests: list[str] = field(default_factory=list)  # the same layers (a VM attaches their files)
 
 
 class Backend(Protocol):

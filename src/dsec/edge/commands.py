@@ -43,6 +43,7 @@ from dsec.protocol.models import (
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
     from dsec.edge.edge import EdgeConfig, _Live
+    from dsec.edge.journal import Record
     from dsec.edge.trajectory import Recorder
     from dsec.images.mounts import LayerMounts
     from dsec.images.store import LayerStore
@@ -89,6 +90,7 @@ class Commands:
         def _get_live(self, sandbox_id: str) -> _Live: ...
         def _workdir(self, sandbox_id: str) -> Path: ...
         def get(self, sandbox_id: str) -> SandboxInfo: ...
+        def backend_of(self, rec: Record) -> Backend: ...
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         request = {"command": req.command, "session": req.session, "timeout": req.timeout}
@@ -107,7 +109,7 @@ class Commands:
 
             async def spawn() -> SandboxProcess:
                 shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
-                return await self.backend.spawn(
+                return await self.backend_of(rec).spawn(
                     sandbox_id,
                     rec.handle,
                     [shell, "-c", DRIVER],
@@ -124,7 +126,7 @@ class Commands:
                 req.command,
                 timeout=timeout,
                 max_output=cap,
-                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
+                oom_kills=lambda: self.backend_of(live.record).oom_kills(sandbox_id),
             )
 
     async def exec_stream(
@@ -175,7 +177,8 @@ class Commands:
     ) -> AsyncGenerator[ExecEvent, None]:
         live = await self._use(sandbox_id)
         with live.working():
-            proc = await self.backend.spawn(
+            backend = self.backend_of(live.record)
+            proc = await backend.spawn(
                 sandbox_id,
                 live.record.handle,
                 argv,
@@ -188,7 +191,7 @@ class Commands:
                 stdin=stdin,
                 timeout=timeout or self.config.default_shell_timeout_s,
                 max_output=DEFAULT_MAX_OUTPUT if max_output is None else max_output,
-                oom_kills=lambda: self.backend.oom_kills(sandbox_id),
+                oom_kills=lambda: backend.oom_kills(sandbox_id),
             )
             try:
                 async for event in events:
@@ -225,12 +228,13 @@ class Commands:
 
     async def _pack(self, sandbox_id: str, ref: str, patterns: list[str]) -> LayerInfo:
         live = await self._use(sandbox_id)
-        upper = self.backend.upper_dir(self._workdir(sandbox_id))
+        backend = self.backend_of(live.record)
+        upper = backend.upper_dir(self._workdir(sandbox_id))
         staging = self._workdir(sandbox_id) / "pack"
         if ":" not in ref:
             parse_tag(f"{ref}:1")  # a bad name fails before the sandbox is frozen
         with live.working():
-            await self.backend.freeze(sandbox_id, live.record.handle)
+            await backend.freeze(sandbox_id, live.record.handle)
             try:
                 await asyncio.to_thread(_link_copy, upper, staging)
                 removed = await asyncio.to_thread(scrub, staging, patterns)
@@ -239,7 +243,7 @@ class Commands:
                 # into them before mkfs has read them.
                 return await asyncio.to_thread(self._import_versioned, staging, ref)
             finally:
-                await self.backend.thaw(sandbox_id, live.record.handle)
+                await backend.thaw(sandbox_id, live.record.handle)
                 await asyncio.to_thread(shutil.rmtree, staging, True)
 
     def _import_versioned(self, path: Path, ref: str) -> LayerInfo:
@@ -260,7 +264,7 @@ class Commands:
         """What the sandbox changed relative to its layers, read from its upper directory on
         the host (nothing inside the sandbox can hide a change from this), below ``under``."""
         live = self._get_live(sandbox_id)
-        upper = self.backend.upper_dir(self._workdir(sandbox_id))
+        upper = self.backend_of(live.record).upper_dir(self._workdir(sandbox_id))
         lowers = [self.mounts.path_for(d) for d in reversed(live.record.layers)]
         if not under.startswith("/") or ".." in under.split("/"):
             raise InvalidRequest(f"under={under!r}: give an absolute path without '..'")
@@ -269,10 +273,10 @@ class Commands:
     async def files_ready(self, sandbox_id: str) -> FileOps:
         """File access to a sandbox (as its user), resumed first if it was paused."""
         live = await self._use(sandbox_id)
-        return self.backend.files(live.record.handle, live.user)
+        return self.backend_of(live.record).files(live.record.handle, live.user)
 
     async def _exists(self, live: _Live, path: str) -> bool:
-        return await self.backend.files(live.record.handle, live.user).exists(path)
+        return await self.backend_of(live.record).files(live.record.handle, live.user).exists(path)
 
 
 def _link_copy(upper: Path, staging: Path) -> None:

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,9 +86,19 @@ class _Live:
 
 
 class Edge(Reclaimer, Pausing, Commands):
-    def __init__(self, config: EdgeConfig, backend: Backend, store: LayerStore, mounts: LayerMounts) -> None:
+    def __init__(
+        self,
+        config: EdgeConfig,
+        backend: Backend,
+        store: LayerStore,
+        mounts: LayerMounts,
+        *,
+        more_backends: Sequence[Backend] = (),
+    ) -> None:
         self.config = config
-        self.backend = backend
+        self.backend = backend  # the one container sandboxes use
+        # By the spec type each serves (a backend's name is the type: container, microvm).
+        self.backends: dict[str, Backend] = {b.name: b for b in (backend, *more_backends)}
         self.store = store
         self.mounts = mounts
         self.journal = Journal(config.data_dir / "edge" / "journal.sqlite")
@@ -123,7 +133,8 @@ class Edge(Reclaimer, Pausing, Commands):
             self.epoch = int(time.time())
         if self.epoch != claimed:
             self.journal.set_meta("epoch", str(self.epoch))
-        await self.backend.prepare_node()
+        for each in self.backends.values():
+            await each.prepare_node()
         await asyncio.to_thread(self.swap.ensure)
         await self._reconcile()
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -157,7 +168,11 @@ class Edge(Reclaimer, Pausing, Commands):
             user = User(**rec.user)
             current = SandboxId.parse(rec.id).epoch == self.epoch
             adoptable = rec.state in (SandboxState.running, SandboxState.paused)
-            if current and adoptable and await self.backend.alive(rec.id, rec.handle):
+            backend = self.backends.get(rec.backend)
+            if backend is None:
+                log.error("%s needs the %s backend, which this edge does not run", rec.id, rec.backend)
+                continue
+            if current and adoptable and await backend.alive(rec.id, rec.handle):
                 for digest in rec.layers:
                     self.mounts.acquire_layer(self.store, digest)
                 try:
@@ -173,13 +188,17 @@ class Edge(Reclaimer, Pausing, Commands):
             }.get(rec.state, "sandbox died while the edge was down")
             if not current and adoptable:
                 reason = f"the node re-registered with a new epoch ({self.epoch})"
-            await self.backend.destroy(rec.id, rec.handle, self._workdir(rec.id))
+            await backend.destroy(rec.id, rec.handle, self._workdir(rec.id))
             rec.state = SandboxState.stopped if rec.state is SandboxState.stopping else SandboxState.failed
             rec.stop_reason = reason
             self.journal.update(rec)
-        for orphan in await self.backend.leftovers():
-            if orphan not in known:
-                await self.backend.destroy(orphan, {}, self._workdir(orphan))
+        for each in self.backends.values():
+            for orphan in await each.leftovers():
+                if orphan not in known:
+                    await each.destroy(orphan, {}, self._workdir(orphan))
+
+    def backend_of(self, rec: Record) -> Backend:
+        return self.backends[rec.backend]
 
     def _workdir(self, sandbox_id: str) -> Path:
         return self.config.data_dir / "sandboxes" / sandbox_id
@@ -216,13 +235,13 @@ class Edge(Reclaimer, Pausing, Commands):
         return {
             "node": self.config.node,
             "epoch": self.epoch,
-            "backends": [self.backend.name, *(["fncall"] if self._fncall_serving() else [])],
+            "backends": [*self.backends, *(["fncall"] if self._fncall_serving() else [])],
             "running": len(self._live),  # paused ones included: they hold the node's disk
             "paused": paused,
             "creating": self._creating,
             "capacity": 0 if self.fenced else self.config.max_sandboxes,
             "hardware": self.hardware,
-            "by_backend": {self.backend.name: len(self._live)},
+            "by_backend": dict(Counter(live.record.backend for live in self._live.values())),
             "by_project": dict(by_project),
             # Bounded: a label per rollout would otherwise make every poll as large as the node.
             "by_label": dict(by_label.most_common(_MAX_LABELS_REPORTED)),
@@ -236,6 +255,9 @@ class Edge(Reclaimer, Pausing, Commands):
         """Admit and start a sandbox; ``sandbox_id`` is the ID the apiserver chose, if it did."""
         if self.fenced:
             raise CapacityExhausted(f"node {self.config.node} refuses creates: {self.fenced}")
+        backend = self.backends.get(spec.type)
+        if backend is None:
+            raise CapacityExhausted(f"node {self.config.node} does not run {spec.type} sandboxes")
         unmet = spec.hardware.unmet(self.hardware)
         if unmet is not None:
             raise CapacityExhausted(f"node {self.config.node} cannot host this sandbox: it {unmet}")
@@ -258,12 +280,10 @@ class Edge(Reclaimer, Pausing, Commands):
                 dirs.append(await self._acquire_layer(layer.digest))
                 acquired.append(layer.digest)
             user = resolve_user(dirs, spec.init_user)
-            rec = Record(
-                sid, SandboxState.creating, self.backend.name, spec, acquired, dataclasses.asdict(user)
-            )
+            rec = Record(sid, SandboxState.creating, backend.name, spec, acquired, dataclasses.asdict(user))
             self.journal.insert(rec)
-            ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid))
-            rec.handle = await self.backend.create(ctx)  # cleans up after itself when it fails
+            ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid), layer_digests=acquired)
+            rec.handle = await backend.create(ctx)  # cleans up after itself when it fails
             rec.state = SandboxState.running
             rec.last_active_at = time.time()
             self.journal.update(rec)
@@ -313,7 +333,7 @@ class Edge(Reclaimer, Pausing, Commands):
         """A long-lived process in a sandbox whose pipes the edge holds (a FnCall runner)."""
         live = self._get_live(sandbox_id)
         env = sandbox_env(live.record.spec, live.user, None)
-        return await self.backend.spawn(
+        return await self.backend_of(live.record).spawn(
             sandbox_id, live.record.handle, argv, env=env, cwd="/", user=live.user
         )
 
@@ -370,11 +390,11 @@ class Edge(Reclaimer, Pausing, Commands):
                 self.journal.update(rec)
             # A frozen process cannot die: thaw first (a no-op if it was never frozen).
             with contextlib.suppress(DSecError):
-                await self.backend.thaw(sandbox_id, rec.handle)
+                await self.backend_of(rec).thaw(sandbox_id, rec.handle)
             for session in live.sessions.values():
                 await session.kill()
             try:
-                await self.backend.destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
+                await self.backend_of(rec).destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
             except Exception as exc:
                 # Stays 'stopping': a later stop (or the reaper) tries again.
                 log.exception("destroying %s failed", sandbox_id)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.protocol.models import ContainerSpec, SandboxState
+from dsec.protocol.models import ContainerSpec, SandboxState, parse_spec
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -193,7 +193,7 @@ class Journal:
             id=row[0],
             state=SandboxState(row[1]),
             backend=row[2],
-            spec=ContainerSpec.model_validate_json(row[3], context={"trusted": True}),
+            spec=parse_spec(row[3], trusted=True),
             layers=json.loads(row[4]),
             user=json.loads(row[5]),
             handle=json.loads(row[6]),

@@ -75,6 +75,7 @@ class Pausing:
         pause_totals: PauseTotals
 
         def _info(self, rec: Record) -> SandboxInfo: ...
+        def backend_of(self, rec: Record) -> Backend: ...
 
     def _get_live(self, sandbox_id: str) -> _Live:
         """A sandbox that is running or paused; touching it counts as activity."""
@@ -122,11 +123,12 @@ class Pausing:
             if rec.state is not SandboxState.running:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}: it cannot pause")
             started = time.monotonic()
-            await self.backend.freeze(sandbox_id, rec.handle)
+            backend = self.backend_of(rec)
+            await backend.freeze(sandbox_id, rec.handle)
             try:
-                returned = await self.backend.page_out(sandbox_id, rec.handle)
+                returned = await backend.page_out(sandbox_id, rec.handle)
             except Exception as exc:
-                await self.backend.thaw(sandbox_id, rec.handle)
+                await backend.thaw(sandbox_id, rec.handle)
                 raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason="runtime") from exc
             rec.state = SandboxState.paused
             rec.paused_at = time.time()
@@ -146,8 +148,9 @@ class Pausing:
             if rec.state is not SandboxState.paused:
                 return self._info(rec)
             started = time.monotonic()
-            prefetched = await self.backend.prefetch(sandbox_id, rec.handle)
-            await self.backend.thaw(sandbox_id, rec.handle)
+            backend = self.backend_of(rec)
+            prefetched = await backend.prefetch(sandbox_id, rec.handle)
+            await backend.thaw(sandbox_id, rec.handle)
             rec.state = SandboxState.running
             rec.paused_at = None
             rec.pause_reason = None
@@ -162,9 +165,9 @@ class Pausing:
     async def reapply_pause_state(self, rec: Record) -> None:
         """After a restart: make the runtime match the journal (a crash may have come between)."""
         if rec.state is SandboxState.paused:
-            await self.backend.freeze(rec.id, rec.handle)
+            await self.backend_of(rec).freeze(rec.id, rec.handle)
         else:
-            await self.backend.thaw(rec.id, rec.handle)
+            await self.backend_of(rec).thaw(rec.id, rec.handle)
 
     # -- job leases -------------------------------------------------------------------------
 

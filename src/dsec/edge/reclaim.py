@@ -20,7 +20,7 @@ from dsec.protocol.models import SandboxInfo, SandboxState
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
     from dsec.edge.edge import EdgeConfig, _Live
-    from dsec.edge.journal import Journal
+    from dsec.edge.journal import Journal, Record
     from dsec.edge.trajectory import Recorder
 
 log = logging.getLogger("dsec.edge")
@@ -44,6 +44,7 @@ class Reclaimer:
         async def pause(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...
 
         def lease_actions(self, now: float) -> tuple[list[str], list[str]]: ...
+        def backend_of(self, rec: Record) -> Backend: ...
 
     def _flush_activity(self) -> None:
         self.journal.touch_many({i: live.record.last_active_at for i, live in self._live.items()})
@@ -63,7 +64,7 @@ class Reclaimer:
             spec, rec = live.record.spec, live.record
             if rec.state is SandboxState.stopping:
                 due.append((sid, rec.stop_reason or "stopped"))  # a destroy that failed before
-            elif check_liveness and not await self.backend.alive(sid, rec.handle):
+            elif check_liveness and not await self.backend_of(rec).alive(sid, rec.handle):
                 due.append((sid, "sandbox exited unexpectedly"))
                 dead.add(sid)
             elif spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:

@@ -60,11 +60,11 @@ from dsec.protocol.fncall import FnTask
 from dsec.protocol.http import label_filter, listen, respond
 from dsec.protocol.models import (
     CommitRequest,
-    ContainerSpec,
     ExecRequest,
     LeaseRequest,
     ShellRequest,
     invalid_request,
+    parse_spec,
 )
 
 log = logging.getLogger("dsec.edge.server")
@@ -242,7 +242,7 @@ class EdgeServer:
 
     async def create(self, request: web.Request) -> web.Response:
         # Trusted: the apiserver labels the spec with its project (a reserved dsec.* label).
-        spec = ContainerSpec.model_validate_json(await request.read() or b"{}", context={"trusted": True})
+        spec = parse_spec(await request.read() or b"{}", trusted=True)
         return respond(await self.link.create(spec, request.query.get("id")), status=201)
 
     async def list(self, request: web.Request) -> web.Response:

@@ -3,7 +3,7 @@ generated from it by :mod:`dsec.sdk._sync`)."""
 
 from dsec.sdk import client as _aio
 from dsec.sdk._sync import SyncWrapper
-from dsec.sdk.args import DSecContainerRunArgs
+from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs
 from dsec.sdk.client import DSecClient, ExecChunk, Sandbox
 
 
@@ -15,4 +15,12 @@ class DSec(SyncWrapper, async_cls=_aio.DSecClient, wrap=[SyncSandbox]):
     """Blocking DSec client: the methods of :class:`DSecClient`, without ``await``."""
 
 
-__all__ = ["DSec", "DSecClient", "DSecContainerRunArgs", "ExecChunk", "Sandbox", "SyncSandbox"]
+__all__ = [
+    "DSec",
+    "DSecClient",
+    "DSecContainerRunArgs",
+    "DSecMicroVMRunArgs",
+    "ExecChunk",
+    "Sandbox",
+    "SyncSandbox",
+]

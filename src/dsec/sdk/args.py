@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dsec.protocol.models import ContainerSpec, Hardware, invalid_request
+from dsec.protocol.models import ContainerSpec, Hardware, MicroVMSpec, invalid_request
 
 
 class DSecContainerRunArgs(BaseModel):
@@ -36,7 +38,10 @@ class DSecContainerRunArgs(BaseModel):
             raise invalid_request(exc) from None
 
     def _spec(self) -> ContainerSpec:
-        return ContainerSpec(
+        return ContainerSpec(**self._common())
+
+    def _common(self) -> dict[str, Any]:
+        return dict(
             image=self.container_image,
             layers=self.layers,
             memory_limit_mb=self.memory_limit_mb,
@@ -53,3 +58,15 @@ class DSecContainerRunArgs(BaseModel):
             labels=self.labels,
             hardware=self.hardware,
         )
+
+
+class DSecMicroVMRunArgs(DSecContainerRunArgs):
+    """Arguments of :meth:`DSecClient.run_microvm`: a container's, plus the writable disk's size.
+
+    The sandbox boots its own kernel over the same layers (``container_image`` or ``layers``);
+    every call that works on a container works on it."""
+
+    disk_mb: int = 4096
+
+    def _spec(self) -> ContainerSpec:
+        return MicroVMSpec(**self._common(), disk_mb=self.disk_mb)

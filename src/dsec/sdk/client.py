@@ -42,7 +42,7 @@ from dsec.sdk._fncall import FnCalls
 from dsec.sdk._projects import ProjectCalls
 from dsec.sdk._rl import JobCalls, SandboxRlCalls
 from dsec.sdk._transport import Transport
-from dsec.sdk.args import DSecContainerRunArgs
+from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs
 from dsec.sdk.build import BuildEvent, build_layer
 from dsec.sdk.config import load_client_config
 
@@ -319,6 +319,10 @@ class DSecClient(ProjectCalls, FnCalls, JobCalls):
             "POST", "/v1/sandboxes", json_body=req.model_dump(mode="json"), timeout=timeout + 10
         )
         return Sandbox(self._t, SandboxInfo.model_validate(body))
+
+    async def run_microvm(self, args: DSecMicroVMRunArgs, timeout: float = 300) -> Sandbox:
+        """Create a microVM sandbox (its own kernel, the same layers) and wait until it runs."""
+        return await self.run_container(args, timeout)
 
     async def run_containers(
         self, args: DSecContainerRunArgs, count: int, timeout: float = 120

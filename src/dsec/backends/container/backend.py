@@ -30,17 +30,6 @@ from dsec.protocol.errors import InfraFailure
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
 
-def _proc_start_time(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Fields after the parenthesised command name (which may hold spaces): state is field 3,
-    # starttime field 22. A zombie is as good as gone.
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
 def _raise_nofile_limit() -> None:
     # The edge holds three pipes per live process and sandboxes want many files: the default
     # hard limit (1024-20000) is too small. Without CAP_SYS_RESOURCE this stays a best effort.
@@ -144,11 +133,11 @@ class ContainerBackend:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise InfraFailure(f"crun run failed (exit {rc}): {detail.strip()}", reason="runtime")
         pid = int(pid_file.read_text())
-        return {"pid": pid, "start_time": _proc_start_time(pid)}
+        return {"pid": pid, "start_time": _linux.proc_start_time(pid)}
 
     async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
         pid = int(handle.get("pid", 0))
-        return pid > 0 and _proc_start_time(pid) == handle.get("start_time")
+        return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
 
     async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
         proc = await asyncio.create_subprocess_exec(

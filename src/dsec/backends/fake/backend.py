@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsec import _linux
 from dsec.backends.base import CreateContext, User
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
@@ -56,16 +57,6 @@ MARKER_ENV = "DSEC_FAKE_SANDBOX"
 _OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
 _SLEEP_ARGV = ["sleep", "2147483647"]
 _HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks, or None if it is gone (a zombie is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _pids_with_marker(sandbox_id: str) -> list[int]:
@@ -204,7 +195,7 @@ class FakeBackend:
 
     async def _kill_init(self, sandbox_id: str, pid: int, start_time: int | None) -> None:
         proc = self._inits.pop(sandbox_id, None)
-        if pid > 0 and start_time is not None and _proc_start_time(pid) == start_time:
+        if pid > 0 and start_time is not None and _linux.proc_start_time(pid) == start_time:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if proc is not None:
@@ -215,7 +206,7 @@ class FakeBackend:
         deadline = time.monotonic() + 10.0
         while True:
             pids = await asyncio.to_thread(_pids_with_marker, sandbox_id)
-            live = [p for p in pids if _proc_start_time(p) is not None]
+            live = [p for p in pids if _linux.proc_start_time(p) is not None]
             if not live:
                 return
             if time.monotonic() > deadline:
@@ -254,7 +245,7 @@ class FakeBackend:
                 start_new_session=True,
             )
             self._inits[sid] = proc
-            state.update(pid=proc.pid, start_time=_proc_start_time(proc.pid))
+            state.update(pid=proc.pid, start_time=_linux.proc_start_time(proc.pid))
             self._write_state(sid, state)
             ctx.handle.update(state)
             if self.fail_create:
@@ -271,7 +262,7 @@ class FakeBackend:
 
     async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
         pid = int(handle.get("pid", 0))
-        return pid > 0 and _proc_start_time(pid) == handle.get("start_time")
+        return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
 
     async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
         if self.fail_destroy:

@@ -1,0 +1,230 @@
+"""MicroVM sandboxes: QEMU ``microvm`` with its own kernel, over the same EROFS layers.
+
+Each sandbox is one daemonized QEMU (it outlives an edge restart, like a container's init),
+its layers attached read-only exactly as the store keeps them, an ext4 disk for its writes, and
+the guest agent on a virtio-serial port; processes and files go through the agent
+(:mod:`dsec.backends.microvm.channel`). The accelerator is chosen once per node
+(:func:`dsec.backends.microvm.qemu.detect_accel`). Not yet here: template clones, pause as a
+snapshot, pack/changes of a VM's disk, networking (a VM has no network device at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dsec import _linux
+from dsec.backends.base import CreateContext, User
+from dsec.backends.microvm import qemu
+from dsec.backends.microvm.channel import AgentChannel, VmProcess
+from dsec.backends.microvm.files import VmFileOps
+from dsec.backends.microvm.kit import GuestKit, ensure_kit
+from dsec.executor.file_ops import FileOps
+from dsec.protocol.errors import InfraFailure, InvalidRequest
+
+log = logging.getLogger("dsec.microvm")
+DEFAULT_DISK_MB = 4096
+BOOT_TIMEOUT_S = 120.0  # TCG on a loaded 2-core host; a KVM boot takes well under a second
+
+
+class MicroVMBackend:
+    name = "microvm"
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        accel: qemu.Accel | None = None,
+        layer_file: Callable[[str], Path] | None = None,
+        kit_dir: Path | None = None,
+    ) -> None:
+        self.state_dir = data_dir / "microvm"
+        self.kit_dir = kit_dir or data_dir / "guest-kit"
+        self.accel: qemu.Accel = accel or "tcg"
+        self._accel_given = accel is not None
+        self.kit: GuestKit | None = None
+        # digest -> the EROFS file QEMU attaches (the store's blob: no per-VM copy).
+        self.layer_file = layer_file
+        self._channels: dict[str, AgentChannel] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+
+    # -- node ---------------------------------------------------------------------------------
+
+    async def prepare_node(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.kit = await asyncio.to_thread(ensure_kit, self.kit_dir)
+        if not self._accel_given:
+            self.accel = await qemu.detect_accel(self.kit, self.state_dir)
+        log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
+
+    async def release_node(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def leftovers(self) -> list[str]:
+        if not self.state_dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.state_dir.glob("sb-*.json"))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def create(self, ctx: CreateContext) -> dict[str, Any]:
+        if self.kit is None:
+            raise InfraFailure("the microVM backend was not prepared", reason="runtime")
+        if self.layer_file is None:
+            raise InfraFailure("the microVM backend has no layer store", reason="runtime")
+        layers = [self.layer_file(d) for d in ctx.layer_digests]
+        work = ctx.workdir
+        work.mkdir(parents=True, exist_ok=True)
+        handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work)}
+        try:
+            rw = work / "rw.img"
+            disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
+            await asyncio.to_thread(_make_rw_disk, rw, disk_mb)
+            config = qemu.MicroVMConfig(
+                kernel=self.kit.kernel,
+                initramfs=self.kit.initramfs,
+                agent_socket=work / "agent.sock",
+                qmp_socket=work / "qmp.sock",
+                serial_log=work / "console.log",
+                layers=layers,
+                rw_disk=rw,
+                memory_mb=ctx.spec.memory_limit_mb,
+                cpus=max(1, round(ctx.spec.cpu_cores_limit)),
+                accel=self.accel,
+            )
+            pid = await qemu.start_daemon(config, work / "qemu.pid", work / "qemu.log")
+            handle.update(pid=pid, start_time=_linux.proc_start_time(pid))
+            (self.state_dir / f"{ctx.sandbox_id}.json").write_text(json.dumps(handle))
+            self._channels[ctx.sandbox_id] = await AgentChannel.connect(work / "agent.sock", BOOT_TIMEOUT_S)
+            return handle
+        except BaseException as exc:
+            await asyncio.shield(self.destroy(ctx.sandbox_id, handle, work))
+            if isinstance(exc, InfraFailure | InvalidRequest | asyncio.CancelledError):
+                raise
+            console = _tail(work / "console.log")
+            raise InfraFailure(f"microVM did not boot: {exc}; console: {console}", reason="runtime") from exc
+
+    async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
+        pid = int(handle.get("pid", 0))
+        return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
+
+    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+        channel = self._channels.pop(sandbox_id, None)
+        if channel is not None:
+            await channel.close()
+        state = self.state_dir / f"{sandbox_id}.json"
+        if not handle and state.exists():
+            with contextlib.suppress(ValueError, OSError):
+                handle = json.loads(state.read_text())
+        pid = int(handle.get("pid", 0))
+        if pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            for _ in range(500):  # the kernel tears a big guest's memory down in some ms
+                if _linux.proc_start_time(pid) is None:
+                    break
+                await asyncio.sleep(0.01)
+        await asyncio.to_thread(shutil.rmtree, workdir, True)
+        state.unlink(missing_ok=True)
+
+    # -- inside -------------------------------------------------------------------------------
+
+    async def _channel(self, sandbox_id: str, handle: dict[str, Any]) -> AgentChannel:
+        channel = self._channels.get(sandbox_id)
+        if channel is not None and not channel.closed:
+            return channel
+        lock = self._connecting.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:  # after an edge restart: reconnect once, for every waiting caller
+            channel = self._channels.get(sandbox_id)
+            if channel is None or channel.closed:
+                sock = Path(handle["dir"]) / "agent.sock"
+                channel = self._channels[sandbox_id] = await AgentChannel.connect(sock, 30.0)
+            return channel
+
+    async def spawn(
+        self,
+        sandbox_id: str,
+        handle: dict[str, Any],
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+    ) -> VmProcess:
+        channel = await self._channel(sandbox_id, handle)
+        try:
+            return await channel.spawn(argv, env=env, cwd=cwd, uid=user.uid, gid=user.gid)
+        except OSError as exc:
+            raise InvalidRequest(f"cannot run {argv[0]!r} in the microVM: {exc.strerror}") from exc
+
+    def files(self, handle: dict[str, Any], user: User) -> FileOps:
+        sid = str(handle["sid"])
+        return VmFileOps(lambda: self._channel(sid, handle), user.uid, user.gid)
+
+    def upper_dir(self, workdir: Path) -> Path:
+        raise InvalidRequest("packing or diffing a microVM's disk is not supported yet")
+
+    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        await self._qmp(handle, "stop")
+
+    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        await self._qmp(handle, "cont")
+
+    async def _qmp(self, handle: dict[str, Any], command: str) -> None:
+        client = await qemu.Qmp.connect(Path(handle["dir"]) / "qmp.sock")
+        try:
+            await client.execute(command)
+        finally:
+            await client.close()
+
+    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        return 0  # a stopped VM keeps its RAM; snapshot-to-file pause is still to come
+
+    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+        return 0
+
+    def memory_bytes(self, sandbox_id: str) -> int:
+        state = self.state_dir / f"{sandbox_id}.json"
+        try:
+            pid = int(json.loads(state.read_text())["pid"])
+            with open(f"/proc/{pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, KeyError):
+            pass
+        return 0
+
+    def oom_kills(self, sandbox_id: str) -> int:
+        return 0  # the guest kernel's OOM kills are not reported out of the VM yet
+
+
+def _make_rw_disk(path: Path, size_mb: int) -> None:
+    with open(path, "wb") as fh:
+        fh.truncate(size_mb << 20)  # sparse: only what the guest writes takes host disk
+    done = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise InfraFailure(f"mkfs.ext4 of the microVM's disk failed: {done.stderr.strip()}", reason="runtime")
+
+
+def _tail(path: Path, limit: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:].strip()
+    except OSError:
+        return "(no console output)"

@@ -1,0 +1,313 @@
+"""The host end of the guest agent protocol (``guest/PROTOCOL.md``) over QEMU's unix socket.
+
+One :class:`AgentChannel` per microVM multiplexes every process and file operation over the
+virtio-serial port. A process is a :class:`VmProcess`: the same shape as an asyncio subprocess
+(stdin writer, stdout/stderr stream readers, ``wait``, ``kill``), so the edge's sessions and
+exec streams drive a process in a VM exactly as one in a container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import os
+import signal
+import struct
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from dsec.protocol.errors import InfraFailure
+
+_HEADER = struct.Struct("<IBI")  # len (of what follows it), type, chan
+_MAX_PAYLOAD = 1 << 20
+STAT = struct.Struct("<IIIQq")  # mode, uid, gid, size, mtime_ns
+
+# Frame types (PROTOCOL.md)
+# guest -> host
+READY, STARTED, STDOUT, STDERR, FRES, DATA, EXIT = range(0x80, 0x87)
+PONG, ERROR = 0x88, 0x8F
+# host -> guest
+SPAWN, STDIN, KILL, FOP, WDATA, COMMIT, ABORT, PING = range(1, 9)
+OP_STAT, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE = 1, 2, 3, 4, 5, 6
+
+Handler = Callable[[int, bytes], None]
+
+
+def cstr(text: str) -> bytes:
+    data = text.encode()
+    if b"\0" in data:
+        raise ValueError("a string sent to the guest agent cannot contain NUL")
+    return data + b"\0"
+
+
+class AgentError(OSError):
+    """An operation the agent answered with an errno."""
+
+
+class AgentChannel:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, version: str) -> None:
+        self._reader, self._writer = reader, writer
+        self.version = version
+        self._send_lock = asyncio.Lock()
+        self._handlers: dict[int, Handler] = {}
+        self._chans = itertools.count(1)
+        self._closed = False
+        self._pump = asyncio.ensure_future(self._read_loop())
+
+    @classmethod
+    async def connect(cls, path: Path, timeout: float) -> AgentChannel:
+        """Connect to the agent's socket and wait for its READY (the guest finished booting)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 22)
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    await asyncio.sleep(0.005)  # QEMU creates the socket as it starts
+            while True:
+                kind, _chan, payload = await _read_frame(reader)
+                if kind == READY:
+                    return cls(reader, writer, payload.decode(errors="replace"))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        self._closed = True
+        self._pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._pump
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        for handler in list(self._handlers.values()):
+            handler(-1, b"")  # -1: the channel is gone
+        self._handlers.clear()
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, chan, payload = await _read_frame(self._reader)
+                handler = self._handlers.get(chan)
+                if handler is not None:
+                    handler(kind, payload)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self._closed = True
+            self._fail_all()
+
+    async def send(self, kind: int, chan: int, payload: bytes = b"") -> None:
+        if self._closed:
+            raise InfraFailure("the microVM's agent channel is closed", reason="runtime")
+        async with self._send_lock:
+            for i in range(0, max(len(payload), 1), _MAX_PAYLOAD):
+                part = payload[i : i + _MAX_PAYLOAD]
+                self._writer.write(_HEADER.pack(len(part) + 5, kind, chan) + part)
+            await self._writer.drain()
+
+    def open_chan(self, handler: Handler) -> int:
+        chan = next(self._chans)
+        self._handlers[chan] = handler
+        return chan
+
+    def close_chan(self, chan: int) -> None:
+        self._handlers.pop(chan, None)
+
+    # -- processes --------------------------------------------------------------------------
+
+    async def spawn(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int) -> VmProcess:
+        proc = VmProcess(self)
+        proc.chan = self.open_chan(proc.on_frame)
+        envs = [f"{k}={v}" for k, v in env.items()]
+        payload = struct.pack("<IIII", uid, gid, len(argv), len(envs))
+        payload += cstr(cwd) + b"".join(cstr(a) for a in argv) + b"".join(cstr(e) for e in envs)
+        await self.send(SPAWN, proc.chan, payload)
+        await proc.started()
+        return proc
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def fop(self, op: int, args: bytes) -> bytes:
+        """One file operation; returns the FRES payload after the errno (AgentError if set)."""
+        answer: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+
+        def on_frame(kind: int, payload: bytes) -> None:
+            if not answer.done():
+                answer.set_result((kind, payload))
+
+        chan = self.open_chan(on_frame)
+        try:
+            await self.send(FOP, chan, bytes([op]) + args)
+            kind, payload = await answer
+        finally:
+            self.close_chan(chan)
+        return _fres(kind, payload)
+
+    async def read(self, path: str) -> AsyncGenerator[bytes, None]:
+        """A file's content in chunks; AgentError (e.g. ENOENT) before the first chunk."""
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        chan = self.open_chan(lambda kind, payload: queue.put_nowait((kind, payload)))
+        try:
+            await self.send(FOP, chan, bytes([OP_READ]) + cstr(path))
+            _fres(*await queue.get())
+            while True:
+                kind, payload = await queue.get()
+                if kind != DATA:
+                    _fres(kind, payload)  # the channel went away mid-file
+                    raise InfraFailure(f"reading {path} from the microVM broke off", reason="runtime")
+                if not payload:
+                    return
+                yield payload
+        finally:
+            self.close_chan(chan)
+
+    async def write(self, path: str, chunks: AsyncIterable[bytes], *, mode: int, uid: int, gid: int) -> None:
+        """Write ``path`` from ``chunks`` atomically (a temp file renamed on success)."""
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        chan = self.open_chan(lambda kind, payload: queue.put_nowait((kind, payload)))
+        try:
+            await self.send(FOP, chan, bytes([OP_WRITE]) + struct.pack("<III", mode, uid, gid) + cstr(path))
+            _fres(*await queue.get())
+            try:
+                async for chunk in chunks:
+                    if chunk:
+                        await self.send(WDATA, chan, chunk)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.send(ABORT, chan)
+                    _fres(*await queue.get())
+                raise
+            await self.send(COMMIT, chan)
+            _fres(*await queue.get())
+        finally:
+            self.close_chan(chan)
+
+
+def _fres(kind: int, payload: bytes) -> bytes:
+    if kind == -1:
+        raise InfraFailure("the microVM's agent went away", reason="runtime")
+    if kind != FRES or len(payload) < 4:
+        raise InfraFailure(f"the microVM's agent sent frame {kind:#x} instead of a result", reason="protocol")
+    (err,) = struct.unpack_from("<i", payload)
+    if err:
+        raise AgentError(err, os.strerror(err))
+    return payload[4:]
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    header = await reader.readexactly(_HEADER.size)
+    length, kind, chan = _HEADER.unpack(header)
+    if length < 5 or length > _MAX_PAYLOAD + 5:
+        raise InfraFailure(f"malformed frame from the microVM's agent (length {length})", reason="protocol")
+    payload = await reader.readexactly(length - 5)
+    return kind, chan, payload
+
+
+class _Stdin:
+    """The writer end of a VM process's stdin, shaped like asyncio's StreamWriter."""
+
+    def __init__(self, proc: VmProcess) -> None:
+        self._proc = proc
+        self._pending = bytearray()
+        self._closing = False
+
+    def write(self, data: bytes) -> None:
+        if self._closing:
+            raise BrokenPipeError(errno.EPIPE, "stdin is closed")
+        self._pending += data
+
+    async def drain(self) -> None:
+        if self._pending:
+            data, self._pending = bytes(self._pending), bytearray()
+            await self._proc.channel.send(STDIN, self._proc.chan, data)
+
+    def close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._proc.background(self._close())
+
+    async def _close(self) -> None:
+        await self.drain()
+        await self._proc.channel.send(STDIN, self._proc.chan, b"")  # empty: EOF
+
+
+class VmProcess:
+    """A process inside a microVM, driven like :class:`asyncio.subprocess.Process`."""
+
+    def __init__(self, channel: AgentChannel) -> None:
+        self.channel = channel
+        self.chan = 0
+        self.pid = 0
+        self.returncode: int | None = None
+        self.stdin = _Stdin(self)
+        self.stdout = asyncio.StreamReader(limit=1 << 22)
+        self.stderr = asyncio.StreamReader(limit=1 << 22)
+        self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._exited = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def started(self) -> None:
+        await self._started
+
+    def on_frame(self, kind: int, payload: bytes) -> None:
+        if kind == STARTED:
+            (self.pid,) = struct.unpack_from("<i", payload)
+            if not self._started.done():
+                self._started.set_result(None)
+        elif kind == STDOUT:
+            self.stdout.feed_data(payload)
+        elif kind == STDERR:
+            self.stderr.feed_data(payload)
+        elif kind == EXIT:
+            (status,) = struct.unpack_from("<i", payload)
+            # As asyncio reports it: the exit code, or minus the signal that killed it.
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self._end()
+        elif kind == ERROR:
+            (err,) = struct.unpack_from("<i", payload)
+            message = payload[4:].rstrip(b"\0").decode(errors="replace")
+            if not self._started.done():
+                self._started.set_exception(AgentError(err, message or os.strerror(err)))
+            self.returncode = 127
+            self._end()
+        elif kind == -1:  # the channel died: the VM is gone or restarting
+            if not self._started.done():
+                self._started.set_exception(InfraFailure("the microVM's agent went away", reason="runtime"))
+            if self.returncode is None:
+                self.returncode = -signal.SIGKILL
+            self._end()
+
+    def _end(self) -> None:
+        self.stdout.feed_eof()
+        self.stderr.feed_eof()
+        self._exited.set()
+        self.channel.close_chan(self.chan)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int, *, tree: bool = False) -> None:
+        if self.returncode is None and not self.channel.closed:
+            self.background(self.channel.send(KILL, self.chan, struct.pack("<iI", sig, 1 if tree else 0)))
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def kill_tree(self) -> None:
+        """SIGKILL the process, its group and every descendant (in the guest)."""
+        self.send_signal(signal.SIGKILL, tree=True)

@@ -1,0 +1,201 @@
+"""The guest kit: a kernel and an initramfs of our own, built on the host, nothing installed.
+
+* Kernel: Debian's cloud kernel package (``linux-image-cloud-amd64``'s current image),
+  fetched with ``apt-get download`` and unpacked with ``dpkg -x`` into the kit directory; no
+  install into /boot, no initramfs-tools. Its virtio, EROFS and overlay drivers are modules.
+* Initramfs: static busybox (from busybox-static), the few modules the guest needs (with a
+  ``modules.dep`` made by ``depmod -b``), our ``init`` script, and the guest agent compiled
+  here with ``gcc -static`` (no Python in the guest). Written as a newc cpio by this module.
+
+A kit is keyed by the kernel version and a hash of everything that goes into the initramfs, so
+a changed agent rebuilds it and a kit in use is never changed in place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gzip
+import hashlib
+import io
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.protocol.errors import InfraFailure
+
+GUEST_DIR = Path(__file__).parent / "guest"
+KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
+BUSYBOX = Path("/bin/busybox")
+# Loaded by init, in this order (dependencies come from modules.dep).
+MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "erofs", "overlay")
+_APPLETS = ("sh", "mount", "umount", "mkdir", "modprobe", "insmod", "cat", "ls", "sleep", "poweroff", "echo")
+
+
+@dataclass(frozen=True)
+class GuestKit:
+    kernel: Path  # vmlinuz
+    initramfs: Path
+    kernel_version: str
+
+    @property
+    def key(self) -> str:
+        return self.initramfs.stem
+
+
+def _run(argv: list[str], cwd: Path | None = None) -> str:
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise InfraFailure(f"{' '.join(argv)} failed: {done.stderr.strip()[-800:]}", reason="guest_kit")
+    return done.stdout
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # two edges (or a test and an edge) build it once
+        yield
+    finally:
+        os.close(fd)
+
+
+def _kernel_package() -> str:
+    """The versioned image package the meta package points at (e.g. linux-image-6.1.0-57-cloud-amd64)."""
+    out = _run(["apt-cache", "depends", KERNEL_META_PACKAGE])
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("Depends:") and "linux-image-" in line:
+            return line.split()[1]
+    raise InfraFailure(f"apt knows no image package behind {KERNEL_META_PACKAGE}", reason="guest_kit")
+
+
+def _ensure_kernel(kit_dir: Path) -> tuple[Path, str]:
+    """Unpack the cloud kernel under ``kit_dir/kernel/<package>``; returns (root, version)."""
+    kernels = kit_dir / "kernel"
+    existing = sorted(p for p in kernels.glob("linux-image-*") if (p / ".complete").exists())
+    if existing:
+        root = existing[-1]
+    else:
+        package = _kernel_package()
+        root = kernels / package
+        with tempfile.TemporaryDirectory(dir=kit_dir) as tmp:
+            os.chmod(tmp, 0o755)  # apt drops privileges to _apt for the download
+            _run(["apt-get", "download", "-q", package], cwd=Path(tmp))
+            debs = list(Path(tmp).glob("*.deb"))
+            if not debs:
+                raise InfraFailure(f"apt-get download {package} left no .deb", reason="guest_kit")
+            staging = Path(tmp) / "x"
+            _run(["dpkg", "-x", str(debs[0]), str(staging)])
+            root.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.move(str(staging), root)
+        (root / ".complete").write_text(package + "\n")
+    versions = sorted(p.name for p in (root / "lib" / "modules").iterdir())
+    if not versions:
+        raise InfraFailure(f"no modules in {root}", reason="guest_kit")
+    return root, versions[-1]
+
+
+def _compile_agent(out: Path) -> None:
+    _run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(out), str(GUEST_DIR / "agent.c")])
+
+
+def _module_files(kroot: Path, version: str) -> list[str]:
+    """The module files (relative to the version dir) MODULES need, dependencies included."""
+    moddir = kroot / "lib" / "modules" / version
+    if not (moddir / "modules.dep").exists():
+        _run(["depmod", "-b", str(kroot), version])
+    deps: dict[str, list[str]] = {}
+    for line in (moddir / "modules.dep").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        deps[name] = rest.split()
+    wanted: set[str] = set()
+    for module in MODULES:
+        match = [p for p in deps if Path(p).name.split(".ko")[0] == module]
+        for path in match:
+            wanted.add(path)
+            wanted.update(deps[path])
+    return sorted(wanted)
+
+
+def _newc(entries: list[tuple[str, int, bytes]]) -> bytes:
+    """A cpio archive in the "newc" format the kernel unpacks: (name, mode, data) entries."""
+    out = io.BytesIO()
+
+    def put(name: str, mode: int, data: bytes, ino: int) -> None:
+        encoded = name.encode() + b"\0"
+        fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0]
+        out.write(b"070701" + b"".join(b"%08X" % f for f in fields) + encoded)
+        out.write(b"\0" * (-(110 + len(encoded)) % 4))
+        out.write(data)
+        out.write(b"\0" * (-len(data) % 4))
+
+    for ino, (name, mode, data) in enumerate(entries, start=1):
+        put(name, mode, data, ino)
+    put("TRAILER!!!", 0, b"", 0)
+    return out.getvalue()
+
+
+def _initramfs_entries(kroot: Path, version: str, agent: Path) -> list[tuple[str, int, bytes]]:
+    dirs = ["bin", "dev", "proc", "sys", "mnt", "sysroot", "lib", "lib/modules", f"lib/modules/{version}"]
+    entries: list[tuple[str, int, bytes]] = []
+    mods = _module_files(kroot, version)
+    for rel in mods:
+        parts = Path(rel).parent.parts
+        for i in range(1, len(parts) + 1):
+            d = f"lib/modules/{version}/" + "/".join(parts[:i])
+            if d not in dirs:
+                dirs.append(d)
+    entries += [(d, stat.S_IFDIR | 0o755, b"") for d in dirs]
+    entries.append(("bin/busybox", stat.S_IFREG | 0o755, BUSYBOX.read_bytes()))
+    entries += [(f"bin/{a}", stat.S_IFLNK | 0o777, b"busybox") for a in _APPLETS]
+    moddir = kroot / "lib" / "modules" / version
+    entries += [
+        (f"lib/modules/{version}/{rel}", stat.S_IFREG | 0o644, (moddir / rel).read_bytes()) for rel in mods
+    ]
+    # A modules.dep for exactly these modules, as busybox modprobe reads it.
+    dep_lines = []
+    full = dict(
+        line.partition(":")[::2] for line in (moddir / "modules.dep").read_text().splitlines() if line
+    )
+    for rel in mods:
+        dep_lines.append(f"{rel}:{full.get(rel, '')}")
+    entries.append(
+        (f"lib/modules/{version}/modules.dep", stat.S_IFREG | 0o644, "\n".join(dep_lines).encode() + b"\n")
+    )
+    entries.append(("init", stat.S_IFREG | 0o755, (GUEST_DIR / "init").read_bytes()))
+    entries.append(("agent", stat.S_IFREG | 0o755, agent.read_bytes()))
+    return entries
+
+
+def _inputs_hash(version: str) -> str:
+    h = hashlib.sha256(version.encode())
+    for name in ("agent.c", "init"):
+        h.update((GUEST_DIR / name).read_bytes())
+    h.update(BUSYBOX.read_bytes())
+    h.update(repr(MODULES).encode())
+    return h.hexdigest()[:16]
+
+
+def ensure_kit(kit_dir: Path) -> GuestKit:
+    """The kernel and initramfs under ``kit_dir``, built if missing (needs apt, gcc, depmod)."""
+    with _locked(kit_dir / ".lock"):
+        kroot, version = _ensure_kernel(kit_dir)
+        kernel = kroot / "boot" / f"vmlinuz-{version}"
+        initramfs = kit_dir / f"initramfs-{_inputs_hash(version)}.img"
+        if not initramfs.exists():
+            with tempfile.TemporaryDirectory(dir=kit_dir) as tmp:
+                agent = Path(tmp) / "agent"
+                _compile_agent(agent)
+                data = gzip.compress(_newc(_initramfs_entries(kroot, version, agent)), compresslevel=1)
+                part = Path(tmp) / "initramfs.img"
+                part.write_bytes(data)
+                os.replace(part, initramfs)
+        return GuestKit(kernel=kernel, initramfs=initramfs, kernel_version=version)

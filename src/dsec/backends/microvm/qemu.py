@@ -1,0 +1,197 @@
+"""QEMU for microVMs: the command line, the accelerator choice, and a QMP client.
+
+The machine is QEMU's ``microvm`` (no PCI, no firmware: the kernel boots directly) with
+virtio-mmio devices: one virtio-blk per layer (read-only, the layer's EROFS file as it is in
+the store: no conversion per VM), one writable virtio-blk (the sandbox's upper layer, ext4), and
+a virtio-serial port for the guest agent whose host end is a unix socket. No network device
+at all unless the policy asks for one (not yet). ``-nodefaults`` keeps QEMU from adding any.
+
+The accelerator is KVM when the host's KVM boots a stock guest, else TCG. On these machines
+``/dev/kvm`` is a PVM host that hangs stock kernels, so :func:`detect_accel` boots the kit's
+kernel once under KVM with a deadline and falls back to TCG; the answer is a node capability.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dsec.protocol.errors import InfraFailure
+
+QEMU = "qemu-system-x86_64"
+Accel = Literal["kvm", "tcg"]
+# TCG only: pin the TSC frequency so the guest skips calibration (which hung some TCG boots).
+_TCG_CMDLINE = "tsc_early_khz=2000000 tsc=reliable"
+_CMDLINE = "console=ttyS0 quiet panic=-1 loglevel=3 random.trust_cpu=on"
+
+
+@dataclass
+class MicroVMConfig:
+    kernel: Path
+    initramfs: Path
+    agent_socket: Path
+    qmp_socket: Path
+    serial_log: Path
+    layers: list[Path]  # EROFS files, base first
+    rw_disk: Path | None
+    memory_mb: int = 512
+    cpus: int = 1
+    accel: Accel = "tcg"
+    extra: list[str] = field(default_factory=list)
+
+
+def microvm_argv(c: MicroVMConfig) -> list[str]:
+    cmdline = _CMDLINE + ("" if c.accel == "kvm" else " " + _TCG_CMDLINE)
+    argv = [
+        QEMU,
+        "-M", "microvm,rtc=on,pic=off,pit=on",
+        "-accel", c.accel,
+        "-cpu", "host" if c.accel == "kvm" else "max",
+        "-m", str(c.memory_mb),
+        "-smp", str(c.cpus),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-serial", f"file:{c.serial_log}",
+        "-kernel", str(c.kernel),
+        "-initrd", str(c.initramfs),
+        "-append", cmdline,
+        "-qmp", f"unix:{c.qmp_socket},server=on,wait=off",
+        "-device", "virtio-serial-device",
+        "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
+        "-device", "virtserialport,chardev=agent,name=dsec.agent",
+    ]  # fmt: skip
+    if c.rw_disk is not None:
+        argv += [
+            "-drive", f"if=none,id=rw,file={c.rw_disk},format=raw,cache=unsafe,discard=unmap",
+            "-device", "virtio-blk-device,drive=rw,serial=dsec-rw",
+        ]  # fmt: skip
+    for i, layer in enumerate(c.layers):
+        argv += [
+            "-drive", f"if=none,id=l{i},file={layer},format=raw,readonly=on",
+            "-device", f"virtio-blk-device,drive=l{i},serial=dsec-layer-{i}",
+        ]  # fmt: skip
+    return argv + c.extra
+
+
+class Qmp:
+    """A minimal QMP client: one command at a time, events skipped."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, path: Path, timeout: float = 10.0) -> Qmp:
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 24)
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    await asyncio.sleep(0.005)  # QEMU creates the socket as it starts
+            qmp = cls(reader, writer)
+            await qmp._read()  # the greeting
+            await qmp.execute("qmp_capabilities")
+            return qmp
+
+    async def _read(self) -> dict[str, Any]:
+        line = await self._reader.readline()
+        if not line:
+            raise InfraFailure("QEMU closed its QMP socket", reason="runtime")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    async def execute(self, command: str, **arguments: Any) -> Any:
+        async with self._lock:
+            body: dict[str, Any] = {"execute": command}
+            if arguments:
+                body["arguments"] = arguments
+            self._writer.write(json.dumps(body).encode() + b"\n")
+            await self._writer.drain()
+            while True:
+                reply = await self._read()
+                if "event" in reply:
+                    continue
+                if "error" in reply:
+                    raise InfraFailure(f"QMP {command}: {reply['error'].get('desc')}", reason="runtime")
+                return reply.get("return")
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+
+def kvm_present() -> bool:
+    return os.access("/dev/kvm", os.R_OK | os.W_OK)
+
+
+async def start_daemon(config: MicroVMConfig, pidfile: Path, logfile: Path) -> int:
+    """Start QEMU daemonized (it outlives the edge, reparented to init); returns its pid once
+    the VM is set up (QEMU's parent exits only then)."""
+    argv = [*microvm_argv(config), "-daemonize", "-pidfile", str(pidfile)]
+    log = await asyncio.to_thread(open, logfile, "ab")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
+        code = await proc.wait()
+    finally:
+        log.close()
+    if code != 0:
+        raise InfraFailure(f"qemu failed to start (exit {code}): {_tail(logfile)}", reason="runtime")
+    return int((await asyncio.to_thread(pidfile.read_text)).strip())
+
+
+def _tail(path: Path, limit: int = 1000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:].strip()
+    except OSError:
+        return ""
+
+
+async def detect_accel(kit: Any, state_dir: Path, deadline_s: float = 20.0) -> Accel:
+    """KVM if this host's KVM boots the kit's kernel to its init within the deadline, else TCG.
+
+    The kernel boots with no disks, so its init reports the missing root and powers off: a VM
+    that ends by itself in time proves the accelerator works. The answer is cached per kernel.
+    """
+    if not kvm_present():
+        return "tcg"
+    cache = state_dir / f"accel-{kit.kernel_version}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        cached: Accel = json.loads(cache.read_text())["accel"]
+        return cached
+    probe = state_dir / "accel-probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    config = MicroVMConfig(
+        kernel=kit.kernel,
+        initramfs=kit.initramfs,
+        agent_socket=probe / "agent.sock",
+        qmp_socket=probe / "qmp.sock",
+        serial_log=probe / "console.log",
+        layers=[],
+        rw_disk=None,
+        memory_mb=256,
+        accel="kvm",
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *microvm_argv(config),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with asyncio.timeout(deadline_s):
+            code = await proc.wait()
+        accel: Accel = "kvm" if code == 0 else "tcg"
+    except TimeoutError:
+        accel = "tcg"  # a hung guest: KVM here cannot boot a stock kernel (a PVM host)
+        proc.kill()
+        await proc.wait()
+    cache.write_text(json.dumps({"accel": accel}))
+    return accel
