@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 repo=$(pwd)
 
-apt_packages=(python3 crun skopeo umoci zstd erofs-utils debootstrap busybox-static python3-venv python3-dev iproute2 util-linux ca-certificates)
+apt_packages=(python3 crun skopeo umoci zstd erofs-utils debootstrap busybox-static python3-venv python3-dev iproute2 util-linux ca-certificates
+  qemu-system-x86 e2fsprogs kmod gcc libc6-dev)  # the second line: microVMs (QEMU, their disks, the guest kit)
 
 need_root() {
   if [ "$(id -u)" != 0 ]; then echo "setup.sh: run as root (sandboxes need mounts, namespaces, cgroups)" >&2; exit 1; fi

@@ -33,6 +33,9 @@ def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
         # Pause pushes memory to swap: a small swap file the session's first node turns on and
         # its last close turns off (a node that finds it on uses it and leaves it).
         edge={"reap_interval_s": 0.1, "swap": SwapConfig("file", 1024, DATA_DIR / "swap" / "test.swap")},
+        # MicroVMs too, under TCG: the KVM probe would cost its deadline on a PVM host.
+        microvm=True,
+        microvm_accel="tcg",
     )
 
 

@@ -74,6 +74,7 @@ def start_dsec_up(data_dir: Path, layer_dir: Path, config: Path, node: str) -> s
             node,
             "--swap",
             "host",
+            "--no-microvm",
         ],
         env=dsec_env(config),
         stdout=subprocess.PIPE,

@@ -64,6 +64,14 @@ SwapOption = Annotated[
 ]
 
 
+MicroVMOption = Annotated[
+    bool, typer.Option(help="also run microVM sandboxes (QEMU; builds the guest kit on first start)")
+]
+AccelOption = Annotated[
+    str | None, typer.Option(help="microVM accelerator: kvm or tcg (default: detected once, cached)")
+]
+
+
 def _swap(text: str) -> SwapConfig:
     try:
         return SwapConfig.parse(text)
@@ -92,6 +100,8 @@ def up(
     fncall_pool_size: PoolSize = 2,
     fncall_pools: PoolsFile = None,
     swap: SwapOption = "file:4096",
+    microvm: MicroVMOption = True,
+    microvm_accel: AccelOption = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -108,6 +118,8 @@ def up(
         init_shared=init_shared,
         iam_url=iam,
         edge={"fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size), "swap": _swap(swap)},
+        microvm=microvm,
+        microvm_accel=microvm_accel,
     )
     if base:
         _ensure_base(open_layer_store(node_cfg))
@@ -167,6 +179,8 @@ def edge_cmd(
     fncall_pool_size: PoolSize = 0,
     fncall_pools: PoolsFile = None,
     swap: SwapOption = "file:4096",
+    microvm: MicroVMOption = True,
+    microvm_accel: AccelOption = None,
     secret_file: SecretFile = None,
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
@@ -190,6 +204,8 @@ def edge_cmd(
             "fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size),
             "swap": _swap(swap),
         },
+        microvm=microvm,
+        microvm_accel=microvm_accel,
     )
 
     async def serve() -> None:
