@@ -22,7 +22,7 @@ from dsec import (
 )
 from dsec.apiserver.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
-from tests.conftest import BASE
+from tests.conftest import BASE, node_config
 
 pytestmark = [
     pytest.mark.vm,
@@ -123,3 +123,35 @@ async def test_concurrent_microvms_are_independent(client: DSecClient) -> None:
         assert (await a.read_file("/root/who"), await b.read_file("/root/who")) == (b"a", b"b")
     finally:
         await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_an_edge_restart_readopts_a_running_microvm(base_layer: str, tmp_path: Path) -> None:
+    cfg = node_config(tmp_path, data_dir=tmp_path / "node")
+    first = EmbeddedNode(cfg)
+    await first.start()
+    second: EmbeddedNode | None = None
+    try:
+        async with DSecClient(first.url, first.api_key) as c:
+            sb = await c.run_microvm(DSecMicroVMRunArgs(container_image=base_layer, memory_limit_mb=256))
+            await sb.write_file("/root/state.txt", "kept")
+            await sb.run_shell("nohup sleep 1000 >/dev/null 2>&1 &")
+        pid = qemu_of(first, sb.id)
+        await first.close()  # the VM keeps running
+        assert running(pid)
+        second = EmbeddedNode(cfg)
+        await second.start()
+        async with DSecClient(second.url, second.api_key) as c:
+            again = await c.get(sb.id)
+            assert again.info.state is SandboxState.running
+            assert await again.read_file("/root/state.txt") == b"kept"
+            r = await again.run_shell("cat /proc/[0-9]*/comm | grep -c '^sleep$'")
+            assert r.stdout == "1\n"  # the background process survived the edge restart
+            await again.stop()
+        assert not running(pid)
+    finally:
+        if second is not None:
+            await second.close(stop_sandboxes=True)
+        else:
+            restart = EmbeddedNode(cfg)
+            await restart.start()
+            await restart.close(stop_sandboxes=True)

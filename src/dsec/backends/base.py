@@ -103,6 +103,9 @@ class Backend(Protocol):
     def oom_kills(self, sandbox_id: str) -> int:
         """How many processes of this sandbox the kernel has OOM-killed so far."""
 
+    async def detach(self) -> None:
+        """Let go of connections to running sandboxes: the edge stops, they keep running."""
+
     async def release_node(self) -> None:
         """Undo node-level set-up that is per edge (called when it stops with no sandboxes)."""
 

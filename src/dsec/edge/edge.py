@@ -155,6 +155,8 @@ class Edge(Reclaimer, Pausing, Commands):
         for live in self._live.values():
             for s in live.sessions.values():
                 s.detach()  # what the agent started in the background keeps running
+        for backend in self.backends.values():
+            await backend.detach()
         if not any(live.record.state is SandboxState.paused for live in self._live.values()):
             # Swapping off pulls pages back into RAM: never while something is paused.
             await asyncio.to_thread(self.swap.release)

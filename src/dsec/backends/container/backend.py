@@ -218,6 +218,9 @@ class ContainerBackend:
     def oom_kills(self, sandbox_id: str) -> int:
         return cgroups.oom_kills(sandbox_id)
 
+    async def detach(self) -> None:
+        return None  # the edge holds no connection to a container: its pipes are the sessions'
+
     async def release_node(self) -> None:
         cgroups.remove_parents()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 log = logging.getLogger("dsec.microvm")
 DEFAULT_DISK_MB = 4096
+SOCKET_ROOT = Path("/run/dsec-vm")
 BOOT_TIMEOUT_S = 120.0  # TCG on a loaded 2-core host; a KVM boot takes well under a second
 
 
@@ -66,10 +68,14 @@ class MicroVMBackend:
             self.accel = await qemu.detect_accel(self.kit, self.state_dir)
         log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
 
-    async def release_node(self) -> None:
+    async def detach(self) -> None:
+        # QEMU's socket takes one client at a time: the next edge reconnects after this one.
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+    async def release_node(self) -> None:
+        await self.detach()
 
     async def leftovers(self) -> list[str]:
         if not self.state_dir.is_dir():
@@ -86,7 +92,9 @@ class MicroVMBackend:
         layers = [self.layer_file(d) for d in ctx.layer_digests]
         work = ctx.workdir
         work.mkdir(parents=True, exist_ok=True)
-        handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work)}
+        socks = _socket_dir(work)
+        socks.mkdir(parents=True, exist_ok=True, mode=0o700)
+        handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work), "sockets": str(socks)}
         try:
             rw = work / "rw.img"
             disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
@@ -94,8 +102,8 @@ class MicroVMBackend:
             config = qemu.MicroVMConfig(
                 kernel=self.kit.kernel,
                 initramfs=self.kit.initramfs,
-                agent_socket=work / "agent.sock",
-                qmp_socket=work / "qmp.sock",
+                agent_socket=socks / "agent.sock",
+                qmp_socket=socks / "qmp.sock",
                 serial_log=work / "console.log",
                 layers=layers,
                 rw_disk=rw,
@@ -106,7 +114,7 @@ class MicroVMBackend:
             pid = await qemu.start_daemon(config, work / "qemu.pid", work / "qemu.log")
             handle.update(pid=pid, start_time=_linux.proc_start_time(pid))
             (self.state_dir / f"{ctx.sandbox_id}.json").write_text(json.dumps(handle))
-            self._channels[ctx.sandbox_id] = await AgentChannel.connect(work / "agent.sock", BOOT_TIMEOUT_S)
+            self._channels[ctx.sandbox_id] = await AgentChannel.connect(socks / "agent.sock", BOOT_TIMEOUT_S)
             return handle
         except BaseException as exc:
             await asyncio.shield(self.destroy(ctx.sandbox_id, handle, work))
@@ -136,6 +144,7 @@ class MicroVMBackend:
                     break
                 await asyncio.sleep(0.01)
         await asyncio.to_thread(shutil.rmtree, workdir, True)
+        await asyncio.to_thread(shutil.rmtree, _socket_dir(workdir), True)
         state.unlink(missing_ok=True)
 
     # -- inside -------------------------------------------------------------------------------
@@ -148,8 +157,9 @@ class MicroVMBackend:
         async with lock:  # after an edge restart: reconnect once, for every waiting caller
             channel = self._channels.get(sandbox_id)
             if channel is None or channel.closed:
-                sock = Path(handle["dir"]) / "agent.sock"
-                channel = self._channels[sandbox_id] = await AgentChannel.connect(sock, 30.0)
+                sock = _socket_dir(Path(handle["dir"])) / "agent.sock"
+                channel = await AgentChannel.connect(sock, 30.0, booting=False)
+                self._channels[sandbox_id] = channel
             return channel
 
     async def spawn(
@@ -182,7 +192,7 @@ class MicroVMBackend:
         await self._qmp(handle, "cont")
 
     async def _qmp(self, handle: dict[str, Any], command: str) -> None:
-        client = await qemu.Qmp.connect(Path(handle["dir"]) / "qmp.sock")
+        client = await qemu.Qmp.connect(_socket_dir(Path(handle["dir"])) / "qmp.sock")
         try:
             await client.execute(command)
         finally:
@@ -208,6 +218,12 @@ class MicroVMBackend:
 
     def oom_kills(self, sandbox_id: str) -> int:
         return 0  # the guest kernel's OOM kills are not reported out of the VM yet
+
+
+def _socket_dir(workdir: Path) -> Path:
+    """Where a VM's unix sockets live: a short path (the kernel caps one at 107 bytes, which a
+    deep data directory would exceed), derived from the sandbox's work directory."""
+    return SOCKET_ROOT / hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
 
 
 def _make_rw_disk(path: Path, size_mb: int) -> None:

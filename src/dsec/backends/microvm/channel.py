@@ -58,8 +58,10 @@ class AgentChannel:
         self._pump = asyncio.ensure_future(self._read_loop())
 
     @classmethod
-    async def connect(cls, path: Path, timeout: float) -> AgentChannel:
-        """Connect to the agent's socket and wait for its READY (the guest finished booting)."""
+    async def connect(cls, path: Path, timeout: float, *, booting: bool = True) -> AgentChannel:
+        """Connect to the agent's socket. ``booting``: wait for the READY it sends when it
+        starts; else (an edge reconnecting to a running VM) ask with a PING and wait for the
+        PONG, skipping what the agent still had queued for the previous connection."""
         async with asyncio.timeout(timeout):
             while True:
                 try:
@@ -67,10 +69,15 @@ class AgentChannel:
                     break
                 except (FileNotFoundError, ConnectionRefusedError):
                     await asyncio.sleep(0.005)  # QEMU creates the socket as it starts
+            want, nonce = READY, b""
+            if not booting:
+                want, nonce = PONG, os.urandom(8)
+                writer.write(_HEADER.pack(len(nonce) + 5, PING, 0) + nonce)
+                await writer.drain()
             while True:
                 kind, _chan, payload = await _read_frame(reader)
-                if kind == READY:
-                    return cls(reader, writer, payload.decode(errors="replace"))
+                if kind == want and (not nonce or payload == nonce):
+                    return cls(reader, writer, payload.decode(errors="replace") if booting else "")
 
     @property
     def closed(self) -> bool:
