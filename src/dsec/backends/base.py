@@ -103,6 +103,9 @@ class Backend(Protocol):
     def oom_kills(self, sandbox_id: str) -> int:
         """How many processes of this sandbox the kernel has OOM-killed so far."""
 
+    def capabilities(self) -> dict[str, Any]:
+        """What this node's instance of the backend offers (reported to the watcher)."""
+
     async def detach(self) -> None:
         """Let go of connections to running sandboxes: the edge stops, they keep running."""
 

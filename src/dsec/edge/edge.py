@@ -250,7 +250,7 @@ class Edge(Reclaimer, Pausing, Commands):
             "fncall": {name: pool.stats() for name, pool in self.pools.items()},
             "pause": dataclasses.asdict(self.pause_totals),
             "swap_free_bytes": free_swap_bytes(),
-            "capabilities": {"pause": True, "fork_processes": False},
+            "capabilities": {name: b.capabilities() for name, b in self.backends.items()},
         }
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:

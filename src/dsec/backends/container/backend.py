@@ -218,6 +218,9 @@ class ContainerBackend:
     def oom_kills(self, sandbox_id: str) -> int:
         return cgroups.oom_kills(sandbox_id)
 
+    def capabilities(self) -> dict[str, Any]:
+        return {"pause": True, "fork_processes": False}  # no working checkpoint/restore here
+
     async def detach(self) -> None:
         return None  # the edge holds no connection to a container: its pipes are the sessions'
 

@@ -339,6 +339,9 @@ class FakeBackend:
     def oom_kills(self, sandbox_id: str) -> int:
         return 0
 
+    def capabilities(self) -> dict[str, Any]:
+        return {"pause": True, "fork_processes": False}  # no working checkpoint/restore here
+
     async def detach(self) -> None:
         return None  # the edge holds no connection to a container: its pipes are the sessions'
 

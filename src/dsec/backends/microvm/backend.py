@@ -68,6 +68,15 @@ class MicroVMBackend:
             self.accel = await qemu.detect_accel(self.kit, self.state_dir)
         log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
 
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "accel": self.accel,  # tcg: software emulation (slow); kvm: hardware virtualisation
+            "kernel": self.kit.kernel_version if self.kit else None,
+            "pause": True,  # stop/cont (memory stays resident: snapshot pause is still to come)
+            "pack": False,
+            "fork_processes": False,
+        }
+
     async def detach(self) -> None:
         # QEMU's socket takes one client at a time: the next edge reconnects after this one.
         for channel in self._channels.values():

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/reboot.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -72,6 +73,7 @@ struct wr {
 	char tmp[NAME_MAX + 1], name[NAME_MAX + 1];
 };
 
+static struct rlimit nofile; /* RLIMIT_NOFILE as we got it: children get it back */
 static const char *root_path;
 static int root_fd = -1, port_fd = -1, sig_fd = -1;
 static struct proc *procs;
@@ -382,6 +384,7 @@ static __attribute__((noreturn)) void child(int in, int out, int err, int st, co
 		signal(s, SIG_DFL);
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);
+	setrlimit(RLIMIT_NOFILE, &nofile);
 	setsid(); /* own session and process group: KILL can signal the whole group */
 	umask(022); /* the agent runs with umask 0 so FOP modes are exact */
 
@@ -1117,6 +1120,9 @@ int main(int argc, char **argv)
 	while (fcntl(2, F_GETFD) < 0 && open("/dev/null", O_RDWR) >= 0)
 		;
 	umask(0); /* FOP modes are applied exactly; children get 022 back */
+	/* Each process takes 3 fds: the kernel's default 1024 for init would cap us near 300. */
+	getrlimit(RLIMIT_NOFILE, &nofile);
+	setrlimit(RLIMIT_NOFILE, &(struct rlimit){ 65536, 65536 });
 	signal(SIGPIPE, SIG_IGN); /* a closed stdin pipe gives EPIPE, not death */
 	sigemptyset(&chld);
 	sigaddset(&chld, SIGCHLD);
