@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from dsec import (
 from dsec.apiserver.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, node_config
+from tests.support import eventually
 
 pytestmark = [
     pytest.mark.vm,
@@ -155,3 +157,34 @@ async def test_an_edge_restart_readopts_a_running_microvm(base_layer: str, tmp_p
             restart = EmbeddedNode(cfg)
             await restart.start()
             await restart.close(stop_sandboxes=True)
+
+
+async def test_creates_clone_a_template_after_the_first_boot(client: DSecClient, node: EmbeddedNode) -> None:
+    backend = next(b for b in node.more_backends if b.name == "microvm")
+    # A size no other test uses: its first create boots, and builds the template behind it.
+    args = DSecMicroVMRunArgs(container_image=BASE, memory_limit_mb=320, disk_mb=2048)
+    first = await client.run_microvm(args)
+    try:
+        templates = backend.state_dir / "templates"  # type: ignore[attr-defined]
+
+        def template_of_this_kind() -> bool:
+            return any(p.name.endswith("complete") for p in templates.glob("*/complete"))
+
+        await eventually(template_of_this_kind, "the template to be built", 180)
+        a, b = await asyncio.gather(client.run_microvm(args), client.run_microvm(args))
+        try:
+            for clone in (a, b):
+                record = node.edge.journal.get(clone.id)
+                assert record is not None and "template" in record.handle, "created from the template"
+            await a.write_file("/root/who", "a")
+            await b.write_file("/root/who", "b")
+            assert (await a.read_file("/root/who"), await b.read_file("/root/who")) == (b"a", b"b")
+            clock = int((await a.run_shell("date +%s")).stdout)
+            assert abs(clock - time.time()) < 120, "the clone's clock was set, not the template's"
+            rand = [(await s.run_shell("head -c 16 /dev/urandom | od -An -tx1")).stdout for s in (a, b)]
+            assert rand[0] != rand[1], "clones do not share their random state"
+            assert (await a.run_shell("echo $((6 * 7))")).stdout == "42\n"
+        finally:
+            await asyncio.gather(a.stop(), b.stop())
+    finally:
+        await first.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,12 +31,14 @@ from dsec.backends.microvm import qemu
 from dsec.backends.microvm.channel import AgentChannel, VmProcess
 from dsec.backends.microvm.files import VmFileOps
 from dsec.backends.microvm.kit import GuestKit, ensure_kit
+from dsec.backends.microvm.templates import TemplateKey, Templates
 from dsec.executor.file_ops import FileOps
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 log = logging.getLogger("dsec.microvm")
 DEFAULT_DISK_MB = 4096
 SOCKET_ROOT = Path("/run/dsec-vm")
+_GUEST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 BOOT_TIMEOUT_S = 120.0  # TCG on a loaded 2-core host; a KVM boot takes well under a second
 
 
@@ -48,6 +52,7 @@ class MicroVMBackend:
         accel: qemu.Accel | None = None,
         layer_file: Callable[[str], Path] | None = None,
         kit_dir: Path | None = None,
+        use_templates: bool = True,
     ) -> None:
         self.state_dir = data_dir / "microvm"
         self.kit_dir = kit_dir or data_dir / "guest-kit"
@@ -56,6 +61,8 @@ class MicroVMBackend:
         self.kit: GuestKit | None = None
         # digest -> the EROFS file QEMU attaches (the store's blob: no per-VM copy).
         self.layer_file = layer_file
+        self.templates = Templates(self.state_dir / "templates")
+        self.use_templates = use_templates
         self._channels: dict[str, AgentChannel] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
 
@@ -84,6 +91,7 @@ class MicroVMBackend:
         self._channels.clear()
 
     async def release_node(self) -> None:
+        await self.templates.close()
         await self.detach()
 
     async def leftovers(self) -> list[str]:
@@ -104,26 +112,33 @@ class MicroVMBackend:
         socks = _socket_dir(work)
         socks.mkdir(parents=True, exist_ok=True, mode=0o700)
         handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work), "sockets": str(socks)}
+        disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
+        config = qemu.MicroVMConfig(
+            kernel=self.kit.kernel,
+            initramfs=self.kit.initramfs,
+            agent_socket=socks / "agent.sock",
+            qmp_socket=socks / "qmp.sock",
+            serial_log=work / "console.log",
+            layers=layers,
+            rw_disk=work / "rw.img",
+            memory_mb=ctx.spec.memory_limit_mb,
+            cpus=max(1, round(ctx.spec.cpu_cores_limit)),
+            accel=self.accel,
+        )
+        key = TemplateKey(self.kit.key, tuple(ctx.layer_digests), config.memory_mb, config.cpus, disk_mb)
+        template = self.templates.ready(key) if self.use_templates else None
         try:
-            rw = work / "rw.img"
-            disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
-            await asyncio.to_thread(_make_rw_disk, rw, disk_mb)
-            config = qemu.MicroVMConfig(
-                kernel=self.kit.kernel,
-                initramfs=self.kit.initramfs,
-                agent_socket=socks / "agent.sock",
-                qmp_socket=socks / "qmp.sock",
-                serial_log=work / "console.log",
-                layers=layers,
-                rw_disk=rw,
-                memory_mb=ctx.spec.memory_limit_mb,
-                cpus=max(1, round(ctx.spec.cpu_cores_limit)),
-                accel=self.accel,
-            )
-            pid = await qemu.start_daemon(config, work / "qemu.pid", work / "qemu.log")
-            handle.update(pid=pid, start_time=_linux.proc_start_time(pid))
-            (self.state_dir / f"{ctx.sandbox_id}.json").write_text(json.dumps(handle))
-            self._channels[ctx.sandbox_id] = await AgentChannel.connect(socks / "agent.sock", BOOT_TIMEOUT_S)
+            if template is not None:
+                await self._clone(ctx.sandbox_id, config, template, handle)
+                handle["template"] = key.name
+            else:
+                await asyncio.to_thread(_make_rw_disk, work / "rw.img", disk_mb)
+                await self._start(ctx.sandbox_id, config, handle)
+                self._channels[ctx.sandbox_id] = await AgentChannel.connect(
+                    config.agent_socket, BOOT_TIMEOUT_S
+                )
+                if self.use_templates and not self.templates.building(key):
+                    self.templates.start_build(key, self._build_template(key, config))
             return handle
         except BaseException as exc:
             await asyncio.shield(self.destroy(ctx.sandbox_id, handle, work))
@@ -131,6 +146,92 @@ class MicroVMBackend:
                 raise
             console = _tail(work / "console.log")
             raise InfraFailure(f"microVM did not boot: {exc}; console: {console}", reason="runtime") from exc
+
+    async def _start(self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
+        work = Path(handle["dir"])
+        pid = await qemu.start_daemon(config, work / "qemu.pid", work / "qemu.log")
+        handle.update(pid=pid, start_time=_linux.proc_start_time(pid))
+        await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
+
+    async def _clone(
+        self, sandbox_id: str, config: qemu.MicroVMConfig, template: Path, handle: dict[str, Any]
+    ) -> None:
+        """Start from ``template``'s saved state instead of booting (see templates.py)."""
+        overlay = Path(handle["dir"]) / "rw.qcow2"
+        await _run(
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            str(template / "rw.img"),
+            "-F",
+            "raw",
+            str(overlay),
+        )
+        config.rw_disk, config.rw_format = overlay, "qcow2"
+        config.mem_path, config.mem_shared, config.incoming = template / "ram", False, True
+        await self._start(sandbox_id, config, handle)
+        control = await qemu.Qmp.connect(config.qmp_socket)
+        try:
+            await control.migrate("migrate-incoming", f"exec:cat {template / 'state'}")
+            await control.execute("cont")
+        finally:
+            await control.close()
+        channel = await AgentChannel.connect(config.agent_socket, 30.0, booting=False)
+        self._channels[sandbox_id] = channel
+        await _refresh_guest(channel)
+
+    async def _build_template(self, key: TemplateKey, like: qemu.MicroVMConfig) -> None:
+        """Boot a template of ``key``'s kind, save it, and publish it (in the background)."""
+        final = self.templates.dir(key)
+        tdir = final.with_name(final.name + ".building")
+        socks = _socket_dir(tdir)
+        pid = 0
+        try:
+            await asyncio.to_thread(shutil.rmtree, tdir, True)
+            tdir.mkdir(parents=True)
+            socks.mkdir(parents=True, exist_ok=True, mode=0o700)
+            await asyncio.to_thread(_make_rw_disk, tdir / "rw.img", key.disk_mb)
+            config = dataclasses.replace(
+                like,
+                agent_socket=socks / "agent.sock",
+                qmp_socket=socks / "qmp.sock",
+                serial_log=tdir / "console.log",
+                rw_disk=tdir / "rw.img",
+                mem_path=tdir / "ram",
+                mem_shared=True,
+            )
+            pid = await qemu.start_daemon(config, tdir / "qemu.pid", tdir / "qemu.log")
+            channel = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
+            try:
+                sync = await channel.spawn(["sync"], env={"PATH": _GUEST_PATH}, cwd="/", uid=0, gid=0)
+                await sync.wait()  # the disk the clones start from holds what the RAM believes
+            finally:
+                await channel.close()
+            control = await qemu.Qmp.connect(config.qmp_socket)
+            try:
+                await control.execute("stop")
+                await control.migrate("migrate", f"exec:cat > {tdir / 'state'}")
+                await control.execute("quit")
+            finally:
+                await control.close()
+            (tdir / "complete").write_text("ok\n")
+            await asyncio.to_thread(shutil.rmtree, final, True)
+            tdir.rename(final)
+            log.info("microVM template %s ready", key.name)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("building microVM template %s failed (creates keep booting)", key.name)
+        finally:
+            if pid and _linux.proc_start_time(pid) is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            await asyncio.to_thread(shutil.rmtree, socks, True)
+            if tdir.exists():
+                await asyncio.to_thread(shutil.rmtree, tdir, True)
 
     async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
         pid = int(handle.get("pid", 0))
@@ -233,6 +334,29 @@ def _socket_dir(workdir: Path) -> Path:
     """Where a VM's unix sockets live: a short path (the kernel caps one at 107 bytes, which a
     deep data directory would exceed), derived from the sandbox's work directory."""
     return SOCKET_ROOT / hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
+
+
+async def _run(*argv: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise InfraFailure(f"{argv[0]} failed: {out.decode(errors='replace').strip()}", reason="runtime")
+
+
+async def _refresh_guest(channel: AgentChannel) -> None:
+    """A clone (or a restored VM) wakes with its template's clock and random state: set the
+    clock, and stir fresh entropy into the guest's pool so clones do not share random numbers."""
+    script = f"date -u -s @{time.time():.3f} >/dev/null 2>&1; cat > /dev/urandom"
+    proc = await channel.spawn(["sh", "-c", script], env={"PATH": _GUEST_PATH}, cwd="/", uid=0, gid=0)
+    assert proc.stdin is not None
+    proc.stdin.write(os.urandom(256))
+    proc.stdin.close()
+    await proc.wait()
 
 
 def _make_rw_disk(path: Path, size_mb: int) -> None:

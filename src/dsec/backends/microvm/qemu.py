@@ -42,14 +42,21 @@ class MicroVMConfig:
     memory_mb: int = 512
     cpus: int = 1
     accel: Accel = "tcg"
+    rw_format: str = "raw"  # qcow2 for a clone's copy-on-write overlay of its template's disk
+    # Guest RAM as a file: shared for a template (its RAM ends up in the file), private for a
+    # clone (a copy-on-write mapping of the template's file: untouched pages cost nothing).
+    mem_path: Path | None = None
+    mem_shared: bool = False
+    incoming: bool = False  # wait for migrate-incoming (a clone, or a resume from a snapshot)
     extra: list[str] = field(default_factory=list)
 
 
 def microvm_argv(c: MicroVMConfig) -> list[str]:
     cmdline = _CMDLINE + ("" if c.accel == "kvm" else " " + _TCG_CMDLINE)
+    machine = "microvm,rtc=on,pic=off,pit=on" + (",memory-backend=mem" if c.mem_path else "")
     argv = [
         QEMU,
-        "-M", "microvm,rtc=on,pic=off,pit=on",
+        "-M", machine,
         "-accel", c.accel,
         "-cpu", "host" if c.accel == "kvm" else "max",
         "-m", str(c.memory_mb),
@@ -64,9 +71,17 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
         "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=dsec.agent",
     ]  # fmt: skip
+    if c.mem_path is not None:
+        share = "on" if c.mem_shared else "off"
+        argv += [
+            "-object",
+            f"memory-backend-file,id=mem,size={c.memory_mb}M,mem-path={c.mem_path},share={share}",
+        ]
+    if c.incoming:
+        argv += ["-incoming", "defer"]
     if c.rw_disk is not None:
         argv += [
-            "-drive", f"if=none,id=rw,file={c.rw_disk},format=raw,cache=unsafe,discard=unmap",
+            "-drive", f"if=none,id=rw,file={c.rw_disk},format={c.rw_format},cache=unsafe,discard=unmap",
             "-device", "virtio-blk-device,drive=rw,serial=dsec-rw",
         ]  # fmt: skip
     for i, layer in enumerate(c.layers):
@@ -119,6 +134,24 @@ class Qmp:
                 if "error" in reply:
                     raise InfraFailure(f"QMP {command}: {reply['error'].get('desc')}", reason="runtime")
                 return reply.get("return")
+
+    async def migrate(self, command: str, uri: str, *, timeout: float = 120.0) -> None:
+        """``migrate`` (save) or ``migrate-incoming`` (load) over ``uri``, to completion.
+
+        ``x-ignore-shared``: RAM in a shared memory file is not streamed (a template's RAM is
+        the file itself)."""
+        await self.execute(
+            "migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}]
+        )
+        await self.execute(command, uri=uri)
+        async with asyncio.timeout(timeout):
+            while True:
+                status = (await self.execute("query-migrate")).get("status")
+                if status == "completed":
+                    return
+                if status in ("failed", "cancelled"):
+                    raise InfraFailure(f"QEMU {command} {status}", reason="runtime")
+                await asyncio.sleep(0.005)  # QMP has no "wait": completion is polled
 
     async def close(self) -> None:
         self._writer.close()
