@@ -188,3 +188,24 @@ async def test_creates_clone_a_template_after_the_first_boot(client: DSecClient,
             await asyncio.gather(a.stop(), b.stop())
     finally:
         await first.stop()
+
+
+async def test_pausing_a_microvm_saves_it_to_a_file_and_ends_its_qemu(
+    client: DSecClient, node: EmbeddedNode
+) -> None:
+    sb = await client.run_microvm(DSecMicroVMRunArgs(container_image=BASE, memory_limit_mb=256))
+    try:
+        await sb.run_shell("counter=41; echo data > /root/disk.txt")
+        bg = (await sb.run_shell("sleep 1000 & echo $!")).stdout.strip()
+        pid = qemu_of(node, sb.id)
+        assert (await sb.pause()).state is SandboxState.paused
+        assert not running(pid), "the paused VM's QEMU ended: its memory went back to the host"
+        record = node.edge.journal.get(sb.id)
+        assert record is not None and Path(record.handle["snapshot"]).stat().st_size > 0
+        # Any request resumes it from the file, with its processes, memory and disk.
+        r = await sb.run_shell(f"echo $((counter + 1)); kill -0 {bg} && echo running; cat /root/disk.txt")
+        assert r.stdout == "42\nrunning\ndata\n"
+        assert (await sb.refresh()).state is SandboxState.running
+        assert running(qemu_of(node, sb.id))
+    finally:
+        await sb.stop()

@@ -150,6 +150,9 @@ class MicroVMBackend:
     async def _start(self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
         work = Path(handle["dir"])
         pid = await qemu.start_daemon(config, work / "qemu.pid", work / "qemu.log")
+        # Everything a restart from a pause snapshot needs to rebuild the same machine.
+        handle["vm"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()}
+        handle["vm"]["layers"] = [str(x) for x in config.layers]
         handle.update(pid=pid, start_time=_linux.proc_start_time(pid))
         await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
 
@@ -234,6 +237,8 @@ class MicroVMBackend:
                 await asyncio.to_thread(shutil.rmtree, tdir, True)
 
     async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
+        if handle.get("snapshot"):  # paused to a file: no process, and that is its state
+            return await asyncio.to_thread(os.path.exists, handle["snapshot"])
         pid = int(handle.get("pid", 0))
         return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
 
@@ -249,10 +254,7 @@ class MicroVMBackend:
         if pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            for _ in range(500):  # the kernel tears a big guest's memory down in some ms
-                if _linux.proc_start_time(pid) is None:
-                    break
-                await asyncio.sleep(0.01)
+            await _gone(pid, 5.0)
         await asyncio.to_thread(shutil.rmtree, workdir, True)
         await asyncio.to_thread(shutil.rmtree, _socket_dir(workdir), True)
         state.unlink(missing_ok=True)
@@ -261,12 +263,14 @@ class MicroVMBackend:
 
     async def _channel(self, sandbox_id: str, handle: dict[str, Any]) -> AgentChannel:
         channel = self._channels.get(sandbox_id)
-        if channel is not None and not channel.closed:
+        if channel is not None and not channel.closed and not channel.suspended:
             return channel
         lock = self._connecting.setdefault(sandbox_id, asyncio.Lock())
         async with lock:  # after an edge restart: reconnect once, for every waiting caller
             channel = self._channels.get(sandbox_id)
-            if channel is None or channel.closed:
+            if channel is not None and channel.suspended and not handle.get("snapshot"):
+                await channel.resume(_socket_dir(Path(handle["dir"])) / "agent.sock")
+            elif channel is None or channel.closed:
                 sock = _socket_dir(Path(handle["dir"])) / "agent.sock"
                 channel = await AgentChannel.connect(sock, 30.0, booting=False)
                 self._channels[sandbox_id] = channel
@@ -296,10 +300,19 @@ class MicroVMBackend:
         raise InvalidRequest("packing or diffing a microVM's disk is not supported yet")
 
     async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        await self._qmp(handle, "stop")
+        if not handle.get("snapshot"):  # a VM saved to a file is as frozen as it gets
+            await self._qmp(handle, "stop")
 
     async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        if handle.get("snapshot"):
+            await self.prefetch(sandbox_id, handle)  # a restart re-applying "running"
         await self._qmp(handle, "cont")
+        if handle.pop("resumed", False):
+            channel = self._channels.get(sandbox_id)
+            sock = _socket_dir(Path(handle["dir"])) / "agent.sock"
+            if channel is not None and channel.suspended:
+                await channel.resume(sock)
+            await _refresh_guest(await self._channel(sandbox_id, handle))
 
     async def _qmp(self, handle: dict[str, Any], command: str) -> None:
         client = await qemu.Qmp.connect(_socket_dir(Path(handle["dir"])) / "qmp.sock")
@@ -309,10 +322,45 @@ class MicroVMBackend:
             await client.close()
 
     async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
-        return 0  # a stopped VM keeps its RAM; snapshot-to-file pause is still to come
+        """The microVM pause: save memory and device state to a file, end the QEMU process
+        (all of its memory goes back to the host), keep the disk."""
+        if handle.get("snapshot"):
+            return 0
+        resident = self.memory_bytes(sandbox_id)
+        snapshot = Path(handle["dir"]) / "paused.state"
+        channel = self._channels.get(sandbox_id)
+        if channel is not None:
+            await channel.suspend()  # its sessions carry on after the resume
+        control = await qemu.Qmp.connect(_socket_dir(Path(handle["dir"])) / "qmp.sock")
+        try:
+            await control.migrate("migrate", f"exec:cat > {snapshot}")
+            await control.execute("quit")
+        finally:
+            await control.close()
+        await _gone(int(handle["pid"]))
+        handle.update(snapshot=str(snapshot), pid=0, start_time=None)
+        await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
+        return resident
 
     async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
-        return 0
+        """Resume's first half: a new QEMU loads the saved state (left stopped: thaw continues it)."""
+        if not handle.get("snapshot"):
+            return 0
+        snapshot = Path(handle["snapshot"])
+        config = _config_of(handle["vm"])
+        config.incoming = True
+        await self._start(sandbox_id, config, handle)
+        control = await qemu.Qmp.connect(config.qmp_socket)
+        try:
+            await control.migrate("migrate-incoming", f"exec:cat {snapshot}")
+        finally:
+            await control.close()
+        size = (await asyncio.to_thread(os.stat, snapshot)).st_size
+        handle.pop("snapshot", None)
+        handle["resumed"] = True  # thaw: reconnect and refresh the guest's clock
+        await asyncio.to_thread(snapshot.unlink, True)
+        await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
+        return size
 
     def memory_bytes(self, sandbox_id: str) -> int:
         state = self.state_dir / f"{sandbox_id}.json"
@@ -334,6 +382,38 @@ def _socket_dir(workdir: Path) -> Path:
     """Where a VM's unix sockets live: a short path (the kernel caps one at 107 bytes, which a
     deep data directory would exceed), derived from the sandbox's work directory."""
     return SOCKET_ROOT / hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
+
+
+async def _gone(pid: int, within_s: float = 30.0) -> bool:
+    """Wait for ``pid`` to end (QEMU releases a big guest's memory as it exits)."""
+    for _ in range(int(within_s * 100)):
+        if _linux.proc_start_time(pid) is None:
+            return True
+        await asyncio.sleep(0.01)  # a process's end cannot be awaited unless it is our child
+    return False
+
+
+def _config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
+    """The machine a handle recorded (see ``_start``), to start it again from a snapshot."""
+
+    def path(key: str) -> Path:
+        return Path(vm[key])
+
+    return qemu.MicroVMConfig(
+        kernel=path("kernel"),
+        initramfs=path("initramfs"),
+        agent_socket=path("agent_socket"),
+        qmp_socket=path("qmp_socket"),
+        serial_log=path("serial_log"),
+        layers=[Path(x) for x in vm["layers"]],
+        rw_disk=None if vm["rw_disk"] is None else path("rw_disk"),
+        memory_mb=int(vm["memory_mb"]),
+        cpus=int(vm["cpus"]),
+        accel=vm["accel"],
+        rw_format=vm["rw_format"],
+        mem_path=None if vm["mem_path"] is None else path("mem_path"),
+        mem_shared=bool(vm["mem_shared"]),
+    )
 
 
 async def _run(*argv: str) -> None:

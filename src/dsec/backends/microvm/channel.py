@@ -13,6 +13,7 @@ import contextlib
 import errno
 import itertools
 import os
+import secrets
 import signal
 import struct
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Coroutine
@@ -53,8 +54,11 @@ class AgentChannel:
         self.version = version
         self._send_lock = asyncio.Lock()
         self._handlers: dict[int, Handler] = {}
-        self._chans = itertools.count(1)
+        # Channel numbers of an earlier connection may still be live in the agent (processes
+        # it started keep running across an edge restart or a pause): start somewhere else.
+        self._chans = itertools.count(secrets.randbelow(1 << 30) + 1)
         self._closed = False
+        self._suspended = False
         self._pump = asyncio.ensure_future(self._read_loop())
 
     @classmethod
@@ -62,36 +66,44 @@ class AgentChannel:
         """Connect to the agent's socket. ``booting``: wait for the READY it sends when it
         starts; else (an edge reconnecting to a running VM) ask with a PING and wait for the
         PONG, skipping what the agent still had queued for the previous connection."""
-        async with asyncio.timeout(timeout):
-            while True:
-                try:
-                    reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 22)
-                    break
-                except (FileNotFoundError, ConnectionRefusedError):
-                    await asyncio.sleep(0.005)  # QEMU creates the socket as it starts
-            want, nonce = READY, b""
-            if not booting:
-                want, nonce = PONG, os.urandom(8)
-                writer.write(_HEADER.pack(len(nonce) + 5, PING, 0) + nonce)
-                await writer.drain()
-            while True:
-                kind, _chan, payload = await _read_frame(reader)
-                if kind == want and (not nonce or payload == nonce):
-                    return cls(reader, writer, payload.decode(errors="replace") if booting else "")
+        reader, writer, version = await _open(path, timeout, booting)
+        return cls(reader, writer, version)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
+
+    async def suspend(self) -> None:
+        """Drop the connection but keep every channel: the VM is about to be saved to a file,
+        and its processes (a session's shell) carry on in it after :meth:`resume`."""
+        self._suspended = True
+        await self._stop_pump()
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+
+    async def resume(self, path: Path, timeout: float = 30.0) -> None:
+        """Reconnect to the (restored) VM; the channels of :meth:`suspend` resume."""
+        self._reader, self._writer, _ = await _open(path, timeout, booting=False)
+        self._suspended = False
+        self._pump = asyncio.ensure_future(self._read_loop())
+
     async def close(self) -> None:
         self._closed = True
-        self._pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._pump
+        await self._stop_pump()
         self._writer.close()
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
         self._fail_all()
+
+    async def _stop_pump(self) -> None:
+        self._pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._pump
 
     def _fail_all(self) -> None:
         for handler in list(self._handlers.values()):
@@ -108,11 +120,12 @@ class AgentChannel:
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         finally:
-            self._closed = True
-            self._fail_all()
+            if not self._suspended:
+                self._closed = True
+                self._fail_all()
 
     async def send(self, kind: int, chan: int, payload: bytes = b"") -> None:
-        if self._closed:
+        if self._closed or self._suspended:
             raise InfraFailure("the microVM's agent channel is closed", reason="runtime")
         async with self._send_lock:
             for i in range(0, max(len(payload), 1), _MAX_PAYLOAD):
@@ -196,6 +209,27 @@ class AgentChannel:
             _fres(*await queue.get())
         finally:
             self.close_chan(chan)
+
+
+async def _open(
+    path: Path, timeout: float, booting: bool
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 22)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(0.005)  # QEMU creates the socket as it starts
+        want, nonce = READY, b""
+        if not booting:
+            want, nonce = PONG, os.urandom(8)
+            writer.write(_HEADER.pack(len(nonce) + 5, PING, 0) + nonce)
+            await writer.drain()
+        while True:
+            kind, _chan, payload = await _read_frame(reader)
+            if kind == want and (not nonce or payload == nonce):
+                return reader, writer, payload.decode(errors="replace") if booting else ""
 
 
 def _fres(kind: int, payload: bytes) -> bytes:
