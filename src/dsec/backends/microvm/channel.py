@@ -180,6 +180,9 @@ class AgentChannel:
             _fres(*await queue.get())
             while True:
                 kind, payload = await queue.get()
+                if kind == ERROR and len(payload) >= 4:  # the read failed after it started
+                    (err,) = struct.unpack_from("<i", payload)
+                    raise AgentError(err, os.strerror(err))
                 if kind != DATA:
                     _fres(kind, payload)  # the channel went away mid-file
                     raise InfraFailure(f"reading {path} from the microVM broke off", reason="runtime")

@@ -125,13 +125,17 @@ def _module_files(kroot: Path, version: str) -> list[str]:
     return sorted(wanted)
 
 
+_CONSOLE = ("dev/console", stat.S_IFCHR | 0o600, b"")  # init's stdio before devtmpfs is mounted
+
+
 def _newc(entries: list[tuple[str, int, bytes]]) -> bytes:
     """A cpio archive in the "newc" format the kernel unpacks: (name, mode, data) entries."""
     out = io.BytesIO()
 
     def put(name: str, mode: int, data: bytes, ino: int) -> None:
         encoded = name.encode() + b"\0"
-        fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0]
+        rdev = (5, 1) if (name, mode) == _CONSOLE[:2] else (0, 0)
+        fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, *rdev, len(encoded), 0]
         out.write(b"070701" + b"".join(b"%08X" % f for f in fields) + encoded)
         out.write(b"\0" * (-(110 + len(encoded)) % 4))
         out.write(data)
@@ -170,6 +174,7 @@ def _initramfs_entries(kroot: Path, version: str, agent: Path) -> list[tuple[str
     entries.append(
         (f"lib/modules/{version}/modules.dep", stat.S_IFREG | 0o644, "\n".join(dep_lines).encode() + b"\n")
     )
+    entries.append(_CONSOLE)
     entries.append(("init", stat.S_IFREG | 0o755, (GUEST_DIR / "init").read_bytes()))
     entries.append(("agent", stat.S_IFREG | 0o755, agent.read_bytes()))
     return entries
