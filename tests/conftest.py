@@ -35,6 +35,7 @@ def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
         edge={"reap_interval_s": 0.1, "swap": SwapConfig("file", 1024, DATA_DIR / "swap" / "test.swap")},
         # MicroVMs too, under TCG: the KVM probe would cost its deadline on a PVM host.
         microvm=True,
+        vm=True,
         microvm_accel="tcg",
     )
 

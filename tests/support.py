@@ -75,6 +75,7 @@ def start_dsec_up(data_dir: Path, layer_dir: Path, config: Path, node: str) -> s
             "--swap",
             "host",
             "--no-microvm",
+            "--no-vm",
         ],
         env=dsec_env(config),
         stdout=subprocess.PIPE,

@@ -147,6 +147,7 @@ class Cluster:
             "--fncall-pool-size", "1",
             "--swap", "host",  # three edges on one host: none of them adds a swap file
             "--no-microvm",
+            "--no-vm",
         ]  # fmt: skip
         for port in self.api_ports:  # at the host end of its own veth: the only way out
             argv += ["--apiserver", f"http://{ns.host_ip}:{port}"]

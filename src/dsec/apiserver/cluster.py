@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from dsec.apiserver.app import ApiServer
-from dsec.apiserver.embedded import NodeConfig, microvm_backend, open_layer_store
+from dsec.apiserver.embedded import NodeConfig, open_layer_store, vm_backends
 from dsec.apiserver.membership import Membership
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
@@ -55,9 +55,7 @@ class EdgeNode:
         self.mounts = LayerMounts(config.data_dir / "mnt")
         self.backend = backend or ContainerBackend(config.data_dir)
         edge_config = EdgeConfig(data_dir=config.data_dir, node=config.node, **config.edge)
-        self.more_backends: list[Backend] = []
-        if config.microvm:
-            self.more_backends.append(microvm_backend(config.data_dir, self.store, config.microvm_accel))
+        self.more_backends = vm_backends(config, self.store)
         self.edge = Edge(edge_config, self.backend, self.store, self.mounts, more_backends=self.more_backends)
         self.server = EdgeServer(self.edge, secret)
         self.registrar = ClusterRegistrar(apiservers, secret, config.node)

@@ -19,6 +19,7 @@ from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.microvm.backend import MicroVMBackend
 from dsec.backends.microvm.qemu import Accel
+from dsec.backends.vm.backend import FullVMBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.edge.link import LocalEdgeLink
 from dsec.iam import IamStore, open_iam_store
@@ -49,6 +50,7 @@ class NodeConfig:
     edge: dict[str, Any] = field(default_factory=dict)  # EdgeConfig overrides (tests)
     microvm: bool = False  # also run microVM sandboxes (QEMU; the guest kit is built at start)
     microvm_accel: str | None = None  # "kvm" or "tcg"; None: detected at start
+    vm: bool = False  # also run full VMs (q35 with a display; Debian's full kernel is fetched)
 
 
 def open_layer_store(config: NodeConfig) -> LayerStore:
@@ -61,6 +63,17 @@ def open_layer_store(config: NodeConfig) -> LayerStore:
         blobs = SharedMountBlobStore(config.shared_layer_dir, create=config.init_shared)
         return LayerStore.over(blobs, scratch=config.data_dir / "layer-scratch")
     return LayerStore(config.layer_dir or config.data_dir / "layers")
+
+
+def vm_backends(config: NodeConfig, store: LayerStore) -> list[Backend]:
+    """The VM backends ``config`` asks for: microVMs, full VMs, both or neither."""
+    out: list[Backend] = []
+    micro = microvm_backend(config.data_dir, store, config.microvm_accel)
+    if config.microvm:
+        out.append(micro)
+    if config.vm:
+        out.append(FullVMBackend(config.data_dir, accel=micro.accel if config.microvm_accel else None))
+    return out
 
 
 def microvm_backend(data_dir: Path, store: LayerStore, accel: str | None) -> MicroVMBackend:
@@ -91,9 +104,7 @@ class EmbeddedNode:
         self.store = open_layer_store(config)
         self.mounts = LayerMounts(data / "mnt")
         self.backend = backend or ContainerBackend(data)
-        self.more_backends = (
-            [microvm_backend(data, self.store, config.microvm_accel)] if config.microvm else []
-        )
+        self.more_backends = vm_backends(config, self.store)
         self.edge = Edge(
             EdgeConfig(data_dir=data, node=config.node, **config.edge),
             self.backend,

@@ -17,6 +17,7 @@ from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
     ForkRequest,
+    InputRequest,
     LeaseRequest,
     LeaseResult,
 )
@@ -47,6 +48,8 @@ class JobRoutes:
         r.add_get("/v1/sandboxes/{id}/trajectory", self.trajectory)
         r.add_get("/v1/sandboxes/{id}/changes", self.changes)
         r.add_post("/v1/jobs/{job}/lease", self.renew_lease)
+        r.add_get("/v1/sandboxes/{id}/screenshot", self.screenshot)
+        r.add_post("/v1/sandboxes/{id}/input", self.send_input)
 
     async def pause_all(self, request: web.Request) -> web.Response:
         return respond(await self.sandboxes.bulk(request, "pause"))
@@ -90,6 +93,15 @@ class JobRoutes:
         admitted = self.sandboxes.tenancy.admit(principal, source.project, clean)
         made = await self.sandboxes.create_many(principal, admitted, req.count, req.timeout)
         return respond(made, status=201)
+
+    async def screenshot(self, request: web.Request) -> web.Response:
+        link, sid = await self.sandboxes.owned(request)
+        return web.Response(body=await link.screenshot(sid), content_type="image/png")
+
+    async def send_input(self, request: web.Request) -> web.Response:
+        link, sid = await self.sandboxes.owned(request)
+        req = await read_body(request, InputRequest)
+        return respond({"sent": await link.send_input(sid, req.events)})
 
     async def renew_lease(self, request: web.Request) -> web.Response:
         """Renew job ``job``'s lease on every node that holds one of its sandboxes."""

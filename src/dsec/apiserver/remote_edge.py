@@ -37,6 +37,8 @@ from dsec.protocol.models import (
     ExecEvent,
     ExecRequest,
     FileStat,
+    InputEvent,
+    InputRequest,
     LayerInfo,
     LeaseRequest,
     SandboxInfo,
@@ -284,6 +286,19 @@ class RemoteEdgeLink:
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
         raw = await self._json("GET", self._sandbox(sandbox_id, "/changes"), params={"under": under})
         return self._parse_list(_CHANGES, raw)
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        return await self._json("GET", self._sandbox(sandbox_id, "/screenshot"))
+
+    async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int:
+        body = InputRequest(events=events)
+        raw = await self._json("POST", self._sandbox(sandbox_id, "/input"), body=body)
+        try:
+            return int(json.loads(raw)["sent"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed input answer", reason="protocol"
+            ) from exc
 
     async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
         raw = await self._json("POST", self._sandbox(sandbox_id, "/fork-spec"), params={"ref": ref})

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from dsec.executor.file_ops import FileOps
 from dsec.executor.process import SandboxProcess
-from dsec.protocol.models import ContainerSpec
+from dsec.protocol.models import ContainerSpec, InputEvent
 
 
 @dataclass(frozen=True)
@@ -114,3 +114,16 @@ class Backend(Protocol):
 
     async def leftovers(self) -> list[str]:
         """Sandbox IDs the runtime still knows of (the edge destroys those it has no record of)."""
+
+
+@runtime_checkable
+class Display(Protocol):
+    """A backend whose sandboxes have a screen and input devices (full VMs)."""
+
+    async def screenshot(self, sandbox_id: str, handle: dict[str, Any]) -> bytes:
+        """The screen now, as a PNG."""
+        ...
+
+    async def send_input(self, sandbox_id: str, handle: dict[str, Any], events: list[InputEvent]) -> int:
+        """Keyboard and mouse events, in order; returns how many low-level events were sent."""
+        ...

@@ -67,6 +67,9 @@ SwapOption = Annotated[
 MicroVMOption = Annotated[
     bool, typer.Option(help="also run microVM sandboxes (QEMU; builds the guest kit on first start)")
 ]
+VMOption = Annotated[
+    bool, typer.Option(help="also run full VMs with a display (fetches Debian's full kernel once)")
+]
 AccelOption = Annotated[
     str | None, typer.Option(help="microVM accelerator: kvm or tcg (default: detected once, cached)")
 ]
@@ -101,6 +104,7 @@ def up(
     fncall_pools: PoolsFile = None,
     swap: SwapOption = "file:4096",
     microvm: MicroVMOption = True,
+    vm: VMOption = True,
     microvm_accel: AccelOption = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
@@ -119,6 +123,7 @@ def up(
         iam_url=iam,
         edge={"fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size), "swap": _swap(swap)},
         microvm=microvm,
+        vm=vm,
         microvm_accel=microvm_accel,
     )
     if base:
@@ -180,6 +185,7 @@ def edge_cmd(
     fncall_pools: PoolsFile = None,
     swap: SwapOption = "file:4096",
     microvm: MicroVMOption = True,
+    vm: VMOption = True,
     microvm_accel: AccelOption = None,
     secret_file: SecretFile = None,
 ) -> None:
@@ -205,6 +211,7 @@ def edge_cmd(
             "swap": _swap(swap),
         },
         microvm=microvm,
+        vm=vm,
         microvm_accel=microvm_accel,
     )
 

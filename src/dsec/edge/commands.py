@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsec.backends.base import sandbox_env
+from dsec.backends.base import Display, sandbox_env
 from dsec.executor.file_ops import FileOps
 from dsec.executor.process import DEFAULT_MAX_OUTPUT, SandboxProcess, run_streaming
 from dsec.executor.session import DRIVER, Session
@@ -34,6 +34,7 @@ from dsec.protocol.models import (
     ContainerSpec,
     ExecEvent,
     FileType,
+    InputEvent,
     LayerInfo,
     SandboxInfo,
     ShellRequest,
@@ -274,6 +275,32 @@ class Commands:
         """File access to a sandbox (as its user), resumed first if it was paused."""
         live = await self._use(sandbox_id)
         return self.backend_of(live.record).files(live.record.handle, live.user)
+
+    async def _display(self, sandbox_id: str) -> tuple[Display, _Live]:
+        live = await self._use(sandbox_id)
+        backend = self.backend_of(live.record)
+        if not isinstance(backend, Display):
+            raise InvalidRequest(
+                f"sandbox {sandbox_id} ({live.record.backend}) has no display: full VMs (run_vm) have one"
+            )
+        return backend, live
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        """The sandbox's screen as a PNG (full VMs)."""
+        backend, live = await self._display(sandbox_id)
+        with live.working():
+            return await backend.screenshot(sandbox_id, live.record.handle)
+
+    async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int:
+        """Keyboard and mouse events for the sandbox's screen, in order (full VMs)."""
+        backend, live = await self._display(sandbox_id)
+
+        async def run() -> dict[str, Any]:
+            with live.working():
+                return {"sent": await backend.send_input(sandbox_id, live.record.handle, events)}
+
+        request = {"events": [e.model_dump(exclude_none=True) for e in events]}
+        return int((await self.recorder.call(sandbox_id, "input", None, request, run))["sent"])
 
     async def _exists(self, live: _Live, path: str) -> bool:
         return await self.backend_of(live.record).files(live.record.handle, live.user).exists(path)

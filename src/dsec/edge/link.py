@@ -38,6 +38,7 @@ from dsec.protocol.models import (
     ContainerSpec,
     ExecEvent,
     FileStat,
+    InputEvent,
     LayerInfo,
     SandboxInfo,
     ShellRequest,
@@ -101,6 +102,12 @@ class EdgeLink(Protocol):
     ) -> list[TrajectoryEntry]: ...
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]: ...
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        """The screen of a full VM, as a PNG."""
+        ...
+
+    async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int: ...
 
     async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
         """Pack the sandbox's state as layer ``ref``; the spec of a copy that starts from it."""
@@ -249,6 +256,12 @@ class LocalEdgeLink:
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
         return await self.edge.changes(self._routed(sandbox_id), under)
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        return await self.edge.screenshot(self._routed(sandbox_id))
+
+    async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int:
+        return await self.edge.send_input(self._routed(sandbox_id), events)
 
     async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
         return await self.edge.fork_spec(self._routed(sandbox_id), ref)

@@ -23,6 +23,8 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     GET    /sandboxes/{id}/trajectory?after=&limit= -> [TrajectoryEntry]
     GET    /sandboxes/{id}/changes?under=/         -> [Change]
     POST   /sandboxes/{id}/fork-spec?ref=          -> {"spec": ContainerSpec, "layer": LayerInfo}
+    GET    /sandboxes/{id}/screenshot              -> image/png (full VMs)
+    POST   /sandboxes/{id}/input                   InputRequest -> {"sent": n} (full VMs)
     GET    /sandboxes/{id}/files/content?path=     -> the bytes, streamed
     PUT    /sandboxes/{id}/files/content?path=&mode=644   bytes streamed -> 201 FileStat
     GET    /sandboxes/{id}/files/stat?path=        -> FileStat
@@ -61,6 +63,7 @@ from dsec.protocol.http import label_filter, listen, respond
 from dsec.protocol.models import (
     CommitRequest,
     ExecRequest,
+    InputRequest,
     LeaseRequest,
     ShellRequest,
     invalid_request,
@@ -211,6 +214,8 @@ class EdgeServer:
         r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
         r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
         r.add_post(PREFIX + "/sandboxes/{id}/fork-spec", self.fork_spec)
+        r.add_get(PREFIX + "/sandboxes/{id}/screenshot", self.screenshot)
+        r.add_post(PREFIX + "/sandboxes/{id}/input", self.send_input)
         r.add_get(PREFIX + "/sandboxes/{id}/files/content", self.download)
         r.add_put(PREFIX + "/sandboxes/{id}/files/content", self.upload)
         r.add_get(PREFIX + "/sandboxes/{id}/files/stat", self.stat)
@@ -276,6 +281,14 @@ class EdgeServer:
 
     async def changes(self, request: web.Request) -> web.Response:
         return respond(await self.link.changes(request.match_info["id"], request.query.get("under", "/")))
+
+    async def screenshot(self, request: web.Request) -> web.Response:
+        png = await self.link.screenshot(request.match_info["id"])
+        return web.Response(body=png, content_type="image/png")
+
+    async def send_input(self, request: web.Request) -> web.Response:
+        req = InputRequest.model_validate_json(await request.read() or b"{}")
+        return respond({"sent": await self.link.send_input(request.match_info["id"], req.events)})
 
     async def fork_spec(self, request: web.Request) -> web.Response:
         spec, layer = await self.link.fork_spec(request.match_info["id"], _param(request, "ref"))

@@ -179,9 +179,12 @@ async def _reap(
     async def drain(stream: asyncio.StreamReader | None, buf: CappedBuffer | None) -> None:
         # asyncio's wait() returns only once every pipe reached EOF; a pipe whose reader
         # stopped (full buffer, transport paused) never does unless someone reads it.
-        while stream is not None and (chunk := await stream.read(CHUNK)):
-            if buf is not None:
-                buf.add(chunk)
+        try:
+            while stream is not None and (chunk := await stream.read(CHUNK)):
+                if buf is not None:
+                    buf.add(chunk)
+        except RuntimeError:
+            pass  # a command still running in the session is reading it: it drains the pipe
 
     with contextlib.suppress(ProcessLookupError, TimeoutError):
         async with asyncio.timeout(10):

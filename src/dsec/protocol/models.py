@@ -170,6 +170,31 @@ class MicroVMSpec(ContainerSpec):
     disk_mb: int = Field(default=4096, ge=64, le=1 << 20, description="the writable disk (sparse)")
 
 
+class VMSpec(ContainerSpec):
+    """A full VM (QEMU q35): its root is a disk image built from the layers (copy-on-write per
+    sandbox over a shared base), with a display (screenshot) and keyboard/mouse input."""
+
+    type: Literal["vm"] = "vm"  # type: ignore[assignment]
+    disk_mb: int = Field(default=4096, ge=256, le=1 << 20, description="the root disk")
+
+
+class InputEvent(_Model):
+    """Keyboard or mouse input for a full VM. ``key``: ``keys`` pressed together (QEMU qcodes:
+    "a", "ret", "ctrl", "alt", "f1"...); ``text``: typed character by character; ``move``: the
+    mouse by (x, y) pixels, relative; ``click``: a mouse button where the pointer is."""
+
+    type: Literal["key", "text", "move", "click"]
+    keys: list[str] | None = Field(default=None, max_length=8)
+    text: str | None = Field(default=None, max_length=10_000)
+    x: int | None = Field(default=None, ge=-4096, le=4096)
+    y: int | None = Field(default=None, ge=-4096, le=4096)
+    button: Literal["left", "right", "middle"] = "left"
+
+
+class InputRequest(_Model):
+    events: list[InputEvent] = Field(min_length=1, max_length=1000)
+
+
 def _spec_type(value: Any) -> str:
     # A spec without "type" is a container, as it was before there were other types.
     if isinstance(value, dict):
@@ -178,10 +203,12 @@ def _spec_type(value: Any) -> str:
 
 
 SandboxSpec = Annotated[
-    Annotated[ContainerSpec, Tag("container")] | Annotated[MicroVMSpec, Tag("microvm")],
+    Annotated[ContainerSpec, Tag("container")]
+    | Annotated[MicroVMSpec, Tag("microvm")]
+    | Annotated[VMSpec, Tag("vm")],
     Discriminator(_spec_type),
 ]
-_SPEC: TypeAdapter[ContainerSpec | MicroVMSpec] = TypeAdapter(SandboxSpec)
+_SPEC: TypeAdapter[ContainerSpec | MicroVMSpec | VMSpec] = TypeAdapter(SandboxSpec)
 
 
 def parse_spec(data: bytes | str | dict[str, Any], *, trusted: bool = False) -> ContainerSpec:

@@ -3,7 +3,7 @@ generated from it by :mod:`dsec.sdk._sync`)."""
 
 from dsec.sdk import client as _aio
 from dsec.sdk._sync import SyncWrapper
-from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs
+from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
 from dsec.sdk.client import DSecClient, ExecChunk, Sandbox
 
 
@@ -20,6 +20,7 @@ __all__ = [
     "DSecClient",
     "DSecContainerRunArgs",
     "DSecMicroVMRunArgs",
+    "DSecVMRunArgs",
     "ExecChunk",
     "Sandbox",
     "SyncSandbox",

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dsec.protocol.models import ContainerSpec, Hardware, MicroVMSpec, invalid_request
+from dsec.protocol.models import ContainerSpec, Hardware, MicroVMSpec, VMSpec, invalid_request
 
 
 class DSecContainerRunArgs(BaseModel):
@@ -70,3 +70,13 @@ class DSecMicroVMRunArgs(DSecContainerRunArgs):
 
     def _spec(self) -> ContainerSpec:
         return MicroVMSpec(**self._common(), disk_mb=self.disk_mb)
+
+
+class DSecVMRunArgs(DSecContainerRunArgs):
+    """Arguments of :meth:`DSecClient.run_vm`: a full VM whose root disk (``disk_mb``) is built
+    from the same layers, with a display (``Sandbox.screenshot``) and keyboard/mouse input."""
+
+    disk_mb: int = 4096
+
+    def _spec(self) -> ContainerSpec:
+        return VMSpec(**self._common(), disk_mb=self.disk_mb)

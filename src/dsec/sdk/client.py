@@ -38,11 +38,12 @@ from dsec.protocol.models import (
     SandboxInfo,
     ShellRequest,
 )
+from dsec.sdk._display import SandboxDisplayCalls
 from dsec.sdk._fncall import FnCalls
 from dsec.sdk._projects import ProjectCalls
 from dsec.sdk._rl import JobCalls, SandboxRlCalls
 from dsec.sdk._transport import Transport
-from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs
+from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
 from dsec.sdk.build import BuildEvent, build_layer
 from dsec.sdk.config import load_client_config
 
@@ -55,7 +56,7 @@ class ExecChunk:
     data: bytes
 
 
-class Sandbox(SandboxRlCalls):
+class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
     """A handle on one sandbox. Cheap to create; holds no server-side state."""
 
     def __init__(self, transport: Transport, info: SandboxInfo) -> None:
@@ -322,6 +323,10 @@ class DSecClient(ProjectCalls, FnCalls, JobCalls):
 
     async def run_microvm(self, args: DSecMicroVMRunArgs, timeout: float = 300) -> Sandbox:
         """Create a microVM sandbox (its own kernel, the same layers) and wait until it runs."""
+        return await self.run_container(args, timeout)
+
+    async def run_vm(self, args: DSecVMRunArgs, timeout: float = 600) -> Sandbox:
+        """Create a full VM (QEMU q35, a disk image of the layers, a display) and wait until it runs."""
         return await self.run_container(args, timeout)
 
     async def run_containers(

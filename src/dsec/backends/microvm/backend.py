@@ -44,6 +44,7 @@ BOOT_TIMEOUT_S = 120.0  # TCG on a loaded 2-core host; a KVM boot takes well und
 
 class MicroVMBackend:
     name = "microvm"
+    flavour = "cloud"  # the guest kernel (kit.FLAVOURS)
 
     def __init__(
         self,
@@ -54,7 +55,7 @@ class MicroVMBackend:
         kit_dir: Path | None = None,
         use_templates: bool = True,
     ) -> None:
-        self.state_dir = data_dir / "microvm"
+        self.state_dir = data_dir / self.name
         self.kit_dir = kit_dir or data_dir / "guest-kit"
         self.accel: qemu.Accel = accel or "tcg"
         self._accel_given = accel is not None
@@ -70,7 +71,7 @@ class MicroVMBackend:
 
     async def prepare_node(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.kit = await asyncio.to_thread(ensure_kit, self.kit_dir)
+        self.kit = await asyncio.to_thread(ensure_kit, self.kit_dir, self.flavour)
         if not self._accel_given:
             self.accel = await qemu.detect_accel(self.kit, self.state_dir)
         log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
@@ -103,49 +104,53 @@ class MicroVMBackend:
 
     async def create(self, ctx: CreateContext) -> dict[str, Any]:
         if self.kit is None:
-            raise InfraFailure("the microVM backend was not prepared", reason="runtime")
-        if self.layer_file is None:
-            raise InfraFailure("the microVM backend has no layer store", reason="runtime")
-        layers = [self.layer_file(d) for d in ctx.layer_digests]
+            raise InfraFailure(f"the {self.name} backend was not prepared", reason="runtime")
         work = ctx.workdir
         work.mkdir(parents=True, exist_ok=True)
-        socks = _socket_dir(work)
+        socks = socket_dir(work)
         socks.mkdir(parents=True, exist_ok=True, mode=0o700)
         handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work), "sockets": str(socks)}
-        disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
         config = qemu.MicroVMConfig(
             kernel=self.kit.kernel,
             initramfs=self.kit.initramfs,
             agent_socket=socks / "agent.sock",
             qmp_socket=socks / "qmp.sock",
             serial_log=work / "console.log",
-            layers=layers,
-            rw_disk=work / "rw.img",
+            layers=[],
+            rw_disk=None,
             memory_mb=ctx.spec.memory_limit_mb,
             cpus=max(1, round(ctx.spec.cpu_cores_limit)),
             accel=self.accel,
         )
-        key = TemplateKey(self.kit.key, tuple(ctx.layer_digests), config.memory_mb, config.cpus, disk_mb)
-        template = self.templates.ready(key) if self.use_templates else None
         try:
-            if template is not None:
-                await self._clone(ctx.sandbox_id, config, template, handle)
-                handle["template"] = key.name
-            else:
-                await asyncio.to_thread(_make_rw_disk, work / "rw.img", disk_mb)
-                await self._start(ctx.sandbox_id, config, handle)
-                self._channels[ctx.sandbox_id] = await AgentChannel.connect(
-                    config.agent_socket, BOOT_TIMEOUT_S
-                )
-                if self.use_templates and not self.templates.building(key):
-                    self.templates.start_build(key, self._build_template(key, config))
+            await self._boot(ctx, config, handle)
             return handle
         except BaseException as exc:
             await asyncio.shield(self.destroy(ctx.sandbox_id, handle, work))
             if isinstance(exc, InfraFailure | InvalidRequest | asyncio.CancelledError):
                 raise
             console = _tail(work / "console.log")
-            raise InfraFailure(f"microVM did not boot: {exc}; console: {console}", reason="runtime") from exc
+            raise InfraFailure(f"the VM did not boot: {exc}; console: {console}", reason="runtime") from exc
+
+    async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
+        """Layers attached as they are, an ext4 disk for the writes; a clone when a template exists."""
+        if self.layer_file is None:
+            raise InfraFailure("the microVM backend has no layer store", reason="runtime")
+        assert self.kit is not None
+        config.layers = [self.layer_file(d) for d in ctx.layer_digests]
+        config.rw_disk = Path(handle["dir"]) / "rw.img"
+        disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
+        key = TemplateKey(self.kit.key, tuple(ctx.layer_digests), config.memory_mb, config.cpus, disk_mb)
+        template = self.templates.ready(key) if self.use_templates else None
+        if template is not None:
+            await self._clone(ctx.sandbox_id, config, template, handle)
+            handle["template"] = key.name
+            return
+        await asyncio.to_thread(_make_rw_disk, config.rw_disk, disk_mb)
+        await self._start(ctx.sandbox_id, config, handle)
+        self._channels[ctx.sandbox_id] = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
+        if self.use_templates and not self.templates.building(key):
+            self.templates.start_build(key, self._build_template(key, config))
 
     async def _start(self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
         work = Path(handle["dir"])
@@ -161,7 +166,7 @@ class MicroVMBackend:
     ) -> None:
         """Start from ``template``'s saved state instead of booting (see templates.py)."""
         overlay = Path(handle["dir"]) / "rw.qcow2"
-        await _run(
+        await run_tool(
             "qemu-img",
             "create",
             "-q",
@@ -190,7 +195,7 @@ class MicroVMBackend:
         """Boot a template of ``key``'s kind, save it, and publish it (in the background)."""
         final = self.templates.dir(key)
         tdir = final.with_name(final.name + ".building")
-        socks = _socket_dir(tdir)
+        socks = socket_dir(tdir)
         pid = 0
         try:
             await asyncio.to_thread(shutil.rmtree, tdir, True)
@@ -256,7 +261,7 @@ class MicroVMBackend:
                 os.kill(pid, signal.SIGKILL)
             await _gone(pid, 5.0)
         await asyncio.to_thread(shutil.rmtree, workdir, True)
-        await asyncio.to_thread(shutil.rmtree, _socket_dir(workdir), True)
+        await asyncio.to_thread(shutil.rmtree, socket_dir(workdir), True)
         state.unlink(missing_ok=True)
 
     # -- inside -------------------------------------------------------------------------------
@@ -269,9 +274,9 @@ class MicroVMBackend:
         async with lock:  # after an edge restart: reconnect once, for every waiting caller
             channel = self._channels.get(sandbox_id)
             if channel is not None and channel.suspended and not handle.get("snapshot"):
-                await channel.resume(_socket_dir(Path(handle["dir"])) / "agent.sock")
+                await channel.resume(socket_dir(Path(handle["dir"])) / "agent.sock")
             elif channel is None or channel.closed:
-                sock = _socket_dir(Path(handle["dir"])) / "agent.sock"
+                sock = socket_dir(Path(handle["dir"])) / "agent.sock"
                 channel = await AgentChannel.connect(sock, 30.0, booting=False)
                 self._channels[sandbox_id] = channel
             return channel
@@ -309,13 +314,13 @@ class MicroVMBackend:
         await self._qmp(handle, "cont")
         if handle.pop("resumed", False):
             channel = self._channels.get(sandbox_id)
-            sock = _socket_dir(Path(handle["dir"])) / "agent.sock"
+            sock = socket_dir(Path(handle["dir"])) / "agent.sock"
             if channel is not None and channel.suspended:
                 await channel.resume(sock)
             await _refresh_guest(await self._channel(sandbox_id, handle))
 
     async def _qmp(self, handle: dict[str, Any], command: str) -> None:
-        client = await qemu.Qmp.connect(_socket_dir(Path(handle["dir"])) / "qmp.sock")
+        client = await qemu.Qmp.connect(socket_dir(Path(handle["dir"])) / "qmp.sock")
         try:
             await client.execute(command)
         finally:
@@ -331,7 +336,7 @@ class MicroVMBackend:
         channel = self._channels.get(sandbox_id)
         if channel is not None:
             await channel.suspend()  # its sessions carry on after the resume
-        control = await qemu.Qmp.connect(_socket_dir(Path(handle["dir"])) / "qmp.sock")
+        control = await qemu.Qmp.connect(socket_dir(Path(handle["dir"])) / "qmp.sock")
         try:
             await control.migrate("migrate", f"exec:cat > {snapshot}")
             await control.execute("quit")
@@ -378,7 +383,7 @@ class MicroVMBackend:
         return 0  # the guest kernel's OOM kills are not reported out of the VM yet
 
 
-def _socket_dir(workdir: Path) -> Path:
+def socket_dir(workdir: Path) -> Path:
     """Where a VM's unix sockets live: a short path (the kernel caps one at 107 bytes, which a
     deep data directory would exceed), derived from the sandbox's work directory."""
     return SOCKET_ROOT / hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
@@ -413,10 +418,12 @@ def _config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
         rw_format=vm["rw_format"],
         mem_path=None if vm["mem_path"] is None else path("mem_path"),
         mem_shared=bool(vm["mem_shared"]),
+        machine=vm.get("machine", "microvm"),
+        root_disk=None if vm.get("root_disk") is None else path("root_disk"),
     )
 
 
-async def _run(*argv: str) -> None:
+async def run_tool(*argv: str) -> None:
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,

@@ -30,10 +30,17 @@ from pathlib import Path
 from dsec.protocol.errors import InfraFailure
 
 GUEST_DIR = Path(__file__).parent / "guest"
-KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
+# cloud: small, virtio only (microVMs). generic: Debian's full kernel, with a VESA framebuffer
+# built in (the full VMs' display) and ext4 as a module.
+FLAVOURS = {"cloud": "linux-image-cloud-amd64", "generic": "linux-image-amd64"}
 BUSYBOX = Path("/bin/busybox")
-# Loaded by init, in this order (dependencies come from modules.dep).
-MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "erofs", "overlay")
+# Loaded by init, in this order (dependencies come from modules.dep); a module a kernel has
+# built in is simply not found.
+MODULES = (
+    "virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console",
+    "crc32c_generic",  # what libcrc32c (erofs, ext4) asks the crypto API for, by name
+    "erofs", "overlay", "ext4", "evdev",
+)  # fmt: skip
 _APPLETS = ("sh", "mount", "umount", "mkdir", "modprobe", "insmod", "cat", "ls", "sleep", "poweroff", "echo")
 
 
@@ -66,24 +73,32 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _kernel_package() -> str:
-    """The versioned image package the meta package points at (e.g. linux-image-6.1.0-57-cloud-amd64)."""
-    out = _run(["apt-cache", "depends", KERNEL_META_PACKAGE])
+def _kernel_package(meta: str) -> str:
+    """The versioned image package a meta package points at (linux-image-6.1.0-57-cloud-amd64)."""
+    out = _run(["apt-cache", "depends", meta])
     for line in out.splitlines():
         line = line.strip()
         if line.startswith("Depends:") and "linux-image-" in line:
             return line.split()[1]
-    raise InfraFailure(f"apt knows no image package behind {KERNEL_META_PACKAGE}", reason="guest_kit")
+    raise InfraFailure(f"apt knows no image package behind {meta}", reason="guest_kit")
 
 
-def _ensure_kernel(kit_dir: Path) -> tuple[Path, str]:
-    """Unpack the cloud kernel under ``kit_dir/kernel/<package>``; returns (root, version)."""
+def _is_flavour(name: str, flavour: str) -> bool:
+    return ("-cloud-" in name) == (flavour == "cloud")
+
+
+def _ensure_kernel(kit_dir: Path, flavour: str) -> tuple[Path, str]:
+    """Unpack the kernel under ``kit_dir/kernel/<package>``; returns (root, version)."""
     kernels = kit_dir / "kernel"
-    existing = sorted(p for p in kernels.glob("linux-image-*") if (p / ".complete").exists())
+    existing = sorted(
+        p
+        for p in kernels.glob("linux-image-*")
+        if (p / ".complete").exists() and _is_flavour(p.name, flavour)
+    )
     if existing:
         root = existing[-1]
     else:
-        package = _kernel_package()
+        package = _kernel_package(FLAVOURS[flavour])
         root = kernels / package
         with tempfile.TemporaryDirectory(dir=kit_dir) as tmp:
             os.chmod(tmp, 0o755)  # apt drops privileges to _apt for the download
@@ -189,10 +204,12 @@ def _inputs_hash(version: str) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_kit(kit_dir: Path) -> GuestKit:
+def ensure_kit(kit_dir: Path, flavour: str = "cloud") -> GuestKit:
     """The kernel and initramfs under ``kit_dir``, built if missing (needs apt, gcc, depmod)."""
+    if flavour not in FLAVOURS:
+        raise InfraFailure(f"unknown guest kernel flavour {flavour!r}", reason="guest_kit")
     with _locked(kit_dir / ".lock"):
-        kroot, version = _ensure_kernel(kit_dir)
+        kroot, version = _ensure_kernel(kit_dir, flavour)
         kernel = kroot / "boot" / f"vmlinuz-{version}"
         initramfs = kit_dir / f"initramfs-{_inputs_hash(version)}.img"
         if not initramfs.exists():

@@ -48,12 +48,20 @@ class MicroVMConfig:
     mem_path: Path | None = None
     mem_shared: bool = False
     incoming: bool = False  # wait for migrate-incoming (a clone, or a resume from a snapshot)
+    # "q35": a full VM (PCI devices, a VGA display the guest draws on, its root a disk image)
+    machine: Literal["microvm", "q35"] = "microvm"
+    root_disk: Path | None = None  # a full VM's root (qcow2 over the shared base image)
     extra: list[str] = field(default_factory=list)
 
 
 def microvm_argv(c: MicroVMConfig) -> list[str]:
+    full = c.machine == "q35"
     cmdline = _CMDLINE + ("" if c.accel == "kvm" else " " + _TCG_CMDLINE)
-    machine = "microvm,rtc=on,pic=off,pit=on" + (",memory-backend=mem" if c.mem_path else "")
+    # vga=791: 1024x768 at 16 bits through the VESA BIOS, the framebuffer the kernel keeps.
+    cmdline += " vga=791" if full else ""
+    machine = "q35" if full else "microvm,rtc=on,pic=off,pit=on"
+    machine += ",memory-backend=mem" if c.mem_path else ""
+    bus = "pci" if full else "device"  # virtio over PCI on q35, over MMIO on microvm
     argv = [
         QEMU,
         "-M", machine,
@@ -67,7 +75,7 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
         "-initrd", str(c.initramfs),
         "-append", cmdline,
         "-qmp", f"unix:{c.qmp_socket},server=on,wait=off",
-        "-device", "virtio-serial-device",
+        "-device", f"virtio-serial-{bus}",
         "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=dsec.agent",
     ]  # fmt: skip
@@ -79,15 +87,22 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
         ]
     if c.incoming:
         argv += ["-incoming", "defer"]
+    if full:
+        argv += ["-vga", "std"]  # a PS/2 keyboard and mouse come with the machine
+    if c.root_disk is not None:
+        argv += [
+            "-drive", f"if=none,id=root,file={c.root_disk},format=qcow2,cache=unsafe,discard=unmap",
+            "-device", f"virtio-blk-{bus},drive=root,serial=dsec-root",
+        ]  # fmt: skip
     if c.rw_disk is not None:
         argv += [
             "-drive", f"if=none,id=rw,file={c.rw_disk},format={c.rw_format},cache=unsafe,discard=unmap",
-            "-device", "virtio-blk-device,drive=rw,serial=dsec-rw",
+            "-device", f"virtio-blk-{bus},drive=rw,serial=dsec-rw",
         ]  # fmt: skip
     for i, layer in enumerate(c.layers):
         argv += [
             "-drive", f"if=none,id=l{i},file={layer},format=raw,readonly=on",
-            "-device", f"virtio-blk-device,drive=l{i},serial=dsec-layer-{i}",
+            "-device", f"virtio-blk-{bus},drive=l{i},serial=dsec-layer-{i}",
         ]  # fmt: skip
     return argv + c.extra
 

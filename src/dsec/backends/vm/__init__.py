@@ -1,0 +1,1 @@
+"""Full VMs: QEMU q35 booting a disk image, with a display to screenshot and input to send."""

@@ -1,0 +1,39 @@
+"""The screen of a full VM: screenshots and keyboard/mouse input (``Sandbox`` calls)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from dsec.protocol.models import InputEvent, InputRequest
+
+if TYPE_CHECKING:
+    from dsec.sdk._transport import Transport
+
+
+class SandboxDisplayCalls:
+    if TYPE_CHECKING:
+        _t: Transport
+        _base: str
+
+    async def screenshot(self) -> bytes:
+        """What the VM's display shows now, as PNG bytes (full VMs: ``run_vm``)."""
+        return b"".join([chunk async for chunk in self._t.stream("GET", self._base + "/screenshot")])
+
+    async def send_input(self, events: list[InputEvent]) -> int:
+        """Keyboard and mouse events, in order (see :class:`~dsec.protocol.models.InputEvent`)."""
+        body = InputRequest(events=events).model_dump(exclude_none=True)
+        return int((await self._t.request("POST", self._base + "/input", json_body=body))["sent"])
+
+    async def press(self, *keys: str) -> int:
+        """Press ``keys`` together (QEMU qcodes: "ctrl", "alt", "ret", "a", "f1"...)."""
+        return await self.send_input([InputEvent(type="key", keys=list(keys))])
+
+    async def type_text(self, text: str) -> int:
+        return await self.send_input([InputEvent(type="text", text=text)])
+
+    async def click(self, button: Literal["left", "right", "middle"] = "left") -> int:
+        return await self.send_input([InputEvent(type="click", button=button)])
+
+    async def move_mouse(self, dx: int, dy: int) -> int:
+        """Move the pointer by (dx, dy) pixels (the PS/2 mouse is relative)."""
+        return await self.send_input([InputEvent(type="move", x=dx, y=dy)])

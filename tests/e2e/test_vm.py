@@ -1,0 +1,104 @@
+"""Full VMs on the real runtime: QEMU q35 booting Debian's full kernel from a disk image made
+of the layers, the same SDK calls as a container, and a display the guest draws on."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import struct
+import zlib
+
+import pytest
+
+from dsec import DSecClient, DSecVMRunArgs, InvalidRequest, SandboxState
+from dsec.sdk.client import Sandbox
+from tests.conftest import BASE, Sandboxes
+from tests.support import eventually
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"),
+]
+
+
+def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
+    """(width, height, rows of RGB pixels) of an 8-bit RGB/RGBA PNG (what QEMU writes)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, width, height, channels = 8, b"", 0, 0, 3
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and colour in (2, 6), (depth, colour)
+            channels = 3 if colour == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw, stride, rows, prev = zlib.decompress(idat), width * channels, [], bytearray(width * channels)
+    for y in range(height):
+        line = raw[y * (stride + 1) : (y + 1) * (stride + 1)]
+        kind, row = line[0], bytearray(line[1:])
+        for i in range(stride):
+            left = row[i - channels] if i >= channels else 0
+            up, corner = prev[i], prev[i - channels] if i >= channels else 0
+            if kind == 1:
+                row[i] = (row[i] + left) & 0xFF
+            elif kind == 2:
+                row[i] = (row[i] + up) & 0xFF
+            elif kind == 3:
+                row[i] = (row[i] + (left + up) // 2) & 0xFF
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                pred = left if pa <= pb and pa <= pc else up if pb <= pc else corner
+                row[i] = (row[i] + pred) & 0xFF
+        rows.append(bytes(b for x in range(width) for b in row[x * channels : x * channels + 3]))
+        prev = row
+    return width, height, rows
+
+
+async def test_a_full_vm_boots_its_disk_runs_the_sdk_and_shows_what_it_draws(
+    client: DSecClient, make_sandbox: Sandboxes
+) -> None:
+    vm: Sandbox = await client.run_vm(DSecVMRunArgs(container_image=BASE, memory_limit_mb=512, disk_mb=2048))
+    try:
+        assert vm.info.backend == "vm"
+        kernel = (await vm.run_shell("uname -r")).stdout.strip()
+        assert kernel.endswith("-amd64") and "cloud" not in kernel, "Debian's full kernel"
+        assert (await vm.run_shell("df --output=fstype / | tail -1")).stdout.strip() == "ext4"
+        await vm.write_file("/root/note", "on the VM's own disk")
+        assert await vm.read_file("/root/note") == b"on the VM's own disk"
+
+        # The guest paints the top 100 rows of its 1024x768x16 framebuffer white...
+        drawn = await vm.run_shell("head -c 204800 /dev/zero | tr '\\000' '\\377' > /dev/fb0 && echo ok")
+        assert drawn.stdout == "ok\n", drawn
+        width, height, rows = decode_png(await vm.screenshot())
+        assert (width, height) == (1024, 768)
+        # ...and the screenshot shows exactly that: white above, the console's black below.
+        assert set(rows[50]) == {0xFF} and rows[150].count(0xFF) < len(rows[150]) // 10
+
+        # A key pressed on the host arrives on the guest's keyboard as input events.
+        wait_key = (
+            "dd if=/dev/input/event0 bs=24 count=2 of=/root/keys 2>/dev/null & echo $! > /root/pid; wait"
+        )
+        reader = asyncio.ensure_future(vm.run_shell(wait_key, session="keys", timeout=60))
+
+        async def reading() -> bool:
+            if reader.done():  # it should be waiting for the key: surface why it is not
+                raise AssertionError(f"the key reader ended early: {reader.result()}")
+            # Once dd holds the device open (a key pressed before that is nobody's).
+            opened = "ls -l /proc/$(cat /root/pid)/fd 2>/dev/null | grep -q event0 && echo yes"
+            return (await vm.run_shell(opened)).stdout == "yes\n"
+
+        await eventually(reading, "the guest to wait for a key", 30)
+        assert await vm.press("a") > 0
+        assert (await reader).exit_code == 0
+        assert (await vm.stat("/root/keys")).size == 48, "two input events (the key, a sync) arrived"
+
+        with pytest.raises(InvalidRequest):  # a container has no screen: said, not faked
+            await (await make_sandbox()).screenshot()
+        assert (await vm.pause()).state is SandboxState.paused
+        assert (await vm.read_file("/root/note")) == b"on the VM's own disk"  # resumed from the file
+    finally:
+        await vm.stop()
