@@ -22,6 +22,8 @@ from dsec import (
     _linux,
 )
 from dsec.apiserver.embedded import EmbeddedNode
+from dsec.backends.microvm.backend import MicroVMBackend
+from dsec.backends.microvm.templates import TemplateKey
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, node_config
 from tests.support import eventually
@@ -165,10 +167,11 @@ async def test_creates_clone_a_template_after_the_first_boot(client: DSecClient,
     args = DSecMicroVMRunArgs(container_image=BASE, memory_limit_mb=320, disk_mb=2048)
     first = await client.run_microvm(args)
     try:
-        templates = backend.state_dir / "templates"  # type: ignore[attr-defined]
+        assert isinstance(backend, MicroVMBackend) and backend.kit is not None
+        key = TemplateKey(backend.kit.key, tuple(first.info.layers), 320, 1, 2048)
 
         def template_of_this_kind() -> bool:
-            return any(p.name.endswith("complete") for p in templates.glob("*/complete"))
+            return backend.templates.ready(key) is not None
 
         await eventually(template_of_this_kind, "the template to be built", 180)
         a, b = await asyncio.gather(client.run_microvm(args), client.run_microvm(args))
