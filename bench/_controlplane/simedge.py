@@ -193,6 +193,17 @@ class SimulatedEdgeLink:
     async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
         raise NotImplementedError(_UNUSED)
 
+    async def fork_local(
+        self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
+    ) -> list[SandboxInfo]:
+        raise NotImplementedError(_UNUSED)
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        raise NotImplementedError(_UNUSED)
+
+    async def send_input(self, sandbox_id: str, events: list[Any]) -> int:
+        raise NotImplementedError(_UNUSED)
+
     def exec_stream(
         self,
         sandbox_id: str,

@@ -212,3 +212,43 @@ async def test_pausing_a_microvm_saves_it_to_a_file_and_ends_its_qemu(
         assert running(qemu_of(node, sb.id))
     finally:
         await sb.stop()
+
+
+async def test_fork_copies_a_running_microvm_whole_and_the_copies_are_independent(
+    client: DSecClient, node: EmbeddedNode
+) -> None:
+    sb = await client.run_microvm(
+        DSecMicroVMRunArgs(container_image=BASE, memory_limit_mb=256, labels={"job": "vf"})
+    )
+    copies: list[Sandbox] = []
+    try:
+        # A process whose state is only in its memory: it keeps rewriting its secret to a file.
+        await sb.run_shell(
+            "sh -c 'v=secret-$$; while :; do echo $v > /tmp/v; sleep 0.2; done' >/dev/null 2>&1 &"
+        )
+        await sb.write_file("/root/disk.txt", "before the fork")
+        secret = await eventually(lambda: _read_when_there(sb), "the process to write its secret")
+        copies = await sb.fork(2)
+        assert len({c.id for c in copies} | {sb.id}) == 3
+        assert all(c.info.labels == {"job": "vf"} and c.info.backend == "microvm" for c in copies)
+        for copy in copies:
+            assert await copy.read_file("/root/disk.txt") == b"before the fork"
+            await copy.run_shell("rm -f /tmp/v")
+
+            # The copied process is alive in the copy, with the secret from its memory.
+            got = await eventually(lambda c=copy: _read_when_there(c), "the copied process to run")
+            assert got == secret
+        await copies[0].write_file("/root/disk.txt", "changed in copy 0")
+        assert await copies[1].read_file("/root/disk.txt") == b"before the fork"
+        assert await sb.read_file("/root/disk.txt") == b"before the fork"
+    finally:
+        for c in copies:
+            await c.stop()
+        await sb.stop()
+    assert not list((node.config.data_dir / "microvm" / "forks").glob("*")), "the fork's files went with it"
+
+
+async def _read_when_there(sb: Sandbox) -> bytes | None:
+    if (await sb.run_shell("test -s /tmp/v")).exit_code != 0:
+        return None
+    return await sb.read_file("/tmp/v")

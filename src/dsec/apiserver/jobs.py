@@ -13,16 +13,21 @@ from aiohttp import web
 
 from dsec.apiserver._http import PRINCIPAL, read_body, respond
 from dsec.apiserver.sandboxes import SandboxRoutes
+from dsec.edge.link import EdgeLink
 from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
+    ContainerSpec,
     ForkRequest,
     InputRequest,
     LeaseRequest,
     LeaseResult,
+    SandboxInfo,
 )
 
 _MAX_JOB_LEN = 256
+_WHOLE_FORK = ("microvm", "vm")  # copied with memory and processes, on their own node
 
 
 def _int_param(request: web.Request, name: str, default: int) -> int:
@@ -80,12 +85,14 @@ class JobRoutes:
         created all or none like a batch."""
         link, sid = await self.sandboxes.owned(request)
         req = await read_body(request, ForkRequest)
+        source = await link.get(sid)
+        if source.backend in _WHOLE_FORK:
+            return respond(await self._fork_whole(request, link, source, req), status=201)
         if req.processes:
             raise InvalidRequest(
-                "fork(processes=True): this node cannot checkpoint processes (no working CRIU);"
-                " fork copies the disk state only (node capability fork_processes=false)"
+                "fork(processes=True): this node cannot checkpoint a container's processes (no"
+                " working CRIU); fork copies the disk state only (capability fork_processes=false)"
             )
-        source = await link.get(sid)
         spec, _layer = await link.fork_spec(sid, f"dsec-fork/{sid}")
         own = {k: v for k, v in spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
         clean = spec.model_copy(update={"labels": own if req.labels is None else req.labels})
@@ -102,6 +109,31 @@ class JobRoutes:
         link, sid = await self.sandboxes.owned(request)
         req = await read_body(request, InputRequest)
         return respond({"sent": await link.send_input(sid, req.events)})
+
+    async def _fork_whole(
+        self, request: web.Request, link: EdgeLink, source: SandboxInfo, req: ForkRequest
+    ) -> list[SandboxInfo]:
+        """VMs are forked whole on their own node (the snapshot is local): the copies' IDs are
+        that node's, each reserved in the source's project before the edge makes them."""
+        principal = request[PRINCIPAL]
+        epoch = link.epoch if link.epoch is not None else SandboxId.parse(source.id).epoch
+        ids = [str(SandboxId(source.node, epoch, SandboxId.new_tag())) for _ in range(req.count)]
+        tenancy = self.sandboxes.tenancy
+        resources = ContainerSpec(
+            layers=source.layers,
+            memory_limit_mb=source.memory_limit_mb,
+            cpu_cores_limit=source.cpu_cores_limit,
+        )
+        bill = tenancy.admit(principal, source.project, resources)
+        reserved: list[str] = []
+        try:
+            for sid in ids:
+                await tenancy.reserve(principal, sid, bill)
+                reserved.append(sid)
+            return await link.fork_local(source.id, ids, req.labels)
+        except BaseException:
+            await asyncio.shield(tenancy.release_many(reserved))
+            raise
 
     async def renew_lease(self, request: web.Request) -> web.Response:
         """Renew job ``job``'s lease on every node that holds one of its sandboxes."""

@@ -41,6 +41,7 @@ from dsec.protocol.models import (
     InputRequest,
     LayerInfo,
     LeaseRequest,
+    LocalForkRequest,
     SandboxInfo,
     ShellRequest,
     TrajectoryEntry,
@@ -286,6 +287,13 @@ class RemoteEdgeLink:
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
         raw = await self._json("GET", self._sandbox(sandbox_id, "/changes"), params={"under": under})
         return self._parse_list(_CHANGES, raw)
+
+    async def fork_local(
+        self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
+    ) -> list[SandboxInfo]:
+        body = LocalForkRequest(ids=new_ids, labels=labels)
+        raw = await self._json("POST", self._sandbox(sandbox_id, "/fork-local"), body=body)
+        return self._parse_list(_INFOS, raw)
 
     async def screenshot(self, sandbox_id: str) -> bytes:
         return await self._json("GET", self._sandbox(sandbox_id, "/screenshot"))

@@ -127,3 +127,21 @@ class Display(Protocol):
     async def send_input(self, sandbox_id: str, handle: dict[str, Any], events: list[InputEvent]) -> int:
         """Keyboard and mouse events, in order; returns how many low-level events were sent."""
         ...
+
+
+@runtime_checkable
+class Forkable(Protocol):
+    """A backend that copies a running sandbox whole, processes and memory included (VMs)."""
+
+    async def fork_source(self, sandbox_id: str, handle: dict[str, Any]) -> dict[str, Any]:
+        """Save the sandbox as it is now (memory, devices, disk) for copies to start from; the
+        sandbox itself carries on."""
+        ...
+
+    async def create_fork(self, ctx: CreateContext, source: dict[str, Any]) -> dict[str, Any]:
+        """Start a copy from ``source``; like :meth:`Backend.create`, it leaves nothing on failure."""
+        ...
+
+    async def release_fork_source(self, source: dict[str, Any]) -> None:
+        """The copies are made: the source goes once no copy needs it any more."""
+        ...

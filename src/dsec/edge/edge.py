@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, CreateContext, User, sandbox_env
+from dsec.backends.base import Backend, CreateContext, Forkable, User, sandbox_env
 from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
 from dsec.density.swap import Swap, SwapConfig, free_swap_bytes
 from dsec.edge import hardware
@@ -33,7 +33,14 @@ from dsec.executor.session import Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import CapacityExhausted, Conflict, DSecError, InfraFailure, SandboxNotFound
+from dsec.protocol.errors import (
+    CapacityExhausted,
+    Conflict,
+    DSecError,
+    InfraFailure,
+    InvalidRequest,
+    SandboxNotFound,
+)
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
@@ -273,19 +280,64 @@ class Edge(Reclaimer, Pausing, Commands):
         by_digest = {layer.digest: layer for layer in stacked}
         layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
         sid = self._new_id(sandbox_id)
+        return await self._start(sid, spec, backend, [layer.digest for layer in layers], backend.create)
+
+    async def fork_local(
+        self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
+    ) -> list[SandboxInfo]:
+        """Copies of a running VM sandbox on this node, memory and processes included: one
+        snapshot restored ``len(new_ids)`` times (IDs chosen by the apiserver), all or none."""
+        live = await self._use(sandbox_id)
+        backend = self.backend_of(live.record)
+        if not isinstance(backend, Forkable):
+            raise InvalidRequest(f"sandbox {sandbox_id} ({live.record.backend}) cannot be forked whole")
+        ids = [self._new_id(i) for i in new_ids]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("fork: the new sandbox IDs must differ")
+        rec = live.record
+        own = {k: v for k, v in rec.spec.labels.items() if k.startswith(RESERVED_LABEL_PREFIX)}
+        spec = rec.spec if labels is None else rec.spec.model_copy(update={"labels": {**own, **labels}})
+        with live.working():
+            source = await backend.fork_source(sandbox_id, rec.handle)
+        try:
+            made = await asyncio.gather(
+                *(
+                    self._start(nid, spec, backend, rec.layers, lambda ctx: backend.create_fork(ctx, source))
+                    for nid in ids
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            await backend.release_fork_source(source)
+        failed = [m for m in made if not isinstance(m, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self.stop(m.id) for m in made if isinstance(m, SandboxInfo)))
+            raise failed[0]
+        return [m for m in made if isinstance(m, SandboxInfo)]
+
+    async def _start(
+        self,
+        sid: str,
+        spec: ContainerSpec,
+        backend: Backend,
+        digests: list[str],
+        start: Callable[[CreateContext], Awaitable[dict[str, Any]]],
+    ) -> SandboxInfo:
+        """Journal a new sandbox, mount its layers and have ``start`` run it; on failure the
+        record says why and no layer reference is kept."""
         self._creating += 1
         acquired: list[str] = []
         rec: Record | None = None
         try:
             dirs = []
-            for layer in layers:
-                dirs.append(await self._acquire_layer(layer.digest))
-                acquired.append(layer.digest)
+            for digest in digests:
+                dirs.append(await self._acquire_layer(digest))
+                acquired.append(digest)
             user = resolve_user(dirs, spec.init_user)
             rec = Record(sid, SandboxState.creating, backend.name, spec, acquired, dataclasses.asdict(user))
             self.journal.insert(rec)
             ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid), layer_digests=acquired)
-            rec.handle = await backend.create(ctx)  # cleans up after itself when it fails
+            rec.handle = await start(ctx)  # cleans up after itself when it fails
             rec.state = SandboxState.running
             rec.last_active_at = time.time()
             self.journal.update(rec)

@@ -107,6 +107,13 @@ class EdgeLink(Protocol):
         """The screen of a full VM, as a PNG."""
         ...
 
+    async def fork_local(
+        self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
+    ) -> list[SandboxInfo]:
+        """Whole copies (memory and processes too) of a VM sandbox on its own node, under
+        ``new_ids`` (IDs of this node, chosen and reserved by the apiserver); all or none."""
+        ...
+
     async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int: ...
 
     async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
@@ -259,6 +266,11 @@ class LocalEdgeLink:
 
     async def screenshot(self, sandbox_id: str) -> bytes:
         return await self.edge.screenshot(self._routed(sandbox_id))
+
+    async def fork_local(
+        self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
+    ) -> list[SandboxInfo]:
+        return await self.edge.fork_local(self._routed(sandbox_id), new_ids, labels)
 
     async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int:
         return await self.edge.send_input(self._routed(sandbox_id), events)

@@ -24,6 +24,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     GET    /sandboxes/{id}/changes?under=/         -> [Change]
     POST   /sandboxes/{id}/fork-spec?ref=          -> {"spec": ContainerSpec, "layer": LayerInfo}
     GET    /sandboxes/{id}/screenshot              -> image/png (full VMs)
+    POST   /sandboxes/{id}/fork-local              LocalForkRequest -> 201 [SandboxInfo] (VMs)
     POST   /sandboxes/{id}/input                   InputRequest -> {"sent": n} (full VMs)
     GET    /sandboxes/{id}/files/content?path=     -> the bytes, streamed
     PUT    /sandboxes/{id}/files/content?path=&mode=644   bytes streamed -> 201 FileStat
@@ -65,6 +66,7 @@ from dsec.protocol.models import (
     ExecRequest,
     InputRequest,
     LeaseRequest,
+    LocalForkRequest,
     ShellRequest,
     invalid_request,
     parse_spec,
@@ -215,6 +217,7 @@ class EdgeServer:
         r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
         r.add_post(PREFIX + "/sandboxes/{id}/fork-spec", self.fork_spec)
         r.add_get(PREFIX + "/sandboxes/{id}/screenshot", self.screenshot)
+        r.add_post(PREFIX + "/sandboxes/{id}/fork-local", self.fork_local)
         r.add_post(PREFIX + "/sandboxes/{id}/input", self.send_input)
         r.add_get(PREFIX + "/sandboxes/{id}/files/content", self.download)
         r.add_put(PREFIX + "/sandboxes/{id}/files/content", self.upload)
@@ -281,6 +284,11 @@ class EdgeServer:
 
     async def changes(self, request: web.Request) -> web.Response:
         return respond(await self.link.changes(request.match_info["id"], request.query.get("under", "/")))
+
+    async def fork_local(self, request: web.Request) -> web.Response:
+        req = LocalForkRequest.model_validate_json(await request.read() or b"{}")
+        made = await self.link.fork_local(request.match_info["id"], req.ids, req.labels)
+        return respond(made, status=201)
 
     async def screenshot(self, request: web.Request) -> web.Response:
         png = await self.link.screenshot(request.match_info["id"])

@@ -178,6 +178,13 @@ class VMSpec(ContainerSpec):
     disk_mb: int = Field(default=4096, ge=256, le=1 << 20, description="the root disk")
 
 
+class LocalForkRequest(_Model):
+    """Edge-internal: whole copies of a VM under IDs the apiserver chose and reserved."""
+
+    ids: list[str] = Field(min_length=1, max_length=256)
+    labels: dict[str, str] | None = None
+
+
 class InputEvent(_Model):
     """Keyboard or mouse input for a full VM. ``key``: ``keys`` pressed together (QEMU qcodes:
     "a", "ret", "ctrl", "alt", "f1"...); ``text``: typed character by character; ``move``: the

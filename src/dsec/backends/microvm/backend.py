@@ -13,23 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import shutil
 import signal
-import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import CreateContext, User
-from dsec.backends.microvm import qemu
+from dsec.backends.microvm import forks, host, qemu
 from dsec.backends.microvm.channel import AgentChannel, VmProcess
 from dsec.backends.microvm.files import VmFileOps
+from dsec.backends.microvm.forks import VmForks
 from dsec.backends.microvm.kit import GuestKit, ensure_kit
 from dsec.backends.microvm.templates import TemplateKey, Templates
 from dsec.executor.file_ops import FileOps
@@ -37,12 +35,10 @@ from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 log = logging.getLogger("dsec.microvm")
 DEFAULT_DISK_MB = 4096
-SOCKET_ROOT = Path("/run/dsec-vm")
-_GUEST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 BOOT_TIMEOUT_S = 120.0  # TCG on a loaded 2-core host; a KVM boot takes well under a second
 
 
-class MicroVMBackend:
+class MicroVMBackend(VmForks):
     name = "microvm"
     flavour = "cloud"  # the guest kernel (kit.FLAVOURS)
 
@@ -82,7 +78,7 @@ class MicroVMBackend:
             "kernel": self.kit.kernel_version if self.kit else None,
             "pause": True,  # stop/cont (memory stays resident: snapshot pause is still to come)
             "pack": False,
-            "fork_processes": False,
+            "fork_processes": True,  # fork copies memory and processes too
         }
 
     async def detach(self) -> None:
@@ -107,7 +103,7 @@ class MicroVMBackend:
             raise InfraFailure(f"the {self.name} backend was not prepared", reason="runtime")
         work = ctx.workdir
         work.mkdir(parents=True, exist_ok=True)
-        socks = socket_dir(work)
+        socks = host.socket_dir(work)
         socks.mkdir(parents=True, exist_ok=True, mode=0o700)
         handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work), "sockets": str(socks)}
         config = qemu.MicroVMConfig(
@@ -129,7 +125,7 @@ class MicroVMBackend:
             await asyncio.shield(self.destroy(ctx.sandbox_id, handle, work))
             if isinstance(exc, InfraFailure | InvalidRequest | asyncio.CancelledError):
                 raise
-            console = _tail(work / "console.log")
+            console = host.tail(work / "console.log")
             raise InfraFailure(f"the VM did not boot: {exc}; console: {console}", reason="runtime") from exc
 
     async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
@@ -146,7 +142,7 @@ class MicroVMBackend:
             await self._clone(ctx.sandbox_id, config, template, handle)
             handle["template"] = key.name
             return
-        await asyncio.to_thread(_make_rw_disk, config.rw_disk, disk_mb)
+        await asyncio.to_thread(host.make_rw_disk, config.rw_disk, disk_mb)
         await self._start(ctx.sandbox_id, config, handle)
         self._channels[ctx.sandbox_id] = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
         if self.use_templates and not self.templates.building(key):
@@ -166,7 +162,7 @@ class MicroVMBackend:
     ) -> None:
         """Start from ``template``'s saved state instead of booting (see templates.py)."""
         overlay = Path(handle["dir"]) / "rw.qcow2"
-        await run_tool(
+        await host.run_tool(
             "qemu-img",
             "create",
             "-q",
@@ -189,19 +185,19 @@ class MicroVMBackend:
             await control.close()
         channel = await AgentChannel.connect(config.agent_socket, 30.0, booting=False)
         self._channels[sandbox_id] = channel
-        await _refresh_guest(channel)
+        await host.refresh_guest(channel)
 
     async def _build_template(self, key: TemplateKey, like: qemu.MicroVMConfig) -> None:
         """Boot a template of ``key``'s kind, save it, and publish it (in the background)."""
         final = self.templates.dir(key)
         tdir = final.with_name(final.name + ".building")
-        socks = socket_dir(tdir)
+        socks = host.socket_dir(tdir)
         pid = 0
         try:
             await asyncio.to_thread(shutil.rmtree, tdir, True)
             tdir.mkdir(parents=True)
             socks.mkdir(parents=True, exist_ok=True, mode=0o700)
-            await asyncio.to_thread(_make_rw_disk, tdir / "rw.img", key.disk_mb)
+            await asyncio.to_thread(host.make_rw_disk, tdir / "rw.img", key.disk_mb)
             config = dataclasses.replace(
                 like,
                 agent_socket=socks / "agent.sock",
@@ -214,7 +210,7 @@ class MicroVMBackend:
             pid = await qemu.start_daemon(config, tdir / "qemu.pid", tdir / "qemu.log")
             channel = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
             try:
-                sync = await channel.spawn(["sync"], env={"PATH": _GUEST_PATH}, cwd="/", uid=0, gid=0)
+                sync = await channel.spawn(["sync"], env={"PATH": host.GUEST_PATH}, cwd="/", uid=0, gid=0)
                 await sync.wait()  # the disk the clones start from holds what the RAM believes
             finally:
                 await channel.close()
@@ -259,9 +255,11 @@ class MicroVMBackend:
         if pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            await _gone(pid, 5.0)
+            await host.gone(pid, 5.0)
         await asyncio.to_thread(shutil.rmtree, workdir, True)
-        await asyncio.to_thread(shutil.rmtree, socket_dir(workdir), True)
+        await asyncio.to_thread(shutil.rmtree, host.socket_dir(workdir), True)
+        if handle.get("fork_source"):
+            await asyncio.to_thread(forks.drop, Path(handle["fork_source"]), sandbox_id)
         state.unlink(missing_ok=True)
 
     # -- inside -------------------------------------------------------------------------------
@@ -274,9 +272,9 @@ class MicroVMBackend:
         async with lock:  # after an edge restart: reconnect once, for every waiting caller
             channel = self._channels.get(sandbox_id)
             if channel is not None and channel.suspended and not handle.get("snapshot"):
-                await channel.resume(socket_dir(Path(handle["dir"])) / "agent.sock")
+                await channel.resume(host.socket_dir(Path(handle["dir"])) / "agent.sock")
             elif channel is None or channel.closed:
-                sock = socket_dir(Path(handle["dir"])) / "agent.sock"
+                sock = host.socket_dir(Path(handle["dir"])) / "agent.sock"
                 channel = await AgentChannel.connect(sock, 30.0, booting=False)
                 self._channels[sandbox_id] = channel
             return channel
@@ -314,13 +312,13 @@ class MicroVMBackend:
         await self._qmp(handle, "cont")
         if handle.pop("resumed", False):
             channel = self._channels.get(sandbox_id)
-            sock = socket_dir(Path(handle["dir"])) / "agent.sock"
+            sock = host.socket_dir(Path(handle["dir"])) / "agent.sock"
             if channel is not None and channel.suspended:
                 await channel.resume(sock)
-            await _refresh_guest(await self._channel(sandbox_id, handle))
+            await host.refresh_guest(await self._channel(sandbox_id, handle))
 
     async def _qmp(self, handle: dict[str, Any], command: str) -> None:
-        client = await qemu.Qmp.connect(socket_dir(Path(handle["dir"])) / "qmp.sock")
+        client = await qemu.Qmp.connect(host.socket_dir(Path(handle["dir"])) / "qmp.sock")
         try:
             await client.execute(command)
         finally:
@@ -336,13 +334,13 @@ class MicroVMBackend:
         channel = self._channels.get(sandbox_id)
         if channel is not None:
             await channel.suspend()  # its sessions carry on after the resume
-        control = await qemu.Qmp.connect(socket_dir(Path(handle["dir"])) / "qmp.sock")
+        control = await qemu.Qmp.connect(host.socket_dir(Path(handle["dir"])) / "qmp.sock")
         try:
             await control.migrate("migrate", f"exec:cat > {snapshot}")
             await control.execute("quit")
         finally:
             await control.close()
-        await _gone(int(handle["pid"]))
+        await host.gone(int(handle["pid"]))
         handle.update(snapshot=str(snapshot), pid=0, start_time=None)
         await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
         return resident
@@ -352,7 +350,7 @@ class MicroVMBackend:
         if not handle.get("snapshot"):
             return 0
         snapshot = Path(handle["snapshot"])
-        config = _config_of(handle["vm"])
+        config = host.config_of(handle["vm"])
         config.incoming = True
         await self._start(sandbox_id, config, handle)
         control = await qemu.Qmp.connect(config.qmp_socket)
@@ -381,86 +379,3 @@ class MicroVMBackend:
 
     def oom_kills(self, sandbox_id: str) -> int:
         return 0  # the guest kernel's OOM kills are not reported out of the VM yet
-
-
-def socket_dir(workdir: Path) -> Path:
-    """Where a VM's unix sockets live: a short path (the kernel caps one at 107 bytes, which a
-    deep data directory would exceed), derived from the sandbox's work directory."""
-    return SOCKET_ROOT / hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
-
-
-async def _gone(pid: int, within_s: float = 30.0) -> bool:
-    """Wait for ``pid`` to end (QEMU releases a big guest's memory as it exits)."""
-    for _ in range(int(within_s * 100)):
-        if _linux.proc_start_time(pid) is None:
-            return True
-        await asyncio.sleep(0.01)  # a process's end cannot be awaited unless it is our child
-    return False
-
-
-def _config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
-    """The machine a handle recorded (see ``_start``), to start it again from a snapshot."""
-
-    def path(key: str) -> Path:
-        return Path(vm[key])
-
-    return qemu.MicroVMConfig(
-        kernel=path("kernel"),
-        initramfs=path("initramfs"),
-        agent_socket=path("agent_socket"),
-        qmp_socket=path("qmp_socket"),
-        serial_log=path("serial_log"),
-        layers=[Path(x) for x in vm["layers"]],
-        rw_disk=None if vm["rw_disk"] is None else path("rw_disk"),
-        memory_mb=int(vm["memory_mb"]),
-        cpus=int(vm["cpus"]),
-        accel=vm["accel"],
-        rw_format=vm["rw_format"],
-        mem_path=None if vm["mem_path"] is None else path("mem_path"),
-        mem_shared=bool(vm["mem_shared"]),
-        machine=vm.get("machine", "microvm"),
-        root_disk=None if vm.get("root_disk") is None else path("root_disk"),
-    )
-
-
-async def run_tool(*argv: str) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
-    if proc.returncode != 0:
-        raise InfraFailure(f"{argv[0]} failed: {out.decode(errors='replace').strip()}", reason="runtime")
-
-
-async def _refresh_guest(channel: AgentChannel) -> None:
-    """A clone (or a restored VM) wakes with its template's clock and random state: set the
-    clock, and stir fresh entropy into the guest's pool so clones do not share random numbers."""
-    script = f"date -u -s @{time.time():.3f} >/dev/null 2>&1; cat > /dev/urandom"
-    proc = await channel.spawn(["sh", "-c", script], env={"PATH": _GUEST_PATH}, cwd="/", uid=0, gid=0)
-    assert proc.stdin is not None
-    proc.stdin.write(os.urandom(256))
-    proc.stdin.close()
-    await proc.wait()
-
-
-def _make_rw_disk(path: Path, size_mb: int) -> None:
-    with open(path, "wb") as fh:
-        fh.truncate(size_mb << 20)  # sparse: only what the guest writes takes host disk
-    done = subprocess.run(
-        ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise InfraFailure(f"mkfs.ext4 of the microVM's disk failed: {done.stderr.strip()}", reason="runtime")
-
-
-def _tail(path: Path, limit: int = 1500) -> str:
-    try:
-        return path.read_text(errors="replace")[-limit:].strip()
-    except OSError:
-        return "(no console output)"

@@ -21,14 +21,9 @@ from typing import Any
 
 from dsec.backends.base import CreateContext
 from dsec.backends.microvm import qemu
-from dsec.backends.microvm.backend import (
-    BOOT_TIMEOUT_S,
-    DEFAULT_DISK_MB,
-    MicroVMBackend,
-    run_tool,
-    socket_dir,
-)
+from dsec.backends.microvm.backend import BOOT_TIMEOUT_S, DEFAULT_DISK_MB, MicroVMBackend
 from dsec.backends.microvm.channel import AgentChannel
+from dsec.backends.microvm.host import run_tool, socket_dir
 from dsec.backends.vm.display import qmp_events
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import InputEvent

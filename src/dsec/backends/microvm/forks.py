@@ -1,0 +1,143 @@
+"""Forking a running VM: one snapshot restored n times over copy-on-write disks.
+
+The source VM is stopped for a moment: its memory and device state go to a file and its
+writable disk is copied (sparse), then it continues. Each copy is a new QEMU that loads that
+state over a qcow2 overlay of the copied disk, and gets its clock and entropy refreshed. The
+copies share the source's files until the last of them stops: each holds a reference in
+``<source>/refs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.backends.base import CreateContext
+from dsec.backends.microvm import host, qemu
+from dsec.backends.microvm.channel import AgentChannel
+
+
+def new_source_dir(root: Path) -> Path:
+    source = root / secrets.token_hex(8)
+    (source / "refs").mkdir(parents=True)
+    return source
+
+
+def take(source: Path, sandbox_id: str) -> None:
+    (source / "refs" / sandbox_id).touch()
+
+
+def drop(source: Path, sandbox_id: str | None) -> None:
+    """Forget one copy's reference (None: none); remove the source when none is left."""
+    refs = source / "refs"
+    if sandbox_id is not None:
+        (refs / sandbox_id).unlink(missing_ok=True)
+    try:
+        left = os.listdir(refs)
+    except FileNotFoundError:
+        return
+    if not left:
+        shutil.rmtree(source, ignore_errors=True)
+
+
+def describe(source: Path, disk: Path, disk_format: str, vm: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "dir": str(source),
+        "state": str(source / "state"),
+        "disk": str(disk),
+        "format": disk_format,
+        "vm": vm,
+    }
+
+
+class VmForks:
+    """Mixed into :class:`~dsec.backends.microvm.backend.MicroVMBackend`."""
+
+    if TYPE_CHECKING:
+        state_dir: Path
+        _channels: dict[str, AgentChannel]
+
+        async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int: ...
+        async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None: ...
+        async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None: ...
+        async def _start(
+            self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]
+        ) -> None: ...
+
+    async def fork_source(self, sandbox_id: str, handle: dict[str, Any]) -> dict[str, Any]:
+        if handle.get("snapshot"):
+            await self.prefetch(sandbox_id, handle)  # a paused VM: bring it back first
+            await self.thaw(sandbox_id, handle)
+        source = new_source_dir(self.state_dir / "forks")
+        vm = dict(handle["vm"])
+        disk = Path(vm["root_disk"] or vm["rw_disk"])
+        fmt = "qcow2" if vm["root_disk"] else vm["rw_format"]
+        copy = source / f"disk.{fmt}"
+        control = await qemu.Qmp.connect(host.socket_dir(Path(handle["dir"])) / "qmp.sock")
+        try:
+            await control.execute("stop")
+            try:
+                await control.migrate("migrate", f"exec:cat > {source / 'state'}")
+                # A qcow2 copy keeps pointing at the same backing file (a template's disk or
+                # a VM's base image), which outlives it.
+                await host.run_tool("cp", "--sparse=always", str(disk), str(copy))
+            finally:
+                await control.execute("cont")
+        finally:
+            await control.close()
+        return describe(source, copy, fmt, vm)
+
+    async def create_fork(self, ctx: CreateContext, source: dict[str, Any]) -> dict[str, Any]:
+        work = ctx.workdir
+        work.mkdir(parents=True, exist_ok=True)
+        socks = host.socket_dir(work)
+        socks.mkdir(parents=True, exist_ok=True, mode=0o700)
+        handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work), "sockets": str(socks)}
+        try:
+            config = host.config_of(source["vm"])
+            overlay = work / "disk.qcow2"
+            await host.run_tool(
+                "qemu-img",
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-b",
+                source["disk"],
+                "-F",
+                source["format"],
+                str(overlay),
+            )
+            if config.root_disk is not None:
+                config.root_disk = overlay
+            else:
+                config.rw_disk, config.rw_format = overlay, "qcow2"
+            config.agent_socket, config.qmp_socket = socks / "agent.sock", socks / "qmp.sock"
+            config.serial_log, config.incoming = work / "console.log", True
+            await self._start(ctx.sandbox_id, config, handle)
+            control = await qemu.Qmp.connect(config.qmp_socket)
+            try:
+                await control.migrate("migrate-incoming", f"exec:cat {source['state']}")
+                await control.execute("cont")
+            finally:
+                await control.close()
+            channel = await AgentChannel.connect(config.agent_socket, 30.0, booting=False)
+            self._channels[ctx.sandbox_id] = channel
+            await host.refresh_guest(channel)
+            take(Path(source["dir"]), ctx.sandbox_id)
+            handle["fork_source"] = source["dir"]
+            await asyncio.to_thread(
+                (self.state_dir / f"{ctx.sandbox_id}.json").write_text, json.dumps(handle)
+            )
+            return handle
+        except BaseException:
+            await asyncio.shield(self.destroy(ctx.sandbox_id, handle, work))
+            raise
+
+    async def release_fork_source(self, source: dict[str, Any]) -> None:
+        await asyncio.to_thread(drop, Path(source["dir"]), None)

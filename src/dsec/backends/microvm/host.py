@@ -1,0 +1,103 @@
+"""Host-side helpers shared by the VM backends: where a VM's sockets live, running a tool,
+rebuilding a machine's configuration from its handle, refreshing a restored guest."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from dsec import _linux
+from dsec.backends.microvm import qemu
+from dsec.backends.microvm.channel import AgentChannel
+from dsec.protocol.errors import InfraFailure
+
+SOCKET_ROOT = Path("/run/dsec-vm")
+GUEST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def socket_dir(workdir: Path) -> Path:
+    """Where a VM's unix sockets live: a short path (the kernel caps one at 107 bytes, which a
+    deep data directory would exceed), derived from the sandbox's work directory."""
+    return SOCKET_ROOT / hashlib.sha256(str(workdir).encode()).hexdigest()[:24]
+
+
+async def gone(pid: int, within_s: float = 30.0) -> bool:
+    """Wait for ``pid`` to end (QEMU releases a big guest's memory as it exits)."""
+    for _ in range(int(within_s * 100)):
+        if _linux.proc_start_time(pid) is None:
+            return True
+        await asyncio.sleep(0.01)  # a process's end cannot be awaited unless it is our child
+    return False
+
+
+def config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
+    """The machine a handle recorded (see ``_start``), to start it again from a snapshot."""
+
+    def path(key: str) -> Path:
+        return Path(vm[key])
+
+    return qemu.MicroVMConfig(
+        kernel=path("kernel"),
+        initramfs=path("initramfs"),
+        agent_socket=path("agent_socket"),
+        qmp_socket=path("qmp_socket"),
+        serial_log=path("serial_log"),
+        layers=[Path(x) for x in vm["layers"]],
+        rw_disk=None if vm["rw_disk"] is None else path("rw_disk"),
+        memory_mb=int(vm["memory_mb"]),
+        cpus=int(vm["cpus"]),
+        accel=vm["accel"],
+        rw_format=vm["rw_format"],
+        mem_path=None if vm["mem_path"] is None else path("mem_path"),
+        mem_shared=bool(vm["mem_shared"]),
+        machine=vm.get("machine", "microvm"),
+        root_disk=None if vm.get("root_disk") is None else path("root_disk"),
+    )
+
+
+async def run_tool(*argv: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise InfraFailure(f"{argv[0]} failed: {out.decode(errors='replace').strip()}", reason="runtime")
+
+
+async def refresh_guest(channel: AgentChannel) -> None:
+    """A clone (or a restored VM) wakes with its template's clock and random state: set the
+    clock, and stir fresh entropy into the guest's pool so clones do not share random numbers."""
+    script = f"date -u -s @{time.time():.3f} >/dev/null 2>&1; cat > /dev/urandom"
+    proc = await channel.spawn(["sh", "-c", script], env={"PATH": GUEST_PATH}, cwd="/", uid=0, gid=0)
+    assert proc.stdin is not None
+    proc.stdin.write(os.urandom(256))
+    proc.stdin.close()
+    await proc.wait()
+
+
+def make_rw_disk(path: Path, size_mb: int) -> None:
+    with open(path, "wb") as fh:
+        fh.truncate(size_mb << 20)  # sparse: only what the guest writes takes host disk
+    done = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise InfraFailure(f"mkfs.ext4 of the microVM's disk failed: {done.stderr.strip()}", reason="runtime")
+
+
+def tail(path: Path, limit: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:].strip()
+    except OSError:
+        return "(no console output)"
