@@ -7,20 +7,23 @@ is stopped by the fixtures, also when the test fails.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
-from dsec.density.swap import SwapConfig
+from dsec.density.swap import SwapConfig, active_swaps
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
 from dsec.sdk.client import DSecClient, Sandbox
 
 BASE = "debian:bookworm"
 DATA_DIR = Path(os.environ.get("DSEC_TEST_DATA_DIR", "/var/lib/dsec-test"))
+TEST_SWAP = DATA_DIR / "swap" / "test.swap"
 
 
 def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
@@ -32,7 +35,7 @@ def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
         config_file=tmp / "config.json",
         # Pause pushes memory to swap: a small swap file the session's first node turns on and
         # its last close turns off (a node that finds it on uses it and leaves it).
-        edge={"reap_interval_s": 0.1, "swap": SwapConfig("file", 1024, DATA_DIR / "swap" / "test.swap")},
+        edge={"reap_interval_s": 0.1, "swap": SwapConfig("file", 1024, TEST_SWAP)},
         # MicroVMs too, under TCG: the KVM probe would cost its deadline on a PVM host.
         microvm=True,
         vm=True,
@@ -60,6 +63,10 @@ async def node(base_layer: str, session_tmp: Path) -> AsyncIterator[EmbeddedNode
         yield emb
     finally:
         await emb.close(stop_sandboxes=True)
+        # The node turned it off if it turned it on; a run killed before that (nobody owns the
+        # swap it left on) must not leave it to the next one either.
+        if str(TEST_SWAP) in active_swaps():
+            await asyncio.to_thread(subprocess.run, ["swapoff", str(TEST_SWAP)], check=True)
     # An edge that stops with no sandboxes leaves no cgroup behind, not even the parent.
     assert list(Path("/sys/fs/cgroup").glob("*/dsec")) == []
 
