@@ -102,3 +102,39 @@ def flip_byte(path: Path, offset: int) -> None:
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))
     os.chmod(path, mode)
+
+
+class RestartedNode:
+    """An embedded node a test stops and starts again (its sandboxes keep running between).
+
+    ``async with RestartedNode(cfg) as n``: ``n.node`` is the running incarnation, ``await
+    n.restart()`` closes it without stopping sandboxes and starts the next. Whatever happens, the
+    last incarnation (started anew if the test failed between two) stops every sandbox.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.node: Any = None
+        self._running = False
+
+    async def _start(self) -> Any:
+        from dsec.apiserver.embedded import EmbeddedNode
+
+        self.node = EmbeddedNode(self.config)
+        await self.node.start()
+        self._running = True
+        return self.node
+
+    async def __aenter__(self) -> RestartedNode:
+        await self._start()
+        return self
+
+    async def restart(self) -> Any:
+        await self.node.close()
+        self._running = False
+        return await self._start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self._running:
+            await self._start()
+        await self.node.close(stop_sandboxes=True)

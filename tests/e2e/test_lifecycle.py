@@ -15,7 +15,7 @@ from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import oci
 from tests import leaks
 from tests.conftest import BASE, DATA_DIR, Sandboxes, node_config
-from tests.support import eventually, start_dsec_up
+from tests.support import RestartedNode, eventually, start_dsec_up
 
 
 async def wait_state(
@@ -48,17 +48,12 @@ async def test_max_lifetime_reclaims_busy_sandbox(
 
 async def test_restart_readopts_running_sandboxes(base_layer: str, tmp_path: Path) -> None:
     cfg = node_config(tmp_path, data_dir=tmp_path / "node")
-    first = EmbeddedNode(cfg)
-    await first.start()
-    second: EmbeddedNode | None = None
-    try:
-        async with DSecClient(first.url, first.api_key) as c:
+    async with RestartedNode(cfg) as nodes:
+        async with DSecClient(nodes.node.url, nodes.node.api_key) as c:
             sb = await c.run_container(DSecContainerRunArgs(container_image=base_layer))
             await sb.write_file("/root/state.txt", "kept")
             await sb.run_shell("nohup sleep 1000 >/dev/null 2>&1 &")
-        await first.close()  # sandboxes keep running
-        second = EmbeddedNode(cfg)
-        await second.start()
+        second = await nodes.restart()  # sandboxes keep running meanwhile
         async with DSecClient(second.url, second.api_key) as c:
             again = await c.get(sb.id)
             assert again.info.state is SandboxState.running
@@ -66,13 +61,6 @@ async def test_restart_readopts_running_sandboxes(base_layer: str, tmp_path: Pat
             r = await again.run_shell("cat /proc/[0-9]*/comm | grep -c '^sleep$'")
             assert r.stdout == "1\n"  # the agent's background process survived the restart
             await again.stop()
-    finally:
-        if second is not None:
-            await second.close(stop_sandboxes=True)
-        else:
-            restart = EmbeddedNode(cfg)
-            await restart.start()
-            await restart.close(stop_sandboxes=True)
     assert leaks.snapshot(cfg.data_dir)["cgroups"] == []
 
 

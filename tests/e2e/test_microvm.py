@@ -26,7 +26,7 @@ from dsec.backends.microvm.backend import MicroVMBackend
 from dsec.backends.microvm.templates import TemplateKey
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, node_config
-from tests.support import eventually
+from tests.support import RestartedNode, eventually
 
 pytestmark = [
     pytest.mark.vm,
@@ -131,19 +131,14 @@ async def test_concurrent_microvms_are_independent(client: DSecClient) -> None:
 
 async def test_an_edge_restart_readopts_a_running_microvm(base_layer: str, tmp_path: Path) -> None:
     cfg = node_config(tmp_path, data_dir=tmp_path / "node")
-    first = EmbeddedNode(cfg)
-    await first.start()
-    second: EmbeddedNode | None = None
-    try:
-        async with DSecClient(first.url, first.api_key) as c:
+    async with RestartedNode(cfg) as nodes:
+        async with DSecClient(nodes.node.url, nodes.node.api_key) as c:
             sb = await c.run_microvm(DSecMicroVMRunArgs(container_image=base_layer, memory_limit_mb=256))
             await sb.write_file("/root/state.txt", "kept")
             await sb.run_shell("nohup sleep 1000 >/dev/null 2>&1 &")
-        pid = qemu_of(first, sb.id)
-        await first.close()  # the VM keeps running
+        pid = qemu_of(nodes.node, sb.id)
+        second = await nodes.restart()  # the VM keeps running meanwhile
         assert running(pid)
-        second = EmbeddedNode(cfg)
-        await second.start()
         async with DSecClient(second.url, second.api_key) as c:
             again = await c.get(sb.id)
             assert again.info.state is SandboxState.running
@@ -152,13 +147,6 @@ async def test_an_edge_restart_readopts_a_running_microvm(base_layer: str, tmp_p
             assert r.stdout == "1\n"  # the background process survived the edge restart
             await again.stop()
         assert not running(pid)
-    finally:
-        if second is not None:
-            await second.close(stop_sandboxes=True)
-        else:
-            restart = EmbeddedNode(cfg)
-            await restart.start()
-            await restart.close(stop_sandboxes=True)
 
 
 async def test_creates_clone_a_template_after_the_first_boot(client: DSecClient, node: EmbeddedNode) -> None:

@@ -11,7 +11,7 @@ from dsec.apiserver.embedded import EmbeddedNode
 from dsec.density.swap import active_swaps
 from tests import leaks
 from tests.conftest import Sandboxes, node_config
-from tests.support import eventually
+from tests.support import RestartedNode, eventually
 
 MiB = 1 << 20
 # A process that holds ~200 MiB of incompressible memory until killed: sort keeps all it read
@@ -137,17 +137,12 @@ async def test_bulk_pause_and_resume_a_job(client: DSecClient, make_sandbox: San
 
 async def test_paused_sandbox_stays_paused_across_an_edge_restart(base_layer: str, tmp_path: Path) -> None:
     cfg = node_config(tmp_path, data_dir=tmp_path / "node")
-    first = EmbeddedNode(cfg)
-    await first.start()
-    second: EmbeddedNode | None = None
-    try:
-        async with DSecClient(first.url, first.api_key) as c:
+    async with RestartedNode(cfg) as nodes:
+        async with DSecClient(nodes.node.url, nodes.node.api_key) as c:
             sb = await c.run_container(DSecContainerRunArgs(container_image=base_layer))
             await sb.run_shell("x=42; echo started > /root/mark")
             await sb.pause()
-        await first.close()
-        second = EmbeddedNode(cfg)
-        await second.start()
+        second = await nodes.restart()
         async with DSecClient(second.url, second.api_key) as c:
             again = await c.get(sb.id)
             assert again.info.state is SandboxState.paused
@@ -157,13 +152,6 @@ async def test_paused_sandbox_stays_paused_across_an_edge_restart(base_layer: st
             assert (await again.run_shell("cat /root/mark")).stdout == "started\n"
             assert (await again.refresh()).state is SandboxState.running
             await again.stop()
-    finally:
-        if second is not None:
-            await second.close(stop_sandboxes=True)
-        else:
-            restart = EmbeddedNode(cfg)
-            await restart.start()
-            await restart.close(stop_sandboxes=True)
     assert leaks.snapshot(cfg.data_dir)["cgroups"] == []
 
 
