@@ -4,8 +4,9 @@ Each sandbox is one daemonized QEMU (it outlives an edge restart, like a contain
 its layers attached read-only exactly as the store keeps them, an ext4 disk for its writes, and
 the guest agent on a virtio-serial port; processes and files go through the agent
 (:mod:`dsec.backends.microvm.channel`). The accelerator is chosen once per node
-(:func:`dsec.backends.microvm.qemu.detect_accel`). Not yet here: template clones, pause as a
-snapshot, pack/changes of a VM's disk, networking (a VM has no network device at all).
+(:meth:`dsec.backends.microvm.vmm.Vmm.detect_accel`); the monitor behind the seam of
+:mod:`dsec.backends.microvm.vmm` is QEMU. Not yet here: pack/changes of a VM's disk,
+networking (a VM has no network device at all).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dsec.backends.microvm.files import VmFileOps
 from dsec.backends.microvm.forks import VmForks
 from dsec.backends.microvm.kit import GuestKit, ensure_kit
 from dsec.backends.microvm.templates import TemplateKey, Templates
+from dsec.backends.microvm.vmm import QemuVmm, Vmm
 from dsec.executor.file_ops import FileOps
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
@@ -50,7 +52,9 @@ class MicroVMBackend(VmForks):
         layer_file: Callable[[str], Path] | None = None,
         kit_dir: Path | None = None,
         use_templates: bool = True,
+        vmm: Vmm | None = None,
     ) -> None:
+        self.vmm: Vmm = vmm or QemuVmm()
         self.state_dir = data_dir / self.name
         self.kit_dir = kit_dir or data_dir / "guest-kit"
         self.accel: qemu.Accel = accel or "tcg"
@@ -69,7 +73,7 @@ class MicroVMBackend(VmForks):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.kit = await asyncio.to_thread(ensure_kit, self.kit_dir, self.flavour)
         if not self._accel_given:
-            self.accel = await qemu.detect_accel(self.kit, self.state_dir)
+            self.accel = await self.vmm.detect_accel(self.kit, self.state_dir)
         log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
 
     def capabilities(self) -> dict[str, Any]:
@@ -150,7 +154,7 @@ class MicroVMBackend(VmForks):
 
     async def _start(self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
         work = Path(handle["dir"])
-        pid = await qemu.start_daemon(config, work / "qemu.pid", work / "qemu.log")
+        pid = await self.vmm.start(config, work)
         # Everything a restart from a pause snapshot needs to rebuild the same machine.
         handle["vm"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()}
         handle["vm"]["layers"] = [str(x) for x in config.layers]
@@ -177,12 +181,9 @@ class MicroVMBackend(VmForks):
         config.rw_disk, config.rw_format = overlay, "qcow2"
         config.mem_path, config.mem_shared, config.incoming = template / "ram", False, True
         await self._start(sandbox_id, config, handle)
-        control = await qemu.Qmp.connect(config.qmp_socket)
-        try:
-            await control.migrate("migrate-incoming", f"exec:cat {template / 'state'}")
-            await control.execute("cont")
-        finally:
-            await control.close()
+        async with self.vmm.control(config.qmp_socket) as control:
+            await control.load(template / "state")
+            await control.cont()
         channel = await AgentChannel.connect(config.agent_socket, 30.0, booting=False)
         self._channels[sandbox_id] = channel
         await host.refresh_guest(channel)
@@ -207,20 +208,17 @@ class MicroVMBackend(VmForks):
                 mem_path=tdir / "ram",
                 mem_shared=True,
             )
-            pid = await qemu.start_daemon(config, tdir / "qemu.pid", tdir / "qemu.log")
+            pid = await self.vmm.start(config, tdir)
             channel = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
             try:
                 sync = await channel.spawn(["sync"], env={"PATH": host.GUEST_PATH}, cwd="/", uid=0, gid=0)
                 await sync.wait()  # the disk the clones start from holds what the RAM believes
             finally:
                 await channel.close()
-            control = await qemu.Qmp.connect(config.qmp_socket)
-            try:
-                await control.execute("stop")
-                await control.migrate("migrate", f"exec:cat > {tdir / 'state'}")
-                await control.execute("quit")
-            finally:
-                await control.close()
+            async with self.vmm.control(config.qmp_socket) as control:
+                await control.stop()
+                await control.save(tdir / "state")
+                await control.quit()
             (tdir / "complete").write_text("ok\n")
             await asyncio.to_thread(shutil.rmtree, final, True)
             tdir.rename(final)
@@ -318,11 +316,8 @@ class MicroVMBackend(VmForks):
             await host.refresh_guest(await self._channel(sandbox_id, handle))
 
     async def _qmp(self, handle: dict[str, Any], command: str) -> None:
-        client = await qemu.Qmp.connect(host.socket_dir(Path(handle["dir"])) / "qmp.sock")
-        try:
-            await client.execute(command)
-        finally:
-            await client.close()
+        async with self.vmm.control(host.socket_dir(Path(handle["dir"])) / "qmp.sock") as control:
+            await (control.stop() if command == "stop" else control.cont())
 
     async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
         """The microVM pause: save memory and device state to a file, end the QEMU process
@@ -334,12 +329,9 @@ class MicroVMBackend(VmForks):
         channel = self._channels.get(sandbox_id)
         if channel is not None:
             await channel.suspend()  # its sessions carry on after the resume
-        control = await qemu.Qmp.connect(host.socket_dir(Path(handle["dir"])) / "qmp.sock")
-        try:
-            await control.migrate("migrate", f"exec:cat > {snapshot}")
-            await control.execute("quit")
-        finally:
-            await control.close()
+        async with self.vmm.control(host.socket_dir(Path(handle["dir"])) / "qmp.sock") as control:
+            await control.save(snapshot)
+            await control.quit()
         await host.gone(int(handle["pid"]))
         handle.update(snapshot=str(snapshot), pid=0, start_time=None)
         await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
@@ -353,11 +345,8 @@ class MicroVMBackend(VmForks):
         config = host.config_of(handle["vm"])
         config.incoming = True
         await self._start(sandbox_id, config, handle)
-        control = await qemu.Qmp.connect(config.qmp_socket)
-        try:
-            await control.migrate("migrate-incoming", f"exec:cat {snapshot}")
-        finally:
-            await control.close()
+        async with self.vmm.control(config.qmp_socket) as control:
+            await control.load(snapshot)
         size = (await asyncio.to_thread(os.stat, snapshot)).st_size
         handle.pop("snapshot", None)
         handle["resumed"] = True  # thaw: reconnect and refresh the guest's clock

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from dsec.backends.base import CreateContext
 from dsec.backends.microvm import host, qemu
 from dsec.backends.microvm.channel import AgentChannel
+from dsec.backends.microvm.vmm import Vmm
 
 
 def new_source_dir(root: Path) -> Path:
@@ -60,6 +61,7 @@ class VmForks:
 
     if TYPE_CHECKING:
         state_dir: Path
+        vmm: Vmm
         _channels: dict[str, AgentChannel]
 
         async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int: ...
@@ -78,18 +80,15 @@ class VmForks:
         disk = Path(vm["root_disk"] or vm["rw_disk"])
         fmt = "qcow2" if vm["root_disk"] else vm["rw_format"]
         copy = source / f"disk.{fmt}"
-        control = await qemu.Qmp.connect(host.socket_dir(Path(handle["dir"])) / "qmp.sock")
-        try:
-            await control.execute("stop")
+        async with self.vmm.control(host.socket_dir(Path(handle["dir"])) / "qmp.sock") as control:
+            await control.stop()
             try:
-                await control.migrate("migrate", f"exec:cat > {source / 'state'}")
+                await control.save(source / "state")
                 # A qcow2 copy keeps pointing at the same backing file (a template's disk or
                 # a VM's base image), which outlives it.
                 await host.run_tool("cp", "--sparse=always", str(disk), str(copy))
             finally:
-                await control.execute("cont")
-        finally:
-            await control.close()
+                await control.cont()
         return describe(source, copy, fmt, vm)
 
     async def create_fork(self, ctx: CreateContext, source: dict[str, Any]) -> dict[str, Any]:
@@ -120,12 +119,9 @@ class VmForks:
             config.agent_socket, config.qmp_socket = socks / "agent.sock", socks / "qmp.sock"
             config.serial_log, config.incoming = work / "console.log", True
             await self._start(ctx.sandbox_id, config, handle)
-            control = await qemu.Qmp.connect(config.qmp_socket)
-            try:
-                await control.migrate("migrate-incoming", f"exec:cat {source['state']}")
-                await control.execute("cont")
-            finally:
-                await control.close()
+            async with self.vmm.control(config.qmp_socket) as control:
+                await control.load(Path(source["state"]))
+                await control.cont()
             channel = await AgentChannel.connect(config.agent_socket, 30.0, booting=False)
             self._channels[ctx.sandbox_id] = channel
             await host.refresh_guest(channel)

@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import os
 import subprocess
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from dsec.backends.microvm import qemu
 from dsec.backends.microvm.backend import BOOT_TIMEOUT_S, DEFAULT_DISK_MB, MicroVMBackend
 from dsec.backends.microvm.channel import AgentChannel
 from dsec.backends.microvm.host import run_tool, socket_dir
+from dsec.backends.microvm.vmm import QemuVmm, QmpControl
 from dsec.backends.vm.display import qmp_events
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import InputEvent
@@ -58,17 +60,20 @@ class FullVMBackend(MicroVMBackend):
                 await asyncio.to_thread(_build_base, dirs, disk_mb, image)
         return image
 
+    def qemu(self, handle: dict[str, Any]) -> AbstractAsyncContextManager[QmpControl]:
+        """QEMU's own control of the VM: display and input are QEMU calls (no other monitor)."""
+        if not isinstance(self.vmm, QemuVmm):
+            raise InfraFailure(f"full VMs need QEMU, not {self.vmm.name}", reason="runtime")
+        return self.vmm.control(socket_dir(Path(handle["dir"])) / "qmp.sock")
+
     def upper_dir(self, workdir: Path) -> Path:
         raise InvalidRequest("packing or diffing a full VM's disk is not supported yet")
 
     async def screenshot(self, sandbox_id: str, handle: dict[str, Any]) -> bytes:
         """What the VM's display shows now, as a PNG."""
         shot = Path(handle["dir"]) / "screen.png"
-        control = await qemu.Qmp.connect(socket_dir(Path(handle["dir"])) / "qmp.sock")
-        try:
+        async with self.qemu(handle) as control:
             await control.execute("screendump", filename=str(shot), format="png")
-        finally:
-            await control.close()
         try:
             return await asyncio.to_thread(shot.read_bytes)
         finally:
@@ -77,12 +82,9 @@ class FullVMBackend(MicroVMBackend):
     async def send_input(self, sandbox_id: str, handle: dict[str, Any], events: list[InputEvent]) -> int:
         """Send keyboard and mouse events to the VM; returns how many QEMU input events that was."""
         translated = qmp_events(events)
-        control = await qemu.Qmp.connect(socket_dir(Path(handle["dir"])) / "qmp.sock")
-        try:
+        async with self.qemu(handle) as control:
             for i in range(0, len(translated), 64):  # QEMU queues them in order
                 await control.execute("input-send-event", events=translated[i : i + 64])
-        finally:
-            await control.close()
         return len(translated)
 
     def capabilities(self) -> dict[str, Any]:
