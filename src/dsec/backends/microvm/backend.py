@@ -73,7 +73,7 @@ class MicroVMBackend(VmForks):
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.kit = await asyncio.to_thread(ensure_kit, self.kit_dir, self.flavour)
         if not self._accel_given:
-            self.accel = await self.vmm.detect_accel(self.kit, self.state_dir)
+            self.accel = await self.vmm.detect_accel(self.kit, self.state_dir.parent)
         log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
 
     def capabilities(self) -> dict[str, Any]:

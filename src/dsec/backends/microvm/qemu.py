@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -206,16 +208,17 @@ async def detect_accel(kit: Any, state_dir: Path, deadline_s: float = 20.0) -> A
     """KVM if this host's KVM boots the kit's kernel to its init within the deadline, else TCG.
 
     The kernel boots with no disks, so its init reports the missing root and powers off: a VM
-    that ends by itself in time proves the accelerator works. The answer is cached per kernel.
+    that ends by itself in time proves the accelerator works. The answer is cached in
+    ``state_dir`` (give the node's data directory: every VM backend of the node shares it).
     """
     if not kvm_present():
         return "tcg"
-    cache = state_dir / f"accel-{kit.kernel_version}.json"
+    # Whether KVM boots a stock kernel is the host's property: one probe serves every backend.
+    cache = state_dir / "accel.json"
     with contextlib.suppress(OSError, ValueError, KeyError):
         cached: Accel = json.loads(cache.read_text())["accel"]
         return cached
-    probe = state_dir / "accel-probe"
-    probe.mkdir(parents=True, exist_ok=True)
+    probe = Path(tempfile.mkdtemp(prefix="dsec-accel-"))  # short: unix socket paths are capped
     config = MicroVMConfig(
         kernel=kit.kernel,
         initramfs=kit.initramfs,
@@ -241,5 +244,11 @@ async def detect_accel(kit: Any, state_dir: Path, deadline_s: float = 20.0) -> A
         accel = "tcg"  # a hung guest: KVM here cannot boot a stock kernel (a PVM host)
         proc.kill()
         await proc.wait()
-    cache.write_text(json.dumps({"accel": accel}))
+    await asyncio.to_thread(_remember, probe, cache, accel)
     return accel
+
+
+def _remember(probe: Path, cache: Path, accel: Accel) -> None:
+    shutil.rmtree(probe, ignore_errors=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"accel": accel}))
