@@ -96,6 +96,31 @@ async def test_a_full_vm_boots_its_disk_runs_the_sdk_and_shows_what_it_draws(
         assert (await reader).exit_code == 0
         assert (await vm.stat("/root/keys")).size == 48, "two input events (the key, a sync) arrived"
 
+        # The tablet points absolutely: the guest reads the very coordinates the host sent.
+        find = "grep -A4 'Virtio Tablet' /proc/bus/input/devices | grep -o 'event[0-9]*'"
+        tablet = (await vm.run_shell(find)).stdout.strip()
+        assert tablet.startswith("event"), tablet
+        wait_point = (
+            f"dd if=/dev/input/{tablet} bs=24 count=3 of=/root/point 2>/dev/null & echo $! >/root/pid2; wait"
+        )
+        pointer = asyncio.ensure_future(vm.run_shell(wait_point, session="point", timeout=60))
+
+        async def pointing() -> bool:
+            if pointer.done():
+                raise AssertionError(f"the pointer reader ended early: {pointer.result()}")
+            opened = f"ls -l /proc/$(cat /root/pid2)/fd 2>/dev/null | grep -q {tablet} && echo yes"
+            return (await vm.run_shell(opened)).stdout == "yes\n"
+
+        await eventually(pointing, "the guest to wait for the pointer", 30)
+        await vm.point(512, 384)
+        await pointer
+        raw = await vm.read_file("/root/point")
+        events = [struct.unpack_from("<HHi", raw, 16 + 24 * i) for i in range(3)]
+        got = {code: value for kind, code, value in events if kind == 3}  # EV_ABS: ABS_X 0, ABS_Y 1
+        assert got == {0: 512 * 0x7FFF // 1023, 1: 384 * 0x7FFF // 767}, events
+        with pytest.raises(InvalidRequest):
+            await vm.point(2000, 10)  # off the screen
+
         with pytest.raises(InvalidRequest):  # a container has no screen: said, not faked
             await (await make_sandbox()).screenshot()
         assert (await vm.pause()).state is SandboxState.paused

@@ -188,9 +188,10 @@ class LocalForkRequest(_Model):
 class InputEvent(_Model):
     """Keyboard or mouse input for a full VM. ``key``: ``keys`` pressed together (QEMU qcodes:
     "a", "ret", "ctrl", "alt", "f1"...); ``text``: typed character by character; ``move``: the
-    mouse by (x, y) pixels, relative; ``click``: a mouse button where the pointer is."""
+    mouse by (x, y) pixels, relative; ``point``: the pointer to pixel (x, y) of the screen,
+    absolute (the VM's tablet); ``click``: a mouse button where the pointer is."""
 
-    type: Literal["key", "text", "move", "click"]
+    type: Literal["key", "text", "move", "point", "click"]
     keys: list[str] | None = Field(default=None, max_length=8)
     text: str | None = Field(default=None, max_length=10_000)
     x: int | None = Field(default=None, ge=-4096, le=4096)

@@ -34,6 +34,10 @@ class SandboxDisplayCalls:
     async def click(self, button: Literal["left", "right", "middle"] = "left") -> int:
         return await self.send_input([InputEvent(type="click", button=button)])
 
+    async def point(self, x: int, y: int) -> int:
+        """Put the pointer on pixel (x, y) of the 1024x768 screen (the VM's tablet: absolute)."""
+        return await self.send_input([InputEvent(type="point", x=x, y=y)])
+
     async def move_mouse(self, dx: int, dy: int) -> int:
         """Move the pointer by (dx, dy) pixels (the PS/2 mouse is relative)."""
         return await self.send_input([InputEvent(type="move", x=dx, y=dy)])

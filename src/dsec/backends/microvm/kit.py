@@ -40,6 +40,7 @@ MODULES = (
     "virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console",
     "crc32c_generic",  # what libcrc32c (erofs, ext4) asks the crypto API for, by name
     "erofs", "overlay", "ext4", "evdev",
+    "virtio_input",  # a full VM's absolute pointer (virtio tablet)
 )  # fmt: skip
 _APPLETS = ("sh", "mount", "umount", "mkdir", "modprobe", "insmod", "cat", "ls", "sleep", "poweroff", "echo")
 

@@ -90,7 +90,8 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
     if c.incoming:
         argv += ["-incoming", "defer"]
     if full:
-        argv += ["-vga", "std"]  # a PS/2 keyboard and mouse come with the machine
+        # A PS/2 keyboard and mouse come with the machine; the tablet points absolutely.
+        argv += ["-vga", "std", "-device", "virtio-tablet-pci"]
     if c.root_disk is not None:
         argv += [
             "-drive", f"if=none,id=root,file={c.root_disk},format=qcow2,cache=unsafe,discard=unmap",

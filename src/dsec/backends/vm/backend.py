@@ -88,7 +88,8 @@ class FullVMBackend(MicroVMBackend):
         return len(translated)
 
     def capabilities(self) -> dict[str, Any]:
-        return {**super().capabilities(), "display": "1024x768", "input": ["key", "text", "move", "click"]}
+        inputs = ["key", "text", "move", "point", "click"]
+        return {**super().capabilities(), "display": "1024x768", "input": inputs}
 
 
 def _build_base(dirs: list[Path], disk_mb: int, image: Path) -> None:

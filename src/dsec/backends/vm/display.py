@@ -1,6 +1,6 @@
 """The display and input of a full VM, through QMP: ``screendump`` (PNG) and
-``input-send-event`` (keys as QEMU qcodes, text typed as key presses, mouse buttons and
-relative moves on the machine's PS/2 mouse)."""
+``input-send-event`` (keys as QEMU qcodes, text typed as key presses, mouse buttons, relative
+moves of the PS/2 mouse, absolute points on the virtio tablet)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import InputEvent
+
+SCREEN = (1024, 768)  # vga=791
+_ABS_MAX = 0x7FFF  # QEMU scales absolute axes to 0..32767
 
 # Characters typed as a key (and shift when needed); everything else is refused, not guessed.
 _PLAIN = {c: c for c in "abcdefghijklmnopqrstuvwxyz0123456789"}
@@ -48,6 +51,13 @@ def qmp_events(events: list[InputEvent]) -> list[dict[str, Any]]:
             out += [
                 {"type": "rel", "data": {"axis": "x", "value": ev.x or 0}},
                 {"type": "rel", "data": {"axis": "y", "value": ev.y or 0}},
+            ]
+        elif ev.type == "point":
+            if not (0 <= (ev.x or 0) < SCREEN[0] and 0 <= (ev.y or 0) < SCREEN[1]):
+                raise InvalidRequest(f"point ({ev.x}, {ev.y}) is off the {SCREEN[0]}x{SCREEN[1]} screen")
+            out += [
+                {"type": "abs", "data": {"axis": "x", "value": (ev.x or 0) * _ABS_MAX // (SCREEN[0] - 1)}},
+                {"type": "abs", "data": {"axis": "y", "value": (ev.y or 0) * _ABS_MAX // (SCREEN[1] - 1)}},
             ]
         elif ev.type == "click":
             for down in (True, False):
