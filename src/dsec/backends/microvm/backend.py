@@ -72,6 +72,10 @@ class MicroVMBackend(VmForks):
     async def prepare_node(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.kit = await asyncio.to_thread(ensure_kit, self.kit_dir, self.flavour)
+        # Templates of an earlier guest kit can never be cloned again (the kit is in their key).
+        removed = await asyncio.to_thread(self.templates.forget_other_kits, self.kit.key)
+        if removed:
+            log.info("removed %d templates of earlier guest kits", removed)
         if not self._accel_given:
             self.accel = await self.vmm.detect_accel(self.kit, self.state_dir.parent)
         log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
@@ -219,6 +223,7 @@ class MicroVMBackend(VmForks):
                 await control.stop()
                 await control.save(tdir / "state")
                 await control.quit()
+            (tdir / "key.json").write_text(json.dumps(dataclasses.asdict(key)))
             (tdir / "complete").write_text("ok\n")
             await asyncio.to_thread(shutil.rmtree, final, True)
             tdir.rename(final)

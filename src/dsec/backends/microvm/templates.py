@@ -71,3 +71,16 @@ class Templates:
 
     def remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def forget_other_kits(self, kit: str) -> int:
+        """Remove templates built with another guest kit (or half-built ones); how many went."""
+        removed = 0
+        for tdir in self.root.glob("*") if self.root.is_dir() else ():
+            try:
+                mine = json.loads((tdir / "key.json").read_text())["kit"] == kit
+            except (OSError, ValueError, KeyError):
+                mine = False
+            if not mine:
+                shutil.rmtree(tdir, ignore_errors=True)
+                removed += 1
+        return removed
