@@ -40,18 +40,6 @@ def usage_bytes(cgroup: Path) -> int:
         return 0
 
 
-def swapped_bytes(cgroup: Path) -> int:
-    """How much of the cgroup's memory sits in swap (``memory.stat`` ``total_swap``)."""
-    try:
-        for line in (cgroup / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "total_swap":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def page_out(cgroup: Path) -> int:
     """Reclaim what the cgroup holds; returns the bytes it no longer charges to RAM.
 

@@ -69,9 +69,6 @@ class Templates:
         await asyncio.gather(*self._building.values(), return_exceptions=True)
         self._building.clear()
 
-    def remove_all(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
-
     def forget_other_kits(self, kit: str) -> int:
         """Remove templates built with another guest kit (or half-built ones); how many went."""
         removed = 0
