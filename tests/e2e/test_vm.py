@@ -121,6 +121,8 @@ async def test_a_full_vm_boots_its_disk_runs_the_sdk_and_shows_what_it_draws(
         with pytest.raises(InvalidRequest):
             await vm.point(2000, 10)  # off the screen
 
+        with pytest.raises(InvalidRequest):  # one disk image, not layers: said, not faked
+            await vm.pack_diff("test/full-vm")
         with pytest.raises(InvalidRequest):  # a container has no screen: said, not faked
             await (await make_sandbox()).screenshot()
         assert (await vm.pause()).state is SandboxState.paused

@@ -8,6 +8,7 @@ edge journals. Every implementation passes ``tests/backends/conformance.py``.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -79,8 +80,13 @@ class Backend(Protocol):
         The process leads its own process group so a timeout can kill its whole tree.
         """
 
-    def upper_dir(self, workdir: Path) -> Path:
-        """Where the sandbox's own writes live on the host (what a commit packs)."""
+    def writable_layer(
+        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
+    ) -> AbstractAsyncContextManager[Path]:
+        """The sandbox's own writes as an overlay upper directory on the host (whiteouts and
+        opaque directories included: what a pack stores and what changes are read from),
+        unchanging while the context is open (the sandbox is frozen meanwhile, or the
+        directory is a copy)."""
 
     async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
         """Stop every process of the sandbox in place (so a commit sees a quiet file system)."""

@@ -230,22 +230,21 @@ class Commands:
     async def _pack(self, sandbox_id: str, ref: str, patterns: list[str]) -> LayerInfo:
         live = await self._use(sandbox_id)
         backend = self.backend_of(live.record)
-        upper = backend.upper_dir(self._workdir(sandbox_id))
-        staging = self._workdir(sandbox_id) / "pack"
+        work = self._workdir(sandbox_id)
+        staging = work / "pack"
         if ":" not in ref:
             parse_tag(f"{ref}:1")  # a bad name fails before the sandbox is frozen
         with live.working():
-            await backend.freeze(sandbox_id, live.record.handle)
-            try:
-                await asyncio.to_thread(_link_copy, upper, staging)
-                removed = await asyncio.to_thread(scrub, staging, patterns)
-                log.info("pack %s: scrubbed %d entries", sandbox_id, len(removed))
-                # Still frozen: the copy shares inodes with the sandbox, which must not write
-                # into them before mkfs has read them.
-                return await asyncio.to_thread(self._import_versioned, staging, ref)
-            finally:
-                await backend.thaw(sandbox_id, live.record.handle)
-                await asyncio.to_thread(shutil.rmtree, staging, True)
+            async with backend.writable_layer(sandbox_id, live.record.handle, work) as upper:
+                try:
+                    await asyncio.to_thread(_link_copy, upper, staging)
+                    removed = await asyncio.to_thread(scrub, staging, patterns)
+                    log.info("pack %s: scrubbed %d entries", sandbox_id, len(removed))
+                    # Still inside: the copy may share inodes with the sandbox, which must not
+                    # write into them before mkfs has read them.
+                    return await asyncio.to_thread(self._import_versioned, staging, ref)
+                finally:
+                    await asyncio.to_thread(shutil.rmtree, staging, True)
 
     def _import_versioned(self, path: Path, ref: str) -> LayerInfo:
         if ":" in ref:
@@ -264,12 +263,13 @@ class Commands:
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
         """What the sandbox changed relative to its layers, read from its upper directory on
         the host (nothing inside the sandbox can hide a change from this), below ``under``."""
-        live = self._get_live(sandbox_id)
-        upper = self.backend_of(live.record).upper_dir(self._workdir(sandbox_id))
-        lowers = [self.mounts.path_for(d) for d in reversed(live.record.layers)]
         if not under.startswith("/") or ".." in under.split("/"):
             raise InvalidRequest(f"under={under!r}: give an absolute path without '..'")
-        return await asyncio.to_thread(_walk_changes, upper, lowers, under.rstrip("/") or "/")
+        live = await self._use(sandbox_id)
+        lowers = [self.mounts.path_for(d) for d in reversed(live.record.layers)]
+        backend = self.backend_of(live.record)
+        async with backend.writable_layer(sandbox_id, live.record.handle, self._workdir(sandbox_id)) as upper:
+            return await asyncio.to_thread(_walk_changes, upper, lowers, under.rstrip("/") or "/")
 
     async def files_ready(self, sandbox_id: str) -> FileOps:
         """File access to a sandbox (as its user), resumed first if it was paused."""

@@ -15,6 +15,8 @@ import json
 import resource
 import shutil
 import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -191,8 +193,15 @@ class ContainerBackend:
             start_new_session=True,
         )
 
-    def upper_dir(self, workdir: Path) -> Path:
-        return workdir / "upper"
+    @asynccontextmanager
+    async def writable_layer(
+        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
+    ) -> AsyncIterator[Path]:
+        await self.freeze(sandbox_id, handle)
+        try:
+            yield workdir / "upper"
+        finally:
+            await self.thaw(sandbox_id, handle)
 
     async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
         await cgroups.set_frozen(sandbox_id, True)  # the cgroup freezer: well under a millisecond

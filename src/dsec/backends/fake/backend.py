@@ -44,6 +44,8 @@ import shutil
 import signal
 import stat
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -312,8 +314,11 @@ class FakeBackend:
                 "/bin/sh", "-c", 'printf "%s\\n" "$1" >&2; exit "$2"', "sh", msg, str(code), **kwargs
             )
 
-    def upper_dir(self, workdir: Path) -> Path:
-        return workdir / "root"  # no overlay here: a commit packs the whole copied tree
+    @asynccontextmanager
+    async def writable_layer(
+        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
+    ) -> AsyncIterator[Path]:
+        yield workdir / "root"  # no overlay here: a commit packs the whole copied tree
 
     async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
         return None

@@ -101,3 +101,24 @@ def tail(path: Path, limit: int = 1500) -> str:
         return path.read_text(errors="replace")[-limit:].strip()
     except OSError:
         return "(no console output)"
+
+
+async def export_upper(disk: Path, disk_format: str, dest: Path) -> None:
+    """Copy ``upper`` of a VM's (stopped, synced) ext4 disk to ``dest/upper``, whiteouts and
+    overlay xattrs included. The disk is mounted read-only in a mount namespace of its own (a
+    qcow2 overlay is first flattened to a sparse raw file), so the host's table never sees it."""
+    await asyncio.to_thread(dest.mkdir, parents=True, exist_ok=True)
+    image = disk
+    if disk_format != "raw":
+        image = dest / "disk.raw"
+        # -U: QEMU holds the image open; the guest's sync made it flush its qcow2 metadata out.
+        await run_tool("qemu-img", "convert", "-U", "-O", "raw", str(disk), str(image))
+    mnt = dest / "mnt"
+    await asyncio.to_thread(mnt.mkdir)
+    script = f'mount -t ext4 -o ro,loop,noload "{image}" "{mnt}" && cp -a "{mnt}/upper" "{dest}/upper"'
+    try:
+        await run_tool("unshare", "--mount", "--propagation", "private", "sh", "-c", script)
+    finally:
+        if image != disk:
+            await asyncio.to_thread(image.unlink, True)
+        await asyncio.to_thread(mnt.rmdir)

@@ -16,7 +16,8 @@ import asyncio
 import hashlib
 import os
 import subprocess
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +67,12 @@ class FullVMBackend(MicroVMBackend):
             raise InfraFailure(f"full VMs need QEMU, not {self.vmm.name}", reason="runtime")
         return self.vmm.control(socket_dir(Path(handle["dir"])) / "qmp.sock")
 
-    def upper_dir(self, workdir: Path) -> Path:
-        raise InvalidRequest("packing or diffing a full VM's disk is not supported yet")
+    @asynccontextmanager
+    async def writable_layer(
+        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
+    ) -> AsyncIterator[Path]:
+        raise InvalidRequest("a full VM's disk is one image, not layers: it cannot be packed or diffed")
+        yield workdir  # (unreachable: makes this the generator asynccontextmanager needs)
 
     async def screenshot(self, sandbox_id: str, handle: dict[str, Any]) -> bytes:
         """What the VM's display shows now, as a PNG."""
