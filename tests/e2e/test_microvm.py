@@ -149,6 +149,7 @@ async def test_an_edge_restart_readopts_a_running_microvm(base_layer: str, tmp_p
             sb = await c.run_microvm(DSecMicroVMRunArgs(container_image=base_layer, memory_limit_mb=256))
             await sb.write_file("/root/state.txt", "kept")
             await sb.run_shell("nohup sleep 1000 >/dev/null 2>&1 &")
+            await sb.run_shell("true", session="other")  # a second session shell
         pid = qemu_of(nodes.node, sb.id)
         second = await nodes.restart()  # the VM keeps running meanwhile
         assert running(pid)
@@ -158,6 +159,17 @@ async def test_an_edge_restart_readopts_a_running_microvm(base_layer: str, tmp_p
             assert await again.read_file("/root/state.txt") == b"kept"
             r = await again.run_shell("cat /proc/[0-9]*/comm | grep -c '^sleep$'")
             assert r.stdout == "1\n"  # the background process survived the edge restart
+            # The old edge's session shells ended (stdin closed), as a container's do: only
+            # this edge's one shell is left (counted with builtins only: no forked shells).
+            count = (
+                'n=0; for c in /proc/[0-9]*/comm; do read -r x <"$c" && [ "$x" = bash ] && n=$((n+1));'
+                " done; echo $n"
+            )
+
+            async def one_shell() -> bool:
+                return (await again.run_shell(count)).stdout == "1\n"
+
+            await eventually(one_shell, "the old session shells to end")
             await again.stop()
         assert not running(pid)
 

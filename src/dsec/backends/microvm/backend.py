@@ -91,13 +91,13 @@ class MicroVMBackend(VmForks):
         }
 
     async def detach(self) -> None:
+        await self.templates.close()  # a build is this edge's; the next edge builds its own
         # QEMU's socket takes one client at a time: the next edge reconnects after this one.
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
 
     async def release_node(self) -> None:
-        await self.templates.close()
         await self.detach()
 
     async def leftovers(self) -> list[str]:
@@ -279,7 +279,8 @@ class MicroVMBackend(VmForks):
                 await channel.resume(host.socket_dir(Path(handle["dir"])) / "agent.sock")
             elif channel is None or channel.closed:
                 sock = host.socket_dir(Path(handle["dir"])) / "agent.sock"
-                channel = await AgentChannel.connect(sock, 30.0, booting=False)
+                # A channel this edge never had: its sessions died with an earlier edge.
+                channel = await AgentChannel.connect(sock, 30.0, booting=False, forget=True)
                 self._channels[sandbox_id] = channel
             return channel
 

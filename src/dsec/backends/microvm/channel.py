@@ -62,11 +62,14 @@ class AgentChannel:
         self._pump = asyncio.ensure_future(self._read_loop())
 
     @classmethod
-    async def connect(cls, path: Path, timeout: float, *, booting: bool = True) -> AgentChannel:
+    async def connect(
+        cls, path: Path, timeout: float, *, booting: bool = True, forget: bool = False
+    ) -> AgentChannel:
         """Connect to the agent's socket. ``booting``: wait for the READY it sends when it
         starts; else (an edge reconnecting to a running VM) ask with a PING and wait for the
-        PONG, skipping what the agent still had queued for the previous connection."""
-        reader, writer, version = await _open(path, timeout, booting)
+        PONG, skipping what the agent still had queued for the previous connection.
+        ``forget``: the previous connection's processes lose their stdin (see PROTOCOL.md)."""
+        reader, writer, version = await _open(path, timeout, booting, forget)
         return cls(reader, writer, version)
 
     @property
@@ -215,7 +218,7 @@ class AgentChannel:
 
 
 async def _open(
-    path: Path, timeout: float, booting: bool
+    path: Path, timeout: float, booting: bool, forget: bool = False
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
     async with asyncio.timeout(timeout):
         while True:
@@ -226,7 +229,7 @@ async def _open(
                 await asyncio.sleep(0.005)  # QEMU creates the socket as it starts
         want, nonce = READY, b""
         if not booting:
-            want, nonce = PONG, os.urandom(8)
+            want, nonce = PONG, (b"forget:" if forget else b"") + os.urandom(8)
             writer.write(_HEADER.pack(len(nonce) + 5, PING, 0) + nonce)
             await writer.drain()
         while True:

@@ -1060,7 +1060,16 @@ static void handle_frame(int type, uint32_t chan, const unsigned char *p, size_t
 		pp = find_wr(chan);
 		send_fres(chan, *pp ? end_write(pp, type == T_COMMIT) : EBADF, NULL, 0);
 		break;
-	case T_PING: send_frame(R_PONG, chan, p, n); break;
+	case T_PING:
+		/* A new edge (it restarted) asks to forget what the old one started: the old
+		 * sessions' shells get EOF on stdin and end, as a container's do when their edge
+		 * goes; what they started in the background keeps running. A resume after a pause
+		 * pings without it: its sessions carry on. */
+		if (n >= 7 && memcmp(p, "forget:", 7) == 0)
+			for (struct proc *q = procs; q; q = q->next)
+				close_stdin(q);
+		send_frame(R_PONG, chan, p, n);
+		break;
 	default: send_error(chan, EPROTO, "unknown frame type 0x%02x", type);
 	}
 }
