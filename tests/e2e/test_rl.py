@@ -118,6 +118,8 @@ async def test_fork_copies_are_independent(client: DSecClient, make_sandbox: San
         assert (await forks[2].run_shell("echo $MARK")).stdout == "m\n"
         with pytest.raises(InvalidRequest, match="fork_processes"):
             await sb.fork(1, processes=True)
+        tags = [n for layer in await client.layers() for n in layer.names]
+        assert not [t for t in tags if t.startswith(f"dsec-fork/{sb.id}")], "no tag left for gc to keep"
     finally:
         for f in forks:
             await f.stop()

@@ -106,7 +106,7 @@ class ApiServer:
         r.add_get("/v1/health", self.health)
         r.add_get("/v1/nodes", self.nodes)
         self.sandboxes.register(r)
-        JobRoutes(self.sandboxes).register(r)
+        JobRoutes(self.sandboxes, self.store).register(r)
         self.fncalls.register(r)
         r.add_get("/v1/layers", self.layers)
         r.add_post("/v1/layers", self.import_layer)

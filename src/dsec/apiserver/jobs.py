@@ -8,13 +8,15 @@ is named in the result rather than skipped quietly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from aiohttp import web
 
 from dsec.apiserver._http import PRINCIPAL, read_body, respond
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
-from dsec.protocol.errors import InvalidRequest
+from dsec.images.store import LayerStore
+from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
@@ -41,8 +43,9 @@ def _int_param(request: web.Request, name: str, default: int) -> int:
 
 
 class JobRoutes:
-    def __init__(self, sandboxes: SandboxRoutes) -> None:
+    def __init__(self, sandboxes: SandboxRoutes, store: LayerStore) -> None:
         self.sandboxes = sandboxes
+        self.store = store
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/sandboxes/pause", self.pause_all)
@@ -93,12 +96,19 @@ class JobRoutes:
                 "fork(processes=True): this node cannot checkpoint a container's processes (no"
                 " working CRIU); fork copies the disk state only (capability fork_processes=false)"
             )
-        spec, _layer = await link.fork_spec(sid, f"dsec-fork/{sid}")
+        spec, layer = await link.fork_spec(sid, f"dsec-fork/{sid}")
         own = {k: v for k, v in spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
         clean = spec.model_copy(update={"labels": own if req.labels is None else req.labels})
         principal = request[PRINCIPAL]
         admitted = self.sandboxes.tenancy.admit(principal, source.project, clean)
-        made = await self.sandboxes.create_many(principal, admitted, req.count, req.timeout)
+        try:
+            made = await self.sandboxes.create_many(principal, admitted, req.count, req.timeout)
+        finally:
+            # The copies name the packed layer by digest and hold it mounted: its tag would
+            # only keep the blob in the store after the last copy is gone (gc takes it then).
+            for ref in (n for n in layer.names if n.startswith(f"dsec-fork/{sid}:")):
+                with contextlib.suppress(DSecError):
+                    await asyncio.to_thread(self.store.untag, ref)
         return respond(made, status=201)
 
     async def screenshot(self, request: web.Request) -> web.Response:
