@@ -99,6 +99,11 @@ class ContainerSpec(_Model):
     layers: list[str] | None = Field(default=None, description="base first, then workspace, toolkits")
     memory_limit_mb: int = Field(default=1024, ge=16, le=1024 * 1024)
     cpu_cores_limit: float = Field(default=1.0, gt=0, le=1024)
+    cpu_class: Literal["ls", "be"] = Field(
+        default="ls",
+        description="ls: latency-sensitive; be: best-effort (SCHED_IDLE, low CPU shares: it runs "
+        "on what latency-sensitive sandboxes leave)",
+    )
     pids_limit: int = Field(default=1024, ge=16, le=1 << 22)
     ttl_running_stop: float | None = Field(default=None, gt=0, description="idle seconds before reclaim")
     max_lifetime_s: float | None = Field(default=None, gt=0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -18,6 +18,7 @@ class DSecContainerRunArgs(BaseModel):
     layers: list[str] | None = None
     memory_limit_mb: int = 1024
     cpu_cores_limit: float = 1.0
+    cpu_class: Literal["ls", "be"] = "ls"  # be: best effort (SCHED_IDLE, low CPU shares)
     pids_limit: int = 1024
     ttl_running_stop: float | None = None
     max_lifetime_s: float | None = None
@@ -46,6 +47,7 @@ class DSecContainerRunArgs(BaseModel):
             layers=self.layers,
             memory_limit_mb=self.memory_limit_mb,
             cpu_cores_limit=self.cpu_cores_limit,
+            cpu_class=self.cpu_class,
             pids_limit=self.pids_limit,
             ttl_running_stop=self.ttl_running_stop,
             max_lifetime_s=self.max_lifetime_s,

@@ -52,8 +52,10 @@ class ContainerBackend:
         self.state_dir = data_dir / "run" / runtime
         self.runtime_dir = data_dir / "runtime"  # read-only tools bind-mounted at /.dsec
 
-    def _cmd(self, *args: str) -> list[str]:
-        return [self.runtime, "--root", str(self.state_dir), *args]
+    def _cmd(self, *args: str, cpu_class: str = "ls") -> list[str]:
+        # Best effort: SCHED_IDLE for crun and so for everything it starts (children inherit).
+        idle = ["chrt", "--idle", "0"] if cpu_class == "be" else []
+        return [*idle, self.runtime, "--root", str(self.state_dir), *args]
 
     async def prepare_node(self) -> None:
         await asyncio.to_thread(self._prepare_node)
@@ -116,7 +118,15 @@ class ContainerBackend:
         pid_file = bundle / "init.pid"
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._cmd("--log", f"file:{log}", "run", "--detach", "--bundle", str(bundle)),
+                *self._cmd(
+                    "--log",
+                    f"file:{log}",
+                    "run",
+                    "--detach",
+                    "--bundle",
+                    str(bundle),
+                    cpu_class=ctx.spec.cpu_class,
+                ),
                 "--pid-file",
                 str(pid_file),
                 ctx.sandbox_id,
@@ -135,7 +145,7 @@ class ContainerBackend:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise InfraFailure(f"crun run failed (exit {rc}): {detail.strip()}", reason="runtime")
         pid = int(pid_file.read_text())
-        return {"pid": pid, "start_time": _linux.proc_start_time(pid)}
+        return {"pid": pid, "start_time": _linux.proc_start_time(pid), "cpu_class": ctx.spec.cpu_class}
 
     async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
         pid = int(handle.get("pid", 0))
@@ -184,6 +194,7 @@ class ContainerBackend:
                 cwd,
                 *env_args,
                 sandbox_id,
+                cpu_class=handle.get("cpu_class", "ls"),
             ),
             *argv,
             stdin=asyncio.subprocess.PIPE,

@@ -113,6 +113,10 @@ def seccomp_profile() -> dict[str, Any]:
     }
 
 
+# cgroup v1 weights: best-effort gets the minimum, so under contention it yields ~500:1.
+CPU_SHARES = {"ls": 1024, "be": 2}
+
+
 def build_config(
     *,
     sandbox_id: str,
@@ -179,7 +183,11 @@ def build_config(
                 "devices": [{"allow": False, "access": "rwm"}],
                 # swap == limit: with swap present, memory.limit_in_bytes alone caps only RAM.
                 "memory": {"limit": memory, "swap": memory},
-                "cpu": {"quota": max(1000, int(spec.cpu_cores_limit * quota_period)), "period": quota_period},
+                "cpu": {
+                    "quota": max(1000, int(spec.cpu_cores_limit * quota_period)),
+                    "period": quota_period,
+                    "shares": CPU_SHARES[spec.cpu_class],
+                },
                 "pids": {"limit": spec.pids_limit},
             },
             "maskedPaths": MASKED_PATHS,

@@ -1,0 +1,116 @@
+"""A latency-sensitive task next to best-effort load, with and without CPU classes.
+
+    .venv/bin/python bench/cpuclass.py [--steps 60] [--load-cores 1]
+
+An embedded node (containers only) on a scratch data directory sharing `dsec up`'s layer store.
+The LS sandbox runs a fixed CPU-bound step (a shell loop, ~tens of ms) again and again through
+`run_shell`; its per-step latency p50/p99 is measured three times in the same run:
+  - alone (the baseline);
+  - next to load sandboxes that spin on ``--load-cores`` cores (default 1 = 50% of this 2-core
+    node), the load in the same class as the task (no classes: what an unprotected node does);
+  - next to the same load in the best-effort class (SCHED_IDLE, cpu.shares 2).
+It prints each with its inflation over the baseline. The machine is shared and noisy: compare
+the ratios of one run, not runs with each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+from dsec import DSecClient, DSecContainerRunArgs
+from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.density.swap import SwapConfig
+from dsec.sdk.client import Sandbox
+
+STEP = "i=0; while [ $i -lt 40000 ]; do i=$((i+1)); done"  # CPU only, in the session's shell
+SPIN = "while :; do :; done"
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+async def steps(task: Sandbox, n: int) -> list[float]:
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        r = await task.run_shell(STEP)
+        assert r.exit_code == 0, r
+        lat.append(time.perf_counter() - t)
+    return lat
+
+
+async def under_load(
+    client: DSecClient, task: Sandbox, n: int, cores: int, cls: Literal["ls", "be"]
+) -> list[float]:
+    load = [
+        await client.run_container(
+            DSecContainerRunArgs(container_image="debian:bookworm", cpu_cores_limit=1, cpu_class=cls)
+        )
+        for _ in range(cores)
+    ]
+    try:
+        spinners = [asyncio.ensure_future(sb.run_shell(SPIN, timeout=3600)) for sb in load]
+        await asyncio.sleep(1.0)  # let the spinners reach full speed (a warm-up, not a sync)
+        lat = await steps(task, n)
+        for s in spinners:
+            s.cancel()
+        return lat
+    finally:
+        for sb in load:
+            await sb.stop()
+
+
+def line(name: str, lat: list[float], base: list[float] | None) -> str:
+    p50, p99 = pct(lat, 50) * 1e3, pct(lat, 99) * 1e3
+    ratio = "" if base is None else f"  inflation p50 {p50 / (pct(base, 50) * 1e3) - 1:+.1%}"
+    return f"  {name:<40} p50 {p50:7.1f} ms  p99 {p99:7.1f} ms{ratio}"
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--load-cores", type=int, default=1)
+    ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
+    a = ap.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-cpuclass-"))
+    node = EmbeddedNode(
+        NodeConfig(
+            data_dir=scratch,
+            layer_dir=a.layers,
+            port=0,
+            node="bench",
+            config_file=scratch / "config.json",
+            edge={"swap": SwapConfig("none")},
+        )
+    )
+    await node.start()
+    cores = os.cpu_count() or 1
+    share = a.load_cores / cores
+    print(f"cores {cores}  load {a.load_cores} core(s) = {share:.0%} of the node  steps {a.steps}")
+    try:
+        async with DSecClient(node.url, node.api_key) as client:
+            task = await client.run_container(DSecContainerRunArgs(container_image="debian:bookworm"))
+            await steps(task, 5)  # warm
+            base = await steps(task, a.steps)
+            same = await under_load(client, task, a.steps, a.load_cores, "ls")
+            be = await under_load(client, task, a.steps, a.load_cores, "be")
+            await task.stop()
+        print(line("LS task alone (baseline)", base, None))
+        print(line("next to load of the same class", same, base))
+        print(line("next to best-effort load (classes)", be, base))
+    finally:
+        await node.close(stop_sandboxes=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
