@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dsec import DSecClient, DSecMicroVMRunArgs
+from dsec.apiserver.embedded import EmbeddedNode
 from tests.conftest import Sandboxes
 
 SCHED_OTHER, SCHED_IDLE = 0, 5
@@ -35,3 +37,16 @@ async def test_best_effort_runs_idle_with_minimum_shares(make_sandbox: Sandboxes
     assert shares(be.id) == 2 and shares(ls.id) == 1024
     assert policies(be.id) == {SCHED_IDLE}, "init, sessions and what they start: all idle class"
     assert policies(ls.id) == {SCHED_OTHER}
+
+
+async def test_a_best_effort_microvm_runs_its_qemu_idle(client: DSecClient, node: EmbeddedNode) -> None:
+    vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="debian:bookworm", cpu_class="be"))
+    try:
+        record = node.edge.journal.get(vm.id)
+        assert record is not None
+        pid = int(record.handle["pid"])
+        threads = Path(f"/proc/{pid}/task").iterdir()
+        assert {int((t / "stat").read_text().rsplit(")", 1)[1].split()[38]) for t in threads} == {SCHED_IDLE}
+        assert (await vm.run_shell("echo up")).stdout == "up\n"
+    finally:
+        await vm.stop()

@@ -126,6 +126,7 @@ class MicroVMBackend(VmForks):
             memory_mb=ctx.spec.memory_limit_mb,
             cpus=max(1, round(ctx.spec.cpu_cores_limit)),
             accel=self.accel,
+            idle=ctx.spec.cpu_class == "be",
         )
         try:
             await self._boot(ctx, config, handle)

@@ -57,6 +57,7 @@ def config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
         mem_shared=bool(vm["mem_shared"]),
         machine=vm.get("machine", "microvm"),
         root_disk=None if vm.get("root_disk") is None else path("root_disk"),
+        idle=bool(vm.get("idle", False)),
     )
 
 

@@ -53,6 +53,7 @@ class MicroVMConfig:
     # "q35": a full VM (PCI devices, a VGA display the guest draws on, its root a disk image)
     machine: Literal["microvm", "q35"] = "microvm"
     root_disk: Path | None = None  # a full VM's root (qcow2 over the shared base image)
+    idle: bool = False  # best effort: QEMU (and so every vCPU thread) under SCHED_IDLE
     extra: list[str] = field(default_factory=list)
 
 
@@ -185,6 +186,8 @@ async def start_daemon(config: MicroVMConfig, pidfile: Path, logfile: Path) -> i
     """Start QEMU daemonized (it outlives the edge, reparented to init); returns its pid once
     the VM is set up (QEMU's parent exits only then)."""
     argv = [*microvm_argv(config), "-daemonize", "-pidfile", str(pidfile)]
+    if config.idle:
+        argv = ["chrt", "--idle", "0", *argv]
     log = await asyncio.to_thread(open, logfile, "ab")
     try:
         proc = await asyncio.create_subprocess_exec(
