@@ -17,6 +17,7 @@ from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
+from dsec.protocol.http import count_param
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
@@ -30,16 +31,6 @@ from dsec.protocol.models import (
 
 _MAX_JOB_LEN = 256
 _WHOLE_FORK = ("microvm", "vm")  # copied with memory and processes, on their own node
-
-
-def _int_param(request: web.Request, name: str, default: int) -> int:
-    try:
-        value = int(request.query.get(name, default))
-    except ValueError as exc:
-        raise InvalidRequest(f"query parameter {name!r} must be an integer") from exc
-    if value < 0:
-        raise InvalidRequest(f"query parameter {name!r} must not be negative")
-    return value
 
 
 class JobRoutes:
@@ -75,7 +66,7 @@ class JobRoutes:
 
     async def trajectory(self, request: web.Request) -> web.Response:
         link, sid = await self.sandboxes.owned(request)
-        after, limit = _int_param(request, "after", 0), _int_param(request, "limit", 1000)
+        after, limit = count_param(request, "after", 0), count_param(request, "limit", 1000)
         return respond(await link.trajectory(sid, after, limit))
 
     async def changes(self, request: web.Request) -> web.Response:

@@ -223,9 +223,8 @@ class Commands:
         """Pack the sandbox's whole state (nothing scrubbed) as ``ref`` and return the spec of
         a sandbox that starts from it: the same spec over the same layers plus the packed one."""
         info = await self.commit(sandbox_id, CommitRequest(ref=ref, scrub_defaults=False))
-        spec = self._get_live(sandbox_id).record.spec
-        layers = [*self._get_live(sandbox_id).record.layers, info.digest]
-        return spec.model_copy(update={"image": None, "layers": layers}), info
+        rec = self._get_live(sandbox_id).record
+        return rec.spec.model_copy(update={"image": None, "layers": [*rec.layers, info.digest]}), info
 
     async def _pack(self, sandbox_id: str, ref: str, patterns: list[str]) -> LayerInfo:
         live = await self._use(sandbox_id)

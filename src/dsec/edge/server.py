@@ -60,7 +60,7 @@ from dsec.edge.link import LocalEdgeLink
 from dsec.executor.file_ops import CHUNK
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
-from dsec.protocol.http import label_filter, listen, respond
+from dsec.protocol.http import count_param, label_filter, listen, respond
 from dsec.protocol.models import (
     CommitRequest,
     ExecRequest,
@@ -126,16 +126,6 @@ def _param(request: web.Request, name: str) -> str:
     value = request.query.get(name)
     if not value:
         raise InvalidRequest(f"query parameter {name!r} is required")
-    return value
-
-
-def _int(request: web.Request, name: str, default: int) -> int:
-    try:
-        value = int(request.query.get(name, default))
-    except ValueError as exc:
-        raise InvalidRequest(f"query parameter {name!r} must be an integer") from exc
-    if value < 0:
-        raise InvalidRequest(f"query parameter {name!r} must not be negative")
     return value
 
 
@@ -279,7 +269,7 @@ class EdgeServer:
         return respond(await self.link.resume(request.match_info["id"]))
 
     async def trajectory(self, request: web.Request) -> web.Response:
-        after, limit = _int(request, "after", 0), _int(request, "limit", 1000)
+        after, limit = count_param(request, "after", 0), count_param(request, "limit", 1000)
         return respond(await self.link.trajectory(request.match_info["id"], after, limit))
 
     async def changes(self, request: web.Request) -> web.Response:

@@ -1,4 +1,4 @@
-"""What both HTTP servers (apiserver, edge) share: their JSON answer, label filters, listening."""
+"""What both HTTP servers (apiserver, edge) share: their JSON answer, query parsing, listening."""
 
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ def label_filter(request: web.Request) -> dict[str, str]:
             raise InvalidRequest(f"label filter {item!r} must be key=value")
         labels[key] = value
     return labels
+
+
+def count_param(request: web.Request, name: str, default: int) -> int:
+    """A non-negative integer query parameter (``InvalidRequest`` otherwise)."""
+    try:
+        value = int(request.query.get(name, default))
+    except ValueError as exc:
+        raise InvalidRequest(f"query parameter {name!r} must be an integer") from exc
+    if value < 0:
+        raise InvalidRequest(f"query parameter {name!r} must not be negative")
+    return value
 
 
 async def listen(app: web.Application, host: str, port: int, **runner: Any) -> tuple[web.AppRunner, str]:
