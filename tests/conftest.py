@@ -20,6 +20,7 @@ from dsec.density.swap import SwapConfig, active_swaps
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
 from dsec.sdk.client import DSecClient, Sandbox
+from tests.netpolicy.mirror import egress_config
 
 BASE = "debian:bookworm"
 DATA_DIR = Path(os.environ.get("DSEC_TEST_DATA_DIR", "/var/lib/dsec-test"))
@@ -57,7 +58,9 @@ def session_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 async def node(base_layer: str, session_tmp: Path) -> AsyncIterator[EmbeddedNode]:
-    emb = EmbeddedNode(node_config(session_tmp))
+    cfg = node_config(session_tmp)
+    cfg.edge["egress"] = egress_config()  # permissions naming the mirror of tests/netpolicy
+    emb = EmbeddedNode(cfg)
     await emb.start()
     try:
         yield emb

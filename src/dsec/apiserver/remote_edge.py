@@ -42,6 +42,7 @@ from dsec.protocol.models import (
     LayerInfo,
     LeaseRequest,
     LocalForkRequest,
+    NetworkRulesRequest,
     SandboxInfo,
     ShellRequest,
     TrajectoryEntry,
@@ -267,6 +268,11 @@ class RemoteEdgeLink:
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return self._parse(SandboxInfo, await self._json("POST", self._sandbox(sandbox_id, "/resume")))
+
+    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+        body = NetworkRulesRequest(network_rules=rules)
+        raw = await self._json("PUT", self._sandbox(sandbox_id, "/network"), body=body)
+        return self._parse(SandboxInfo, raw)
 
     async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
         path = f"/leases/{quote(job, safe='')}"

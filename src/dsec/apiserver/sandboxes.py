@@ -30,6 +30,7 @@ from dsec.protocol.models import (
     ContainerSpec,
     CreateRequest,
     ExecRequest,
+    NetworkRulesRequest,
     SandboxInfo,
     ShellRequest,
 )
@@ -74,6 +75,7 @@ class SandboxRoutes:
         r.add_delete("/v1/sandboxes", self.stop_by_label)
         r.add_get("/v1/sandboxes/{id}", self.get)
         r.add_delete("/v1/sandboxes/{id}", self.stop)
+        r.add_put("/v1/sandboxes/{id}/network", self.set_network_rules)
         r.add_post("/v1/sandboxes/{id}/shell", self.shell)
         r.add_post("/v1/sandboxes/{id}/exec", self.exec)
         r.add_post("/v1/sandboxes/{id}/commit", self.commit)
@@ -234,6 +236,11 @@ class SandboxRoutes:
     async def get(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)
         return respond(await link.get(sid))
+
+    async def set_network_rules(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        req = await read_body(request, NetworkRulesRequest)
+        return respond(await link.set_network_rules(sid, req.network_rules))
 
     async def stop(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)

@@ -48,6 +48,7 @@ class CreateContext:
     workdir: Path  # per-sandbox directory on local disk owned by the edge
     handle: dict[str, Any] = field(default_factory=dict)
     layer_digests: list[str] = field(default_factory=list)  # the same layers (a VM attaches their files)
+    nameserver: str | None = None  # what the sandbox resolves names with (the edge's, on its link)
 
 
 class Backend(Protocol):
@@ -151,3 +152,12 @@ class Forkable(Protocol):
     async def release_fork_source(self, source: dict[str, Any]) -> None:
         """The copies are made: the source goes once no copy needs it any more."""
         ...
+
+
+@runtime_checkable
+class Networked(Protocol):
+    """A backend whose sandboxes sit in a Linux network namespace the edge can enter, so
+    network permissions can give them a link (containers; VMs would need a tap device)."""
+
+    def netns_pid(self, handle: dict[str, Any]) -> int:
+        """A PID whose network namespace is the sandbox's."""

@@ -18,8 +18,18 @@ from rich.table import Table
 
 from dsec.apiserver.embedded import NodeConfig
 from dsec.cli._common import _client_call, _fail, console, err_console
+from dsec.cli._node_options import (
+    AccelOption,
+    AdmissionOption,
+    EgressOption,
+    MicroVMOption,
+    SwapOption,
+    VMOption,
+    _admission,
+    _egress,
+    _swap,
+)
 from dsec.cli.sandbox import job_app, sandbox_app
-from dsec.density.swap import SwapConfig
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.sdk.client import DSecClient
@@ -55,33 +65,6 @@ DataDir = Annotated[
 ]
 
 
-SwapOption = Annotated[
-    str,
-    typer.Option(
-        help="where paused sandboxes' memory goes: none, host (the host's swap), file[:MiB[:PATH]]"
-        " (a swap file in the data dir) or zram[:MiB]"
-    ),
-]
-
-
-MicroVMOption = Annotated[
-    bool, typer.Option(help="also run microVM sandboxes (QEMU; builds the guest kit on first start)")
-]
-VMOption = Annotated[
-    bool, typer.Option(help="also run full VMs with a display (fetches Debian's full kernel once)")
-]
-AccelOption = Annotated[
-    str | None, typer.Option(help="microVM accelerator: kvm or tcg (default: detected once, cached)")
-]
-
-
-def _swap(text: str) -> SwapConfig:
-    try:
-        return SwapConfig.parse(text)
-    except DSecError as exc:
-        raise _fail(exc) from None
-
-
 @app.command()
 def up(
     data_dir: DataDir = Path("/var/lib/dsec"),
@@ -103,6 +86,8 @@ def up(
     fncall_pool_size: PoolSize = 2,
     fncall_pools: PoolsFile = None,
     swap: SwapOption = "file:4096",
+    egress: EgressOption = None,
+    admission: AdmissionOption = "",
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
@@ -121,7 +106,12 @@ def up(
         shared_layer_dir=shared_layers,
         init_shared=init_shared,
         iam_url=iam,
-        edge={"fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size), "swap": _swap(swap)},
+        edge={
+            "fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size),
+            "swap": _swap(swap),
+            "egress": _egress(egress),
+            **_admission(admission),
+        },
         microvm=microvm,
         vm=vm,
         microvm_accel=microvm_accel,
@@ -184,6 +174,8 @@ def edge_cmd(
     fncall_pool_size: PoolSize = 0,
     fncall_pools: PoolsFile = None,
     swap: SwapOption = "file:4096",
+    egress: EgressOption = None,
+    admission: AdmissionOption = "",
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
@@ -209,6 +201,8 @@ def edge_cmd(
             "node_labels": labels,
             "fncall_pools": _fncall_pools(fncall_pools, fncall_pool_size),
             "swap": _swap(swap),
+            "egress": _egress(egress),
+            **_admission(admission),
         },
         microvm=microvm,
         vm=vm,

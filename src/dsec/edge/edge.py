@@ -22,8 +22,10 @@ from dsec.backends.base import Backend, CreateContext, Forkable, User, sandbox_e
 from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
 from dsec.density.swap import Swap, SwapConfig, free_swap_bytes
 from dsec.edge import hardware
+from dsec.edge.admission import Admission
 from dsec.edge.commands import Commands
 from dsec.edge.journal import Journal, Record
+from dsec.edge.networking import Networking
 from dsec.edge.pausing import PauseTotals, Pausing
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.trajectory import Recorder, TrajectoryLog
@@ -33,6 +35,8 @@ from dsec.executor.session import Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
+from dsec.netpolicy.config import EgressConfig
+from dsec.netpolicy.policy import EgressPolicy
 from dsec.protocol.errors import (
     CapacityExhausted,
     Conflict,
@@ -72,6 +76,13 @@ class EdgeConfig:
     node_labels: dict[str, str] = field(default_factory=dict)  # what Hardware.node_labels matches
     fncall_pools: list[PoolConfig] = field(default_factory=list)
     swap: SwapConfig = field(default_factory=SwapConfig)  # where paused sandboxes' memory goes
+    egress: EgressConfig = field(default_factory=EgressConfig)  # what network permissions open
+    # Admission (edge/admission.py): caps on the limits of running sandboxes, in node units.
+    memory_overcommit: float | None = None
+    cpu_overcommit: float | None = None
+    memory_reserve_mb: int = 512  # below this MemAvailable, the idlest sandboxes are paused
+    pressure_min_idle_s: float = 30.0  # never paused for room sooner after their last use
+    pressure_pauses_per_pass: int = 8
 
 
 @dataclass
@@ -92,7 +103,7 @@ class _Live:
             self.record.last_active_at = time.time()
 
 
-class Edge(Reclaimer, Pausing, Commands):
+class Edge(Reclaimer, Pausing, Commands, Networking, Admission):
     def __init__(
         self,
         config: EdgeConfig,
@@ -118,6 +129,7 @@ class Edge(Reclaimer, Pausing, Commands):
         self.swap = Swap(config.swap, config.data_dir)
         self.recorder = Recorder(TrajectoryLog(config.data_dir / "edge" / "trajectory.sqlite"))
         self.leases = {(lease.project, lease.job): lease for lease in self.journal.leases()}
+        self.egress = EgressPolicy(config.egress, config.node, self.journal, config.data_dir / "edge")
         self.pause_totals = PauseTotals()
         self._live: dict[str, _Live] = {}
         self._creating = 0
@@ -144,6 +156,7 @@ class Edge(Reclaimer, Pausing, Commands):
             await each.prepare_node()
         await asyncio.to_thread(self.swap.ensure)
         await self._reconcile()
+        await self.egress.start({sid: live.record.spec.network_rules for sid, live in self._live.items()})
         self._reaper = asyncio.create_task(self._reap_forever())
         # Pool sandboxes do not outlive their runners' pipes, which died with the last edge.
         stale = [sid for sid, live in self._live.items() if POOL_LABEL in live.record.spec.labels]
@@ -167,6 +180,7 @@ class Edge(Reclaimer, Pausing, Commands):
         if not any(live.record.state is SandboxState.paused for live in self._live.values()):
             # Swapping off pulls pages back into RAM: never while something is paused.
             await asyncio.to_thread(self.swap.release)
+        await self.egress.close()
         self.journal.close()
         self.recorder.log.close()
 
@@ -270,17 +284,14 @@ class Edge(Reclaimer, Pausing, Commands):
         unmet = spec.hardware.unmet(self.hardware)
         if unmet is not None:
             raise CapacityExhausted(f"node {self.config.node} cannot host this sandbox: it {unmet}")
-        if len(self._live) + self._creating >= self.config.max_sandboxes:
-            raise CapacityExhausted(
-                f"node {self.config.node} is full ({self.config.max_sandboxes} sandboxes)"
-            )
         # LayerNotFound if unknown; an image name expands to its layers, base first
         stacked = [layer for ref in spec.layer_refs() for layer in self.store.resolve_image(ref)]
         # overlayfs refuses one lower directory twice; the upper-most copy alone means the same
         by_digest = {layer.digest: layer for layer in stacked}
         layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
         sid = self._new_id(sandbox_id)
-        return await self._start(sid, spec, backend, [layer.digest for layer in layers], backend.create)
+        async with self._admitted(spec):
+            return await self._start(sid, spec, backend, [layer.digest for layer in layers], backend.create)
 
     async def fork_local(
         self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
@@ -325,6 +336,7 @@ class Edge(Reclaimer, Pausing, Commands):
     ) -> SandboxInfo:
         """Journal a new sandbox, mount its layers and have ``start`` run it; on failure the
         record says why and no layer reference is kept."""
+        self._check_network(spec, backend)
         self._creating += 1
         acquired: list[str] = []
         rec: Record | None = None
@@ -337,7 +349,14 @@ class Edge(Reclaimer, Pausing, Commands):
             rec = Record(sid, SandboxState.creating, backend.name, spec, acquired, dataclasses.asdict(user))
             self.journal.insert(rec)
             ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid), layer_digests=acquired)
+            ctx.nameserver = self.egress.config.gateway if self.egress.enabled else None
             rec.handle = await start(ctx)  # cleans up after itself when it fails
+            try:
+                await self._connect(rec)
+            except BaseException:
+                await self.egress.release(sid)
+                await backend.destroy(sid, rec.handle, ctx.workdir)
+                raise
             rec.state = SandboxState.running
             rec.last_active_at = time.time()
             self.journal.update(rec)
@@ -453,6 +472,7 @@ class Edge(Reclaimer, Pausing, Commands):
                 # Stays 'stopping': a later stop (or the reaper) tries again.
                 log.exception("destroying %s failed", sandbox_id)
                 raise InfraFailure(f"stopping {sandbox_id} failed: {exc}", reason="runtime") from exc
+            await self.egress.release(sandbox_id)
             for digest in rec.layers:
                 self.mounts.release(digest)
             rec.state = final
@@ -477,4 +497,5 @@ class Edge(Reclaimer, Pausing, Commands):
             stop_reason=rec.stop_reason,
             paused_at=rec.paused_at,
             pause_reason=rec.pause_reason,
+            network_rules=rec.spec.network_rules,
         )

@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS leases (
     grace_s REAL NOT NULL,
     PRIMARY KEY (project, job)
 );
+CREATE TABLE IF NOT EXISTS links (sandbox_id TEXT PRIMARY KEY, idx INTEGER NOT NULL UNIQUE);
 """
 # Columns added after the first release: (name, declaration); added in place when missing.
 _ADDED_COLUMNS = (("paused_at", "REAL"), ("pause_reason", "TEXT"))
@@ -139,6 +140,11 @@ class Journal:
                 ),
             )
 
+    def set_spec(self, sandbox_id: str, spec: ContainerSpec) -> None:
+        """A live change of what a sandbox may do (its network rules)."""
+        with self._lock:
+            self._db.execute("UPDATE sandboxes SET spec=? WHERE id=?", (spec.model_dump_json(), sandbox_id))
+
     def touch_many(self, activity: dict[str, float]) -> None:
         with self._lock:
             self._db.executemany(
@@ -186,6 +192,20 @@ class Journal:
     def drop_lease(self, project: str, job: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM leases WHERE project=? AND job=?", (project, job))
+
+    # -- network links (sandbox -> index in the egress pool) ----------------------------------
+
+    def links(self) -> dict[str, int]:
+        with self._lock:
+            return {str(r[0]): int(r[1]) for r in self._db.execute("SELECT sandbox_id, idx FROM links")}
+
+    def put_link(self, sandbox_id: str, index: int) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO links VALUES(?, ?)", (sandbox_id, index))
+
+    def drop_link(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM links WHERE sandbox_id=?", (sandbox_id,))
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> Record:

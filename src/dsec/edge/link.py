@@ -92,6 +92,10 @@ class EdgeLink(Protocol):
 
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
 
+    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+        """Replace the sandbox's network permissions (in force when this returns)."""
+        ...
+
     async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
         """Extend job ``job``'s leases (projects at or below ``within``) by ``lease_s`` from now;
         returns how many sandboxes they cover on the node, and the new expiry."""
@@ -251,6 +255,9 @@ class LocalEdgeLink:
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         return await self.edge.pause(self._routed(sandbox_id))
+
+    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+        return await self.edge.set_network_rules(self._routed(sandbox_id), rules)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return await self.edge.resume(self._routed(sandbox_id))

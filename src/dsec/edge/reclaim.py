@@ -3,7 +3,8 @@
 A pass (every ``reap_interval_s``) stops sandboxes whose maximum lifetime ran out, that were
 idle (no request and no running command) for their ``ttl_running_stop`` (paused or not), that
 died (checked every ``liveness_interval_s``), or whose job lease lapsed longer than its grace
-ago; pauses sandboxes idle for their ``pause_after_idle_s`` and those whose lease lapsed;
+ago; pauses sandboxes idle for their ``pause_after_idle_s``, those whose lease lapsed and,
+while the node is short of memory, the idlest (see :mod:`.admission`);
 retries stops that failed before, writes the activity times to the journal in one batch and
 forgets finished sandboxes (and their trajectories) after ``keep_finished_s``.
 """
@@ -45,6 +46,7 @@ class Reclaimer:
 
         def lease_actions(self, now: float) -> tuple[list[str], list[str]]: ...
         def backend_of(self, rec: Record) -> Backend: ...
+        async def relieve_pressure(self) -> None: ...
 
     def _flush_activity(self) -> None:
         self.journal.touch_many({i: live.record.last_active_at for i, live in self._live.items()})
@@ -103,6 +105,7 @@ class Reclaimer:
         for (sid, why), res in zip(due, results, strict=True):
             if isinstance(res, BaseException):
                 log.warning("reclaiming %s (%s) failed: %s", sid, why, res)
+        await self.relieve_pressure()
         self._flush_activity()
         self.recorder.log.forget(self.journal.forget_before(now - self.config.keep_finished_s))
         return [sid for sid, _ in due]

@@ -19,6 +19,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /sandboxes/{id}/exec                    ExecRequest -> NDJSON of ExecEvent
     POST   /sandboxes/{id}/commit                  CommitRequest -> 201 LayerInfo
     POST   /sandboxes/{id}/pause                   -> SandboxInfo (paused)
+    PUT    /sandboxes/{id}/network  NetworkRulesRequest -> SandboxInfo (rules in force)
     POST   /sandboxes/{id}/resume                  -> SandboxInfo (running)
     GET    /sandboxes/{id}/trajectory?after=&limit= -> [TrajectoryEntry]
     GET    /sandboxes/{id}/changes?under=/         -> [Change]
@@ -67,6 +68,7 @@ from dsec.protocol.models import (
     InputRequest,
     LeaseRequest,
     LocalForkRequest,
+    NetworkRulesRequest,
     ShellRequest,
     invalid_request,
     parse_spec,
@@ -202,6 +204,7 @@ class EdgeServer:
         r.add_post(PREFIX + "/sandboxes/{id}/exec", self.exec)
         r.add_post(PREFIX + "/sandboxes/{id}/commit", self.commit)
         r.add_post(PREFIX + "/sandboxes/{id}/pause", self.pause)
+        r.add_put(PREFIX + "/sandboxes/{id}/network", self.set_network_rules)
         r.add_post(PREFIX + "/sandboxes/{id}/resume", self.resume)
         r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
         r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
@@ -267,6 +270,10 @@ class EdgeServer:
 
     async def resume(self, request: web.Request) -> web.Response:
         return respond(await self.link.resume(request.match_info["id"]))
+
+    async def set_network_rules(self, request: web.Request) -> web.Response:
+        req = NetworkRulesRequest.model_validate_json(await request.read())
+        return respond(await self.link.set_network_rules(request.match_info["id"], req.network_rules))
 
     async def trajectory(self, request: web.Request) -> web.Response:
         after, limit = count_param(request, "after", 0), count_param(request, "limit", 1000)

@@ -58,3 +58,34 @@ def openat2(dirfd: int, path: str | bytes, flags: int, mode: int = 0, resolve: i
             eagain += 1
             continue
         raise OSError(err, os.strerror(err), os.fsdecode(raw))
+
+
+# Kernel file systems whose files are views of the kernel, not data: the file API opens files
+# with the edge's host privileges, so it must never read or write one on a sandbox's behalf
+# (a planted symlink to /proc/1/stack or /proc/kmsg would show what the sandbox itself may not
+# read, or block an edge thread forever). <linux/magic.h>
+KERNEL_FS_MAGIC = {
+    0x9FA0: "proc",
+    0x62656572: "sysfs",
+    0x64626720: "debugfs",
+    0x74726163: "tracefs",
+    0x73636673: "securityfs",
+    0x27E0EB: "cgroup",
+    0x63677270: "cgroup2",
+    0xCAFE4A11: "bpf",
+    0x62656570: "configfs",
+    0xDE5E81E4: "efivarfs",
+    0x6165676C: "pstore",
+    0xF97CFF8C: "selinuxfs",
+    0x1CD1: "devpts",
+    0x42494E4D: "binfmt_misc",
+}
+
+
+def fs_type(fd: int) -> int:
+    """The ``f_type`` of the file system holding ``fd`` (``fstatfs(2)``)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on x86_64; f_type first
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dsec.executor._handles import AtomicWriter, _Reader
-from dsec.executor._openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
+from dsec.executor._openat2 import KERNEL_FS_MAGIC, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, fs_type, openat2
 from dsec.executor._paths import PATH_MAX, _close, _map_oserror, _normalize, _to_stat
 from dsec.protocol.errors import Conflict, FileNotFound, InfraFailure, InvalidRequest
 from dsec.protocol.models import FileStat
@@ -133,6 +133,9 @@ class SandboxFiles:
                 raise InvalidRequest(f"is a directory: {full}")
             if not st.S_ISREG(before.st_mode):
                 raise InvalidRequest(f"not a regular file: {full}")
+            kernel_fs = KERNEL_FS_MAGIC.get(fs_type(path_fd))
+            if kernel_fs is not None:
+                raise InvalidRequest(f"{full} is a {kernel_fs} file: the file API reads and writes data only")
             try:
                 fd = os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC | os.O_NOCTTY)
             except OSError as e:

@@ -105,6 +105,13 @@ class ContainerSpec(_Model):
         "on what latency-sensitive sandboxes leave)",
     )
     pids_limit: int = Field(default=1024, ge=16, le=1 << 22)
+    disk_limit_mb: int | None = Field(
+        default=None,
+        ge=16,
+        le=1024 * 1024,
+        description="hard cap on the sandbox's writable layer (its writes, in MiB); past it writes "
+        "fail inside with EDQUOT. None: no cap of its own",
+    )
     ttl_running_stop: float | None = Field(default=None, gt=0, description="idle seconds before reclaim")
     max_lifetime_s: float | None = Field(default=None, gt=0)
     pause_after_idle_s: float | None = Field(
@@ -167,7 +174,16 @@ class ContainerSpec(_Model):
         return [self.image] if self.image is not None else list(self.layers or [])
 
 
-class MicroVMSpec(ContainerSpec):
+class _VirtualMachineSpec(ContainerSpec):
+    @field_validator("disk_limit_mb")
+    @classmethod
+    def _disk_mb_instead(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("a VM's disk is capped by disk_mb (its size), not disk_limit_mb")
+        return v
+
+
+class MicroVMSpec(_VirtualMachineSpec):
     """A sandbox with its own kernel (QEMU microvm): the same layers, limits and labels as a
     container, plus the size of its writable disk."""
 
@@ -175,7 +191,7 @@ class MicroVMSpec(ContainerSpec):
     disk_mb: int = Field(default=4096, ge=64, le=1 << 20, description="the writable disk (sparse)")
 
 
-class VMSpec(ContainerSpec):
+class VMSpec(_VirtualMachineSpec):
     """A full VM (QEMU q35): its root is a disk image built from the layers (copy-on-write per
     sandbox over a shared base), with a display (screenshot) and keyboard/mouse input."""
 
@@ -258,7 +274,14 @@ class SandboxInfo(_Model):
     last_active_at: float
     stop_reason: str | None = None
     paused_at: float | None = None
-    pause_reason: str | None = None  # requested, idle, lease_lapsed
+    pause_reason: str | None = None  # requested, idle, lease_lapsed, admission, memory_pressure
+    network_rules: dict[str, bool] = Field(default_factory=dict)
+
+
+class NetworkRulesRequest(_Model):
+    """The sandbox's network permissions from now on (names the node's operator configured)."""
+
+    network_rules: dict[str, bool]
 
 
 BulkAction = Literal["stop", "pause", "resume"]

@@ -34,6 +34,7 @@ from dsec.protocol.models import (
     FileStat,
     GcRequest,
     LayerInfo,
+    NetworkRulesRequest,
     RetagRequest,
     SandboxInfo,
     ShellRequest,
@@ -85,6 +86,14 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
 
     async def stop(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(await self._t.request("DELETE", self._base))
+        return self.info
+
+    async def set_network_rules(self, rules: dict[str, bool]) -> SandboxInfo:
+        """Replace this sandbox's network permissions (names the node's operator configured,
+        e.g. ``{"pypi": True}``); they are in force in the kernel when this returns."""
+        body = NetworkRulesRequest(network_rules=rules).model_dump()
+        raw = await self._t.request("PUT", self._base + "/network", json_body=body)
+        self.info = SandboxInfo.model_validate(raw)
         return self.info
 
     # -- commands ---------------------------------------------------------------------------

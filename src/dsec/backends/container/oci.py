@@ -126,6 +126,7 @@ def build_config(
     runtime_dir: str,
     cgroup_path: str,
     nofile: int = 65536,
+    resolv_conf: str | None = None,
 ) -> dict[str, Any]:
     quota_period = 100_000
     memory = spec.memory_limit_mb * 1024 * 1024
@@ -175,6 +176,19 @@ def build_config(
                 "source": runtime_dir,
                 "options": ["bind", "ro", "nosuid", "nodev"],
             },
+            # A bind, not a new filesystem instance: it costs the kernel no shrinker per sandbox.
+            *(
+                [
+                    {
+                        "destination": "/etc/resolv.conf",
+                        "type": "bind",
+                        "source": resolv_conf,
+                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+                    }
+                ]
+                if resolv_conf
+                else []
+            ),
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],

@@ -1,0 +1,111 @@
+"""What network permissions cost: create with a grant, a live grant change, vs a plain create.
+
+    .venv/bin/python bench/egress.py [--n 40]
+
+An embedded node (containers only) on a scratch data directory sharing `dsec up`'s layer
+store, with two permissions naming documentation addresses (nothing needs to answer: the cost
+measured is the node's, not the network's). Measured in the same run, each p50/p99 over --n:
+  - create without rules (the baseline);
+  - create with a grant (the link is made before the create returns);
+  - set_network_rules on a running sandbox with no link (first grant: link made);
+  - set_network_rules switching one grant for another (an nftables element update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from dsec import DSecClient, DSecContainerRunArgs
+from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.density.swap import SwapConfig
+from dsec.netpolicy.config import EgressConfig
+
+EGRESS = EgressConfig.model_validate(
+    {
+        "pool": "10.233.0.0/16",
+        "permissions": {
+            "a": [{"address": "192.0.2.10", "ports": [3141], "names": ["a.test"]}],
+            "b": [{"address": "192.0.2.11", "ports": [443, 80], "names": ["b.test"]}],
+        },
+    }
+)
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
+
+
+async def timed(n: int, op: Callable[[int], Awaitable[None]]) -> list[float]:
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        await op(i)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def line(name: str, lat: list[float], base: list[float] | None) -> str:
+    p50, p99 = pct(lat, 50) * 1e3, pct(lat, 99) * 1e3
+    ratio = "" if base is None else f"  {p50 / (pct(base, 50) * 1e3):.2f}x the baseline p50"
+    return f"  {name:<46} p50 {p50:7.1f} ms  p99 {p99:7.1f} ms{ratio}"
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
+    a = ap.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-egress-"))
+    node = EmbeddedNode(
+        NodeConfig(
+            data_dir=scratch,
+            layer_dir=a.layers,
+            port=0,
+            node="bench",
+            config_file=scratch / "config.json",
+            edge={"swap": SwapConfig("none"), "egress": EGRESS},
+        )
+    )
+    await node.start()
+    print(f"cores {os.cpu_count()}  n {a.n}")
+    try:
+        async with DSecClient(node.url, node.api_key) as client:
+            made = []
+
+            def create(rules: dict[str, bool]) -> Callable[[int], Awaitable[None]]:
+                async def op(_: int) -> None:
+                    made.append(
+                        await client.run_container(
+                            DSecContainerRunArgs(container_image="debian:bookworm", network_rules=rules)
+                        )
+                    )
+
+                return op
+
+            await create({})(0)  # warm: layers mounted
+            base = await timed(a.n, create({}))
+            granted = await timed(a.n, create({"a": True}))
+            plain = made[1 : a.n + 1]
+            first = await timed(a.n, lambda i: plain[i].set_network_rules({"a": True}))
+            swap = await timed(a.n, lambda i: plain[i].set_network_rules({"a": False, "b": True}))
+            for sb in made:
+                await sb.stop()
+        print(line("create, no rules (baseline)", base, None))
+        print(line("create with a grant (link made)", granted, base))
+        print(line("set_network_rules: first grant (link made)", first, base))
+        print(line("set_network_rules: switch grants (set update)", swap, base))
+    finally:
+        await node.close(stop_sandboxes=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

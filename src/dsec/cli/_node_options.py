@@ -1,0 +1,80 @@
+"""Options every command that runs a node shares (``dsec up`` and ``dsec edge``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from dsec.cli._common import _fail
+from dsec.density.swap import SwapConfig
+from dsec.netpolicy.config import EgressConfig
+from dsec.protocol.errors import DSecError, InvalidRequest
+
+SwapOption = Annotated[
+    str,
+    typer.Option(
+        help="where paused sandboxes' memory goes: none, host (the host's swap), file[:MiB[:PATH]]"
+        " (a swap file in the data dir) or zram[:MiB]"
+    ),
+]
+
+
+MicroVMOption = Annotated[
+    bool, typer.Option(help="also run microVM sandboxes (QEMU; builds the guest kit on first start)")
+]
+VMOption = Annotated[
+    bool, typer.Option(help="also run full VMs with a display (fetches Debian's full kernel once)")
+]
+AccelOption = Annotated[
+    str | None, typer.Option(help="microVM accelerator: kvm or tcg (default: detected once, cached)")
+]
+
+EgressOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="JSON or TOML file naming the network permissions sandboxes may ask for (permission"
+        " -> endpoints with address, ports, DNS names); without it sandboxes reach nothing"
+    ),
+]
+
+
+AdmissionOption = Annotated[
+    str,
+    typer.Option(
+        help="admission by use: reserve=MiB (pause the idlest idle sandboxes, then refuse, below this"
+        " much available memory), memory=RATIO and cpu=RATIO (cap the running sandboxes' limits at"
+        " RATIO x the node), comma-separated; e.g. reserve=1024,memory=8"
+    ),
+]
+
+
+def _admission(text: str) -> dict[str, Any]:
+    keys = {"reserve": "memory_reserve_mb", "memory": "memory_overcommit", "cpu": "cpu_overcommit"}
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if key not in keys or number < 0:
+            why = f"--admission: {item!r} is not reserve=MiB, memory=RATIO or cpu=RATIO"
+            raise _fail(InvalidRequest(why))
+        out[keys[key]] = int(number) if key == "reserve" else number
+    return out
+
+
+def _swap(text: str) -> SwapConfig:
+    try:
+        return SwapConfig.parse(text)
+    except DSecError as exc:
+        raise _fail(exc) from None
+
+
+def _egress(path: Path | None) -> EgressConfig:
+    try:
+        return EgressConfig() if path is None else EgressConfig.load(path)
+    except DSecError as exc:
+        raise _fail(exc) from None

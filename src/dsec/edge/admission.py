@@ -1,0 +1,130 @@
+"""Admission by use, not by request: limits overcommitted by a ratio, room made by pausing.
+
+Most sandboxes use a small part of what they ask for, so a node admits a create while it has
+memory available (MemAvailable above ``memory_reserve_mb``), whatever the limits add up to.
+An operator may also cap the sum of the memory (CPU) limits of running sandboxes at
+``memory_overcommit`` (``cpu_overcommit``) times the node's RAM (cores); paused sandboxes
+count for nothing, their memory is out. When a create does not fit, the idlest sandboxes that
+are idle long enough are paused to make room before the create is refused; when the node runs
+short of memory, the reaper pauses the idlest too, a few per pass, rather than letting the
+kernel OOM-kill anything. A paused sandbox resumes transparently on its next use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from dsec.protocol.errors import CapacityExhausted, DSecError
+from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
+
+if TYPE_CHECKING:
+    from dsec.edge.edge import EdgeConfig, _Live
+
+log = logging.getLogger("dsec.edge")
+MiB = 1 << 20
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def mem_total_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Admission:
+    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+
+    if TYPE_CHECKING:
+        config: EdgeConfig
+        _live: dict[str, _Live]
+        _creating: int
+
+        async def pause(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...
+
+    # What the node has; replaced in tests to simulate a small or a pressed node.
+    available_memory: Callable[[], int] = staticmethod(mem_available_bytes)
+    total_memory: Callable[[], int] = staticmethod(mem_total_bytes)
+    _reserved: tuple[int, float] = (0, 0.0)  # admitted creates not running yet
+
+    def committed(self) -> tuple[int, float]:
+        """(memory bytes, CPU cores) the running sandboxes may use at most."""
+        mem, cpu = 0, 0.0
+        for live in self._live.values():
+            if live.record.state in (SandboxState.running, SandboxState.creating):
+                mem += live.record.spec.memory_limit_mb * MiB
+                cpu += live.record.spec.cpu_cores_limit
+        return mem, cpu
+
+    def _fits(self, spec: ContainerSpec) -> str | None:
+        mem, cpu = self.committed()
+        mem += self._reserved[0] + spec.memory_limit_mb * MiB
+        cpu += self._reserved[1] + spec.cpu_cores_limit
+        mem_ratio, cpu_ratio = self.config.memory_overcommit, self.config.cpu_overcommit
+        if mem_ratio is not None and mem > mem_ratio * self.total_memory():
+            return f"memory limits would exceed {mem_ratio:g}x the node's RAM"
+        if cpu_ratio is not None and cpu > cpu_ratio * (os.cpu_count() or 1):
+            return f"CPU limits would exceed {cpu_ratio:g}x the node's cores"
+        if self.available_memory() < self.config.memory_reserve_mb * MiB:
+            return f"less than {self.config.memory_reserve_mb} MiB of memory is available"
+        return None
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, spec: ContainerSpec) -> AsyncIterator[None]:
+        """Room for ``spec`` while it is created (held until it runs and counts by itself),
+        made by pausing idle sandboxes if need be; else CapacityExhausted."""
+        if len(self._live) + self._creating >= self.config.max_sandboxes:
+            full = f"{self.config.max_sandboxes} sandboxes"
+            raise CapacityExhausted(f"node {self.config.node} is full ({full})")
+        why = self._fits(spec)
+        while why is not None:
+            if not await self._pause_idlest("admission"):
+                raise CapacityExhausted(f"node {self.config.node} is full: {why}")
+            why = self._fits(spec)
+        held = (spec.memory_limit_mb * MiB, spec.cpu_cores_limit)
+        self._reserved = (self._reserved[0] + held[0], self._reserved[1] + held[1])
+        try:
+            yield
+        finally:
+            self._reserved = (self._reserved[0] - held[0], self._reserved[1] - held[1])
+
+    async def relieve_pressure(self) -> None:
+        """Called by every reaper pass: pause the idlest while the node is short of memory."""
+        reserve = self.config.memory_reserve_mb * MiB
+        for _ in range(self.config.pressure_pauses_per_pass):
+            if self.available_memory() >= reserve:
+                return
+            if not await self._pause_idlest("memory_pressure"):
+                return
+
+    async def _pause_idlest(self, reason: str) -> bool:
+        """Pause the running sandbox idle the longest (at least ``pressure_min_idle_s``, no
+        command running); False if there is none."""
+        cutoff = time.time() - self.config.pressure_min_idle_s
+        idle = [
+            live
+            for live in self._live.values()
+            if live.record.state is SandboxState.running
+            and not live.busy
+            and live.record.last_active_at <= cutoff
+            and live.record.backend == "container"  # a VM's pause is a snapshot: not here
+        ]
+        for live in sorted(idle, key=lambda lv: lv.record.last_active_at):
+            try:
+                info = await self.pause(live.record.id, reason=reason)
+            except DSecError as exc:
+                log.warning("pausing %s (%s) failed: %s", live.record.id, reason, exc)
+                continue
+            if info.state is SandboxState.paused:
+                log.info("paused %s to make room (%s)", live.record.id, reason)
+                return True
+        return False

@@ -1,0 +1,61 @@
+"""Network permissions of the edge's sandboxes: checked at create, applied once the sandbox
+runs, changed live by ``set_network_rules`` (journaled and recorded like any other request).
+The mechanics live in :mod:`dsec.netpolicy`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dsec.backends.base import Backend, Networked
+from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.models import ContainerSpec, SandboxInfo
+
+if TYPE_CHECKING:
+    from dsec.edge.edge import _Live
+    from dsec.edge.journal import Journal, Record
+    from dsec.edge.trajectory import Recorder
+    from dsec.netpolicy.policy import EgressPolicy
+
+
+class Networking:
+    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+
+    if TYPE_CHECKING:
+        egress: EgressPolicy
+        journal: Journal
+        recorder: Recorder
+
+        def _get_live(self, sandbox_id: str) -> _Live: ...
+        def get(self, sandbox_id: str) -> SandboxInfo: ...
+        def backend_of(self, rec: Record) -> Backend: ...
+
+    def _check_network(self, spec: ContainerSpec, backend: Backend) -> None:
+        """Before anything is made: known permission names, and a backend that can be linked."""
+        self.egress.check(spec.network_rules)
+        if self.egress.rules_need_link(spec.network_rules) and not isinstance(backend, Networked):
+            raise InvalidRequest(f"network permissions are not available for {backend.name} sandboxes yet")
+
+    def _netns_pid(self, rec: Record) -> int | None:
+        backend = self.backend_of(rec)
+        return backend.netns_pid(rec.handle) if isinstance(backend, Networked) else None
+
+    async def _connect(self, rec: Record) -> None:
+        """A new sandbox gets what its rules allow (nothing to do for most: no rules)."""
+        if self.egress.rules_need_link(rec.spec.network_rules):
+            await self.egress.set_rules(rec.id, self._netns_pid(rec), rec.spec.network_rules)
+
+    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+        """Replace the sandbox's network rules; effective in the kernel when this returns."""
+        live = self._get_live(sandbox_id)  # a paused sandbox's rules change without waking it
+        self.egress.check(rules)
+
+        async def run() -> dict[str, Any]:
+            async with live.stopping:  # not while it is being stopped
+                rec = live.record
+                await self.egress.set_rules(sandbox_id, self._netns_pid(rec), rules)
+                rec.spec = rec.spec.model_copy(update={"network_rules": dict(rules)})
+                self.journal.set_spec(sandbox_id, rec.spec)
+            return {"network_rules": rules}
+
+        await self.recorder.call(sandbox_id, "network", None, {"network_rules": rules}, run)
+        return self.get(sandbox_id)

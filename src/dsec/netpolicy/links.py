@@ -1,0 +1,74 @@
+"""A sandbox's link to the host: a veth pair, the host end in the node's namespace and
+``eth0`` in the sandbox's own network namespace (entered through its init's PID).
+
+Every host end carries the same gateway address (a /32), and each sandbox a /32 of its own
+with a host route to it, so links need no bridge and no per-link subnet; which sandbox a
+packet came from is the interface it arrived on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from pathlib import Path
+
+from dsec.protocol.errors import InfraFailure
+
+
+def link_name(sandbox_id: str) -> str:
+    """The host end's name: stable for a sandbox, unique across edges, within IFNAMSIZ."""
+    return "dsv" + hashlib.sha256(sandbox_id.encode()).hexdigest()[:12]
+
+
+async def _run(argv: list[str], script: str | None = None) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE if script is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate(script.encode() if script is not None else None)
+    if proc.returncode != 0:
+        raise InfraFailure(
+            f"{' '.join(argv[:3])}: {err.decode(errors='replace').strip()[-500:]}", reason="network"
+        )
+
+
+async def create(ifname: str, pid: int, gateway: str, address: str) -> None:
+    """Make the link of the sandbox whose init is ``pid``; on failure nothing is left."""
+    await _run(["ip", "link", "add", ifname, "type", "veth", "peer", "name", "eth0", "netns", str(pid)])
+    try:
+        host = (
+            f"link set {ifname} up\naddr add {gateway}/32 dev {ifname}\nroute add {address}/32 dev {ifname}\n"
+        )
+        await _run(["ip", "-batch", "-"], host)
+        inside = (
+            "link set lo up\n"
+            f"addr add {address}/32 dev eth0\n"
+            "link set eth0 up\n"
+            f"route add {gateway}/32 dev eth0\n"
+            f"route add default via {gateway} dev eth0\n"
+        )
+        await _run(["nsenter", "-t", str(pid), "-n", "ip", "-batch", "-"], inside)
+    except BaseException:
+        await remove(ifname)
+        raise
+
+
+async def remove(ifname: str) -> None:
+    """Delete the link (both ends); a link already gone with its sandbox is not an error."""
+    if exists(ifname):
+        with contextlib.suppress(InfraFailure):
+            await _run(["ip", "link", "del", ifname])
+
+
+def exists(ifname: str) -> bool:
+    return Path("/sys/class/net", ifname).exists()
+
+
+def ifindex(ifname: str) -> int | None:
+    try:
+        return int(Path("/sys/class/net", ifname, "ifindex").read_text())
+    except (OSError, ValueError):
+        return None

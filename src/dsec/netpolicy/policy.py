@@ -1,0 +1,216 @@
+"""Egress policy of one edge: links made on demand, grants in the kernel, names answered.
+
+A sandbox starts in a network namespace of its own with nothing but loopback. The first time
+its rules allow something it gets a link (see :mod:`.links`); the link then stays for its
+lifetime while grants come and go (``set_network_rules``), each change one atomic nftables
+element update. Sandboxes that never ask for the network cost nothing here: no veth, no
+route, no set element (at thousands per node that matters).
+
+Links are journaled (sandbox -> index), and the kernel's table outlives the edge process, so
+an edge restart re-learns its links and keeps every sandbox's reach as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from dsec.netpolicy import links, nft
+from dsec.netpolicy.config import EgressConfig
+from dsec.netpolicy.dns import Lookup, NameServer
+from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+_IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+class LinkStore(Protocol):
+    def links(self) -> dict[str, int]: ...
+
+    def put_link(self, sandbox_id: str, index: int) -> None: ...
+
+    def drop_link(self, sandbox_id: str) -> None: ...
+
+
+@dataclass
+class _Link:
+    index: int
+    ifname: str
+    address: str
+    grants: set[nft.Element] = field(default_factory=set)
+    names: dict[str, list[str]] = field(default_factory=dict)
+
+
+class EgressPolicy:
+    def __init__(self, config: EgressConfig, node: str, store: LinkStore, state_dir: Path) -> None:
+        self.config = config
+        self.table = nft.table_name(node, str(state_dir.resolve()))
+        self._store = store
+        self._links: dict[str, _Link] = {}
+        self._by_ifindex: dict[int, _Link] = {}
+        self._lock = asyncio.Lock()
+        self._dns: NameServer | None = None
+        self._forward_marker = state_dir / "ip_forward.set-by-dsec"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.config.permissions)
+
+    def check(self, rules: dict[str, bool]) -> None:
+        self.config.check(rules)
+
+    def rules_need_link(self, rules: dict[str, bool]) -> bool:
+        return bool(self.config.endpoints(rules))
+
+    async def start(self, live_rules: dict[str, dict[str, bool]]) -> None:
+        """Re-learn the links of sandboxes still live (``live_rules``: ID -> their rules),
+        forget the rest, and (re)install the table and the name server."""
+        journaled = self._store.links()
+        for sid, index in journaled.items():
+            ifname = links.link_name(sid)
+            if sid not in live_rules or not links.exists(ifname):
+                await links.remove(ifname)
+                self._store.drop_link(sid)
+                continue
+            link = _Link(index, ifname, self.config.sandbox_address(index))
+            self._grant_locally(link, live_rules[sid])
+            self._links[sid] = link
+        if not self.enabled and not self._links:
+            if journaled:  # permissions were configured before: take their table away
+                await self._drop_table()
+            return
+        self._enable_forwarding()
+        allowed = [e for link in self._links.values() for e in link.grants]
+        await nft.apply(
+            nft.ruleset(
+                self.table,
+                self.config.gateway,
+                str(self.config.pool),
+                {link.ifname: link.address for link in self._links.values()},
+                allowed,
+            )
+        )
+        self._reindex()
+        self._dns = NameServer(self.config.gateway, self._names_behind)
+        try:
+            self._dns.start()
+        except OSError as exc:
+            self._dns = None
+            raise InfraFailure(
+                f"the sandboxes' name server cannot listen on {self.config.gateway}:53: {exc}",
+                reason="network",
+            ) from exc
+
+    async def set_rules(self, sandbox_id: str, pid: int | None, rules: dict[str, bool]) -> None:
+        """Give the sandbox exactly what ``rules`` allow (a link first, if it needs one).
+        ``pid`` enters its network namespace; None: its backend has no way in."""
+        self.check(rules)
+        async with self._lock:
+            link = self._links.get(sandbox_id)
+            if link is None:
+                if not self.rules_need_link(rules):
+                    return
+                if pid is None:
+                    raise InvalidRequest("network permissions are not available for this backend yet")
+                link = await self._new_link(sandbox_id, pid)
+            old = set(link.grants)
+            self._grant_locally(link, rules)
+            try:
+                await nft.apply(nft.grant(self.table, link.ifname, link.address, old, link.grants))
+            except BaseException:
+                link.grants = old
+                raise
+
+    async def release(self, sandbox_id: str) -> None:
+        """The sandbox is gone: its link, grants and index go too."""
+        async with self._lock:
+            link = self._links.pop(sandbox_id, None)
+            if link is None:
+                return
+            await links.remove(link.ifname)
+            try:
+                await nft.apply(nft.forget(self.table, link.ifname, link.address, link.grants))
+            except InfraFailure as exc:  # the next start rebuilds the table from the journal
+                log.warning("forgetting %s's link: %s", sandbox_id, exc)
+            self._store.drop_link(sandbox_id)
+            self._reindex()
+
+    async def close(self) -> None:
+        """The edge stops. Links and grants stay with their running sandboxes; with none left
+        the table goes, and forwarding is turned off again if this edge turned it on."""
+        if self._dns is not None:
+            self._dns.close()
+            self._dns = None
+        if self.enabled and not self._links:
+            await self._drop_table()
+
+    def link_of(self, sandbox_id: str) -> tuple[str, str] | None:
+        """(host interface, sandbox address) if the sandbox has a link."""
+        link = self._links.get(sandbox_id)
+        return None if link is None else (link.ifname, link.address)
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _new_link(self, sandbox_id: str, pid: int) -> _Link:
+        used = {link.index for link in self._links.values()}
+        index = next((i for i in range(1, self.config.capacity + 1) if i not in used), None)
+        if index is None:
+            raise CapacityExhausted(f"the link pool {self.config.pool} is full")
+        link = _Link(index, links.link_name(sandbox_id), self.config.sandbox_address(index))
+        self._store.put_link(sandbox_id, index)  # journaled first: a crash leaves nothing unknown
+        try:
+            await links.create(link.ifname, pid, self.config.gateway, link.address)
+        except BaseException:
+            self._store.drop_link(sandbox_id)
+            raise
+        self._links[sandbox_id] = link
+        self._reindex()
+        return link
+
+    def _grant_locally(self, link: _Link, rules: dict[str, bool]) -> None:
+        grants: set[nft.Element] = set()
+        names: dict[str, list[str]] = {}
+        for endpoint in self.config.endpoints(rules):
+            address = str(endpoint.address)
+            grants.update((link.ifname, address, endpoint.protocol, port) for port in endpoint.ports)
+            for name in endpoint.names:
+                if address not in names.setdefault(name, []):
+                    names[name].append(address)
+        link.grants, link.names = grants, names
+
+    def _reindex(self) -> None:
+        by_index = {}
+        for link in self._links.values():
+            index = links.ifindex(link.ifname)
+            if index is not None:
+                by_index[index] = link
+        self._by_ifindex = by_index
+
+    def _names_behind(self, ifindex: int) -> Lookup | None:
+        link = self._by_ifindex.get(ifindex)
+        if link is None:
+            return None
+        names = link.names
+        lookup: Callable[[str], list[str] | None] = names.get
+        return lookup
+
+    def _enable_forwarding(self) -> None:
+        if _IP_FORWARD.read_text().strip() != "1":
+            _IP_FORWARD.write_text("1\n")
+            self._forward_marker.parent.mkdir(parents=True, exist_ok=True)
+            self._forward_marker.touch()
+            log.info("turned on IPv4 forwarding for sandbox links (the dsec table filters them)")
+
+    async def _drop_table(self) -> None:
+        await nft.apply(nft.drop_table(self.table))
+        self._restore_forwarding()
+
+    def _restore_forwarding(self) -> None:
+        if self._forward_marker.exists():
+            _IP_FORWARD.write_text("0\n")
+            self._forward_marker.unlink()

@@ -1,0 +1,85 @@
+"""The operator's permission file: validated at load, and the edge refuses unknown names."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dsec.netpolicy import nft
+from dsec.netpolicy.config import EgressConfig
+from dsec.protocol.errors import InvalidRequest
+
+TOML = """
+pool = "10.250.0.0/24"
+[[permissions.pypi]]
+address = "10.0.0.5"
+ports = [3141, 443, 443]
+names = ["PyPI.Mirror.Internal."]
+[[permissions.dns-upstream]]
+address = "10.0.0.53"
+ports = [53]
+protocol = "udp"
+"""
+
+
+def test_a_toml_file_loads_and_normalises(tmp_path: Path) -> None:
+    path = tmp_path / "egress.toml"
+    path.write_text(TOML)
+    cfg = EgressConfig.load(path)
+    (ep,) = cfg.permissions["pypi"]
+    assert ep.ports == [443, 3141] and ep.names == ["pypi.mirror.internal"]
+    assert cfg.gateway == "10.250.0.1" and cfg.sandbox_address(1) == "10.250.0.2"
+    assert cfg.capacity == 253
+    assert [e.protocol for e in cfg.endpoints({"pypi": True, "dns-upstream": True})] == ["udp", "tcp"]
+    assert cfg.endpoints({"pypi": False}) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"permissions": {"x": [{"address": "10.0.0.1", "ports": [0]}]}}', "ports must be 1-65535"),
+        ('{"permissions": {"x": [{"address": "nope", "ports": [80]}]}}', "IPv4"),
+        ('{"permissions": {"x": [{"address": "10.0.0.1", "ports": []}]}}', "at least 1"),
+        ('{"permissions": {"bad name": []}}', "permission names"),
+        ('{"permissions": {"x": [{"address": "10.0.0.1", "ports": [80], "names": ["a..b"]}]}}', "DNS"),
+        ('{"pool": "10.0.0.0/30"}', "at least 16"),
+        ('{"permisions": {}}', "Extra inputs"),
+        ("{", "egress configuration"),
+    ],
+)
+def test_bad_files_are_refused_with_the_reason(tmp_path: Path, text: str, why: str) -> None:
+    path = tmp_path / "egress.json"
+    path.write_text(text)
+    with pytest.raises(InvalidRequest, match=why):
+        EgressConfig.load(path)
+
+
+def test_unknown_permission_names_are_refused() -> None:
+    cfg = EgressConfig.model_validate({"permissions": {"pypi": [{"address": "10.0.0.5", "ports": [80]}]}})
+    cfg.check({"pypi": True})
+    with pytest.raises(InvalidRequest, match=r"\['pipy'\].*offers: pypi"):
+        cfg.check({"pipy": True})
+    with pytest.raises(InvalidRequest, match="offers: none"):
+        EgressConfig().check({"pypi": False})
+
+
+def test_the_ruleset_and_grants_are_valid_nftables() -> None:
+    """``nft -c`` checks a script against the kernel without applying it."""
+    links = {"dsvaaaaaaaaaaaa": "10.250.0.2"}
+    elems = [("dsvaaaaaaaaaaaa", "10.0.0.5", "tcp", 443), ("dsvaaaaaaaaaaaa", "10.0.0.53", "udp", 53)]
+    for script in (
+        nft.ruleset("dsec_check", "10.250.0.1", "10.250.0.0/24", links, elems),
+        nft.ruleset("dsec_check", "10.250.0.1", "10.250.0.0/24", {}, []),
+    ):
+        subprocess.run(["nft", "-c", "-f", "-"], input=script.encode(), check=True, capture_output=True)
+
+
+def test_a_grant_update_only_touches_what_changed() -> None:
+    old = {("dsvx", "10.0.0.5", "tcp", 80), ("dsvx", "10.0.0.5", "tcp", 443)}
+    new = {("dsvx", "10.0.0.5", "tcp", 443), ("dsvx", "10.0.0.6", "tcp", 22)}
+    script = nft.grant("t", "dsvx", "10.250.0.2", old, new)
+    assert 'delete element inet t allowed { "dsvx" . 10.0.0.5 . tcp . 80 }' in script
+    assert 'add element inet t allowed { "dsvx" . 10.0.0.6 . tcp . 22 }' in script
+    assert "443" not in script
