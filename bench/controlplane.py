@@ -43,9 +43,10 @@ from typing import Any
 
 from _controlplane.apiproc import ServerConfig
 from _controlplane.createpath import SPAWN, best, phase_http, setup_iam
-from _controlplane.loadgen import Run, pct
+from _controlplane.loadgen import Run
 from _controlplane.memory import MemoryConfig, measure
 from _controlplane.placesim import PlaceResult, simulate
+from _stats import pct
 from dsec.protocol.models import ContainerSpec, CreateRequest
 
 TARGET_CREATES = 5000

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.density.swap import SwapConfig
@@ -31,11 +32,6 @@ from dsec.sdk.client import Sandbox
 
 STEP = "i=0; while [ $i -lt 40000 ]; do i=$((i+1)); done"  # CPU only, in the session's shell
 SPIN = "while :; do :; done"
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 async def steps(task: Sandbox, n: int) -> list[float]:

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.base import User
@@ -33,11 +34,6 @@ from dsec.backends.container import oci
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.protocol.models import ContainerSpec
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def report(name: str, xs: list[float], floor: list[float], unit: str = "ms", scale: float = 1000) -> None:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.density.swap import SwapConfig
@@ -36,11 +37,6 @@ EGRESS = EgressConfig.model_validate(
         },
     }
 )
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 async def timed(n: int, op: Callable[[int], Awaitable[None]]) -> list[float]:

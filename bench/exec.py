@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _stats import pct
 from dsec.backends.base import CreateContext, User, sandbox_env
 from dsec.backends.container import enter
 from dsec.backends.container.backend import ContainerBackend
@@ -33,11 +34,6 @@ from dsec.protocol.models import ContainerSpec
 
 ROOT = User(name="root", uid=0, gid=0, home="/")
 APPLETS = ("sh", "true", "sleep", "cat")
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def build_layer(path: Path) -> Path:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.fncall.pool import PoolConfig
@@ -33,11 +34,6 @@ from dsec.protocol.fncall import FnResult
 CODE = "print(sum(range(1000)))"
 EXPECTED = "499500\n"
 CPP = '#include <iostream>\nint main(){long s=0; for(int i=0;i<1000;i++) s+=i; std::cout<<s<<"\\n";}'
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 async def drive(

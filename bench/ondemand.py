@@ -56,6 +56,7 @@ from types import FrameType
 
 from _ondemand import env
 from _ondemand.images import Image, ensure_images
+from _stats import pct
 from dsec._linux import mount, umount
 from dsec.images.mount import unmount_tree
 from dsec.images.ondemand import (
@@ -73,11 +74,6 @@ SANDBOX_ENV = {"PATH": "/usr/bin", "PYTHONDONTWRITEBYTECODE": "1", "LANG": "C.UT
 
 
 # ---------------------------------------------------------------- small helpers
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def cold() -> None:

@@ -53,13 +53,13 @@ from _rl.host import (
     memory_dir,
     memory_stat,
     mkfs_fsync,
-    pct,
     remove_layers,
     set_freezer,
     timing,
     usage,
     wait_until,
 )
+from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs, Sandbox
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.density import memory

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from _rl.host import cgroups_of, dist_ms, memory_stat, pct, timing, usage, wait_until
+from _rl.host import cgroups_of, dist_ms, memory_stat, timing, usage, wait_until
+from _stats import pct
 from _vm.host import (
     PAGE,
     Ksm,

@@ -16,7 +16,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from _controlplane.apiproc import ServerConfig, serve
-from _controlplane.loadgen import LoadGen, Run, pct
+from _controlplane.loadgen import LoadGen, Run
+from _stats import pct
 from dsec.iam import Quota, open_iam_store
 from dsec.protocol.models import BatchCreateRequest, ContainerSpec, CreateRequest
 

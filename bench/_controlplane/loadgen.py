@@ -16,11 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from _controlplane.procfs import thread_cpu_seconds
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] if s else float("nan")
+from _stats import pct
 
 
 @dataclass

@@ -11,9 +11,10 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from _stats import pct
 from dsec.images.catalogue import REFS, TAGS, tag_key
 from dsec.images.erofs import build_erofs
 from dsec.images.refs import digest_hex
@@ -26,12 +27,6 @@ PARENT = "dsec"  # the edge's parent cgroup in every hierarchy
 
 
 # ---------------------------------------------------------------- statistics
-
-
-def pct(xs: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (as the other benches compute it)."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def dist_ms(xs: list[float]) -> dict[str, float]:

@@ -66,10 +66,11 @@ class Admission:
         return mem, cpu
 
     def _fits(self, spec: ContainerSpec) -> str | None:
-        mem, cpu = self.committed()
-        mem += self._reserved[0] + spec.memory_limit_mb * MiB
-        cpu += self._reserved[1] + spec.cpu_cores_limit
         mem_ratio, cpu_ratio = self.config.memory_overcommit, self.config.cpu_overcommit
+        if mem_ratio is not None or cpu_ratio is not None:  # a pass over every sandbox: only if asked
+            mem, cpu = self.committed()
+            mem += self._reserved[0] + spec.memory_limit_mb * MiB
+            cpu += self._reserved[1] + spec.cpu_cores_limit
         if mem_ratio is not None and mem > mem_ratio * self.total_memory():
             return f"memory limits would exceed {mem_ratio:g}x the node's RAM"
         if cpu_ratio is not None and cpu > cpu_ratio * (os.cpu_count() or 1):

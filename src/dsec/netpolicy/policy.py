@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -138,7 +137,7 @@ class EgressPolicy:
             except InfraFailure as exc:  # the next start rebuilds the table from the journal
                 log.warning("forgetting %s's link: %s", sandbox_id, exc)
             self._store.drop_link(sandbox_id)
-            self._reindex()
+            self._by_ifindex = {i: lk for i, lk in self._by_ifindex.items() if lk is not link}
 
     async def close(self) -> None:
         """The edge stops. Links and grants stay with their running sandboxes; with none left
@@ -148,11 +147,6 @@ class EgressPolicy:
             self._dns = None
         if self.enabled and not self._links:
             await self._drop_table()
-
-    def link_of(self, sandbox_id: str) -> tuple[str, str] | None:
-        """(host interface, sandbox address) if the sandbox has a link."""
-        link = self._links.get(sandbox_id)
-        return None if link is None else (link.ifname, link.address)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -169,7 +163,9 @@ class EgressPolicy:
             self._store.drop_link(sandbox_id)
             raise
         self._links[sandbox_id] = link
-        self._reindex()
+        index = links.ifindex(link.ifname)
+        if index is not None:
+            self._by_ifindex[index] = link
         return link
 
     def _grant_locally(self, link: _Link, rules: dict[str, bool]) -> None:
@@ -193,11 +189,7 @@ class EgressPolicy:
 
     def _names_behind(self, ifindex: int) -> Lookup | None:
         link = self._by_ifindex.get(ifindex)
-        if link is None:
-            return None
-        names = link.names
-        lookup: Callable[[str], list[str] | None] = names.get
-        return lookup
+        return None if link is None else link.names.get
 
     def _enable_forwarding(self) -> None:
         if _IP_FORWARD.read_text().strip() != "1":
