@@ -105,11 +105,41 @@ DENIED_SYSCALLS = [
 INIT_SCRIPT = 'trap "exit 0" TERM; while :; do /.dsec/busybox sleep 2147483647 & wait; done'
 
 
+# clone(2) with any of these is refused like unshare(2): a new user namespace would give the
+# child every capability there (raw sockets, nf_tables...). One rule per flag, as a masked
+# compare cannot say "any of". dsec-enter's filter adds the same rules in the same order.
+CLONE_NAMESPACE_FLAGS = [
+    0x00020000,  # CLONE_NEWNS
+    0x02000000,  # CLONE_NEWCGROUP
+    0x04000000,  # CLONE_NEWUTS
+    0x08000000,  # CLONE_NEWIPC
+    0x10000000,  # CLONE_NEWUSER
+    0x20000000,  # CLONE_NEWPID
+    0x40000000,  # CLONE_NEWNET
+]
+ENOSYS = 38
+
+
 def seccomp_profile() -> dict[str, Any]:
+    clone_rules = [
+        {
+            "names": ["clone"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 1,
+            "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+        }
+        for flag in CLONE_NAMESPACE_FLAGS
+    ]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
-        "syscalls": [{"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1}],
+        "syscalls": [
+            {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
+            *clone_rules,
+            # clone3 passes its flags in memory, out of a filter's reach: ENOSYS makes libc fall
+            # back to clone(2), where the rules above apply.
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
+        ],
     }
 
 

@@ -514,6 +514,10 @@ static void bound_caps(uint64_t keep)
 
 /* -- seccomp ----------------------------------------------------------------------------------- */
 
+static const unsigned long long clone_ns_flags[] = {
+	CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET,
+};
+
 /* The container's deny list as crun compiles it (libseccomp, default allow, the three x86
  * ABIs, each listed syscall failing with EPERM). Built before the fork, loaded by the child. */
 static scmp_filter_ctx build_filter(const char *list)
@@ -540,6 +544,18 @@ static scmp_filter_ctx build_filter(const char *list)
 			die(-rc, "seccomp: deny %s", tok);
 	}
 	free(copy);
+	/* As oci.seccomp_profile: clone with a namespace flag fails like unshare; clone3 (flags in
+	 * memory, beyond a filter) answers ENOSYS so libc falls back to clone. Same order. */
+	for (size_t i = 0; i < sizeof clone_ns_flags / sizeof clone_ns_flags[0]; i++) {
+		scmp_datum_t f = clone_ns_flags[i];
+		rc = seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(clone), 1,
+				      SCMP_A0(SCMP_CMP_MASKED_EQ, f, f));
+		if (rc < 0)
+			die(-rc, "seccomp: deny clone flag %#llx", (unsigned long long)f);
+	}
+	rc = seccomp_rule_add(ctx, SCMP_ACT_ERRNO(ENOSYS), SCMP_SYS(clone3), 0);
+	if (rc < 0)
+		die(-rc, "seccomp: clone3");
 	return ctx;
 }
 
