@@ -30,7 +30,7 @@ from dsec.edge.pausing import PauseTotals, Pausing
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
-from dsec.executor.process import SandboxProcess
+from dsec.executor.process import SandboxProcess, watch_children_with_pidfds
 from dsec.executor.session import Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
@@ -152,6 +152,7 @@ class Edge(Reclaimer, Pausing, Commands, Networking, Admission):
             self.epoch = int(time.time())
         if self.epoch != claimed:
             self.journal.set_meta("epoch", str(self.epoch))
+        watch_children_with_pidfds()
         for each in self.backends.values():
             await each.prepare_node()
         await asyncio.to_thread(self.swap.ensure)

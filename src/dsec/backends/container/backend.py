@@ -46,8 +46,23 @@ def _raise_nofile_limit() -> None:
     want = min(ceiling, 1 << 20)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < want or soft < want:
-        with contextlib.suppress(ValueError, OSError):
+        try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+        except (ValueError, OSError):
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# Each held sandbox is 3-4 processes (init, a session shell and its dsec-enter parent): the
+# kernel's default pid_max (32,768) would cap a node near 8,000 sandboxes. 4M is the maximum.
+_PID_MAX = Path("/proc/sys/kernel/pid_max")
+PID_MAX_WANTED = 1 << 22
+
+
+def _raise_pid_max() -> None:
+    with contextlib.suppress(OSError, ValueError):
+        if int(_PID_MAX.read_text()) < PID_MAX_WANTED:
+            _PID_MAX.write_text(f"{PID_MAX_WANTED}\n")
 
 
 def _remove_workdir(workdir: Path) -> None:
@@ -107,6 +122,7 @@ class ContainerBackend:
             target.with_suffix(".tmp").replace(target)
         cgroups.fix_hybrid_layout()
         _raise_nofile_limit()
+        _raise_pid_max()
         self.enter_helper = enter.build_helper(self.data_dir / "bin")  # gcc once per source version
         if self.disk_quota.image.exists():
             # Sandboxes of an earlier run may live there (still mounted after an edge restart,

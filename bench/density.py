@@ -1,0 +1,160 @@
+"""How a node fills: sandboxes held at once, and what each costs, as the count grows.
+
+    .venv/bin/python bench/density.py [--steps 0,500,1000,2000] [--batch 50] [--probe 40]
+
+An embedded node (containers only, no swap) on a scratch data directory sharing `dsec up`'s
+layer store. The node is filled in batches (`run_containers`), and every sandbox gets an open
+shell session (`run_shell("true")`), as a trainer's would. At each step it prints, with the
+core count:
+  - creations/s of a probe of --probe creates at that fill, and the ratio to the empty node;
+  - run_shell("true") p50/p99 on --probe sandboxes, and the ratio to the empty node;
+  - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
+    views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
+  - processes, threads and file descriptors the node holds (the per-node limits that bind).
+The machine is shared and noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from _stats import pct
+from dsec import DSecClient, DSecContainerRunArgs
+from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.density.swap import SwapConfig
+from dsec.sdk.client import Sandbox
+
+MiB = 1 << 20
+LABEL = {"bench": "density"}
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def own(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def charged() -> int:
+    try:
+        return int(Path("/sys/fs/cgroup/memory/dsec/memory.usage_in_bytes").read_text())
+    except OSError:
+        return 0
+
+
+def snapshot() -> dict[str, int]:
+    m = meminfo()
+    return {
+        "available": m["MemAvailable"],
+        "slab": m["Slab"],
+        "charged": charged(),
+        "edge_rss": own("VmRSS") * 1024,
+    }
+
+
+async def fill(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> float:
+    """Create ``n`` more sandboxes, each with an open session; returns creations per second."""
+    args = DSecContainerRunArgs(container_image="debian:bookworm", memory_limit_mb=64, labels=LABEL)
+    t = time.perf_counter()
+    left = n
+    while left > 0:
+        sizes = [min(batch, left - i * batch) for i in range(2) if left - i * batch > 0]
+        for group in await asyncio.gather(*(client.run_containers(args, k, timeout=600) for k in sizes)):
+            made.extend(group)
+        left -= sum(sizes)
+    rate = n / (time.perf_counter() - t) if n else 0.0
+    fresh = made[len(made) - n :]
+    for i in range(0, len(fresh), 64):
+        await asyncio.gather(*(sb.run_shell("true") for sb in fresh[i : i + 64]))
+    return rate
+
+
+async def exec_latency(made: list[Sandbox], probe: int) -> list[float]:
+    lat = []
+    for sb in random.sample(made, min(probe, len(made))):
+        t = time.perf_counter()
+        r = await sb.run_shell("true")
+        lat.append(time.perf_counter() - t)
+        assert r.exit_code == 0, r
+    return lat
+
+
+def node_limits() -> str:
+    procs = sum(1 for p in os.listdir("/proc") if p.isdigit())
+    fds = len(os.listdir("/proc/self/fd"))
+    return f"host processes {procs}, edge threads {own('Threads')}, edge fds {fds}"
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", default="0,500,1000,2000")
+    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--probe", type=int, default=40)
+    ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
+    a = ap.parse_args()
+    steps = sorted({int(s) for s in a.steps.split(",")})
+    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-density-"))
+    node = EmbeddedNode(
+        NodeConfig(
+            data_dir=scratch,
+            layer_dir=a.layers,
+            port=0,
+            node="bench",
+            config_file=scratch / "config.json",
+            edge={"swap": SwapConfig("none"), "max_sandboxes": 20_000, "memory_reserve_mb": 256},
+        )
+    )
+    await node.start()
+    print(f"cores {os.cpu_count()}  steps {steps}  probe {a.probe}")
+    made: list[Sandbox] = []
+    base_rate = base_exec = 0.0
+    try:
+        async with DSecClient(node.url, node.api_key) as client:
+            await fill(client, 1, 1, made)  # warm: the layer mounted
+            start = snapshot()
+            for step in steps:
+                if step > len(made):
+                    await fill(client, step - len(made) - a.probe, a.batch, made)
+                rate = await fill(client, a.probe, a.batch, made)  # the probe: creates at this fill
+                lat = await exec_latency(made, a.probe)
+                base_rate, base_exec = base_rate or rate, base_exec or pct(lat, 50)
+                now, n = snapshot(), len(made) - 1
+                per = {
+                    k: (start[k] - now[k] if k == "available" else now[k] - start[k]) / max(n, 1) / MiB
+                    for k in now
+                }
+                print(
+                    f"{len(made):6d} held  creates {rate:6.1f}/s ({rate / base_rate:4.2f}x empty)"
+                    f"  run_shell p50 {pct(lat, 50) * 1e3:6.2f} ms p99 {pct(lat, 99) * 1e3:6.2f} ms"
+                    f" ({pct(lat, 50) / base_exec:4.2f}x empty)"
+                )
+                print(
+                    f"        per sandbox: MemAvailable -{per['available']:5.2f} MiB; of which (overlapping)"
+                    f" charged to its cgroup {per['charged']:5.2f}, kernel slab {per['slab']:5.2f},"
+                    f" edge RSS {per['edge_rss']:5.2f} MiB;  {node_limits()}"
+                )
+            await client.stop_all(LABEL)
+    finally:
+        await node.close(stop_sandboxes=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

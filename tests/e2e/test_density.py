@@ -1,0 +1,29 @@
+"""What lets a node hold thousands of sandboxes: no thread per held process, room for PIDs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from dsec.apiserver.embedded import EmbeddedNode
+from dsec.backends.container.backend import PID_MAX_WANTED
+from tests.conftest import Sandboxes
+
+
+def threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+async def test_held_sessions_cost_no_thread_each(node: EmbeddedNode, make_sandbox: Sandboxes) -> None:
+    boxes = [await make_sandbox(memory_limit_mb=64) for _ in range(16)]
+    await asyncio.gather(*(sb.run_shell("true") for sb in boxes))  # warm: pools of helper threads
+    before = threads()
+    more = [await make_sandbox(memory_limit_mb=64) for _ in range(16)]
+    await asyncio.gather(*(sb.run_shell("true") for sb in more))  # 16 more session shells held
+    # asyncio's default watcher would park a thread per live child: 16 more here.
+    assert threads() - before < 8
+
+
+def test_the_node_raised_pid_max(node: EmbeddedNode) -> None:
+    assert int(Path("/proc/sys/kernel/pid_max").read_text()) >= PID_MAX_WANTED
