@@ -107,6 +107,7 @@ class ContainerBackend:
             raise InfraFailure(f"OCI runtime {self.runtime!r} not found: install crun", reason="runtime")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        (self.runtime_dir / oci.EMPTY_DIR).mkdir(mode=0o555, exist_ok=True)
         busybox = Path("/bin/busybox")
         target = self.runtime_dir / "busybox"
         if not busybox.exists():

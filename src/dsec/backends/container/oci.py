@@ -7,6 +7,7 @@ into it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dsec.backends.base import DEFAULT_PATH, User
@@ -28,24 +29,24 @@ CAPABILITIES = [
     "CAP_AUDIT_WRITE",
 ]
 
+# Every filesystem instance a sandbox mounts registers a kernel shrinker that every memory
+# cgroup then pays for, so a node's kernel memory grows with the square of its sandboxes. A
+# sandbox therefore mounts only proc, a tmpfs /dev and devpts of its own; /sys and masked
+# directories are read-only binds of one empty directory (a bind creates no instance).
+MASKED_DIRS = ["/proc/acpi", "/proc/asound", "/proc/scsi"]
+
 MASKED_PATHS = [
-    "/proc/acpi",
-    "/proc/asound",
     "/proc/kcore",
     "/proc/keys",
     "/proc/latency_stats",
     "/proc/timer_list",
     "/proc/timer_stats",
     "/proc/sched_debug",
-    "/proc/scsi",
     "/proc/kpagecgroup",
     "/proc/kpageflags",
     "/proc/kpagecount",
     "/proc/sysrq-trigger",
     "/proc/vmallocinfo",
-    "/sys/firmware",
-    "/sys/kernel/debug",
-    "/sys/devices/virtual/powercap",
 ]
 
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
@@ -118,6 +119,18 @@ CLONE_NAMESPACE_FLAGS = [
     0x40000000,  # CLONE_NEWNET
 ]
 ENOSYS = 38
+
+
+EMPTY_DIR = "empty"  # in the runtime directory: what masked directories show
+
+
+def _empty_bind(destination: str, runtime_dir: str) -> dict[str, Any]:
+    return {
+        "destination": destination,
+        "type": "bind",
+        "source": f"{runtime_dir}/{EMPTY_DIR}",
+        "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+    }
 
 
 def seccomp_profile() -> dict[str, Any]:
@@ -194,12 +207,10 @@ def build_config(
                 "source": "devpts",
                 "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
             },
-            {
-                "destination": "/sys",
-                "type": "sysfs",
-                "source": "sysfs",
-                "options": ["nosuid", "noexec", "nodev", "ro"],
-            },
+            # No sysfs: nothing there is a sandbox's own business except its network devices,
+            # which /proc/net shows too.
+            _empty_bind("/sys", runtime_dir),
+            *(_empty_bind(d, runtime_dir) for d in MASKED_DIRS if os.path.isdir(d)),
             {
                 "destination": "/.dsec",
                 "type": "bind",
