@@ -11,6 +11,10 @@ core count:
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
   - processes, threads and file descriptors the node holds (the per-node limits that bind).
+Before filling, on the empty node: the page cache grown by --sharing sandboxes reading the same
+layer files (the node's clean page cache is dropped first, so the first read is real), and
+the memory returned when --reclaim idle sandboxes holding 32 MiB each are paused (memory
+pushed to the node's swap file).
 The machine is shared and noisy: compare the ratios of one run.
 """
 
@@ -25,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _rl.host import wait_until
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
@@ -96,6 +101,59 @@ async def exec_latency(made: list[Sandbox], probe: int) -> list[float]:
     return lat
 
 
+async def sharing(client: DSecClient, n: int) -> None:
+    """n sandboxes read the same files of their base layer: how much the page cache grows."""
+    args = DSecContainerRunArgs(container_image="debian:bookworm", memory_limit_mb=256)
+    boxes = [await client.run_container(args) for _ in range(n)]
+    read = "tar cf - /usr/lib/python3.11 /usr/lib/x86_64-linux-gnu 2>/dev/null | wc -c"
+    try:
+        # Clean page cache goes (node-wide, nothing is lost): the first reader reads from disk.
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        before = meminfo()["Cached"]
+        nbytes = int((await boxes[0].run_shell(read, timeout=600)).stdout)
+        first = meminfo()["Cached"] - before
+        for sb in boxes[1:]:
+            await sb.run_shell(read, timeout=600)
+        total = meminfo()["Cached"] - before
+        print(
+            f"page cache: {n} sandboxes each read {nbytes / MiB:.0f} MiB of layer files; cache grew"
+            f" {first / MiB:.0f} MiB for the first, {total / MiB:.0f} MiB for all"
+            f" (sharing factor {n * first / max(total, 1):.1f}x: unshared would be {n * first / MiB:.0f} MiB)"
+        )
+    finally:
+        for sb in boxes:
+            await sb.stop()
+
+
+HOG = "{ head -c 32M /dev/urandom; sleep 100000; } | sort -S 64M > /dev/null & echo started"
+
+
+async def reclaim(client: DSecClient, n: int) -> None:
+    """n sandboxes touch 32 MiB each and go idle; pausing them (the edge's reclaim) returns it."""
+    labels = {"bench": "reclaim"}
+    args = DSecContainerRunArgs(container_image="debian:bookworm", memory_limit_mb=128, labels=labels)
+    boxes = await client.run_containers(args, n)
+    try:
+        await asyncio.gather(*(sb.run_shell(HOG) for sb in boxes))
+        cgroups = [Path(f"/sys/fs/cgroup/memory/dsec/{sb.id}/memory.usage_in_bytes") for sb in boxes]
+        await wait_until(lambda: sum(int(c.read_text()) for c in cgroups) >= n * 30 * MiB, "the hogs' memory")
+        held = sum(int(c.read_text()) for c in cgroups)
+        before = meminfo()["MemAvailable"]
+        t = time.perf_counter()
+        await client.pause_all(labels)
+        took = time.perf_counter() - t
+        await wait_until(lambda: meminfo()["Writeback"] < MiB, "swap writes to finish", 120)
+        after = meminfo()["MemAvailable"]
+        left = sum(int(c.read_text()) for c in cgroups)
+        print(
+            f"reclaim: {n} idle sandboxes held {held / MiB:.0f} MiB; pausing them all took {took:.1f} s,"
+            f" charged {left / MiB:.0f} MiB after ({1 - left / held:.1%} returned),"
+            f" MemAvailable +{(after - before) / MiB:.0f} MiB"
+        )
+    finally:
+        await client.stop_all(labels)
+
+
 def node_limits() -> str:
     procs = sum(1 for p in os.listdir("/proc") if p.isdigit())
     fds = len(os.listdir("/proc/self/fd"))
@@ -108,6 +166,8 @@ async def main() -> None:
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--probe", type=int, default=40)
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
+    ap.add_argument("--sharing", type=int, default=20, help="sandboxes reading the same layer files")
+    ap.add_argument("--reclaim", type=int, default=32, help="idle sandboxes whose memory is reclaimed")
     a = ap.parse_args()
     steps = sorted({int(s) for s in a.steps.split(",")})
     scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-density-"))
@@ -118,7 +178,11 @@ async def main() -> None:
             port=0,
             node="bench",
             config_file=scratch / "config.json",
-            edge={"swap": SwapConfig("none"), "max_sandboxes": 20_000, "memory_reserve_mb": 256},
+            edge={
+                "swap": SwapConfig("file", 2048, scratch / "swap"),
+                "max_sandboxes": 20_000,
+                "memory_reserve_mb": 256,
+            },
         )
     )
     await node.start()
@@ -128,6 +192,10 @@ async def main() -> None:
     try:
         async with DSecClient(node.url, node.api_key) as client:
             await fill(client, 1, 1, made)  # warm: the layer mounted
+            if a.sharing:
+                await sharing(client, a.sharing)
+            if a.reclaim:
+                await reclaim(client, a.reclaim)
             start = snapshot()
             for step in steps:
                 if step > len(made):
