@@ -455,6 +455,43 @@ class LinkConformance:
         assert [e.kind for e in await link.trajectory(info.id)] == ["pause", "resume"]
         await link.stop(info.id)
 
+    async def test_a_deadline_stops_or_pauses_and_a_resume_restarts_it(
+        self, link: EdgeLink, edge_env: EdgeEnv
+    ) -> None:
+        doomed, napper = await link.create(spec()), await link.create(spec())
+        before = time.time()
+        set_ = await link.set_deadline(doomed.id, 0.3)
+        assert set_.on_deadline == "stop" and set_.deadline_s == 0.3
+        assert set_.deadline_at is not None and before + 0.3 <= set_.deadline_at <= time.time() + 0.3
+        assert (await link.get(doomed.id)).deadline_at == set_.deadline_at
+
+        async def stopped() -> bool:
+            return (await link.get(doomed.id)).state is SandboxState.stopped
+
+        await eventually(stopped, "the reaper to stop the sandbox at its deadline")
+        assert (await link.get(doomed.id)).stop_reason == "deadline"
+
+        await link.set_deadline(napper.id, 0.3, "pause")
+        journaled = edge_env.edge.journal.get(napper.id)  # an edge restart reads it from here
+        assert journaled is not None and (journaled.deadline_s, journaled.on_deadline) == (0.3, "pause")
+
+        async def paused() -> bool:
+            return (await link.get(napper.id)).state is SandboxState.paused
+
+        await eventually(paused, "the reaper to pause the sandbox at its deadline")
+        assert (await link.get(napper.id)).pause_reason == "deadline"
+        # Paused time does not count; a resume gives the sandbox its timeout again.
+        later = await link.set_deadline(napper.id, 3600, "pause")
+        assert later.state is SandboxState.paused
+        resumed = await link.resume(napper.id)
+        assert resumed.state is SandboxState.running and resumed.deadline_at is not None
+        assert resumed.deadline_at >= time.time() + 3500
+        cleared = await link.set_deadline(napper.id, None)
+        assert (cleared.deadline_at, cleared.deadline_s, cleared.on_deadline) == (None, None, None)
+        await link.stop(napper.id)
+        with pytest.raises(SandboxNotFound):
+            await link.set_deadline(napper.id, 10)
+
     async def test_a_bulk_pause_and_resume_take_the_labels_and_the_project_subtree(
         self, link: EdgeLink
     ) -> None:

@@ -70,7 +70,9 @@ class ProjectRoutes:
 
     async def issue_key(self, request: web.Request) -> web.Response:
         req: KeyCreate = await read_body(request, KeyCreate)
-        key = await self.iam.issue_key(req.project, admin=req.admin, name=req.name, actor=request[PRINCIPAL])
+        key = await self.iam.issue_key(
+            req.project, admin=req.admin, name=req.name, format=req.format, actor=request[PRINCIPAL]
+        )
         return respond({"key": key, "project": req.project}, status=201)  # shown once, never again
 
     async def list_keys(self, request: web.Request) -> web.Response:

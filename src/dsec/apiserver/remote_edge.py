@@ -34,6 +34,8 @@ from dsec.protocol.models import (
     CommandResult,
     CommitRequest,
     ContainerSpec,
+    DeadlineAction,
+    DeadlineRequest,
     ExecEvent,
     ExecRequest,
     FileStat,
@@ -268,6 +270,13 @@ class RemoteEdgeLink:
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return self._parse(SandboxInfo, await self._json("POST", self._sandbox(sandbox_id, "/resume")))
+
+    async def set_deadline(
+        self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"
+    ) -> SandboxInfo:
+        body = DeadlineRequest(timeout_s=timeout_s, on_timeout=on_timeout)
+        raw = await self._json("PUT", self._sandbox(sandbox_id, "/deadline"), body=body)
+        return self._parse(SandboxInfo, raw)
 
     async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
         body = NetworkRulesRequest(network_rules=rules)

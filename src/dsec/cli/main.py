@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 from rich.markup import escape
@@ -399,9 +399,11 @@ def project_ls(under: Annotated[str | None, typer.Argument()] = None) -> None:
 
 
 @key_app.command("issue")
-def key_issue(project: str, admin: bool = False, name: str = "") -> None:
-    """Issue an API key for PROJECT (printed once: only its digest is kept)."""
-    print(_client_call(lambda c: c.issue_key(project, admin=admin, name=name)))
+def key_issue(project: str, admin: bool = False, name: str = "", e2b: bool = False) -> None:
+    """Issue an API key for PROJECT (printed once: only its digest is kept); --e2b: an e2b_<hex>
+    key for E2B's SDKs."""
+    fmt: Literal["dsec", "e2b"] = "e2b" if e2b else "dsec"
+    print(_client_call(lambda c: c.issue_key(project, admin=admin, name=name, format=fmt)))
 
 
 @key_app.command("ls")

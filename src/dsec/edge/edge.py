@@ -499,4 +499,8 @@ class Edge(Reclaimer, Pausing, Commands, Networking, Admission):
             paused_at=rec.paused_at,
             pause_reason=rec.pause_reason,
             network_rules=rec.spec.network_rules,
+            refs=rec.spec.layer_refs(),
+            deadline_at=rec.deadline_at,
+            deadline_s=rec.deadline_s,
+            on_deadline="pause" if rec.on_deadline == "pause" else "stop" if rec.on_deadline else None,
         )

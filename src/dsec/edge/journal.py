@@ -41,10 +41,16 @@ CREATE TABLE IF NOT EXISTS leases (
 CREATE TABLE IF NOT EXISTS links (sandbox_id TEXT PRIMARY KEY, idx INTEGER NOT NULL UNIQUE);
 """
 # Columns added after the first release: (name, declaration); added in place when missing.
-_ADDED_COLUMNS = (("paused_at", "REAL"), ("pause_reason", "TEXT"))
+_ADDED_COLUMNS = (
+    ("paused_at", "REAL"),
+    ("pause_reason", "TEXT"),
+    ("deadline_at", "REAL"),
+    ("deadline_s", "REAL"),
+    ("on_deadline", "TEXT"),
+)
 _COLUMNS = (
     "id, state, backend, spec, layers, user, handle, created_at, last_active_at, stop_reason,"
-    " paused_at, pause_reason"
+    " paused_at, pause_reason, deadline_at, deadline_s, on_deadline"
 )
 
 LIVE_STATES = (SandboxState.creating, SandboxState.running, SandboxState.paused, SandboxState.stopping)
@@ -64,6 +70,11 @@ class Record:
     stop_reason: str | None = None
     paused_at: float | None = None
     pause_reason: str | None = None
+    # A deadline set through set_deadline: at ``deadline_at`` the reaper stops or pauses the
+    # sandbox (``on_deadline``); ``deadline_s`` is kept so a resume can give it that long again.
+    deadline_at: float | None = None
+    deadline_s: float | None = None
+    on_deadline: str | None = None
 
 
 @dataclass
@@ -107,7 +118,7 @@ class Journal:
     def insert(self, rec: Record) -> None:
         with self._lock:
             self._db.execute(
-                f"INSERT INTO sandboxes({_COLUMNS}) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO sandboxes({_COLUMNS}) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     rec.id,
                     rec.state.value,
@@ -121,6 +132,9 @@ class Journal:
                     rec.stop_reason,
                     rec.paused_at,
                     rec.pause_reason,
+                    rec.deadline_at,
+                    rec.deadline_s,
+                    rec.on_deadline,
                 ),
             )
 
@@ -128,7 +142,7 @@ class Journal:
         with self._lock:
             self._db.execute(
                 "UPDATE sandboxes SET state=?, handle=?, last_active_at=?, stop_reason=?, paused_at=?,"
-                " pause_reason=? WHERE id=?",
+                " pause_reason=?, deadline_at=?, deadline_s=?, on_deadline=? WHERE id=?",
                 (
                     rec.state.value,
                     json.dumps(rec.handle),
@@ -136,6 +150,9 @@ class Journal:
                     rec.stop_reason,
                     rec.paused_at,
                     rec.pause_reason,
+                    rec.deadline_at,
+                    rec.deadline_s,
+                    rec.on_deadline,
                     rec.id,
                 ),
             )
@@ -222,4 +239,7 @@ class Journal:
             stop_reason=row[9],
             paused_at=row[10],
             pause_reason=row[11],
+            deadline_at=row[12],
+            deadline_s=row[13],
+            on_deadline=row[14],
         )

@@ -36,6 +36,7 @@ from dsec.protocol.models import (
     CommandResult,
     CommitRequest,
     ContainerSpec,
+    DeadlineAction,
     ExecEvent,
     FileStat,
     InputEvent,
@@ -94,6 +95,13 @@ class EdgeLink(Protocol):
 
     async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
         """Replace the sandbox's network permissions (in force when this returns)."""
+        ...
+
+    async def set_deadline(
+        self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"
+    ) -> SandboxInfo:
+        """Stop or pause the sandbox ``timeout_s`` seconds of running time from now (journaled;
+        a resume restarts the count); ``None`` clears the deadline."""
         ...
 
     async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
@@ -266,6 +274,11 @@ class LocalEdgeLink:
         return self.edge.renew_lease(job, lease_s, within)
 
     async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
+    async def set_deadline(
+        self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"
+    ) -> SandboxInfo:
+        return self.edge.set_deadline(self._routed(sandbox_id), timeout_s, on_timeout)
+
         return self.edge.trajectory(self._routed(sandbox_id), after, limit)
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:

@@ -155,6 +155,8 @@ class Pausing:
             rec.paused_at = None
             rec.pause_reason = None
             rec.last_active_at = time.time()
+            if rec.deadline_s is not None:  # only running time counts against a deadline
+                rec.deadline_at = rec.last_active_at + rec.deadline_s
             self.journal.update(rec)
             totals = self.pause_totals
             totals.resumes += 1

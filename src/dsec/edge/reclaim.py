@@ -1,9 +1,11 @@
 """Reclamation: what an edge takes back by itself, without being asked.
 
 A pass (every ``reap_interval_s``) stops sandboxes whose maximum lifetime ran out, that were
-idle (no request and no running command) for their ``ttl_running_stop`` (paused or not), that
-died (checked every ``liveness_interval_s``), or whose job lease lapsed longer than its grace
-ago; pauses sandboxes idle for their ``pause_after_idle_s``, those whose lease lapsed and,
+idle (no request and no running command) for their ``ttl_running_stop`` (paused or not), whose
+deadline (:meth:`Reclaimer.set_deadline`, counted while running) passed, that died (checked
+every ``liveness_interval_s``), or whose job lease lapsed longer than its grace ago; pauses
+sandboxes idle for their ``pause_after_idle_s``, those whose lease lapsed or whose deadline
+says pause and,
 while the node is short of memory, the idlest (see :mod:`.admission`);
 retries stops that failed before, writes the activity times to the journal in one batch and
 forgets finished sandboxes (and their trajectories) after ``keep_finished_s``.
@@ -16,7 +18,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from dsec.protocol.models import SandboxInfo, SandboxState
+from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.models import DeadlineAction, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
@@ -45,8 +48,27 @@ class Reclaimer:
         async def pause(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...
 
         def lease_actions(self, now: float) -> tuple[list[str], list[str]]: ...
+        def _get_live(self, sandbox_id: str) -> _Live: ...
+        def _info(self, rec: Record) -> SandboxInfo: ...
         def backend_of(self, rec: Record) -> Backend: ...
         async def relieve_pressure(self) -> None: ...
+
+    def set_deadline(
+        self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"
+    ) -> SandboxInfo:
+        """Stop (or pause) the sandbox ``timeout_s`` seconds from now; ``None`` clears it.
+
+        Journaled, so an edge restart keeps it. Only running time counts: a paused sandbox is
+        not acted on, and a resume gives it ``timeout_s`` again (E2B's timeout semantics).
+        """
+        if on_timeout not in ("stop", "pause"):
+            raise InvalidRequest(f"on_timeout must be stop or pause, not {on_timeout!r}")
+        rec = self._get_live(sandbox_id).record
+        rec.deadline_at = None if timeout_s is None else time.time() + timeout_s
+        rec.deadline_s = timeout_s
+        rec.on_deadline = None if timeout_s is None else on_timeout
+        self.journal.update(rec)
+        return self._info(rec)
 
     def _flush_activity(self) -> None:
         self.journal.touch_many({i: live.record.last_active_at for i, live in self._live.items()})
@@ -73,6 +95,11 @@ class Reclaimer:
                 due.append((sid, "max_lifetime"))
             elif sid in expired_set:
                 due.append((sid, "lease_expired"))
+            elif rec.deadline_at is not None and rec.state is SandboxState.running and now >= rec.deadline_at:
+                if rec.on_deadline == "pause":
+                    to_pause.append((sid, "deadline"))
+                else:
+                    due.append((sid, "deadline"))
             elif (
                 spec.ttl_running_stop is not None
                 and not live.busy

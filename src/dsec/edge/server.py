@@ -21,6 +21,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /sandboxes/{id}/pause                   -> SandboxInfo (paused)
     PUT    /sandboxes/{id}/network  NetworkRulesRequest -> SandboxInfo (rules in force)
     POST   /sandboxes/{id}/resume                  -> SandboxInfo (running)
+    PUT    /sandboxes/{id}/deadline DeadlineRequest -> SandboxInfo (journaled)
     GET    /sandboxes/{id}/trajectory?after=&limit= -> [TrajectoryEntry]
     GET    /sandboxes/{id}/changes?under=/         -> [Change]
     POST   /sandboxes/{id}/fork-spec?ref=          -> {"spec": ContainerSpec, "layer": LayerInfo}
@@ -65,6 +66,7 @@ from dsec.protocol.http import count_param, label_filter, listen, respond
 from dsec.protocol.models import (
     CommitRequest,
     ExecRequest,
+    DeadlineRequest,
     InputRequest,
     LeaseRequest,
     LocalForkRequest,
@@ -207,6 +209,7 @@ class EdgeServer:
         r.add_put(PREFIX + "/sandboxes/{id}/network", self.set_network_rules)
         r.add_post(PREFIX + "/sandboxes/{id}/resume", self.resume)
         r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
+        r.add_put(PREFIX + "/sandboxes/{id}/deadline", self.set_deadline)
         r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
         r.add_post(PREFIX + "/sandboxes/{id}/fork-spec", self.fork_spec)
         r.add_get(PREFIX + "/sandboxes/{id}/screenshot", self.screenshot)
@@ -273,6 +276,10 @@ class EdgeServer:
 
     async def set_network_rules(self, request: web.Request) -> web.Response:
         req = NetworkRulesRequest.model_validate_json(await request.read())
+    async def set_deadline(self, request: web.Request) -> web.Response:
+        req = DeadlineRequest.model_validate_json(await request.read())
+        return respond(await self.link.set_deadline(request.match_info["id"], req.timeout_s, req.on_timeout))
+
         return respond(await self.link.set_network_rules(request.match_info["id"], req.network_rules))
 
     async def trajectory(self, request: web.Request) -> web.Response:

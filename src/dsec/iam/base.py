@@ -24,7 +24,7 @@ import re
 import secrets
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from dsec.protocol.errors import InvalidRequest
 
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 ROOT_PROJECT = "root"
 KEY_PREFIX = "dsec_"
+# Keys the official E2B SDKs accept (they check ``^e2b_[0-9a-f]+$``): the same keys otherwise.
+E2B_KEY_PREFIX = "e2b_"
+KEY_PREFIXES = {"dsec": KEY_PREFIX, "e2b": E2B_KEY_PREFIX}
+KeyFormat = Literal["dsec", "e2b"]
 
 # One path segment. No '/', and nothing a shell, URL or label value would need quoting for.
 _NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9_.-]{0,62})$")
@@ -170,8 +174,13 @@ def subtree_range(top: str) -> tuple[str, str]:
 # -- keys ------------------------------------------------------------------------------------
 
 
-def new_key() -> str:
-    return KEY_PREFIX + secrets.token_hex(24)
+def new_key(format: KeyFormat = "dsec") -> str:
+    return KEY_PREFIXES[format] + secrets.token_hex(24)
+
+
+def is_key(key_or_id: str) -> bool:
+    """A key itself rather than its public ``key_id`` (16 hex digits, no prefix)."""
+    return key_or_id.startswith(tuple(KEY_PREFIXES.values()))
 
 
 def key_digest(key: str) -> str:
@@ -237,8 +246,11 @@ class IamStore(Protocol):
         *,
         admin: bool = False,
         name: str = "",
+        format: KeyFormat = "dsec",
         actor: Principal | None = None,
-    ) -> str: ...
+    ) -> str:
+        """``format``: ``dsec`` (``dsec_<hex>``) or ``e2b`` (``e2b_<hex>``, for E2B's SDKs)."""
+        ...
 
     async def authenticate(self, key: str | None) -> Principal:
         """The key's principal, from an in-process cache when it is fresh (no database trip)."""

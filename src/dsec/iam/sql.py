@@ -20,8 +20,8 @@ from typing import Self
 
 from dsec.iam import ledger, registry
 from dsec.iam.base import (
-    KEY_PREFIX,
     ROOT_PROJECT,
+    KeyFormat,
     KeyInfo,
     Principal,
     ProjectInfo,
@@ -32,6 +32,7 @@ from dsec.iam.base import (
     can_access,
     child_path,
     in_subtree,
+    is_key,
     key_digest,
     key_id_of,
     new_key,
@@ -230,13 +231,14 @@ class SqlIamStore:
         *,
         admin: bool = False,
         name: str = "",
+        format: KeyFormat = "dsec",
         actor: Principal | None = None,
     ) -> str:
         validate_project(project)
         _require(actor, project, "issue keys for")
         if admin and actor is not None and not actor.admin:
             raise Forbidden("only an admin key may issue admin keys")
-        key = new_key()
+        key = new_key(format)
 
         async def tx(tx: Tx) -> None:
             # The share lock keeps the project from being deleted under the new key.
@@ -309,7 +311,7 @@ class SqlIamStore:
 
     async def revoke_key(self, key_or_id: str, *, actor: Principal | None = None) -> bool:
         """Revoke by the key itself or by its public ``key_id``; False if there was none live."""
-        key_id = key_id_of(key_or_id) if key_or_id.startswith(KEY_PREFIX) else key_or_id
+        key_id = key_id_of(key_or_id) if is_key(key_or_id) else key_or_id
 
         async def tx(tx: Tx) -> bool:
             rows = await tx.fetch(

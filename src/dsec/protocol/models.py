@@ -259,6 +259,9 @@ class BatchCreateRequest(CreateRequest):
     count: int = Field(ge=1, le=1000, description="sandboxes of this spec, created all or none")
 
 
+DeadlineAction = Literal["stop", "pause"]
+
+
 class SandboxInfo(_Model):
     id: str
     state: SandboxState
@@ -276,6 +279,20 @@ class SandboxInfo(_Model):
     paused_at: float | None = None
     pause_reason: str | None = None  # requested, idle, lease_lapsed, admission, memory_pressure
     network_rules: dict[str, bool] = Field(default_factory=dict)
+    refs: list[str] = Field(default_factory=list, description="the image or layers as the caller named them")
+    deadline_at: float | None = Field(default=None, description="when the reaper acts (set_deadline)")
+    deadline_s: float | None = None
+    on_deadline: DeadlineAction | None = None
+
+
+class DeadlineRequest(_Model):
+    """Stop or pause the sandbox ``timeout_s`` seconds from now (``None``: no deadline).
+
+    A sandbox paused by its deadline gets ``timeout_s`` again when it resumes.
+    """
+
+    timeout_s: float | None = Field(gt=0, le=366 * 86400)
+    on_timeout: DeadlineAction = "stop"
 
 
 class NetworkRulesRequest(_Model):
@@ -420,6 +437,9 @@ class KeyCreate(_Model):
     project: str
     admin: bool = False
     name: str = Field(default="", max_length=200)
+    format: Literal["dsec", "e2b"] = Field(
+        default="dsec", description="dsec: dsec_<hex>; e2b: e2b_<hex>, the form E2B's SDKs accept"
+    )
 
 
 class CommitRequest(_Model):

@@ -3,7 +3,7 @@ each rollout its own bounded project."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dsec.protocol.models import KeyCreate, ProjectCreate, QuotaModel, QuotaUpdate
 
@@ -60,9 +60,12 @@ class ProjectCalls:
         body: dict[str, Any] = await self._t.request("GET", "/v1/projects/usage", params=params)
         return body
 
-    async def issue_key(self, project: str, *, admin: bool = False, name: str = "") -> str:
-        """A new API key for ``project`` (shown once: only its digest is stored)."""
-        req = KeyCreate(project=project, admin=admin, name=name)
+    async def issue_key(
+        self, project: str, *, admin: bool = False, name: str = "", format: Literal["dsec", "e2b"] = "dsec"
+    ) -> str:
+        """A new API key for ``project`` (shown once: only its digest is stored); ``format="e2b"``
+        gives an ``e2b_<hex>`` key for E2B's SDKs (same project, quotas and visibility)."""
+        req = KeyCreate(project=project, admin=admin, name=name, format=format)
         body = await self._t.request("POST", "/v1/keys", json_body=req.model_dump())
         return str(body["key"])
 
