@@ -17,6 +17,7 @@ mixed into the same class.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -273,6 +274,17 @@ class IamConformance(LedgerConformance, RegistryConformance):
         assert await iam.revoke_key(key_id_of(other))
         assert not await iam.is_valid(other)
         assert [k.revoked for k in await iam.list_keys()] == [True, True]
+
+    async def test_e2b_format_keys_are_keys_like_any_other(self, iam: IamStore) -> None:
+        await iam.create_project("root", "e2b")
+        key = await iam.issue_key("root/e2b", format="e2b")
+        assert re.fullmatch(r"e2b_[0-9a-f]+", key), "what E2B's SDKs accept"
+        assert await iam.authenticate(key) == Principal("root/e2b", admin=False, key_id=key_id_of(key))
+        assert await iam.revoke_key(key)  # by the key itself
+        assert not await iam.is_valid(key)
+        again = await iam.issue_key("root/e2b", format="e2b")
+        assert await iam.revoke_key(key_id_of(again))  # by its id
+        assert not await iam.is_valid(again)
 
     async def test_revocation_reaches_other_instances_within_the_cache_ttl(
         self, iam: IamStore, reopen: Reopen
