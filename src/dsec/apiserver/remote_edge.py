@@ -458,3 +458,8 @@ class RemoteEdgeLink:
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         params = {"path": path, "recursive": "true" if recursive else "false"}
         await self._json("DELETE", self._sandbox(sandbox_id, "/files"), params=params)
+
+    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
+        params = {"source": source, "destination": destination}
+        raw = await self._json("POST", self._sandbox(sandbox_id, "/files/move"), params=params)
+        return self._parse(FileStat, raw)

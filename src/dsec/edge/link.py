@@ -168,6 +168,10 @@ class EdgeLink(Protocol):
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None: ...
 
+    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
+        """Rename a file or directory inside the sandbox; the moved entry's stat."""
+        ...
+
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]: ...
 
     async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
@@ -270,15 +274,15 @@ class LocalEdgeLink:
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return await self.edge.resume(self._routed(sandbox_id))
 
-    async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
-        return self.edge.renew_lease(job, lease_s, within)
-
-    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
     async def set_deadline(
         self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"
     ) -> SandboxInfo:
         return self.edge.set_deadline(self._routed(sandbox_id), timeout_s, on_timeout)
 
+    async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
+        return self.edge.renew_lease(job, lease_s, within)
+
+    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
         return self.edge.trajectory(self._routed(sandbox_id), after, limit)
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
@@ -386,3 +390,12 @@ class LocalEdgeLink:
             return {"removed": True}
 
         await self.edge.recorder.call(sandbox_id, "remove", None, {"path": path, "recursive": recursive}, rm)
+
+    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
+        files = await self._files(sandbox_id)
+
+        async def mv() -> dict[str, Any]:
+            return (await files.move(source, destination)).model_dump()
+
+        request = {"source": source, "destination": destination}
+        return FileStat.model_validate(await self.edge.recorder.call(sandbox_id, "move", None, request, mv))

@@ -33,6 +33,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     GET    /sandboxes/{id}/files/stat?path=        -> FileStat
     GET    /sandboxes/{id}/files/list?path=        -> [FileStat]
     POST   /sandboxes/{id}/files/mkdir?path=&parents=true -> 201 FileStat
+    POST   /sandboxes/{id}/files/move?source=&destination= -> FileStat
     DELETE /sandboxes/{id}/files?path=&recursive=false    -> {"removed": true}
     POST   /layers/in-use?unmount_idle=false       -> {"digests": [...]}
     POST   /fncall?pool=                           FnTask -> FnResult (a warm-pool call)
@@ -65,8 +66,8 @@ from dsec.protocol.fncall import FnTask
 from dsec.protocol.http import count_param, label_filter, listen, respond
 from dsec.protocol.models import (
     CommitRequest,
-    ExecRequest,
     DeadlineRequest,
+    ExecRequest,
     InputRequest,
     LeaseRequest,
     LocalForkRequest,
@@ -208,8 +209,8 @@ class EdgeServer:
         r.add_post(PREFIX + "/sandboxes/{id}/pause", self.pause)
         r.add_put(PREFIX + "/sandboxes/{id}/network", self.set_network_rules)
         r.add_post(PREFIX + "/sandboxes/{id}/resume", self.resume)
-        r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
         r.add_put(PREFIX + "/sandboxes/{id}/deadline", self.set_deadline)
+        r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
         r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
         r.add_post(PREFIX + "/sandboxes/{id}/fork-spec", self.fork_spec)
         r.add_get(PREFIX + "/sandboxes/{id}/screenshot", self.screenshot)
@@ -221,6 +222,7 @@ class EdgeServer:
         r.add_get(PREFIX + "/sandboxes/{id}/files/list", self.list_dir)
         r.add_post(PREFIX + "/sandboxes/{id}/files/mkdir", self.mkdir)
         r.add_delete(PREFIX + "/sandboxes/{id}/files", self.remove)
+        r.add_post(PREFIX + "/sandboxes/{id}/files/move", self.move)
         r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
         r.add_post(f"{PREFIX}/fncall", self.fncall)
         return app
@@ -274,12 +276,12 @@ class EdgeServer:
     async def resume(self, request: web.Request) -> web.Response:
         return respond(await self.link.resume(request.match_info["id"]))
 
-    async def set_network_rules(self, request: web.Request) -> web.Response:
-        req = NetworkRulesRequest.model_validate_json(await request.read())
     async def set_deadline(self, request: web.Request) -> web.Response:
         req = DeadlineRequest.model_validate_json(await request.read())
         return respond(await self.link.set_deadline(request.match_info["id"], req.timeout_s, req.on_timeout))
 
+    async def set_network_rules(self, request: web.Request) -> web.Response:
+        req = NetworkRulesRequest.model_validate_json(await request.read())
         return respond(await self.link.set_network_rules(request.match_info["id"], req.network_rules))
 
     async def trajectory(self, request: web.Request) -> web.Response:
@@ -414,3 +416,7 @@ class EdgeServer:
         recursive = _flag(request, "recursive", False)
         await self.link.remove(request.match_info["id"], _param(request, "path"), recursive=recursive)
         return respond({"removed": True})
+
+    async def move(self, request: web.Request) -> web.Response:
+        source, destination = _param(request, "source"), _param(request, "destination")
+        return respond(await self.link.move(request.match_info["id"], source, destination))

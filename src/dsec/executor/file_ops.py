@@ -42,6 +42,10 @@ class FileOps(Protocol):
 
     async def remove(self, path: str, recursive: bool = False) -> None: ...
 
+    async def move(self, source: str, destination: str) -> FileStat:
+        """Rename ``source`` to ``destination``; the moved entry's stat."""
+        ...
+
 
 class HostFileOps:
     """:class:`FileOps` over a sandbox root the host can reach (containers)."""
@@ -86,3 +90,7 @@ class HostFileOps:
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         await asyncio.to_thread(self.files.remove, path, recursive)
+
+    async def move(self, source: str, destination: str) -> FileStat:
+        await asyncio.to_thread(self.files.move, source, destination)
+        return await asyncio.to_thread(self.files.stat, destination)

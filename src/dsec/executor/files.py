@@ -357,6 +357,27 @@ class SandboxFiles:
         finally:
             _close(dir_fd)
 
+    def move(self, source: str, destination: str, *, cwd: str = "/") -> None:
+        """Rename ``source`` to ``destination`` (rename(2): replaces a file, never crosses the
+        root; both parents resolved inside the root, neither final symlink followed)."""
+        src, dst = _normalize(source, cwd), _normalize(destination, cwd)
+        if "/" in (src, dst):
+            raise InvalidRequest("refusing to move the sandbox root")
+        with self._root_fd() as root_fd:
+            src_fd, src_name = self._open_parent(root_fd, src)
+            try:
+                dst_fd, dst_name = self._open_parent(root_fd, dst)
+            except BaseException:
+                _close(src_fd)
+                raise
+        try:
+            os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        except OSError as e:
+            raise _map_oserror(e, src if e.errno == errno.ENOENT else dst) from e
+        finally:
+            _close(src_fd)
+            _close(dst_fd)
+
     def read_bytes(self, path: str, max_bytes: int, *, cwd: str = "/") -> bytes:
         """The whole content of a regular file; :class:`InvalidRequest` if it is over ``max_bytes``."""
         if max_bytes < 0:

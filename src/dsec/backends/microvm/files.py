@@ -21,7 +21,7 @@ from dsec.backends.microvm.channel import (
 )
 from dsec.executor._paths import _file_type, _map_oserror, _normalize
 from dsec.executor.file_ops import DEFAULT_FILE_MODE
-from dsec.protocol.errors import FileNotFound
+from dsec.protocol.errors import FileNotFound, InvalidRequest
 from dsec.protocol.models import FileStat
 
 ChannelOf = Callable[[], Awaitable[AgentChannel]]
@@ -105,3 +105,7 @@ class VmFileOps:
     async def remove(self, path: str, recursive: bool = False) -> None:
         full = _normalize(path, "/")
         await self._fop(OP_REMOVE, struct.pack("<B", int(recursive)) + cstr(full), full)
+
+    async def move(self, source: str, destination: str) -> FileStat:
+        # The guest agent has no rename operation yet: say so rather than copy and delete.
+        raise InvalidRequest("moving files is not supported on VM sandboxes yet")

@@ -1,0 +1,238 @@
+"""envd's ``process.Process`` service over the edge's process table.
+
+A command's pipes (or its terminal) stay with the edge, not with this request: a Start stream
+that the client drops leaves the process running (E2B's background commands), and Connect
+attaches to it again by pid or tag. ``Connect-Timeout-Ms`` on Start bounds the *process*, as
+envd does: it is killed when the deadline passes, whether or not anyone is still attached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import signal as signals
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, timeout_s
+from dsec.edge.link import EdgeLink
+from dsec.protocol.errors import DSecError
+from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize
+
+_SIGNALS = {"SIGNAL_SIGTERM": signals.SIGTERM, "SIGNAL_SIGKILL": signals.SIGKILL, 15: 15, 9: 9}
+
+
+def _b64(data: bytes | None) -> str:
+    return base64.b64encode(data or b"").decode()
+
+
+def _unb64(text: Any, what: str) -> bytes:
+    try:
+        return base64.b64decode(text or "", validate=True)
+    except (ValueError, TypeError) as exc:
+        raise ConnectError("invalid_argument", f"{what} must be base64") from exc
+
+
+def event_wire(event: ProcessEvent) -> dict[str, Any]:
+    """One ProcessEvent as envd's ``ProcessEvent`` message."""
+    if event.t == "start":
+        return {"start": {"pid": event.pid}}
+    if event.t in ("out", "err", "pty"):
+        name = {"out": "stdout", "err": "stderr", "pty": "pty"}[event.t]
+        return {"data": {name: _b64(event.data)}}
+    end: dict[str, Any] = {"exited": event.signal is None}
+    if event.signal is None:
+        end["status"] = f"exit status {event.exit_code}"
+        if event.exit_code:
+            end["exitCode"] = event.exit_code
+    else:
+        # Go's ProcessState: -1 and "signal: killed" for a death by signal, what envd sends.
+        end["exitCode"] = -1
+        end["status"] = f"signal: {_signal_name(event.signal)}"
+    if event.error:
+        end["error"] = event.error
+    return {"end": end}
+
+
+def _signal_name(number: int) -> str:
+    names = {signals.SIGKILL: "killed", signals.SIGTERM: "terminated", signals.SIGINT: "interrupt"}
+    with contextlib.suppress(ValueError):
+        return names.get(signals.Signals(number), signals.Signals(number).name.lower().removeprefix("sig"))
+    return str(number)
+
+
+def info_wire(info: ProcessInfo) -> dict[str, Any]:
+    config: dict[str, Any] = {"cmd": info.argv[0], "args": info.argv[1:], "envs": info.env, "cwd": info.cwd}
+    out: dict[str, Any] = {"config": config, "pid": info.pid}
+    if info.tag is not None:
+        out["tag"] = info.tag
+    return out
+
+
+def _pty_size(msg: dict[str, Any] | None) -> PtySize | None:
+    if not msg:
+        return None
+    size = msg.get("size") or {}
+    try:
+        return PtySize(rows=int(size.get("rows", 24)), cols=int(size.get("cols", 80)))
+    except (ValueError, TypeError) as exc:
+        raise ConnectError("invalid_argument", f"bad pty size: {size}") from exc
+
+
+def start_request(msg: dict[str, Any], user: str | None, deadline: float | None) -> ProcessStart:
+    process = msg.get("process") or {}
+    cmd = process.get("cmd")
+    if not isinstance(cmd, str) or not cmd:
+        raise ConnectError("invalid_argument", "process.cmd is required")
+    args = process.get("args") or []
+    envs = process.get("envs") or {}
+    if not isinstance(args, list) or not isinstance(envs, dict):
+        raise ConnectError("invalid_argument", "process.args must be a list and process.envs an object")
+    try:
+        return ProcessStart(
+            argv=[cmd, *map(str, args)],
+            env={str(k): str(v) for k, v in envs.items()},
+            cwd=process.get("cwd") or None,
+            user=user,
+            tag=msg.get("tag"),
+            pty=_pty_size(msg.get("pty")),
+            stdin=bool(msg.get("stdin", False)),
+            timeout=deadline,
+        )
+    except ValueError as exc:
+        raise ConnectError("invalid_argument", str(exc)) from exc
+
+
+async def select(link: EdgeLink, sandbox_id: str, msg: dict[str, Any] | None) -> int:
+    """The pid a ``ProcessSelector`` names (a tag is looked up among running processes)."""
+    selector = msg or {}
+    if "pid" in selector:
+        try:
+            return int(selector["pid"])
+        except (TypeError, ValueError) as exc:
+            raise ConnectError("invalid_argument", "process.pid must be a number") from exc
+    tag = selector.get("tag")
+    if not isinstance(tag, str):
+        raise ConnectError("invalid_argument", "give process.pid or process.tag")
+    for info in await link.list_processes(sandbox_id):
+        if info.tag == tag:
+            return info.pid
+    raise ConnectError("not_found", f"no running process tagged {tag!r}")
+
+
+async def forward(
+    stream: ServerStream,
+    events: AsyncGenerator[ProcessEvent, None],
+    wrap: Callable[[ProcessEvent], dict[str, Any]],
+) -> web.StreamResponse:
+    """Send ``events`` as stream messages, with keepalives while it is quiet; the first event
+    (or the error before it) decides whether the client sees a start or an error."""
+    keepalive = stream.keepalive_s()
+    pending: asyncio.Task[ProcessEvent] | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=keepalive)
+            if not done:
+                await stream.send({"event": {"keepalive": {}}})
+                continue
+            task, pending = pending, None
+            try:
+                event = task.result()
+            except StopAsyncIteration:
+                return await stream.end()
+            await stream.send(wrap(event))
+            if event.t == "end":
+                return await stream.end()
+    except DSecError as exc:
+        return await stream.end(from_dsec(exc))
+    except ConnectError as exc:
+        return await stream.end(exc)
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, DSecError):
+                await pending
+        await events.aclose()  # detaches: the process runs on
+
+
+class ProcessService:
+    """The unary and streaming handlers, each given the request's sandbox, link and user."""
+
+    async def start(
+        self, request: web.Request, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str | None
+    ) -> web.StreamResponse:
+        stream = ServerStream(request)
+        try:
+            req = start_request(msg, user, timeout_s(request))
+        except ConnectError as exc:
+            return await stream.end(exc)
+        return await forward(stream, link.start_process(sandbox_id, req), lambda e: {"event": event_wire(e)})
+
+    async def connect(
+        self, request: web.Request, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str | None
+    ) -> web.StreamResponse:
+        stream = ServerStream(request)
+        try:
+            pid = await select(link, sandbox_id, msg.get("process"))
+        except ConnectError as exc:
+            return await stream.end(exc)
+        except DSecError as exc:
+            return await stream.end(from_dsec(exc))
+        return await forward(
+            stream, link.connect_process(sandbox_id, pid), lambda e: {"event": event_wire(e)}
+        )
+
+    async def list(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
+        return {"processes": [info_wire(i) for i in await link.list_processes(sandbox_id)]}
+
+    async def send_input(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
+        pid = await select(link, sandbox_id, msg.get("process"))
+        await self._input(link, sandbox_id, pid, msg.get("input") or {})
+        return {}
+
+    @staticmethod
+    async def _input(link: EdgeLink, sandbox_id: str, pid: int, given: dict[str, Any]) -> None:
+        raw = given.get("stdin", given.get("pty"))
+        if raw is None:
+            raise ConnectError("invalid_argument", "input.stdin or input.pty is required")
+        await link.send_process_input(sandbox_id, pid, _unb64(raw, "input"))
+
+    async def stream_input(
+        self, messages: AsyncIterator[dict[str, Any]], link: EdgeLink, sandbox_id: str
+    ) -> dict[str, Any]:
+        """Client stream: a ``start`` naming the process, then ``data`` in order."""
+        pid: int | None = None
+        async for msg in messages:
+            if "start" in msg:
+                pid = await select(link, sandbox_id, (msg["start"] or {}).get("process"))
+            elif "data" in msg:
+                if pid is None:
+                    raise ConnectError("failed_precondition", "send a start message before data")
+                await self._input(link, sandbox_id, pid, (msg["data"] or {}).get("input") or {})
+        return {}
+
+    async def close_stdin(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
+        await link.close_process_stdin(sandbox_id, await select(link, sandbox_id, msg.get("process")))
+        return {}
+
+    async def send_signal(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
+        pid = await select(link, sandbox_id, msg.get("process"))
+        number = _SIGNALS.get(msg.get("signal", "SIGNAL_UNSPECIFIED"))
+        if number is None:
+            raise ConnectError(
+                "invalid_argument",
+                f"signal must be SIGNAL_SIGTERM or SIGNAL_SIGKILL, not {msg.get('signal')!r}",
+            )
+        await link.signal_process(sandbox_id, pid, int(number))
+        return {}
+
+    async def update(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
+        pid = await select(link, sandbox_id, msg.get("process"))
+        size = _pty_size(field(msg, "pty"))
+        if size is not None:
+            await link.resize_process(sandbox_id, pid, size)
+        return {}
