@@ -242,9 +242,11 @@ async def test_files_round_trip_text_binary_and_listing(sandbox: Sandbox) -> Non
     await sandbox.mkdir("/work/sub/deeper")
     names = [e.name for e in await sandbox.list_dir("/work")]
     assert names == ["blob.bin", "notes.txt", "sub"]
-    await sandbox.remove("/work/sub", recursive=True)
+    moved = await sandbox.move("/work/sub", "/work/moved")
+    assert moved.path == "/work/moved" and (await sandbox.run_shell("ls /work/moved")).stdout == "deeper\n"
+    await sandbox.remove("/work/moved", recursive=True)
     with pytest.raises(FileNotFound):
-        await sandbox.stat("/work/sub")
+        await sandbox.stat("/work/moved")
     with pytest.raises(FileNotFound):
         await sandbox.read_file("/nope")
 

@@ -294,6 +294,20 @@ class LinkConformance:
             await read_all(link, sid, "/work")  # a directory has no content
         await link.stop(sid)
 
+    async def test_move_renames_inside_the_sandbox_and_is_recorded(self, link: EdgeLink) -> None:
+        sid = (await link.create(spec())).id
+        await link.write_stream(sid, "/work/a.txt", one_chunk(b"moved"))
+        moved = await link.move(sid, "/work/a.txt", "/work/sub-b.txt")
+        assert (moved.path, moved.size) == ("/work/sub-b.txt", 5)
+        assert await read_all(link, sid, "/work/sub-b.txt") == b"moved"
+        with pytest.raises(FileNotFound):
+            await link.stat(sid, "/work/a.txt")
+        with pytest.raises(FileNotFound):
+            await link.move(sid, "/work/a.txt", "/work/c.txt")
+        kinds = [e.kind for e in await link.trajectory(sid)]
+        assert "move" in kinds
+        await link.stop(sid)
+
     async def test_a_32_mib_file_streams_both_ways_in_constant_memory(self, link: EdgeLink) -> None:
         info = await link.create(spec())
         sent, got = hashlib.sha256(), hashlib.sha256()

@@ -676,3 +676,38 @@ def test_magic_links_are_refused(with_procfs: Path, root: Path, host: Path) -> N
     with pytest.raises(InvalidRequest, match="escapes the sandbox"):
         files.list_dir("/esc/")
     assert host_snapshot(host) == before
+
+
+# ------------------------------------------------------------------------------------------ move
+
+
+def test_move_renames_files_and_directories(files: SandboxFiles, root: Path) -> None:
+    files.write_bytes("/a/one.txt", b"1")
+    files.mkdir("/b")
+    files.move("/a/one.txt", "/b/two.txt")
+    assert (root / "b" / "two.txt").read_bytes() == b"1" and not (root / "a" / "one.txt").exists()
+    files.move("/b", "/c")
+    assert (root / "c" / "two.txt").read_bytes() == b"1" and not (root / "b").exists()
+    files.write_bytes("/old.txt", b"new")
+    files.write_bytes("/c/two.txt", b"replaced")
+    files.move("/old.txt", "/c/two.txt")  # rename(2): a file replaces a file
+    assert (root / "c" / "two.txt").read_bytes() == b"new"
+    with pytest.raises(FileNotFound):
+        files.move("/no/such", "/x")
+    with pytest.raises(InvalidRequest):
+        files.move("/", "/elsewhere")
+
+
+def test_move_never_leaves_or_enters_the_root_through_symlinks(
+    files: SandboxFiles, root: Path, host: Path
+) -> None:
+    before = host_snapshot(host)
+    (root / "out").symlink_to(host / "dir")  # a planted link to a host directory
+    (root / "mine.txt").write_bytes(b"sandbox")
+    # Through the link as a parent: resolved inside the root, where /<host>/dir does not exist.
+    with pytest.raises(FileNotFound):
+        files.move("/mine.txt", "/out/stolen.txt")
+    with pytest.raises(FileNotFound):
+        files.move("/out/keep.txt", "/taken.txt")
+    files.move("/out", "/renamed")  # the final link itself is moved, not what it points to
+    assert (root / "renamed").is_symlink() and host_snapshot(host) == before

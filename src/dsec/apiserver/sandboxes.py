@@ -85,6 +85,7 @@ class SandboxRoutes:
         r.add_get("/v1/sandboxes/{id}/files/list", self.list_dir)
         r.add_post("/v1/sandboxes/{id}/files/mkdir", self.mkdir)
         r.add_delete("/v1/sandboxes/{id}/files", self.remove)
+        r.add_post("/v1/sandboxes/{id}/files/move", self.move)
 
     def link_for(self, sandbox_id: str) -> EdgeLink:
         sid = SandboxId.parse(sandbox_id)
@@ -329,3 +330,8 @@ class SandboxRoutes:
         recursive = request.query.get("recursive", "false") == "true"
         await link.remove(sid, query_param(request, "path"), recursive=recursive)
         return respond({"removed": True})
+
+    async def move(self, request: web.Request) -> web.Response:
+        link, sid = await self.owned(request)
+        source, destination = query_param(request, "source"), query_param(request, "destination")
+        return respond(await link.move(sid, source, destination))

@@ -276,6 +276,13 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
         params = {"path": path, "recursive": "true" if recursive else "false"}
         await self._t.request("DELETE", self._base + "/files", params=params)
 
+    async def move(self, source: str, destination: str) -> FileStat:
+        """Rename a file or directory inside the sandbox (replaces a file at ``destination``)."""
+        params = {"source": source, "destination": destination}
+        return FileStat.model_validate(
+            await self._t.request("POST", self._base + "/files/move", params=params)
+        )
+
 
 async def _chunks(path: Path) -> AsyncIterator[bytes]:
     """A local file as a stream of chunks, read off the event loop."""
