@@ -65,6 +65,20 @@ install_python() {
   fi
 }
 
+install_e2b_sdks() {
+  # The official E2B SDKs the tests in tests/e2b drive DSec with, one venv per version
+  # (tests/e2b/conftest.py E2B_VERSIONS); made once, kept between runs.
+  local v dir
+  for v in 2.63.0 2.34.0; do
+    dir=".venv-e2b-${v%.*}"
+    [ -f "$dir/.installed-$v" ] && continue
+    rm -rf "$dir"
+    /usr/bin/python3 -m venv "$dir"
+    "$dir/bin/pip" install -q "e2b==$v"
+    touch "$dir/.installed-$v"
+  done
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -73,7 +87,7 @@ case "$cmd" in
     exec .venv/bin/dsec up "$@"
     ;;
   test)
-    need_root; install_debian; install_services_quietly postgresql; install_python test
+    need_root; install_debian; install_services_quietly postgresql; install_python test; install_e2b_sdks
     .venv/bin/dsec base --data-dir "${DSEC_TEST_DATA_DIR:-/var/lib/dsec-test}"
     .venv/bin/ruff check src tests bench
     .venv/bin/ruff format --check src tests bench

@@ -26,6 +26,9 @@ from dsec.apiserver._http import (
     require_admin,
     respond,
 )
+from dsec.apiserver.e2b import E2BFront, E2BOptions
+from dsec.apiserver.e2b.envd import is_envd_path
+from dsec.apiserver.e2b.front import e2b_errors_middleware
 from dsec.apiserver.fncall import FnCallRoutes
 from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.projects import ProjectRoutes
@@ -79,6 +82,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path.startswith(CLUSTER_PREFIX):
         return await handler(request)  # edges, with the cluster secret (apiserver/membership.py)
+    if is_envd_path(request.path):
+        return await handler(request)  # E2B's in-sandbox API: a sandbox's envd token (e2b/tokens.py)
     header = request.headers.get("Authorization", "")
     key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
     # SandboxFusion clients send no headers: their URL carries the key (apiserver/fncall.py).
@@ -89,7 +94,13 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 class ApiServer:
     def __init__(
-        self, edges: Mapping[str, EdgeLink], placement: Placement, store: LayerStore, iam: IamStore
+        self,
+        edges: Mapping[str, EdgeLink],
+        placement: Placement,
+        store: LayerStore,
+        iam: IamStore,
+        *,
+        e2b: E2BOptions | None = None,
     ) -> None:
         self.edges = edges
         self.placement = placement
@@ -98,9 +109,12 @@ class ApiServer:
         self.tenancy = Tenancy(iam)
         self.sandboxes = SandboxRoutes(edges, placement, self.tenancy)
         self.fncalls = FnCallRoutes(edges, placement)
+        self.e2b = E2BFront(self.sandboxes, store, e2b)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=64 << 20)
+        app = web.Application(
+            middlewares=[errors_middleware, e2b_errors_middleware, auth_middleware], client_max_size=64 << 20
+        )
         app[IAM_KEY] = self.iam
         r = app.router
         r.add_get("/v1/health", self.health)
@@ -116,6 +130,8 @@ class ApiServer:
         r.add_post("/v1/layers/verify", self.verify)
         r.add_post("/v1/layers/gc", self.gc)
         ProjectRoutes(self.iam).register(r)
+        self.e2b.register(r)
+        app.on_cleanup.append(lambda _: self.e2b.close())
         return app
 
     async def health(self, request: web.Request) -> web.Response:

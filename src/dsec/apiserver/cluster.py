@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from dsec.apiserver.app import ApiServer
+from dsec.apiserver.e2b import E2BOptions
+from dsec.apiserver.e2b.front import DEFAULT_TEMPLATE
+from dsec.apiserver.e2b.tokens import secret_from_cluster
 from dsec.apiserver.embedded import NodeConfig, open_layer_store, vm_backends
 from dsec.apiserver.membership import Membership
 from dsec.backends.base import Backend
@@ -94,6 +97,7 @@ class ApiServerConfig:
     port: int = 8642
     watch_interval_s: float = 1.0  # how often the registry is read and every edge polled
     placement_k: int = 2
+    e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means
 
 
 class ClusterApiServer:
@@ -116,7 +120,9 @@ class ClusterApiServer:
             self.iam, self.config.secret, self.links, interval_s=self.config.watch_interval_s
         )
         await self.membership.start()
-        self.api = ApiServer(self.links, self.placement, self.store, self.iam)
+        # Every apiserver derives the same envd token secret: any of them checks any token.
+        e2b = E2BOptions(secret_from_cluster(self.config.secret), self.config.e2b_template)
+        self.api = ApiServer(self.links, self.placement, self.store, self.iam, e2b=e2b)
         await self.watcher.start()
         app = self.api.app()
         self.membership.register_routes(app)

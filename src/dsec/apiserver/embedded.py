@@ -15,6 +15,9 @@ from typing import Any
 from aiohttp import web
 
 from dsec.apiserver.app import ApiServer
+from dsec.apiserver.e2b import E2BOptions
+from dsec.apiserver.e2b.front import DEFAULT_TEMPLATE
+from dsec.apiserver.e2b.tokens import secret_from_file
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.microvm.backend import MicroVMBackend
@@ -51,6 +54,7 @@ class NodeConfig:
     microvm: bool = False  # also run microVM sandboxes (QEMU; the guest kit is built at start)
     microvm_accel: str | None = None  # "kvm" or "tcg"; None: detected at start
     vm: bool = False  # also run full VMs (q35 with a display; Debian's full kernel is fetched)
+    e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means here
 
 
 def open_layer_store(config: NodeConfig) -> LayerStore:
@@ -123,7 +127,11 @@ class EmbeddedNode:
 
     async def start(self) -> None:
         self.iam = await open_iam_store(self.config.iam_url or str(self.config.data_dir / "iam.sqlite"))
-        self.api = ApiServer({self.config.node: self.link}, self.placement, self.store, self.iam)
+        # Kept in the data directory: envd tokens stay valid across `dsec up` restarts.
+        e2b = E2BOptions(
+            secret_from_file(self.config.data_dir / "e2b-token-secret"), self.config.e2b_template
+        )
+        self.api = ApiServer({self.config.node: self.link}, self.placement, self.store, self.iam, e2b=e2b)
         await self.edge.start(self._register)
         await self.watcher.start()
         self._runner, self.url = await listen(self.api.app(), self.config.host, self.config.port)

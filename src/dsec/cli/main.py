@@ -60,6 +60,10 @@ PoolSize = Annotated[int, typer.Option(min=0, help="warm sandboxes of the defaul
 PoolsFile = Annotated[
     Path | None, typer.Option(help="JSON list of FnCall pools (name, image, size, languages, preload...)")
 ]
+E2BTemplate = Annotated[
+    str,
+    typer.Option(envvar="DSEC_E2B_TEMPLATE", help="the layers E2B's default template ('base') means"),
+]
 DataDir = Annotated[
     Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="all node state lives here")
 ]
@@ -91,6 +95,7 @@ def up(
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
+    e2b_template: E2BTemplate = "debian:bookworm",
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -115,6 +120,7 @@ def up(
         microvm=microvm,
         vm=vm,
         microvm_accel=microvm_accel,
+        e2b_template=e2b_template,
     )
     if base:
         _ensure_base(open_layer_store(node_cfg))
@@ -245,6 +251,7 @@ def apiserver_cmd(
         float, typer.Option(help="seconds between reads of the registry and polls of the edges")
     ] = 1.0,
     placement_k: Annotated[int, typer.Option(min=1, help="power of k choices")] = 2,
+    e2b_template: E2BTemplate = "debian:bookworm",
 ) -> None:
     """Run a stateless apiserver over the edges that register with the cluster (run several)."""
     from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer
@@ -256,7 +263,14 @@ def apiserver_cmd(
     async def serve() -> None:
         store = LayerStore.over(SharedMountBlobStore(shared_layers), scratch=scratch)
         cfg = ApiServerConfig(
-            read_cluster_secret(secret_file), store, iam, host, port, watch_interval, placement_k
+            read_cluster_secret(secret_file),
+            store,
+            iam,
+            host,
+            port,
+            watch_interval,
+            placement_k,
+            e2b_template,
         )
         server = ClusterApiServer(cfg)
         url = await server.start()

@@ -1,0 +1,114 @@
+"""The E2B front: E2B's REST API and envd beside DSec's own, in the same apiserver.
+
+An E2B SDK needs only ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` set to the apiserver's URL and
+``E2B_API_KEY`` set to an ``e2b_`` key DSec issued (``dsec key issue PROJECT --e2b``). Errors on
+E2B's routes are E2B's body (``{"code": <status>, "message": ...}``), never DSec's wire form:
+the SDKs parse the body before they look at the status.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from dsec.apiserver.e2b.envd import EnvdRoutes, is_envd_path
+from dsec.apiserver.e2b.lifecycle import LifecycleRoutes, NotSupported
+from dsec.apiserver.e2b.models import error_body
+from dsec.apiserver.e2b.tokens import EnvdTokens
+from dsec.apiserver.sandboxes import SandboxRoutes
+from dsec.images.store import LayerStore
+from dsec.protocol.errors import DSecError
+from dsec.protocol.models import invalid_request
+
+log = logging.getLogger("dsec.apiserver.e2b")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+DEFAULT_TEMPLATE = "debian:bookworm"  # what `dsec up` builds as its base layer
+# Where E2B's control-plane API lives; DSec's own is under /v1/ and never collides.
+E2B_API_PREFIXES = ("/sandboxes", "/v2/sandboxes", "/templates", "/v2/templates", "/v3/templates",
+                    "/default-templates", "/snapshots", "/volumes", "/secrets")  # fmt: skip
+# Paths of E2B's API that DSec does not offer, each with the reason the 501 gives.
+_UNSUPPORTED = (
+    ("/sandboxes/metrics", "sandbox metrics are not supported by DSec"),
+    ("/sandboxes/{id}/metrics", "sandbox metrics are not supported by DSec"),
+    ("/sandboxes/{id}/logs", "sandbox logs are not supported by DSec"),
+    ("/v2/sandboxes/{id}/logs", "sandbox logs are not supported by DSec"),
+    ("/sandboxes/{id}/fork", "fork through the E2B API is not supported: use DSec's sandbox.fork()"),
+    ("/sandboxes/{id}/snapshots", "snapshots are not supported by DSec: use DSec's pack_diff()"),
+    ("/sandboxes/{id}/network", "network updates through the E2B API are not supported by DSec"),
+    ("/snapshots{tail:.*}", "snapshots are not supported by DSec"),
+    ("/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),
+    ("/v2/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),
+    ("/v3/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),
+    ("/default-templates", "templates are DSec layers: `dsec layer ls` lists them"),
+    ("/volumes{tail:.*}", "volumes are not supported by DSec"),
+    ("/secrets{tail:.*}", "secrets are not supported by DSec"),
+)
+
+
+@dataclass
+class E2BOptions:
+    token_secret: bytes | None = None  # None: a random one (tokens die with this process)
+    default_template: str = DEFAULT_TEMPLATE  # what templateID "base" means
+
+
+def is_e2b_api_path(path: str) -> bool:
+    return path.startswith(E2B_API_PREFIXES)
+
+
+def _e2b_error(status: int, message: str) -> web.Response:
+    return web.json_response(error_body(status, message), status=status)
+
+
+@web.middleware
+async def e2b_errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Errors of E2B's REST routes in E2B's form (envd routes answer their own)."""
+    if not is_e2b_api_path(request.path):
+        return await handler(request)
+    try:
+        return await handler(request)
+    except DSecError as exc:
+        return _e2b_error(exc.status, exc.message)
+    except ValidationError as exc:
+        return _e2b_error(400, invalid_request(exc).message)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _e2b_error(exc.status, exc.reason)
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _e2b_error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class E2BFront:
+    def __init__(
+        self, sandboxes: SandboxRoutes, store: LayerStore, options: E2BOptions | None = None
+    ) -> None:
+        self.options = options or E2BOptions()
+        self.tokens = EnvdTokens(self.options.token_secret)
+        self.lifecycle = LifecycleRoutes(sandboxes, store, self.tokens, self.options.default_template)
+        self.envd = EnvdRoutes(sandboxes, self.tokens)
+
+    def register(self, r: web.UrlDispatcher) -> None:
+        # First: /sandboxes/metrics must not be taken for the sandbox "metrics".
+        for path, why in _UNSUPPORTED:
+            r.add_route("*", path, _unsupported(why))
+        self.lifecycle.register(r)
+        self.envd.register(r)
+
+    async def close(self) -> None:
+        await self.envd.close()
+
+
+def _unsupported(why: str) -> Handler:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        raise NotSupported(why)
+
+    return answer
+
+
+__all__ = ["E2BFront", "E2BOptions", "e2b_errors_middleware", "is_e2b_api_path", "is_envd_path"]

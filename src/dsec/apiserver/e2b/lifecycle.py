@@ -1,0 +1,330 @@
+"""E2B's sandbox lifecycle REST API over DSec sandboxes.
+
+Routes (what the official SDKs 2.34 and 2.63 call; bodies in :mod:`.models`)::
+
+    POST   /sandboxes, /v2/sandboxes                 NewSandbox -> 201 Sandbox
+    GET    /sandboxes, /v2/sandboxes                 ?metadata=&state=&limit=&nextToken= -> [ListedSandbox]
+    GET    /sandboxes/{id}                           -> SandboxDetail
+    DELETE /sandboxes/{id}                           -> 204 (404: no such running sandbox)
+    POST   /sandboxes/{id}/connect, /v2/.../connect  ConnectSandbox -> 200 Sandbox (201: resumed)
+    POST   /sandboxes/{id}/resume                    ResumeSandbox -> 201 Sandbox (409: running)
+    POST   /sandboxes/{id}/pause                     -> 204 (409: already paused)
+    POST   /sandboxes/{id}/timeout                   TimeoutRequest -> 204
+    POST   /sandboxes/{id}/refreshes                 RefreshRequest -> 204
+
+A ``templateID`` names a DSec environment (:func:`template_refs`). ``timeout`` is an edge
+deadline (``set_deadline``) that stops the sandbox, or pauses it with ``autoPause``; only
+running time counts, and a resume starts it again. Everything else E2B offers answers 501
+(:mod:`.front` registers those).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import math
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from dsec.apiserver._http import PRINCIPAL, read_body
+from dsec.apiserver.e2b.models import (
+    ConnectSandbox,
+    E2BState,
+    Lifecycle,
+    ListedSandbox,
+    NewSandbox,
+    RefreshRequest,
+    ResumeSandbox,
+    Sandbox,
+    SandboxDetail,
+    TimeoutRequest,
+)
+from dsec.apiserver.e2b.tokens import EnvdTokens
+from dsec.apiserver.sandboxes import SandboxRoutes
+from dsec.edge.link import EdgeLink
+from dsec.images.store import LayerStore
+from dsec.protocol.errors import Conflict, InvalidRequest, LayerNotFound, SandboxNotFound
+from dsec.protocol.models import ContainerSpec, DeadlineAction, SandboxInfo, SandboxState, invalid_request
+
+NEXT_TOKEN_HEADER = "X-Next-Token"
+BASE_TEMPLATE = "base"  # what the SDKs send when the caller names no template
+LAYER_SEPARATOR = "+"  # "base:1+ws:3": an ordered layer list, base first
+_MAX_PAGE = 1000
+_NO_END = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)  # endAt of a sandbox without a deadline
+_LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
+
+
+def template_refs(template_id: str, default: str) -> list[str]:
+    """The layer references a ``templateID`` stands for: ``base`` is the node's default
+    environment; ``a+b+c`` an ordered layer list (base first); anything else one layer or image
+    (``name:version`` or a digest)."""
+    if template_id == BASE_TEMPLATE:
+        template_id = default
+    refs = [r.strip() for r in template_id.split(LAYER_SEPARATOR)]
+    if not all(refs):
+        raise InvalidRequest(f"template {template_id!r}: empty layer name in a {LAYER_SEPARATOR!r} list")
+    return refs
+
+
+def _when(ts: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ts, dt.UTC)
+
+
+def _state(info: SandboxInfo) -> E2BState:
+    return "paused" if info.state is SandboxState.paused else "running"
+
+
+def _end(info: SandboxInfo) -> dt.datetime:
+    if info.state is SandboxState.paused and info.deadline_s is not None:
+        return _when(time.time() + info.deadline_s)  # the clock restarts at resume
+    return _NO_END if info.deadline_at is None else _when(info.deadline_at)
+
+
+def _listed(info: SandboxInfo) -> dict[str, Any]:
+    return {
+        "template_id": LAYER_SEPARATOR.join(info.refs) or LAYER_SEPARATOR.join(info.layers),
+        "sandbox_id": info.id,
+        "client_id": info.node,
+        "started_at": _when(info.created_at),
+        "end_at": _end(info),
+        "cpu_count": max(1, math.ceil(info.cpu_cores_limit)),
+        "memory_mb": info.memory_limit_mb,
+        "disk_size_mb": 0,  # DSec does not size a sandbox's disk unless disk_limit_mb is set
+        "state": _state(info),
+        "metadata": info.labels,
+    }
+
+
+def _cursor(info: SandboxInfo) -> str:
+    return base64.urlsafe_b64encode(f"{info.created_at!r} {info.id}".encode()).decode()
+
+
+def _after_cursor(token: str) -> tuple[float, str]:
+    try:
+        stamp, _, sid = base64.urlsafe_b64decode(token.encode()).decode().partition(" ")
+        return float(stamp), sid
+    except ValueError as exc:
+        raise InvalidRequest("nextToken is not a token this API gave out") from exc
+
+
+def _metadata_filter(raw: str | None) -> dict[str, str]:
+    """``metadata`` is ``k=v&k2=v2`` with keys and values percent-encoded once more."""
+    if not raw:
+        return {}
+    pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=False)
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def _states(request: web.Request) -> set[str]:
+    wanted = {s.strip() for raw in request.query.getall("state", []) for s in raw.split(",") if s.strip()}
+    unknown = wanted - {"running", "paused"}
+    if unknown:
+        raise InvalidRequest(f"unknown state {sorted(unknown)[0]!r}: running or paused")
+    return wanted or {"running", "paused"}
+
+
+def _limit(request: web.Request) -> int:
+    try:
+        limit = int(request.query.get("limit", "100"))
+    except ValueError as exc:
+        raise InvalidRequest("limit must be an integer") from exc
+    if not 1 <= limit <= _MAX_PAGE:
+        raise InvalidRequest(f"limit must be 1 to {_MAX_PAGE}")
+    return limit
+
+
+class LifecycleRoutes:
+    def __init__(
+        self, sandboxes: SandboxRoutes, store: LayerStore, tokens: EnvdTokens, default_template: str
+    ) -> None:
+        self.sandboxes = sandboxes
+        self.store = store
+        self.tokens = tokens
+        self.default_template = default_template
+
+    def register(self, r: web.UrlDispatcher) -> None:
+        for prefix in ("", "/v2"):
+            r.add_post(f"{prefix}/sandboxes", self.create)
+            r.add_get(f"{prefix}/sandboxes", self.list)
+            r.add_post(prefix + "/sandboxes/{id}/connect", self.connect)
+        r.add_get("/sandboxes/{id}", self.get)
+        r.add_delete("/sandboxes/{id}", self.kill)
+        r.add_post("/sandboxes/{id}/resume", self.resume)
+        r.add_post("/sandboxes/{id}/pause", self.pause)
+        r.add_post("/sandboxes/{id}/timeout", self.set_timeout)
+        r.add_post("/sandboxes/{id}/refreshes", self.refresh)
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def _created(self, info: SandboxInfo, status: int) -> web.Response:
+        body = Sandbox.model_validate(
+            {
+                "template_id": _listed(info)["template_id"],
+                "sandbox_id": info.id,
+                "client_id": info.node,
+                "envd_access_token": self.tokens.issue(info.id),
+            }
+        )
+        return web.json_response(body.wire(), status=status)
+
+    # -- create -------------------------------------------------------------------------------
+
+    async def _refs(self, template_id: str) -> list[str]:
+        refs = template_refs(template_id, self.default_template)
+        for ref in refs:
+            try:
+                await asyncio.to_thread(self.store.resolve_image, ref)
+            except LayerNotFound as exc:
+                raise LayerNotFound(f"template {template_id!r}: {exc}") from exc
+        return refs
+
+    async def create(self, request: web.Request) -> web.Response:
+        req = await read_body(request, NewSandbox)
+        if req.volume_mounts:
+            raise NotSupported("volume mounts are not supported by DSec")
+        if req.mcp:
+            raise NotSupported("MCP gateways are not supported by DSec")
+        refs = await self._refs(req.template_id)
+        try:
+            spec = ContainerSpec(
+                image=refs[0] if len(refs) == 1 else None,
+                layers=refs if len(refs) > 1 else None,
+                cpu_cores_limit=2,
+                memory_limit_mb=1024,
+                labels=req.metadata or {},
+                env=req.env_vars or {},
+            )
+        except ValidationError as exc:
+            raise InvalidRequest(f"metadata or envVars: {invalid_request(exc)}") from exc
+        principal = request[PRINCIPAL]
+        spec = self.sandboxes.tenancy.admit(principal, None, spec)
+        [info] = await self.sandboxes.create_many(principal, spec, 1, 120)
+        link = self.sandboxes.links[info.node]
+        try:
+            if req.timeout > 0:
+                info = await link.set_deadline(info.id, req.timeout, "pause" if req.auto_pause else "stop")
+        except BaseException:
+            await asyncio.shield(self._stop(link, info.id))
+            raise
+        return self._created(info, 201)
+
+    async def _stop(self, link: EdgeLink, sandbox_id: str) -> None:
+        await link.stop(sandbox_id)
+        await self.sandboxes.tenancy.release(sandbox_id)
+
+    # -- one sandbox ----------------------------------------------------------------------------
+
+    async def _live(self, request: web.Request) -> tuple[EdgeLink, SandboxInfo]:
+        """The running or paused sandbox the request names, if its key may see it."""
+        link, sid = await self.sandboxes.owned(request)
+        info = await link.get(sid)
+        if info.state not in _LIVE:
+            raise SandboxNotFound(f"sandbox {sid} is {info.state.value}")
+        return link, info
+
+    async def get(self, request: web.Request) -> web.Response:
+        _, info = await self._live(request)
+        on_timeout = "pause" if info.on_deadline == "pause" else "kill"
+        detail = SandboxDetail.model_validate(
+            {
+                **_listed(info),
+                "envd_access_token": self.tokens.issue(info.id),
+                "lifecycle": Lifecycle(on_timeout=on_timeout),
+            }
+        )
+        return web.json_response(detail.wire())
+
+    async def kill(self, request: web.Request) -> web.Response:
+        link, info = await self._live(request)
+        await self._stop(link, info.id)
+        return web.Response(status=204)
+
+    async def _extend(self, link: EdgeLink, info: SandboxInfo, timeout: int | None) -> SandboxInfo:
+        """E2B's connect: the new timeout applies only if it ends later than the current one."""
+        if not timeout:
+            return info
+        if info.deadline_at is None and info.deadline_s is None:
+            return info  # no deadline at all: nothing ends later than never
+        if info.deadline_at is not None and info.deadline_at >= time.time() + timeout:
+            return info
+        return await link.set_deadline(info.id, timeout, info.on_deadline or "stop")
+
+    async def connect(self, request: web.Request) -> web.Response:
+        req = await read_body(request, ConnectSandbox)
+        link, info = await self._live(request)
+        resumed = info.state is SandboxState.paused
+        if resumed:
+            info = await link.resume(info.id)
+        info = await self._extend(link, info, req.timeout)
+        return self._created(info, 201 if resumed else 200)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        req = await read_body(request, ResumeSandbox)
+        link, info = await self._live(request)
+        if info.state is not SandboxState.paused:
+            raise Conflict(f"sandbox {info.id} is already running")
+        await link.resume(info.id)
+        action: DeadlineAction = "pause" if req.auto_pause else "stop"
+        info = await link.set_deadline(info.id, req.timeout or None, action)
+        return self._created(info, 201)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        link, info = await self._live(request)
+        if info.state is SandboxState.paused:
+            raise Conflict(f"sandbox {info.id} is already paused")
+        await link.pause(info.id)
+        return web.Response(status=204)
+
+    async def _set(self, request: web.Request, timeout: Callable[[SandboxInfo], int]) -> web.Response:
+        link, info = await self._live(request)
+        await link.set_deadline(info.id, timeout(info) or None, info.on_deadline or "stop")
+        return web.Response(status=204)
+
+    async def set_timeout(self, request: web.Request) -> web.Response:
+        req = await read_body(request, TimeoutRequest)
+        return await self._set(request, lambda _: req.timeout)
+
+    async def refresh(self, request: web.Request) -> web.Response:
+        req = await read_body(request, RefreshRequest)
+        return await self._set(request, lambda info: req.duration or int(info.deadline_s or 0))
+
+    # -- many sandboxes -----------------------------------------------------------------------
+
+    async def list(self, request: web.Request) -> web.Response:
+        labels = _metadata_filter(request.query.get("metadata"))
+        states, limit = _states(request), _limit(request)
+        template = request.query.get("template")
+        descending = request.query.get("order", "desc") != "asc"
+        links = list(self.sandboxes.links.values())
+        answers = await asyncio.gather(*(ln.list_sandboxes(labels) for ln in links), return_exceptions=True)
+        found = [i for a in answers if not isinstance(a, BaseException) for i in a]
+        found = [
+            i
+            for i in self.sandboxes.tenancy.visible(request[PRINCIPAL], found)
+            if i.state in _LIVE
+            and _state(i) in states
+            and (template is None or template == LAYER_SEPARATOR.join(i.refs))
+        ]
+        found.sort(key=lambda i: (i.created_at, i.id), reverse=descending)
+        token = request.query.get("nextToken")
+        if token:
+            cursor = _after_cursor(token)
+            found = [i for i in found if (k := (i.created_at, i.id)) != cursor and (k < cursor) == descending]
+        page = found[:limit]
+        resp = web.json_response([ListedSandbox.model_validate(_listed(i)).wire() for i in page])
+        if len(found) > limit:
+            resp.headers[NEXT_TOKEN_HEADER] = _cursor(page[-1])
+        return resp
+
+
+class NotSupported(InvalidRequest):
+    """A part of E2B's API that DSec does not offer (answered 501)."""
+
+    code = "not_supported"
+    status = 501

@@ -1,0 +1,100 @@
+"""E2B's REST wire schemas, as the official SDKs (2.34 and 2.63) send and parse them.
+
+Input models ignore fields they do not know (newer SDKs add some); output models carry every
+field the SDKs' generated ``from_dict`` requires, since a missing one crashes the SDK. Field
+names are E2B's (``sandboxID``, ``memoryMB``...), kept by aliases.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The in-sandbox API version the answers claim. The SDKs gate features on it: 0.5.7 unlocks
+# octet-stream uploads, 0.6.2 file metadata, 0.6.4 is the newest both 2.34 and 2.63 know.
+ENVD_VERSION = "0.6.4"
+E2BState = Literal["running", "paused"]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class NewSandbox(_In):
+    """``POST /sandboxes`` (2.34) and ``POST /v2/sandboxes`` (2.63)."""
+
+    template_id: str = Field(alias="templateID", min_length=1, max_length=4096)
+    timeout: int = Field(default=15, ge=0, le=366 * 86400, description="seconds until stopped")
+    auto_pause: bool = Field(default=False, alias="autoPause")
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    mcp: dict[str, Any] | None = None
+    volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
+
+
+class ConnectSandbox(_In):
+    """``POST /sandboxes/{id}/connect`` and its ``/v2`` twin; ``POST .../refreshes`` too."""
+
+    timeout: int | None = Field(default=None, ge=0, le=366 * 86400)
+
+
+class ResumeSandbox(_In):
+    timeout: int = Field(default=15, ge=0, le=366 * 86400)
+    auto_pause: bool = Field(default=False, alias="autoPause")
+
+
+class TimeoutRequest(_In):
+    timeout: int = Field(ge=0, le=366 * 86400)
+
+
+class RefreshRequest(_In):
+    duration: int | None = Field(default=None, ge=0, le=3600)
+
+
+class Lifecycle(_Out):
+    auto_resume: bool = Field(default=False, alias="autoResume")
+    on_timeout: Literal["kill", "pause"] = Field(alias="onTimeout")
+
+
+class Sandbox(_Out):
+    """What create, connect and resume answer."""
+
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(alias="clientID")
+    envd_version: str = Field(default=ENVD_VERSION, alias="envdVersion")
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+
+
+class ListedSandbox(_Out):
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(alias="clientID")
+    started_at: dt.datetime = Field(alias="startedAt")
+    end_at: dt.datetime = Field(alias="endAt")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    state: E2BState
+    envd_version: str = Field(default=ENVD_VERSION, alias="envdVersion")
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class SandboxDetail(ListedSandbox):
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    lifecycle: Lifecycle | None = None
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """E2B's error body: the SDKs parse it (``code`` and ``message`` both required) before they
+    look at the status."""
+    return {"code": status, "message": message}
