@@ -181,7 +181,7 @@ class LifecycleRoutes:
             try:
                 await asyncio.to_thread(self.store.resolve_image, ref)
             except LayerNotFound as exc:
-                raise LayerNotFound(f"template {template_id!r}: {exc}") from exc
+                raise LayerNotFound(f"template {template_id!r} not found: {exc}") from exc
         return refs
 
     async def create(self, request: web.Request) -> web.Response:
