@@ -71,8 +71,8 @@ async def e2b_errors_middleware(request: web.Request, handler: Handler) -> web.S
         return await handler(request)
     try:
         return await handler(request)
-    except DSecError as exc:
-        return _e2b_error(exc.status, exc.message)
+    except (DSecError, NotSupported) as exc:
+        return _e2b_error(exc.status, str(exc) if isinstance(exc, NotSupported) else exc.message)
     except ValidationError as exc:
         return _e2b_error(400, invalid_request(exc).message)
     except web.HTTPException as exc:

@@ -323,8 +323,8 @@ class LifecycleRoutes:
         return resp
 
 
-class NotSupported(InvalidRequest):
-    """A part of E2B's API that DSec does not offer (answered 501)."""
+class NotSupported(Exception):
+    """A part of E2B's API that DSec does not offer (answered 501). Not a DSecError: DSec's
+    own API never raises it, so it stays out of DSec's error tree."""
 
-    code = "not_supported"
     status = 501
