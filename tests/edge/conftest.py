@@ -7,12 +7,15 @@ mount under the test's tmp directory removed, and the fake's state directory mus
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.images.mount import mounts_under, unmount_tree
@@ -61,3 +64,48 @@ async def edge_env(tmp_path: Path) -> AsyncIterator[EdgeEnv]:
         unmount_tree(tmp_path)
         assert not mounts_under(tmp_path)
         assert left == [], "the edge left sandboxes behind"
+
+
+# -- an edge over real containers, for the process table and watches -------------------------
+
+CT_NODE = "edge-ct"
+BUSYBOX = "busybox-procs:1"
+
+
+def build_busybox_layer(root: Path) -> Path:
+    """The tiny image plus a static busybox with every applet (sh, cat, stty, sleep...)."""
+    build_tiny_layer(root)
+    (root / "bin").mkdir()
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    shutil.copy2(busybox, root / "bin" / "busybox")
+    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for applet in applets:
+        if applet != "busybox":
+            (root / "bin" / applet).symlink_to("busybox")
+    (root / "tmp").chmod(0o1777)
+    return root
+
+
+@pytest.fixture(scope="session")
+async def ct_edge(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Edge]:
+    """One edge over the real :class:`ContainerBackend` (crun, dsec-enter) for the session."""
+    if shutil.which("crun") is None or shutil.which("busybox") is None or shutil.which("gcc") is None:
+        pytest.skip("container sandboxes need crun, busybox-static and gcc (dsec-enter)")
+    tmp = tmp_path_factory.mktemp("ct-edge")
+    store = LayerStore(tmp / "layers")
+    store.import_path(build_busybox_layer(tmp / "busybox"), BUSYBOX)
+    mounts = LayerMounts(tmp / "data" / "mnt")
+    backend = ContainerBackend(tmp / "data")
+    edge = Edge(EdgeConfig(data_dir=tmp / "data", node=CT_NODE, reap_interval_s=0.1), backend, store, mounts)
+    await edge.start()
+    try:
+        yield edge
+    finally:
+        await edge.close(stop_sandboxes=True)
+        left = await backend.leftovers()
+        for sid in left:
+            await backend.destroy(sid, {}, tmp / "unknown")
+        mounts.unmount_all()
+        store.close()
+        unmount_tree(tmp)
+        assert left == [], "the edge left containers behind"

@@ -50,6 +50,7 @@ from tests.support import eventually
 from tests.unit.conftest import TINY
 
 from .conftest import EdgeEnv
+from .process_conformance import ProcessConformance
 
 SecretLink = Callable[[str | None], Awaitable[EdgeLink]]
 BIG = 32 << 20
@@ -93,7 +94,7 @@ async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-class LinkConformance:
+class LinkConformance(ProcessConformance):
     # -- identity and stats -------------------------------------------------------------------
 
     async def test_is_an_edge_link_and_reports_the_edge(self, link: EdgeLink, edge_env: EdgeEnv) -> None:

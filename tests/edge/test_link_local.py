@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from dsec.edge.edge import Edge
 from dsec.edge.link import LocalEdgeLink
 
 from .conftest import EdgeEnv
@@ -15,6 +16,13 @@ from .link_conformance import LinkConformance
 @pytest.fixture
 async def link(edge_env: EdgeEnv) -> AsyncIterator[LocalEdgeLink]:
     local = LocalEdgeLink(edge_env.edge)
+    yield local
+    await local.close()
+
+
+@pytest.fixture
+async def ct_link(ct_edge: Edge) -> AsyncIterator[LocalEdgeLink]:
+    local = LocalEdgeLink(ct_edge)
     yield local
     await local.close()
 

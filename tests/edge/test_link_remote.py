@@ -14,12 +14,13 @@ import aiohttp
 import pytest
 
 from dsec.apiserver.remote_edge import RemoteEdgeLink, never_reached_edge
+from dsec.edge.edge import Edge
 from dsec.edge.link import EdgeLink, LocalEdgeLink
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, SECRET_ENV, EdgeServer, read_cluster_secret
 from dsec.protocol.errors import InfraFailure, InvalidRequest, SandboxNotFound, Unauthorized, error_from_wire
 from dsec.protocol.models import ContainerSpec, ExecEvent
 
-from .conftest import NODE, EdgeEnv
+from .conftest import CT_NODE, NODE, EdgeEnv
 from .link_conformance import LinkConformance, drain, read_all, spec
 
 SECRET = secrets.token_urlsafe(32)
@@ -78,6 +79,14 @@ def closed_port() -> int:
 @pytest.fixture
 def unreachable_link(links: Links) -> RemoteEdgeLink:
     return links(f"http://127.0.0.1:{closed_port()}", SECRET)
+
+
+@pytest.fixture
+async def ct_link(ct_edge: Edge, links: Links) -> AsyncIterator[RemoteEdgeLink]:
+    srv = EdgeServer(ct_edge, SECRET)
+    await srv.start("127.0.0.1", 0)
+    yield links(srv.url, SECRET, node=CT_NODE)
+    await srv.close()
 
 
 class TestRemoteEdgeLink(LinkConformance):

@@ -23,6 +23,7 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from dsec.apiserver.remote_processes import RemoteProcesses
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
@@ -78,7 +79,7 @@ def never_reached_edge(exc: BaseException) -> bool:
     )
 
 
-class RemoteEdgeLink:
+class RemoteEdgeLink(RemoteProcesses):
     """Node ``node``'s edge at ``url`` (e.g. ``http://10.0.0.7:8643``), authenticated by ``secret``.
 
     ``connect_timeout`` bounds reaching the edge (an edge that is down must be noticed quickly);

@@ -154,6 +154,45 @@ class Forkable(Protocol):
         ...
 
 
+@dataclass
+class Spawned:
+    """A process the edge keeps in its process table (see :class:`HoldsProcesses`)."""
+
+    proc: SandboxProcess  # returncode -N for a death by signal N (never 128+N)
+    pid: int  # its PID as the sandbox sees it
+    host_pid: int | None  # the process itself on this host (None: gone before it was seen)
+
+
+@runtime_checkable
+class HoldsProcesses(Protocol):
+    """A backend that starts the long-lived processes of the edge's process table itself:
+    with their PID as the sandbox sees it, and optionally on a pseudo-terminal (containers).
+    Others are driven through :meth:`Backend.spawn`, with pipes only."""
+
+    async def spawn_held(
+        self,
+        sandbox_id: str,
+        handle: dict[str, Any],
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+        tty: int | None,
+        stdin: bool,
+    ) -> Spawned:
+        """``tty``: the slave of a pseudo-terminal the edge holds the master of, to be the
+        process's stdio and controlling terminal; else pipes (``stdin=False``: /dev/null)."""
+        ...
+
+
+@runtime_checkable
+class HostRooted(Protocol):
+    """A backend whose sandbox root the edge reaches as a host path (directory watches)."""
+
+    def root_path(self, handle: dict[str, Any]) -> str: ...
+
+
 @runtime_checkable
 class Networked(Protocol):
     """A backend whose sandboxes sit in a Linux network namespace the edge can enter, so

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, CreateContext, Forkable, User, sandbox_env
+from dsec.backends.base import Backend, CreateContext, Forkable, User
 from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
 from dsec.density.swap import Swap, SwapConfig, free_swap_bytes
 from dsec.edge import hardware
@@ -27,10 +27,12 @@ from dsec.edge.commands import Commands
 from dsec.edge.journal import Journal, Record
 from dsec.edge.networking import Networking
 from dsec.edge.pausing import PauseTotals, Pausing
+from dsec.edge.processes import Processes
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
-from dsec.executor.process import SandboxProcess, watch_children_with_pidfds
+from dsec.executor.held import ProcessTable
+from dsec.executor.process import watch_children_with_pidfds
 from dsec.executor.session import Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
@@ -90,6 +92,7 @@ class _Live:
     record: Record
     user: User
     sessions: dict[str, Session] = field(default_factory=dict)
+    processes: ProcessTable = field(default_factory=ProcessTable)  # started by start_process
     stopping: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
     busy: int = 0  # commands running now: a sandbox running a command is not idle
 
@@ -103,7 +106,7 @@ class _Live:
             self.record.last_active_at = time.time()
 
 
-class Edge(Reclaimer, Pausing, Commands, Networking, Admission):
+class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
     def __init__(
         self,
         config: EdgeConfig,
@@ -176,6 +179,7 @@ class Edge(Reclaimer, Pausing, Commands, Networking, Admission):
         for live in self._live.values():
             for s in live.sessions.values():
                 s.detach()  # what the agent started in the background keeps running
+            live.processes.forget_all()
         for backend in self.backends.values():
             await backend.detach()
         if not any(live.record.state is SandboxState.paused for live in self._live.values()):
@@ -403,14 +407,6 @@ class Edge(Reclaimer, Pausing, Commands, Networking, Admission):
             raise Conflict(f"sandbox {requested} already exists")
         return requested
 
-    async def spawn_service(self, sandbox_id: str, argv: list[str]) -> SandboxProcess:
-        """A long-lived process in a sandbox whose pipes the edge holds (a FnCall runner)."""
-        live = self._get_live(sandbox_id)
-        env = sandbox_env(live.record.spec, live.user, None)
-        return await self.backend_of(live.record).spawn(
-            sandbox_id, live.record.handle, argv, env=env, cwd="/", user=live.user
-        )
-
     def _fncall_serving(self) -> bool:
         return any(pool.serving for pool in self.pools.values())
 
@@ -467,6 +463,7 @@ class Edge(Reclaimer, Pausing, Commands, Networking, Admission):
                 await self.backend_of(rec).thaw(sandbox_id, rec.handle)
             for session in live.sessions.values():
                 await session.kill()
+            await live.processes.kill_all("sandbox stopped")
             try:
                 await self.backend_of(rec).destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
             except Exception as exc:

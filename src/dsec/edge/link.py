@@ -45,6 +45,7 @@ from dsec.protocol.models import (
     ShellRequest,
     TrajectoryEntry,
 )
+from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize, WatchEvent
 
 _BULK_CONCURRENCY = 32  # stops in flight per node: each one kills a process tree and unmounts
 
@@ -177,6 +178,42 @@ class EdgeLink(Protocol):
     async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
         """Run one short stateless call in the node's warm pool ``pool`` (None: the first pool
         that serves the task's language)."""
+        ...
+
+    # -- the process table and directory watches (protocol/processes.py) ----------------------
+
+    def start_process(self, sandbox_id: str, req: ProcessStart) -> AsyncGenerator[ProcessEvent, None]:
+        """Start a process the edge keeps: ``start`` (its PID in the sandbox), its output, then
+        ``end``. Errors before the start come from the first ``anext``; closing the stream
+        early detaches (the process runs on), unlike ``exec_stream``."""
+        ...
+
+    def connect_process(self, sandbox_id: str, pid: int) -> AsyncGenerator[ProcessEvent, None]:
+        """Attach to a running process: ``start``, its output from now on (no replay), ``end``;
+        ``ProcessNotFound`` if it is not running (or was not started by ``start_process``)."""
+        ...
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        """The running processes started by ``start_process``."""
+        ...
+
+    async def send_process_input(self, sandbox_id: str, pid: int, data: bytes) -> None:
+        """To its terminal if it has one, else its stdin pipe."""
+        ...
+
+    async def close_process_stdin(self, sandbox_id: str, pid: int) -> None:
+        """EOF on its stdin (on a terminal: the end-of-file character, ^D)."""
+        ...
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
+        """``signal`` to the process and all its descendants."""
+        ...
+
+    async def resize_process(self, sandbox_id: str, pid: int, size: PtySize) -> None: ...
+
+    def watch_dir(self, sandbox_id: str, path: str, recursive: bool) -> AsyncGenerator[WatchEvent, None]:
+        """``start`` once the watch is in place, then changes below ``path`` (names relative to
+        it); closing the stream removes the watch."""
         ...
 
 
@@ -399,3 +436,46 @@ class LocalEdgeLink:
 
         request = {"source": source, "destination": destination}
         return FileStat.model_validate(await self.edge.recorder.call(sandbox_id, "move", None, request, mv))
+
+    # -- the process table and directory watches -----------------------------------------------
+
+    async def start_process(self, sandbox_id: str, req: ProcessStart) -> AsyncGenerator[ProcessEvent, None]:
+        events = self.edge.start_process(self._routed(sandbox_id), req)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # detaches: the process runs on
+
+    async def connect_process(self, sandbox_id: str, pid: int) -> AsyncGenerator[ProcessEvent, None]:
+        events = self.edge.connect_process(self._routed(sandbox_id), pid)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return self.edge.list_processes(self._routed(sandbox_id))
+
+    async def send_process_input(self, sandbox_id: str, pid: int, data: bytes) -> None:
+        await self.edge.send_process_input(self._routed(sandbox_id), pid, data)
+
+    async def close_process_stdin(self, sandbox_id: str, pid: int) -> None:
+        await self.edge.close_process_stdin(self._routed(sandbox_id), pid)
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
+        await self.edge.signal_process(self._routed(sandbox_id), pid, signal)
+
+    async def resize_process(self, sandbox_id: str, pid: int, size: PtySize) -> None:
+        await self.edge.resize_process(self._routed(sandbox_id), pid, size)
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, recursive: bool
+    ) -> AsyncGenerator[WatchEvent, None]:
+        events = self.edge.watch_dir(self._routed(sandbox_id), path, recursive)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # removes the watch

@@ -35,6 +35,14 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /sandboxes/{id}/files/mkdir?path=&parents=true -> 201 FileStat
     POST   /sandboxes/{id}/files/move?source=&destination= -> FileStat
     DELETE /sandboxes/{id}/files?path=&recursive=false    -> {"removed": true}
+    POST   /sandboxes/{id}/processes               ProcessStart -> NDJSON of ProcessEvent
+    GET    /sandboxes/{id}/processes               -> [ProcessInfo] (running ones)
+    GET    /sandboxes/{id}/processes/{pid}/events  -> NDJSON of ProcessEvent (attach)
+    POST   /sandboxes/{id}/processes/{pid}/input   ProcessInput -> {}
+    POST   /sandboxes/{id}/processes/{pid}/close-stdin      -> {}
+    POST   /sandboxes/{id}/processes/{pid}/signal  ProcessSignal -> {}
+    POST   /sandboxes/{id}/processes/{pid}/resize  PtySize -> {}
+    GET    /sandboxes/{id}/watch?path=&recursive=false      -> NDJSON of WatchEvent
     POST   /layers/in-use?unmount_idle=false       -> {"digests": [...]}
     POST   /fncall?pool=                           FnTask -> FnResult (a warm-pool call)
 
@@ -60,6 +68,7 @@ from pydantic import ValidationError
 
 from dsec.edge.edge import Edge
 from dsec.edge.link import LocalEdgeLink
+from dsec.edge.server_processes import ProcessRoutes
 from dsec.executor.file_ops import CHUNK
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
@@ -225,6 +234,7 @@ class EdgeServer:
         r.add_post(PREFIX + "/sandboxes/{id}/files/move", self.move)
         r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
         r.add_post(f"{PREFIX}/fncall", self.fncall)
+        ProcessRoutes(self.link).register(r, PREFIX)  # edge/server_processes.py
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:

@@ -13,6 +13,7 @@ again on the client side, so ``except SandboxNotFound`` works across the wire.
     +-- Forbidden               403  the key may not touch this resource
     +-- SandboxNotFound         404  unknown or already reclaimed sandbox
     +-- FileNotFound            404  a path inside the sandbox that does not exist
+    +-- ProcessNotFound         404  no such running process (ended, or not the API's)
     +-- Conflict                409  the sandbox is not in a state that allows the request
     +-- QuotaExceeded           429  a project quota would be exceeded
     +-- CapacityExhausted       503  no node can admit the sandbox right now
@@ -82,6 +83,14 @@ class SandboxNotFound(DSecError):
 
 class FileNotFound(DSecError):
     code = "file_not_found"
+    status = 404
+
+
+class ProcessNotFound(DSecError):
+    """Not a :class:`SandboxNotFound`: a process ending is the agent's doing, and code that
+    takes a lost sandbox for the platform's failure (``rl.failures``) must not see one."""
+
+    code = "process_not_found"
     status = 404
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import _linux
-from dsec.backends.base import CreateContext, User
+from dsec.backends.base import CreateContext, Spawned, User
 from dsec.backends.container import cgroups, diskquota, enter, oci
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import memory
@@ -283,6 +283,30 @@ class ContainerBackend:
         # exec`: 2.3x faster here (bench/exec.py), and nothing on the path scans global state.
         return await enter.spawn_entered(
             sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper
+        )
+
+    async def spawn_held(
+        self,
+        sandbox_id: str,
+        handle: dict[str, Any],
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+        tty: int | None,
+        stdin: bool,
+    ) -> Spawned:
+        return await enter.spawn_held(
+            sandbox_id,
+            handle,
+            argv,
+            env=env,
+            cwd=cwd,
+            user=user,
+            helper=self.enter_helper,
+            tty=tty,
+            stdin=stdin,
         )
 
     @asynccontextmanager

@@ -35,7 +35,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import User
+from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci
 from dsec.executor.process import kill_tree
 from dsec.protocol.errors import InfraFailure, InvalidRequest
@@ -212,36 +212,101 @@ async def spawn_entered(
     ``helper`` (from :func:`build_helper`). Returns once the command was exec'd (or failed as
     a command: exit 127/126); raises :class:`InfraFailure` when the sandbox could not be
     entered (gone, a PID that is no longer its init, a cgroup or namespace refused)."""
+    proc, _ = await _enter(sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=helper)
+    return proc
+
+
+async def spawn_held(
+    sandbox_id: str,
+    handle: dict[str, Any],
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    user: User,
+    helper: Path,
+    tty: int | None = None,
+    stdin: bool = True,
+) -> Spawned:
+    """As :func:`spawn_entered`, for a process that outlives a request: ``tty`` is the slave
+    of a pseudo-terminal (the command's stdio and controlling terminal), else the edge gets
+    pipes (``stdin=False``: /dev/null). A death by signal N is returncode -N, never 128+N."""
+    flags = ["--raise-signal", *(["--tty"] if tty is not None else [])]
+    if tty is not None:
+        stdio: tuple[int, int, int] = (tty, tty, tty)
+    else:
+        stdio = (asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL, *_PIPES)
+    proc, pids = await _enter(
+        sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=helper, flags=flags, stdio=stdio
+    )
+    assert pids is not None
+    ns = pids.get("ns")
+    if ns is None:  # pragma: no cover - the child writes it first thing
+        kill_tree(proc.pid)
+        await proc.wait()
+        raise InfraFailure(f"{NAME} did not report the PID of its command", reason="runtime")
+    return Spawned(proc, ns, pids.get("host"))
+
+
+_PIPES = (asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
+
+
+async def _enter(
+    sandbox_id: str,
+    handle: dict[str, Any],
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    user: User,
+    helper: Path,
+    flags: list[str] | None = None,
+    stdio: tuple[int, int, int] | None = None,
+) -> tuple[asyncio.subprocess.Process, dict[str, int] | None]:
+    """The helper started and its command exec'd; with ``flags`` (a held process) also the
+    PIDs it reported on its pid pipe."""
     spec = _spec(argv, env)
     spec_fd = os.memfd_create("dsec-enter-spec", os.MFD_CLOEXEC)
     status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    pid_r, pid_w = os.pipe2(os.O_CLOEXEC) if flags is not None else (-1, -1)
     try:
         view = memoryview(spec)
         while view:
             view = view[os.write(spec_fd, view) :]
         cmd = helper_argv(helper, sandbox_id, handle, cwd=cwd, user=user, spec_fd=spec_fd, status_fd=status_w)
+        if flags is not None:
+            cmd += [*flags, "--pid-fd", str(pid_w)]
+        stdin, stdout, stderr = stdio or (asyncio.subprocess.PIPE, *_PIPES)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
                 env={},  # the command's environment travels in the spec, not through the helper
-                pass_fds=(spec_fd, status_w),
+                pass_fds=(spec_fd, status_w) if pid_w < 0 else (spec_fd, status_w, pid_w),
                 start_new_session=True,  # the edge kills the whole group on a timeout
             )
         except OSError as exc:
             raise InfraFailure(f"cannot start {helper}: {exc}", reason="runtime") from exc
     except BaseException:
         os.close(status_r)
+        if pid_r >= 0:
+            os.close(pid_r)
         raise
     finally:
         os.close(spec_fd)
         os.close(status_w)
+        if pid_w >= 0:
+            os.close(pid_w)
     try:
         os.set_blocking(status_r, False)
+        if pid_r >= 0:
+            os.set_blocking(pid_r, False)
         async with asyncio.timeout(STARTUP_TIMEOUT_S):
             message = await _read_to_eof(status_r)
+            # Both ends wrote (or died) by now, or promptly: the parent writes right after fork.
+            reported = await _read_to_eof(pid_r) if pid_r >= 0 and not message else None
     except BaseException as exc:
         # Timed out (frozen after all?) or cancelled: nothing of this spawn may stay behind.
         # (A frozen process dies only once thawed: do not wait for it forever.)
@@ -255,8 +320,17 @@ async def spawn_entered(
         raise
     finally:
         os.close(status_r)
+        if pid_r >= 0:
+            os.close(pid_r)
     if message:
         await proc.communicate()  # it exits 125 right after its message
         text = message.decode(errors="replace").strip().removeprefix("dsec-enter: ")
         raise InfraFailure(f"cannot start a process in sandbox {sandbox_id}: {text}", reason="runtime")
-    return proc
+    if reported is None:
+        return proc, None
+    pids = {}
+    for line in reported.decode(errors="replace").splitlines():
+        which, _, value = line.partition(" ")
+        if which in ("host", "ns") and value.isdigit():
+            pids[which] = int(value)
+    return proc, pids

@@ -4,6 +4,7 @@
  *     dsec-enter --pid PID --start-time TICKS --cgroup dsec/SANDBOX_ID --spec-fd FD
  *                [--status-fd FD] [--uid UID] [--gid GID] [--cwd DIR] [--caps CAP_X,CAP_Y]
  *                [--seccomp-bpf FILE | --deny SYSCALL,SYSCALL] [--nofile N] [--idle]
+ *                [--tty] [--raise-signal] [--pid-fd FD]
  *     dsec-enter --dump-seccomp --deny SYSCALL,...     (the filter's BPF program on stdout)
  *
  * The cost of `crun exec` grows with the number of sandboxes on a node (measured in the design
@@ -52,6 +53,18 @@
  * memfd: values may be secrets and host `ps` shows command lines): NUL-terminated strings,
  * the first the decimal argc, then argv, then KEY=VALUE environment entries.
  *
+ * Options for processes the edge keeps (a process table rather than one exec):
+ *
+ *   --tty           fds 0-2 are the slave of a pseudo-terminal the caller holds the master of:
+ *                   the child makes a session of its own and takes the terminal as its
+ *                   controlling one (setsid, TIOCSCTTY) before anything else, so job control,
+ *                   ^C and SIGWINCH work as in a terminal; nothing else changes (caps, seccomp);
+ *   --raise-signal  a child killed by signal N kills the helper with N (not exit 128+N), so the
+ *                   caller can tell a death by signal from an exit code of 128+N;
+ *   --pid-fd FD     "host PID\n" (the child's PID on the host, from the parent) and "ns PID\n"
+ *                   (its PID in the sandbox, from the child itself) are written to FD, which
+ *                   reaches EOF once both wrote (the child's copy closes on exec).
+ *
  * Exit codes: 125 when the helper failed (the message is on stderr and on --status-fd; the
  * edge reports an infrastructure failure); 127 when argv[0] or the cwd does not exist, 126
  * when it cannot be run or entered (the command's failure, message on stderr, as a shell or
@@ -80,6 +93,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -645,7 +659,7 @@ struct opts {
 	const char *cgroup, *cwd, *caps, *deny, *bpf;
 	uid_t uid;
 	gid_t gid;
-	int spec_fd, idle, dump_seccomp;
+	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd;
 	struct rlimit nofile;
 	int have_nofile;
 };
@@ -660,6 +674,8 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		{ "caps", required_argument, NULL, 'C' },     { "deny", required_argument, NULL, 'd' },
 		{ "nofile", required_argument, NULL, 'n' },   { "idle", no_argument, NULL, 'i' },
 		{ "dump-seccomp", no_argument, NULL, 'D' },   { "seccomp-bpf", required_argument, NULL, 'B' },
+		{ "tty", no_argument, NULL, 'T' },            { "raise-signal", no_argument, NULL, 'R' },
+		{ "pid-fd", required_argument, NULL, 'P' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -667,6 +683,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 	memset(o, 0, sizeof *o);
 	o->pid = o->start_time = -1;
 	o->spec_fd = -1;
+	o->pid_fd = -1;
 	o->cwd = "/";
 	o->caps = "";
 	o->deny = "";
@@ -690,6 +707,9 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 			break;
 		case 'i': o->idle = 1; break;
 		case 'D': o->dump_seccomp = 1; break;
+		case 'T': o->tty = 1; break;
+		case 'R': o->raise_signal = 1; break;
+		case 'P': o->pid_fd = (int)parse_num(optarg, "--pid-fd", 0, INT_MAX); break;
 		default: die(0, "usage: see the comment at the top of dsec_enter.c");
 		}
 	}
@@ -704,10 +724,23 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 
 static const int forwarded[] = { SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH };
 
-static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitset, int oom_fd)
+static void report_pid(int fd, const char *which, pid_t pid)
+{
+	char line[64];
+	int n = snprintf(line, sizeof line, "%s %d\n", which, (int)pid);
+
+	if (fd >= 0)
+		write_all(fd, line, (size_t)n);
+}
+
+static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitset, int oom_fd,
+					     const struct opts *o)
 {
 	int status;
 
+	report_pid(o->pid_fd, "host", child);
+	if (o->pid_fd >= 0)
+		close(o->pid_fd);
 	close(status_fd); /* the child's copy alone tells the caller about the exec */
 	status_fd = -1;
 	close(0); /* stdin and stdout are the command's: no second holder of the pipes */
@@ -741,6 +774,18 @@ static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitse
 		}
 	}
 done:
+	if (WIFSIGNALED(status) && o->raise_signal) {
+		/* Die the same way (non-dumpable: no core file); a signal that cannot kill us
+		 * falls through to the exit code. */
+		int sig = WTERMSIG(status);
+		sigset_t one;
+
+		signal(sig, SIG_DFL);
+		sigemptyset(&one);
+		sigaddset(&one, sig);
+		sigprocmask(SIG_UNBLOCK, &one, NULL);
+		raise(sig);
+	}
 	if (WIFSIGNALED(status))
 		_exit(128 + WTERMSIG(status)); /* as crun exec reports a death by signal */
 	_exit(WEXITSTATUS(status));
@@ -752,6 +797,14 @@ static __attribute__((noreturn)) void child(const struct opts *o, uint64_t caps,
 {
 	sigset_t none;
 
+	report_pid(o->pid_fd, "ns", getpid()); /* closes on exec, or when we fail */
+	if (o->tty) {
+		/* Still privileged, before seccomp: the same filter and caps as without a tty. */
+		if (setsid() < 0)
+			die(errno, "setsid");
+		if (ioctl(0, TIOCSCTTY, 0) < 0)
+			die(errno, "take the terminal on stdin as the controlling one");
+	}
 	if (setrlimit(RLIMIT_NOFILE, &o->nofile) < 0) /* may raise: before the caps go */
 		die(errno, "setrlimit(RLIMIT_NOFILE)");
 	bound_caps(caps);
@@ -817,6 +870,8 @@ int main(int argc, char **argv)
 	parse_opts(argc, argv, &o);
 	if (status_fd >= 0 && fcntl(status_fd, F_SETFD, FD_CLOEXEC) < 0)
 		die(errno, "bad --status-fd");
+	if (o.pid_fd >= 0 && fcntl(o.pid_fd, F_SETFD, FD_CLOEXEC) < 0)
+		die(errno, "bad --pid-fd");
 	signal(SIGCHLD, SIG_DFL); /* an inherited SIG_IGN would reap the child behind our back */
 	if (o.bpf && !o.dump_seccomp)
 		prog = read_bpf(o.bpf);
@@ -873,7 +928,7 @@ int main(int argc, char **argv)
 		    errno == EAGAIN ? " (its pids limit reached?)" : "");
 	if (pid > 0) {
 		close(helper_pidfd);
-		parent(pid, &waitset, oom_fd);
+		parent(pid, &waitset, oom_fd, &o);
 	}
 	if (oom_fd >= 0)
 		close(oom_fd);

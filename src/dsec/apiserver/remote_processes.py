@@ -1,0 +1,136 @@
+"""The process table and directory watches of a remote edge (routes of :mod:`dsec.edge.server_processes`).
+
+Mixed into :class:`~dsec.apiserver.remote_edge.RemoteEdgeLink`. Closing a process stream
+closes its HTTP response: the edge sees the hang-up and detaches (the process runs on);
+closing a watch stream removes the watch the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiohttp
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from dsec.protocol.errors import InfraFailure, error_from_wire
+from dsec.protocol.models import invalid_request
+from dsec.protocol.processes import (
+    ProcessEvent,
+    ProcessInfo,
+    ProcessInput,
+    ProcessSignal,
+    ProcessStart,
+    PtySize,
+    WatchEvent,
+)
+
+M = TypeVar("M", bound=BaseModel)
+_INFOS = TypeAdapter(list[ProcessInfo])
+_JSON = {"Content-Type": "application/json"}
+
+
+class RemoteProcesses:
+    if TYPE_CHECKING:
+        node: str
+        url: str
+
+        def _call(
+            self,
+            method: str,
+            path: str,
+            *,
+            params: Mapping[str, str] | list[tuple[str, str]] | None = None,
+            data: Any = None,
+            headers: Mapping[str, str] | None = None,
+            quick: bool = False,
+        ) -> AbstractAsyncContextManager[aiohttp.ClientResponse]: ...
+        def _parse(self, model: type[M], data: bytes) -> M: ...
+        async def _json(
+            self, method: str, path: str, *, body: BaseModel | None = None, quick: bool = False, **kw: Any
+        ) -> bytes: ...
+        @staticmethod
+        def _sandbox(sandbox_id: str, tail: str = "") -> str: ...
+
+    async def _lines(self, resp: aiohttp.ClientResponse, model: type[M]) -> AsyncIterator[M]:
+        async for line in resp.content:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise InfraFailure(
+                    f"edge {self.node!r} sent a malformed stream line", reason="protocol"
+                ) from exc
+            if isinstance(obj, dict) and isinstance(obj.get("error"), dict):  # not an event's error
+                raise error_from_wire(500, obj)
+            yield self._parse(model, line)
+
+    async def _process_events(
+        self, method: str, path: str, data: str | None
+    ) -> AsyncGenerator[ProcessEvent, None]:
+        async with self._call(method, path, data=data, headers=_JSON) as resp:
+            async for event in self._lines(resp, ProcessEvent):
+                yield event
+                if event.t == "end":
+                    return
+        raise InfraFailure(
+            f"edge {self.node!r} at {self.url} ended a process stream without its end",
+            reason="edge_unreachable",
+        )
+
+    async def start_process(self, sandbox_id: str, req: ProcessStart) -> AsyncGenerator[ProcessEvent, None]:
+        events = self._process_events("POST", self._sandbox(sandbox_id, "/processes"), req.model_dump_json())
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    async def connect_process(self, sandbox_id: str, pid: int) -> AsyncGenerator[ProcessEvent, None]:
+        events = self._process_events("GET", self._sandbox(sandbox_id, f"/processes/{int(pid)}/events"), None)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        raw = await self._json("GET", self._sandbox(sandbox_id, "/processes"), quick=True)
+        try:
+            return _INFOS.validate_json(raw)
+        except ValidationError as exc:
+            raise InfraFailure(f"edge {self.node!r} sent a malformed list: {exc}", reason="protocol") from exc
+
+    async def _control(self, sandbox_id: str, pid: int, what: str, body: BaseModel | None = None) -> None:
+        await self._json("POST", self._sandbox(sandbox_id, f"/processes/{int(pid)}/{what}"), body=body)
+
+    async def send_process_input(self, sandbox_id: str, pid: int, data: bytes) -> None:
+        try:
+            body = ProcessInput(data=data)
+        except ValidationError as exc:
+            raise invalid_request(exc) from exc
+        await self._control(sandbox_id, pid, "input", body)
+
+    async def close_process_stdin(self, sandbox_id: str, pid: int) -> None:
+        await self._control(sandbox_id, pid, "close-stdin")
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
+        try:
+            body = ProcessSignal(signal=signal)
+        except ValidationError as exc:
+            raise invalid_request(exc) from exc
+        await self._control(sandbox_id, pid, "signal", body)
+
+    async def resize_process(self, sandbox_id: str, pid: int, size: PtySize) -> None:
+        await self._control(sandbox_id, pid, "resize", size)
+
+    async def watch_dir(
+        self, sandbox_id: str, path: str, recursive: bool
+    ) -> AsyncGenerator[WatchEvent, None]:
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        async with self._call("GET", self._sandbox(sandbox_id, "/watch"), params=params) as resp:
+            async for event in self._lines(resp, WatchEvent):
+                yield event

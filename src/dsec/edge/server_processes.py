@@ -1,0 +1,116 @@
+"""The edge server's routes for the process table and directory watches (see :mod:`dsec.edge.server`).
+
+Streams are NDJSON, one :class:`~dsec.protocol.processes.ProcessEvent` or ``WatchEvent`` a
+line. An error before the first event is an ordinary error answer with its status; one after
+it is the stream's last line (a DSec error body). A client hanging up on a process stream
+detaches from the process (it runs on); on a watch, it removes the watch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from dsec.edge.link import LocalEdgeLink
+from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest
+from dsec.protocol.http import respond
+from dsec.protocol.processes import ProcessInput, ProcessSignal, ProcessStart, PtySize
+
+log = logging.getLogger("dsec.edge.server")
+
+SANDBOX = "/sandboxes/{id}"
+PROCESS = "/sandboxes/{id}/processes/{pid}"
+
+
+def _pid(request: web.Request) -> int:
+    raw = request.match_info["pid"]
+    if not raw.isdigit() or not 0 < int(raw) < 1 << 31:
+        raise InvalidRequest(f"bad process ID {raw!r}")
+    return int(raw)
+
+
+async def stream_ndjson(request: web.Request, events: AsyncGenerator[BaseModel, None]) -> web.StreamResponse:
+    """Answer with ``events`` as NDJSON (see the module's note on errors); closes ``events``."""
+    try:
+        event = await anext(events, None)  # errors before the first event get their own status
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        while event is not None:
+            await resp.write(event.model_dump_json().encode() + b"\n")
+            try:
+                event = await anext(events, None)
+            except DSecError as exc:
+                await resp.write(json.dumps(exc.to_wire()).encode() + b"\n")
+                break
+            except Exception as exc:
+                log.exception("stream %s failed mid-way", request.path)
+                infra = InfraFailure(
+                    f"the edge failed mid-stream: {type(exc).__name__}: {exc}", reason="edge"
+                )
+                await resp.write(json.dumps(infra.to_wire()).encode() + b"\n")
+                break
+        await resp.write_eof()
+        return resp
+    finally:
+        await events.aclose()
+
+
+class ProcessRoutes:
+    """``/sandboxes/{id}/processes...`` and ``/sandboxes/{id}/watch`` over a local link."""
+
+    def __init__(self, link: LocalEdgeLink) -> None:
+        self.link = link
+
+    def register(self, r: web.UrlDispatcher, prefix: str) -> None:
+        r.add_post(prefix + SANDBOX + "/processes", self.start)
+        r.add_get(prefix + SANDBOX + "/processes", self.list)
+        r.add_get(prefix + PROCESS + "/events", self.connect)
+        r.add_post(prefix + PROCESS + "/input", self.input)
+        r.add_post(prefix + PROCESS + "/close-stdin", self.close_stdin)
+        r.add_post(prefix + PROCESS + "/signal", self.signal)
+        r.add_post(prefix + PROCESS + "/resize", self.resize)
+        r.add_get(prefix + SANDBOX + "/watch", self.watch)
+
+    async def start(self, request: web.Request) -> web.StreamResponse:
+        req = ProcessStart.model_validate_json(await request.read() or b"{}")
+        return await stream_ndjson(request, self.link.start_process(request.match_info["id"], req))
+
+    async def connect(self, request: web.Request) -> web.StreamResponse:
+        events = self.link.connect_process(request.match_info["id"], _pid(request))
+        return await stream_ndjson(request, events)
+
+    async def list(self, request: web.Request) -> web.Response:
+        return respond(await self.link.list_processes(request.match_info["id"]))
+
+    async def input(self, request: web.Request) -> web.Response:
+        req = ProcessInput.model_validate_json(await request.read() or b"{}")
+        await self.link.send_process_input(request.match_info["id"], _pid(request), req.data)
+        return respond({})
+
+    async def close_stdin(self, request: web.Request) -> web.Response:
+        await self.link.close_process_stdin(request.match_info["id"], _pid(request))
+        return respond({})
+
+    async def signal(self, request: web.Request) -> web.Response:
+        req = ProcessSignal.model_validate_json(await request.read() or b"{}")
+        await self.link.signal_process(request.match_info["id"], _pid(request), req.signal)
+        return respond({})
+
+    async def resize(self, request: web.Request) -> web.Response:
+        size = PtySize.model_validate_json(await request.read() or b"{}")
+        await self.link.resize_process(request.match_info["id"], _pid(request), size)
+        return respond({})
+
+    async def watch(self, request: web.Request) -> web.StreamResponse:
+        path = request.query.get("path")
+        if not path:
+            raise InvalidRequest("query parameter 'path' is required")
+        recursive = request.query.get("recursive", "false")
+        if recursive not in ("true", "false"):
+            raise InvalidRequest("query parameter 'recursive' must be true or false")
+        events = self.link.watch_dir(request.match_info["id"], path, recursive == "true")
+        return await stream_ndjson(request, events)
