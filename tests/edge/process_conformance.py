@@ -272,6 +272,35 @@ class ProcessConformance:
         _, _, end = await to_end(watched)
         assert end.error == "sandbox stopped" and end.signal == 9
 
+    async def test_a_reader_that_does_not_read_holds_the_writer_back_and_loses_nothing(
+        self, ct_link: EdgeLink, ct_sandbox: str
+    ) -> None:
+        total = 64_000_000
+        argv = ["head", "-c", str(total), "/dev/zero"]
+        events = ct_link.start_process(ct_sandbox, start(argv))
+        await next_event(events)
+        (host,) = await _host_pids(argv)
+        # Nobody reads: the writer blocks on its pipe, the edge does not buffer 64 MB for it.
+        await eventually(lambda: "pipe_write" in _wchan(host), "the writer to block on its pipe")
+        out, _, end = await to_end(events)
+        assert len(out) == total and end.exit_code == 0
+
+    async def test_output_nobody_is_attached_to_is_dropped_not_waited_for(
+        self, ct_link: EdgeLink, ct_sandbox: str
+    ) -> None:
+        script = "head -c 64000000 /dev/zero; touch /tmp/drained; cat"
+        events = ct_link.start_process(ct_sandbox, start(["sh", "-c", script]))
+        pid = (await next_event(events)).pid
+        await events.aclose()
+        await eventually(
+            lambda: _exists(ct_link, ct_sandbox, "/tmp/drained"), "the detached writer to finish"
+        )
+        again = ct_link.connect_process(ct_sandbox, pid)
+        await next_event(again)
+        await ct_link.close_process_stdin(ct_sandbox, pid)
+        out, _, end = await to_end(again)
+        assert out == b"" and end.exit_code == 0
+
     async def test_a_fake_sandbox_runs_processes_on_pipes_but_has_no_pty(self, link: EdgeLink) -> None:
         info = await link.create(ContainerSpec(image=TINY))
         try:
@@ -374,3 +403,19 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def _wchan(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/wchan") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+async def _exists(link: EdgeLink, sid: str, path: str) -> bool:
+    try:
+        await link.stat(sid, path)
+    except FileNotFound:
+        return False
+    return True
