@@ -22,6 +22,7 @@ from dsec.edge.link import EdgeLink
 from dsec.protocol.errors import DSecError
 from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize
 
+_KILL_WAIT_S = 5.0
 _SIGNALS = {"SIGNAL_SIGTERM": signals.SIGTERM, "SIGNAL_SIGKILL": signals.SIGKILL, 15: 15, 9: 9}
 
 
@@ -227,7 +228,22 @@ class ProcessService:
                 "invalid_argument",
                 f"signal must be SIGNAL_SIGTERM or SIGNAL_SIGKILL, not {msg.get('signal')!r}",
             )
-        await link.signal_process(sandbox_id, pid, int(number))
+        # Attach first: after a kill, the caller's next List must not show the process, so the
+        # answer waits (briefly) for its end; attaching after the signal could miss it.
+        events = link.connect_process(sandbox_id, pid) if number == signals.SIGKILL else None
+        try:
+            if events is not None:
+                await anext(events)  # start: attached
+            await link.signal_process(sandbox_id, pid, int(number))
+            if events is not None:
+                with contextlib.suppress(TimeoutError, StopAsyncIteration):
+                    async with asyncio.timeout(_KILL_WAIT_S):
+                        async for event in events:
+                            if event.t == "end":
+                                break
+        finally:
+            if events is not None:
+                await events.aclose()
         return {}
 
     async def update(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
