@@ -194,7 +194,8 @@ async def test_watch_dir_reports_changes_made_inside(e2b: E2B) -> None:
         sbx = Sandbox.create(timeout=120)
         sbx.files.make_dir("/work/w")
         handle = sbx.files.watch_dir("/work/w", recursive=True)
-        sbx.commands.run("mkdir /work/w/sub && echo x > /work/w/sub/new.txt && mv /work/w/sub/new.txt /work/w/moved.txt && rm /work/w/moved.txt")
+        sbx.commands.run("mkdir /work/w/sub && echo x > /work/w/sub/new.txt"
+                         " && mv /work/w/sub/new.txt /work/w/moved.txt && rm /work/w/moved.txt")
         seen = []
         deadline = time.time() + 30
         while time.time() < deadline:
