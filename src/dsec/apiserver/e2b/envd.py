@@ -53,9 +53,23 @@ class TokenCheck(Protocol):
     def check(self, sandbox_id: str, token: str | None) -> None:
         """Raise Unauthorized unless ``token`` is the sandbox's envd access token."""
 
+    def check_signature(
+        self,
+        sandbox_id: str,
+        path: str,
+        operation: str,
+        user: str | None,
+        signature: str | None,
+        expiration: int | None,
+    ) -> None:
+        """Raise Unauthorized unless ``signature`` signs this file operation (a signed URL)."""
+
 
 def _user(request: web.Request) -> str | None:
-    """The user name of ``Authorization: Basic base64(user:)``, how E2B SDKs pick a user."""
+    """The user name of ``Authorization: Basic base64(user:)``, how E2B SDKs pick a user (or
+    ``?username=``, how they pick one for ``/files``)."""
+    if request.query.get("username"):
+        return request.query["username"]
     header = request.headers.get("Authorization", "")
     if not header.startswith("Basic "):
         return None
@@ -93,7 +107,23 @@ class EnvdRoutes:
         sandbox_id = request.headers.get(SANDBOX_HEADER)
         if not sandbox_id:
             raise InvalidRequest(f"envd requests name their sandbox in the {SANDBOX_HEADER} header")
-        self.tokens.check(sandbox_id, request.headers.get(TOKEN_HEADER))
+        token = request.headers.get(TOKEN_HEADER)
+        if token is None and "signature" in request.query and request.path == "/files":
+            try:
+                expiration = (
+                    int(request.query["signature_expiration"])
+                    if "signature_expiration" in request.query
+                    else None
+                )
+            except ValueError as exc:
+                raise InvalidRequest("signature_expiration must be a Unix time") from exc
+            operation = "read" if request.method == "GET" else "write"
+            path, user = request.query.get("path", ""), request.query.get("username")
+            self.tokens.check_signature(
+                sandbox_id, path, operation, user, request.query["signature"], expiration
+            )
+        else:
+            self.tokens.check(sandbox_id, token)
         return self.sandboxes.link_for(sandbox_id), sandbox_id
 
     async def _user_of(self, request: web.Request, link: EdgeLink, sandbox_id: str) -> str:
