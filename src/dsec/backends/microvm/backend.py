@@ -393,4 +393,7 @@ class MicroVMBackend(VmForks):
         return 0
 
     def oom_kills(self, sandbox_id: str) -> int:
-        return 0  # the guest kernel's OOM kills are not reported out of the VM yet
+        # The guest kernel's count (the VM is the sandbox); compared before and after a command,
+        # which always holds a channel (a paused VM's keeps its count across the resume).
+        channel = self._channels.get(sandbox_id)
+        return channel.oom_kills if channel is not None else 0

@@ -28,7 +28,7 @@ STAT = struct.Struct("<IIIQq")  # mode, uid, gid, size, mtime_ns
 
 # Frame types (PROTOCOL.md)
 # guest -> host
-READY, STARTED, STDOUT, STDERR, FRES, DATA, EXIT = range(0x80, 0x87)
+READY, STARTED, STDOUT, STDERR, FRES, DATA, EXIT, OOM = range(0x80, 0x88)
 PONG, ERROR = 0x88, 0x8F
 # host -> guest
 SPAWN, STDIN, KILL, FOP, WDATA, COMMIT, ABORT, PING = range(1, 9)
@@ -59,6 +59,9 @@ class AgentChannel:
         self._chans = itertools.count(secrets.randbelow(1 << 30) + 1)
         self._closed = False
         self._suspended = False
+        # The guest kernel's OOM kill count, as the agent last reported it (it reports after
+        # every connect and before forwarding anything an OOM kill caused).
+        self.oom_kills = 0
         self._pump = asyncio.ensure_future(self._read_loop())
 
     @classmethod
@@ -117,6 +120,9 @@ class AgentChannel:
         try:
             while True:
                 kind, chan, payload = await _read_frame(self._reader)
+                if kind == OOM and chan == 0 and len(payload) >= 8:
+                    (self.oom_kills,) = struct.unpack_from("<Q", payload)
+                    continue
                 handler = self._handlers.get(chan)
                 if handler is not None:
                     handler(kind, payload)

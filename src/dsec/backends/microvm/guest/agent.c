@@ -41,7 +41,7 @@
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 enum { T_SPAWN = 1, T_STDIN, T_KILL, T_FOP, T_DATA, T_COMMIT, T_ABORT, T_PING };
-enum { R_READY = 0x80, R_STARTED, R_STDOUT, R_STDERR, R_FRES, R_DATA, R_EXIT,
+enum { R_READY = 0x80, R_STARTED, R_STDOUT, R_STDERR, R_FRES, R_DATA, R_EXIT, R_OOM,
        R_PONG = 0x88, R_ERROR = 0x8f };
 enum { OP_STAT = 1, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE };
 
@@ -75,7 +75,8 @@ struct wr {
 
 static struct rlimit nofile; /* RLIMIT_NOFILE as we got it: children get it back */
 static const char *root_path;
-static int root_fd = -1, port_fd = -1, sig_fd = -1;
+static int root_fd = -1, port_fd = -1, sig_fd = -1, vmstat_fd = -1;
+static uint64_t oom_sent; /* the guest kernel's OOM kill count as last sent to the host */
 static struct proc *procs;
 static struct rd *reads;
 static struct wr *writes;
@@ -186,6 +187,40 @@ static void send_fres(uint32_t chan, int err, const void *res, size_t n)
 	send_frame(R_FRES, chan, tx + HDR, 4 + n);
 }
 
+/* ---- OOM kills ------------------------------------------------------------------------ */
+
+/* The kernel's oom_kill counter from /proc/vmstat (0 if it cannot be read). */
+static uint64_t oom_count(void)
+{
+	static char buf[16384];
+	ssize_t n = vmstat_fd < 0 ? -1 : pread(vmstat_fd, buf, sizeof buf - 1, 0);
+	char *at;
+
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	at = strstr(buf, "\noom_kill ");
+	return at ? strtoull(at + 10, NULL, 10) : 0;
+}
+
+/*
+ * Sends OOM (the count) when it changed since the last one sent, or always if `force`. Called
+ * after a process's output was read or its exit reaped and before that is forwarded: the kernel
+ * counts an OOM kill before it sends the SIGKILL, so whatever a death caused (the end of its
+ * output, its status, a shell's next line) reaches the host after the new count.
+ */
+static void oom_report(int force)
+{
+	uint64_t now = oom_count();
+	unsigned char b[8];
+
+	if (!force && now == oom_sent)
+		return;
+	oom_sent = now;
+	put64(b, now);
+	send_frame(R_OOM, 0, b, 8);
+}
+
 /* ---- processes ------------------------------------------------------------------------ */
 
 static struct proc *find_chan(uint32_t chan)
@@ -223,6 +258,7 @@ static void maybe_finish(struct proc *p)
 {
 	if (p->done || !p->reaped || p->out >= 0 || p->err >= 0)
 		return;
+	oom_report(0);
 	send_i32(R_EXIT, p->chan, p->status);
 	close_stdin(p);
 	p->done = 1;
@@ -249,9 +285,11 @@ static void reap(void)
 /* Forwards one read of a stdout/stderr pipe; EOF (or an error) closes it. */
 static void pump(struct proc *p, int *fd, int type)
 {
-	ssize_t n = read(*fd, tx + HDR, CHUNK);
+	static unsigned char buf[CHUNK]; /* not tx: an OOM frame may go out first */
+	ssize_t n = read(*fd, buf, CHUNK);
 	if (n > 0) {
-		send_frame(type, p->chan, tx + HDR, (size_t)n);
+		oom_report(0);
+		send_frame(type, p->chan, buf, (size_t)n);
 		return;
 	}
 	if (n < 0 && (errno == EAGAIN || errno == EINTR))
@@ -1069,6 +1107,7 @@ static void handle_frame(int type, uint32_t chan, const unsigned char *p, size_t
 			for (struct proc *q = procs; q; q = q->next)
 				close_stdin(q);
 		send_frame(R_PONG, chan, p, n);
+		oom_report(1); /* a (re)connected host starts from the current count */
 		break;
 	default: send_error(chan, EPROTO, "unknown frame type 0x%02x", type);
 	}
@@ -1145,6 +1184,8 @@ int main(int argc, char **argv)
 		fatal(argv[1]);
 	/* Blocks until the host connects: a virtio-serial port holds writes until then. */
 	send_frame(R_READY, 0, VERSION, sizeof VERSION);
+	vmstat_fd = open("/proc/vmstat", O_RDONLY | O_CLOEXEC);
+	oom_report(1);
 
 	for (;;) {
 		size_t n = 0, need = 2;
