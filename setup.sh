@@ -107,7 +107,7 @@ case "$cmd" in
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|exec|density|e2b" >&2
     exit 2
     ;;
 esac
