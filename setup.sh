@@ -13,7 +13,8 @@ apt_packages=(python3 crun skopeo umoci zstd erofs-utils debootstrap busybox-sta
   qemu-system-x86 e2fsprogs kmod gcc libc6-dev  # the second line: microVMs (QEMU, their disks, the guest kit)
   btrfs-progs  # the third: the node's file system for per-sandbox disk quotas (disk_limit_mb)
   libseccomp-dev  # the fourth: dsec-enter, the containers' exec helper (with gcc, libc6-dev)
-  nftables)  # the fifth: egress allowlists (network permissions)
+  nftables  # the fifth: egress allowlists (network permissions)
+  seabios syslinux syslinux-common mtools dosfstools)  # the sixth: firmware booting users' VM images; a bootable test image
 
 need_root() {
   if [ "$(id -u)" != 0 ]; then echo "setup.sh: run as root (sandboxes need mounts, namespaces, cgroups)" >&2; exit 1; fi

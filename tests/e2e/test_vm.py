@@ -7,12 +7,17 @@ import asyncio
 import shutil
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 
 from dsec import DSecClient, DSecVMRunArgs, InvalidRequest, SandboxState
+from dsec.apiserver.embedded import EmbeddedNode
+from dsec.apiserver.vm_images import vm_image_store
+from dsec.backends.vm.backend import FullVMBackend
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes
+from tests.e2e import bootable
 from tests.support import eventually
 
 pytestmark = [
@@ -129,3 +134,35 @@ async def test_a_full_vm_boots_its_disk_runs_the_sdk_and_shows_what_it_draws(
         assert (await vm.read_file("/root/note")) == b"on the VM's own disk"  # resumed from the file
     finally:
         await vm.stop()
+
+
+@pytest.mark.skipif(not bootable.can_build(), reason="syslinux, mtools or dosfstools is not installed")
+async def test_a_vm_boots_a_users_imported_image_through_its_own_bootloader(
+    client: DSecClient, node: EmbeddedNode, tmp_path: Path
+) -> None:
+    backend = next(b for b in node.more_backends if isinstance(b, FullVMBackend))
+    assert backend.kit is not None
+    # A disk no DSec code prepared: an MBR, a FAT partition, SYSLINUX, a kernel and initramfs
+    # (ours, so the agent answers inside; init finds no DSec disks and keeps the initramfs as root).
+    disk = tmp_path / "desk.raw"
+    append = "console=ttyS0 vga=791 panic=-1 tsc_early_khz=2000000 tsc=reliable dsec.root=initramfs"
+    await asyncio.to_thread(bootable.build, disk, backend.kit.kernel, backend.kit.initramfs, append)
+    images = vm_image_store(node.store)
+    info = await client.import_vm_image(disk, "test/bootable:1")
+    vm = None
+    try:
+        assert info.virtual_size == disk.stat().st_size
+        vm = await client.run_vm(DSecVMRunArgs(disk_image="test/bootable:1", memory_limit_mb=384))
+        assert "dsec.root=initramfs" in (await vm.exec(["cat", "/proc/cmdline"], timeout=120)).stdout
+        width, height, rows = decode_png(await vm.screenshot())
+        assert (width, height) == (1024, 768)
+        assert any(any(row) for row in rows[:200]), "the kernel's console is on the screen"
+        await vm.write_file("/note", "written through the agent")
+        assert (await vm.pause()).state is SandboxState.paused
+        assert await vm.read_file("/note") == b"written through the agent"
+        assert info.digest in await asyncio.to_thread(backend.images_in_use)
+    finally:
+        if vm is not None:
+            await vm.stop()
+        images.remove("test/bootable:1")
+        images.blob(info.digest).unlink(missing_ok=True)

@@ -34,6 +34,7 @@ from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.projects import ProjectRoutes
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.apiserver.tenancy import Tenancy
+from dsec.apiserver.vm_images import VmImageRoutes, vm_image_store
 from dsec.edge.link import EdgeLink
 from dsec.iam import IamStore
 from dsec.images.oci import import_oci
@@ -129,6 +130,7 @@ class ApiServer:
         r.add_delete("/v1/layers", self.untag)
         r.add_post("/v1/layers/verify", self.verify)
         r.add_post("/v1/layers/gc", self.gc)
+        VmImageRoutes(self.store).register(r)
         ProjectRoutes(self.iam).register(r)
         self.e2b.register(r)
         app.on_cleanup.append(lambda _: self.e2b.close())
@@ -237,6 +239,10 @@ class ApiServer:
         reports = await asyncio.gather(*(e.layers_in_use(unmount_idle=True) for e in self.edges.values()))
         in_use = set().union(*reports)
         removed = await asyncio.to_thread(self.store.gc, in_use, grace_s=req.grace_s)
+        # Imported VM images too: edges count the ones their VMs boot from as in use.
+        images = vm_image_store(self.store)
+        grace = 600.0 if req.grace_s is None else req.grace_s
+        removed += await asyncio.to_thread(images.gc, in_use, grace_s=grace)
         return respond({"removed": removed, "in_use": sorted(in_use)})
 
     async def import_layer(self, request: web.Request) -> web.Response:

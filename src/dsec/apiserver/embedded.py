@@ -18,6 +18,7 @@ from dsec.apiserver.app import ApiServer
 from dsec.apiserver.e2b import E2BOptions
 from dsec.apiserver.e2b.front import DEFAULT_TEMPLATE
 from dsec.apiserver.e2b.tokens import secret_from_file
+from dsec.apiserver.vm_images import vm_image_store
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.microvm.backend import MicroVMBackend
@@ -76,7 +77,8 @@ def vm_backends(config: NodeConfig, store: LayerStore) -> list[Backend]:
     if config.microvm:
         out.append(micro)
     if config.vm:
-        out.append(FullVMBackend(config.data_dir, accel=micro.accel if config.microvm_accel else None))
+        accel = micro.accel if config.microvm_accel else None
+        out.append(FullVMBackend(config.data_dir, accel=accel, vm_images=vm_image_store(store)))
     return out
 
 

@@ -30,6 +30,7 @@ from dsec.cli._node_options import (
     _swap,
 )
 from dsec.cli.sandbox import job_app, sandbox_app
+from dsec.cli.vm_images import vm_image_app
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.sdk.client import DSecClient
@@ -43,6 +44,7 @@ layer_app = typer.Typer(help="Layers: immutable, content-addressed EROFS images.
 app.add_typer(layer_app, name="layer")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(job_app, name="job")
+app.add_typer(vm_image_app, name="vm-image")
 project_app = typer.Typer(
     help="Projects: nested, each with quotas bounding its subtree.", no_args_is_help=True
 )

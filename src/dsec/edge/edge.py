@@ -242,6 +242,9 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         if unmount_idle:
             self.mounts.unmount_unused()
         used = {digest for live in self._live.values() for digest in live.record.layers}
+        for live in self._live.values():  # a full VM's imported image (kept by the same gc)
+            if image := live.record.handle.get("disk_image"):
+                used.add(str(image))
         return used | set(self.mounts.mounted())
 
     def fence(self, reason: str) -> None:

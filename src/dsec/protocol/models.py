@@ -197,6 +197,22 @@ class VMSpec(_VirtualMachineSpec):
 
     type: Literal["vm"] = "vm"  # type: ignore[assignment]
     disk_mb: int = Field(default=4096, ge=256, le=1 << 20, description="the root disk")
+    disk_image: str | None = Field(
+        default=None,
+        description="boot a user's imported VM image (name:version, `dsec vm-image import`) "
+        "through its own bootloader, instead of a disk built from layers",
+    )
+
+    @model_validator(mode="after")
+    def _one_environment(self) -> VMSpec:  # (replaces ContainerSpec's: no layers is allowed here)
+        given = [x is not None for x in (self.image, self.layers, self.disk_image)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of image, layers or disk_image")
+        if self.layers is not None and not 1 <= len(self.layers) <= 64:
+            raise ValueError("layers must name 1 to 64 layers")
+        if self.lease_s is not None and not self.labels.get(JOB_LABEL):
+            raise ValueError(f"lease_s needs a {JOB_LABEL!r} label: a lease is renewed per job")
+        return self
 
 
 class LocalForkRequest(_Model):

@@ -81,6 +81,8 @@ class DSecVMRunArgs(DSecContainerRunArgs):
     from the same layers, with a display (``Sandbox.screenshot``) and keyboard/mouse input."""
 
     disk_mb: int = 4096
+    # An imported image (`dsec vm-image import`) booted by its own bootloader, instead of layers.
+    disk_image: str | None = None
 
     def _spec(self) -> ContainerSpec:
-        return VMSpec(**self._common(), disk_mb=self.disk_mb)
+        return VMSpec(**self._common(), disk_mb=self.disk_mb, disk_image=self.disk_image)

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from dsec.images.vm_images import VmImageInfo
 from dsec.protocol.errors import InfraFailure, error_from_wire
 from dsec.protocol.models import (
     BatchCreateRequest,
@@ -474,6 +475,18 @@ class DSecClient(ProjectCalls, FnCalls, JobCalls):
             "POST", "/v1/layers/gc", json_body=GcRequest(grace_s=grace_s).model_dump(), timeout=3600
         )
         return [str(d) for d in body["removed"]]
+
+    async def import_vm_image(self, path: str | os.PathLike[str], ref: str) -> VmImageInfo:
+        """Import a bootable disk image (qcow2 or raw) as VM image ``ref`` (``name:version``),
+        for ``DSecVMRunArgs(disk_image=ref)``."""
+        body: Any = await self._t.request(
+            "POST", "/v1/vm-images", params={"ref": ref}, data=_chunks(Path(path)), timeout=3600
+        )
+        return VmImageInfo.model_validate(body)
+
+    async def vm_images(self) -> builtins.list[VmImageInfo]:
+        body: Any = await self._t.request("GET", "/v1/vm-images")
+        return [VmImageInfo.model_validate(x) for x in body]
 
     async def import_layer(self, path: str | os.PathLike[str], ref: str) -> LayerInfo:
         """Import a directory or tar archive as layer ``ref`` (``name:version``)."""

@@ -58,6 +58,7 @@ def config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
         machine=vm.get("machine", "microvm"),
         root_disk=None if vm.get("root_disk") is None else path("root_disk"),
         idle=bool(vm.get("idle", False)),
+        boot_disk=None if vm.get("boot_disk") is None else path("boot_disk"),
     )
 
 

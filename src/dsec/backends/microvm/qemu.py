@@ -54,6 +54,8 @@ class MicroVMConfig:
     machine: Literal["microvm", "q35"] = "microvm"
     root_disk: Path | None = None  # a full VM's root (qcow2 over the shared base image)
     idle: bool = False  # best effort: QEMU (and so every vCPU thread) under SCHED_IDLE
+    # A user's image booted by its own bootloader (q35 firmware), instead of our kernel.
+    boot_disk: Path | None = None
     extra: list[str] = field(default_factory=list)
 
 
@@ -74,14 +76,18 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
         "-smp", str(c.cpus),
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-serial", f"file:{c.serial_log}",
-        "-kernel", str(c.kernel),
-        "-initrd", str(c.initramfs),
-        "-append", cmdline,
         "-qmp", f"unix:{c.qmp_socket},server=on,wait=off",
         "-device", f"virtio-serial-{bus}",
         "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=dsec.agent",
     ]  # fmt: skip
+    if c.boot_disk is None:
+        argv += ["-kernel", str(c.kernel), "-initrd", str(c.initramfs), "-append", cmdline]
+    else:  # SeaBIOS (q35's default firmware) boots the image's own bootloader
+        argv += [
+            "-drive", f"if=none,id=boot,file={c.boot_disk},format=qcow2,cache=unsafe,discard=unmap",
+            "-device", "virtio-blk-pci,drive=boot,bootindex=0,serial=dsec-image",
+        ]  # fmt: skip
     if c.mem_path is not None:
         share = "on" if c.mem_shared else "off"
         argv += [

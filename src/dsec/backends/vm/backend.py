@@ -6,14 +6,20 @@ stacked with overlayfs in a throw-away mount namespace and copied into an ext4 i
 copy-on-write qcow2 overlay over it. The guest runs the same initramfs and agent as a microVM
 (a ``dsec-root`` disk instead of layers), so processes, files, pause and restarts work the same.
 The machine has a VGA display (1024x768, the guest's VESA framebuffer) and a PS/2 keyboard and
-mouse: :meth:`screenshot` and :meth:`send_input` go through QMP. Not yet: importing a user's own
-bootable image (it would need firmware boot instead of our kernel), an absolute pointer.
+mouse: :meth:`screenshot` and :meth:`send_input` go through QMP.
+
+A VM may instead boot a user's imported image (``disk_image``, :mod:`dsec.images.vm_images`):
+firmware (SeaBIOS) runs the image's own bootloader from a qcow2 overlay over the shared stored
+file. Lifecycle, display, input and pause need nothing inside; processes and files need the
+DSec agent on the virtio-serial port, which such an image may not run: the first call waits
+for its READY up to the boot deadline, and without it answers that the image has no agent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import subprocess
 from collections.abc import AsyncIterator
@@ -28,6 +34,7 @@ from dsec.backends.microvm.channel import AgentChannel
 from dsec.backends.microvm.host import run_tool, socket_dir
 from dsec.backends.microvm.vmm import QemuVmm, QmpControl
 from dsec.backends.vm.display import qmp_events
+from dsec.images.vm_images import VmImageStore
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import InputEvent
 
@@ -37,13 +44,24 @@ class FullVMBackend(MicroVMBackend):
     flavour = "generic"  # Debian's full kernel: it has the VESA framebuffer the display needs
 
     def __init__(
-        self, data_dir: Path, *, accel: qemu.Accel | None = None, kit_dir: Path | None = None
+        self,
+        data_dir: Path,
+        *,
+        accel: qemu.Accel | None = None,
+        kit_dir: Path | None = None,
+        vm_images: VmImageStore | None = None,
     ) -> None:
         super().__init__(data_dir, accel=accel, kit_dir=kit_dir, use_templates=False)
         self.bases = self.state_dir / "bases"
         self._base_locks: dict[str, asyncio.Lock] = {}
+        self.vm_images = vm_images
+        self._agent_waits: dict[str, asyncio.Task[AgentChannel]] = {}
 
     async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
+        ref = getattr(ctx.spec, "disk_image", None)
+        if ref is not None:
+            await self._boot_image(ctx.sandbox_id, ref, config, handle)
+            return
         disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
         base = await self._base_image(ctx.layer_digests, ctx.layer_dirs, disk_mb)
         root = Path(handle["dir"]) / "root.qcow2"
@@ -60,6 +78,70 @@ class FullVMBackend(MicroVMBackend):
             if not image.exists():
                 await asyncio.to_thread(_build_base, dirs, disk_mb, image)
         return image
+
+    async def _boot_image(
+        self, sandbox_id: str, ref: str, config: qemu.MicroVMConfig, handle: dict[str, Any]
+    ) -> None:
+        if self.vm_images is None:
+            raise InvalidRequest("this node has no VM image store")
+        image = await asyncio.to_thread(self.vm_images.resolve, ref)  # LayerNotFound if unknown
+        disk = Path(handle["dir"]) / "image.qcow2"
+        base = self.vm_images.blob(image.digest)
+        await run_tool("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(disk))
+        config.machine, config.boot_disk = "q35", disk
+        handle["disk_image"] = image.digest  # what gc must keep while this VM lives
+        await self._start(sandbox_id, config, handle)
+        # Created once QEMU runs: whether the image's guest runs our agent shows later.
+        wait = asyncio.ensure_future(AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S))
+        self._agent_waits[sandbox_id] = wait
+
+    async def _channel(self, sandbox_id: str, handle: dict[str, Any]) -> AgentChannel:
+        if not handle.get("disk_image"):
+            return await super()._channel(sandbox_id, handle)
+        wait = self._agent_waits.get(sandbox_id)
+        try:
+            if wait is not None:
+                channel = await asyncio.shield(wait)
+                if sandbox_id not in self._channels:
+                    self._channels[sandbox_id] = channel
+            return await super()._channel(sandbox_id, handle)
+        except (TimeoutError, OSError) as exc:
+            raise InvalidRequest(
+                f"VM {sandbox_id} boots its own image, which runs no DSec guest agent (none answered"
+                " on the dsec.agent port): processes and files need it; the display, input,"
+                " pause and stop work without"
+            ) from exc
+
+    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+        if handle.get("disk_image") and sandbox_id not in self._channels:
+            # No agent to reconnect to (or not known yet): the machine just carries on.
+            if handle.get("snapshot"):
+                await self.prefetch(sandbox_id, handle)
+            handle.pop("resumed", None)
+            await self._qmp(handle, "cont")
+            return
+        await super().thaw(sandbox_id, handle)
+
+    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+        wait = self._agent_waits.pop(sandbox_id, None)
+        if wait is not None:
+            wait.cancel()
+            await asyncio.wait({wait})
+            if not wait.cancelled() and wait.exception() is None:
+                self._channels.setdefault(sandbox_id, wait.result())  # closed by the destroy
+        await super().destroy(sandbox_id, handle, workdir)
+
+    def images_in_use(self) -> set[str]:
+        """Digests of the imported images the VMs of this node boot from."""
+        found = set()
+        for state in self.state_dir.glob("sb-*.json") if self.state_dir.is_dir() else []:
+            try:
+                digest = json.loads(state.read_text()).get("disk_image")
+            except (OSError, ValueError):
+                continue
+            if digest:
+                found.add(str(digest))
+        return found
 
     def qemu(self, handle: dict[str, Any]) -> AbstractAsyncContextManager[QmpControl]:
         """QEMU's own control of the VM: display and input are QEMU calls (no other monitor)."""
