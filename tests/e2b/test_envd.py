@@ -107,7 +107,7 @@ async def test_a_pty_session_sees_a_terminal_of_its_size_and_a_resize(e2b: E2B) 
             while not data.rstrip().endswith((b"#", b"$")):  # the prompt: typeahead gets mangled
                 await asyncio.sleep(0.05)
             # The terminal echoes input: the word looked for must not be in what was typed.
-            await sbx.pty.send_stdin(h.pid, b"stty size; test -t 0 && echo is-a-tt''y\\n")
+            await sbx.pty.send_stdin(h.pid, b"stty size; tty; test -t 0 && echo is-a-tt''y\\n")
             while b"is-a-tty" not in data:
                 await asyncio.sleep(0.05)
             await sbx.pty.resize(h.pid, PtySize(rows=40, cols=120))
@@ -119,7 +119,7 @@ async def test_a_pty_session_sees_a_terminal_of_its_size_and_a_resize(e2b: E2B) 
         """
     )
     text = out["text"].replace("\r", "")
-    assert "30 100\n" in text and "is-a-tty\n" in text
+    assert "30 100\n" in text and "is-a-tty\n" in text and "\n/dev/pts/" in text
     assert "40 120\n" in text
     assert out["code"] == 0
 

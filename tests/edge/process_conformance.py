@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -192,13 +193,14 @@ class ProcessConformance:
     async def test_a_pty_process_has_a_terminal_of_the_size_asked_and_resizes(
         self, ct_link: EdgeLink, ct_sandbox: str
     ) -> None:
-        script = "[ -t 0 ] && [ -t 1 ] && echo is-a-tty; stty size; echo $TERM; read x; stty size"
+        script = "[ -t 0 ] && [ -t 1 ] && echo is-a-tty; tty; stty size; echo $TERM; read x; stty size"
         events = ct_link.start_process(ct_sandbox, start(["sh", "-c", script], pty=PtySize(rows=24, cols=80)))
         pid = (await next_event(events)).pid
         assert [p.pty for p in await ct_link.list_processes(ct_sandbox) if p.pid == pid] == [True]
         seen = bytearray()
         await until(events, b"xterm-256color", seen)
-        assert b"is-a-tty\r\n24 80\r\n" in seen
+        # A terminal of the sandbox's own devpts: it has a name inside (ttyname works).
+        assert re.search(rb"is-a-tty\r\n/dev/pts/\d+\r\n24 80\r\n", seen), bytes(seen)
         await ct_link.resize_process(ct_sandbox, pid, PtySize(rows=50, cols=132))
         await ct_link.send_process_input(ct_sandbox, pid, b"go\r")
         out, _, end = await to_end(events)

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from dsec.backends.base import HoldsProcesses, HostRooted, Spawned, User, sandbox_env
+from dsec.executor import pty
 from dsec.executor.file_ops import FileOps
 from dsec.executor.held import HeldProcess, ProcessTable, set_size
 from dsec.executor.process import SandboxProcess
@@ -138,9 +139,12 @@ class Processes:
                 sandbox_id, handle, req.argv, env=env, cwd=cwd, user=user, tty=None, stdin=req.stdin
             )
             return held, None
-        # The terminal is the host's (devpts of the edge): the sandbox cannot open its slave
-        # by name, and its master stays with the edge.
-        master, slave = os.openpty()
+        # A sandbox whose root the host reaches gets a terminal of its own devpts (named inside:
+        # `tty` works); others one of the host's. The master stays with the edge either way.
+        if isinstance(backend, HostRooted):
+            master, slave = await asyncio.to_thread(pty.open_in_sandbox, backend.root_path(handle), user.uid)
+        else:
+            master, slave = os.openpty()
         try:
             set_size(master, req.pty)
             os.set_blocking(master, False)
