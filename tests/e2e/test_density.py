@@ -27,3 +27,14 @@ async def test_held_sessions_cost_no_thread_each(node: EmbeddedNode, make_sandbo
 
 def test_the_node_raised_pid_max(node: EmbeddedNode) -> None:
     assert int(Path("/proc/sys/kernel/pid_max").read_text()) >= PID_MAX_WANTED
+
+
+async def test_a_held_session_costs_the_edge_two_fds(node: EmbeddedNode, make_sandbox: Sandboxes) -> None:
+    boxes = [await make_sandbox(memory_limit_mb=64) for _ in range(9)]
+    await boxes[0].run_shell("true")  # warm: the client's connection, the edge's helpers
+    before = len(os.listdir("/proc/self/fd"))
+    for sb in boxes[1:]:
+        await sb.run_shell("true")
+    # stdout and stderr pipes only (no stdin, no pidfd): RLIMIT_NOFILE (20,000 here, not
+    # raisable) allows ~9,900 held sessions where 4 fds each allowed ~4,900.
+    assert len(os.listdir("/proc/self/fd")) - before == 2 * (len(boxes) - 1)

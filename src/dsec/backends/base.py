@@ -164,6 +164,23 @@ class Spawned:
 
 
 @runtime_checkable
+class HoldsSessions(Protocol):
+    """A backend that starts session shells its own way, holding fewer of the edge's fds per
+    idle session than :meth:`Backend.spawn` (containers: 2 rather than 4)."""
+
+    async def spawn_session(
+        self,
+        sandbox_id: str,
+        handle: dict[str, Any],
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+    ) -> SandboxProcess: ...
+
+
+@runtime_checkable
 class HoldsProcesses(Protocol):
     """A backend that starts the long-lived processes of the edge's process table itself:
     with their PID as the sandbox sees it, and optionally on a pseudo-terminal (containers).

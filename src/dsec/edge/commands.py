@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsec.backends.base import Display, sandbox_env
+from dsec.backends.base import Display, HoldsSessions, sandbox_env
 from dsec.executor.file_ops import FileOps
 from dsec.executor.process import DEFAULT_MAX_OUTPUT, SandboxProcess, run_streaming
 from dsec.executor.session import DRIVER, Session
@@ -110,7 +110,9 @@ class Commands:
 
             async def spawn() -> SandboxProcess:
                 shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
-                return await self.backend_of(rec).spawn(
+                backend = self.backend_of(rec)
+                start = backend.spawn_session if isinstance(backend, HoldsSessions) else backend.spawn
+                return await start(
                     sandbox_id,
                     rec.handle,
                     [shell, "-c", DRIVER],

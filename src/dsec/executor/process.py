@@ -207,32 +207,93 @@ def watch_children_with_pidfds() -> None:
         asyncio.set_child_watcher(_PidfdWatcher())
 
 
+def _watcher() -> _PidfdWatcher | None:
+    watcher = asyncio.get_child_watcher()
+    return watcher if isinstance(watcher, _PidfdWatcher) else None
+
+
+def watch_lazily(pid: int) -> None:
+    """Stop watching the child ``pid`` through a pidfd: it holds no fd until :func:`watch_child`
+    (or :func:`poll_child` finds it gone). For session shells, which idle for hours by the
+    thousand: a pidfd each was a quarter of the fds an edge spent per held session."""
+    watcher = _watcher()
+    if watcher is not None:
+        watcher.rest(pid)
+
+
+def poll_child(pid: int) -> int | None:
+    """Reap the lazily watched child ``pid`` if it has ended (one waitid, no fd): its exit code
+    as asyncio reports it, else None (still running, or not lazily watched)."""
+    watcher = _watcher()
+    return None if watcher is None else watcher.poll(pid)
+
+
+def watch_child(pid: int) -> None:
+    """Watch a lazily watched child through a pidfd again (before awaiting its end)."""
+    watcher = _watcher()
+    if watcher is not None:
+        watcher.wake(pid)
+
+
+_Handler = tuple[asyncio.AbstractEventLoop, Callable[..., object], tuple[object, ...]]
+
+
 class _PidfdWatcher(asyncio.AbstractChildWatcher):
     """Python 3.12's pidfd watcher for 3.11: each child is watched on the loop that started it
-    (3.11's own binds to one loop, and the tests run several)."""
+    (3.11's own binds to one loop, and the tests run several). A child can also rest, with no
+    pidfd: then its end is noticed when someone asks (:func:`poll_child`, :func:`watch_child`)."""
+
+    def __init__(self) -> None:
+        self._active: dict[int, tuple[int, _Handler]] = {}
+        self._resting: dict[int, _Handler] = {}
 
     def add_child_handler(self, pid: int, callback: Callable[..., object], *args: object) -> None:
-        loop = asyncio.get_running_loop()
+        self._watch(pid, (asyncio.get_running_loop(), callback, args))
+
+    def _watch(self, pid: int, handler: _Handler) -> None:
         pidfd = os.pidfd_open(pid)
-        loop.add_reader(pidfd, self._reap, loop, pid, pidfd, callback, args)
+        self._active[pid] = (pidfd, handler)
+        handler[0].add_reader(pidfd, self._reap, pid)
+
+    def rest(self, pid: int) -> None:
+        entry = self._active.pop(pid, None)
+        if entry is not None:
+            pidfd, handler = entry
+            handler[0].remove_reader(pidfd)
+            os.close(pidfd)
+            self._resting[pid] = handler
+
+    def wake(self, pid: int) -> None:
+        handler = self._resting.pop(pid, None)
+        if handler is not None:
+            self._watch(pid, handler)
+
+    def poll(self, pid: int) -> int | None:
+        handler = self._resting.get(pid)
+        if handler is None:
+            return None
+        with contextlib.suppress(ChildProcessError):  # gone already: _finish says so
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return None
+        del self._resting[pid]
+        return self._finish(pid, handler)
+
+    def _reap(self, pid: int) -> None:
+        pidfd, handler = self._active.pop(pid)
+        handler[0].remove_reader(pidfd)
+        os.close(pidfd)
+        self._finish(pid, handler)
 
     @staticmethod
-    def _reap(
-        loop: asyncio.AbstractEventLoop,
-        pid: int,
-        pidfd: int,
-        callback: Callable[..., object],
-        args: tuple[object, ...],
-    ) -> None:
-        loop.remove_reader(pidfd)
+    def _finish(pid: int, handler: _Handler) -> int:
         try:
             _, status = os.waitpid(pid, 0)
             code = os.waitstatus_to_exitcode(status)
         except ChildProcessError:
             code = 255  # reaped by someone else: the status is lost (as asyncio reports it)
-        finally:
-            os.close(pidfd)
+        _, callback, args = handler
         callback(pid, code, *args)
+        return code
 
     def remove_child_handler(self, pid: int) -> bool:
         return True  # the reader goes when the child exits

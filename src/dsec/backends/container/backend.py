@@ -285,6 +285,20 @@ class ContainerBackend:
             sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper
         )
 
+    async def spawn_session(
+        self,
+        sandbox_id: str,
+        handle: dict[str, Any],
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        user: User,
+    ) -> enter.SessionShell:
+        return await enter.spawn_session(
+            sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper
+        )
+
     async def spawn_held(
         self,
         sandbox_id: str,

@@ -31,13 +31,14 @@ import functools
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci
-from dsec.executor.process import kill_tree
+from dsec.executor.process import kill_tree, poll_child, watch_child, watch_lazily
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 SOURCE = Path(__file__).parent / "enter" / "dsec_enter.c"
@@ -248,6 +249,137 @@ async def spawn_held(
     return Spawned(proc, ns, pids.get("host"))
 
 
+async def spawn_session(
+    sandbox_id: str,
+    handle: dict[str, Any],
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    user: User,
+    helper: Path,
+) -> SessionShell:
+    """As :func:`spawn_entered`, for a session shell that idles between commands, holding 2
+    of the edge's fds rather than 4 (RLIMIT_NOFILE, 20,000 here and not raisable, allowed
+    ~4,900 held sessions): stdout and stderr stay pipes the edge reads (a socket would make
+    ``> /dev/stdout`` fail with ENXIO), the helper keeps the write end of stdin
+    (``--hold-stdin``) and the edge opens it per command, and no pidfd watches the helper
+    while it idles (:func:`dsec.executor.process.watch_lazily`)."""
+    stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc, _ = await _enter(
+            sandbox_id,
+            handle,
+            argv,
+            env=env,
+            cwd=cwd,
+            user=user,
+            helper=helper,
+            stdio=(stdin_r, *_PIPES),
+            hold_stdin=stdin_w,
+        )
+    finally:
+        os.close(stdin_r)
+        os.close(stdin_w)
+    watch_lazily(proc.pid)
+    return SessionShell(proc, stdin_w)
+
+
+class SessionShell:
+    """A session shell started by :func:`spawn_session`, as a :class:`SandboxProcess`."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, held_fd: int) -> None:
+        self._proc = proc
+        self._code: int | None = None
+        self.stdin = _HeldStdin(self, f"/proc/{proc.pid}/fd/{held_fd}")
+
+    @property
+    def stdout(self) -> asyncio.StreamReader | None:
+        return self._proc.stdout
+
+    @property
+    def stderr(self) -> asyncio.StreamReader | None:
+        return self._proc.stderr
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        # Not watched while it idles: a shell killed meanwhile (OOM, `kill` from the sandbox)
+        # is found here, when the session is next used.
+        if self._code is None:
+            self._code = self._proc.returncode
+        if self._code is None:
+            self._code = poll_child(self._proc.pid)
+        return self._code
+
+    async def wait(self) -> int:
+        watch_child(self._proc.pid)
+        return await self._proc.wait()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def let_go(self) -> None:
+        """The helper closes the shell's stdin (the shell exits at EOF, its children live on)."""
+        if self.returncode is None:  # unreaped, so the PID is still the helper's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._proc.pid, signal.SIGURG)
+            watch_child(self._proc.pid)  # reaped when it ends, not left a zombie
+
+
+class _HeldStdin:
+    """The shell's stdin, which the helper holds: opened through its /proc fd per command."""
+
+    def __init__(self, shell: SessionShell, path: str) -> None:
+        self._shell = shell
+        self._path = path
+        self._buf = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self._buf += data
+
+    async def drain(self) -> None:
+        data, self._buf = bytes(self._buf), bytearray()
+        try:
+            # Safe while the helper is unreaped (its PID cannot be reused); a zombie's fds
+            # are gone (ENOENT): the session died.
+            fd = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BrokenPipeError(f"session shell gone: {exc}") from exc
+        try:
+            await _write_all(fd, data)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self._shell.let_go()
+
+
+async def _write_all(fd: int, data: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+            continue
+        except BlockingIOError:
+            pass
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_writer(fd, _settle, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
+
+
+def _settle(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
 _PIPES = (asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
 
 
@@ -262,9 +394,10 @@ async def _enter(
     helper: Path,
     flags: list[str] | None = None,
     stdio: tuple[int, int, int] | None = None,
+    hold_stdin: int | None = None,
 ) -> tuple[asyncio.subprocess.Process, dict[str, int] | None]:
     """The helper started and its command exec'd; with ``flags`` (a held process) also the
-    PIDs it reported on its pid pipe."""
+    PIDs it reported on its pid pipe; ``hold_stdin``: an fd the helper keeps (--hold-stdin)."""
     spec = _spec(argv, env)
     spec_fd = os.memfd_create("dsec-enter-spec", os.MFD_CLOEXEC)
     status_r, status_w = os.pipe2(os.O_CLOEXEC)
@@ -276,6 +409,10 @@ async def _enter(
         cmd = helper_argv(helper, sandbox_id, handle, cwd=cwd, user=user, spec_fd=spec_fd, status_fd=status_w)
         if flags is not None:
             cmd += [*flags, "--pid-fd", str(pid_w)]
+        passed: tuple[int, ...] = (spec_fd, status_w) if pid_w < 0 else (spec_fd, status_w, pid_w)
+        if hold_stdin is not None:
+            cmd += ["--hold-stdin", str(hold_stdin)]
+            passed += (hold_stdin,)
         stdin, stdout, stderr = stdio or (asyncio.subprocess.PIPE, *_PIPES)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -284,7 +421,7 @@ async def _enter(
                 stdout=stdout,
                 stderr=stderr,
                 env={},  # the command's environment travels in the spec, not through the helper
-                pass_fds=(spec_fd, status_w) if pid_w < 0 else (spec_fd, status_w, pid_w),
+                pass_fds=passed,
                 start_new_session=True,  # the edge kills the whole group on a timeout
             )
         except OSError as exc:

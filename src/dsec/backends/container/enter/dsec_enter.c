@@ -4,7 +4,7 @@
  *     dsec-enter --pid PID --start-time TICKS --cgroup dsec/SANDBOX_ID --spec-fd FD
  *                [--status-fd FD] [--uid UID] [--gid GID] [--cwd DIR] [--caps CAP_X,CAP_Y]
  *                [--seccomp-bpf FILE | --deny SYSCALL,SYSCALL] [--nofile N] [--idle]
- *                [--tty] [--raise-signal] [--pid-fd FD]
+ *                [--tty] [--raise-signal] [--pid-fd FD] [--hold-stdin FD]
  *     dsec-enter --dump-seccomp --deny SYSCALL,...     (the filter's BPF program on stdout)
  *
  * The cost of `crun exec` grows with the number of sandboxes on a node (measured in the design
@@ -63,7 +63,14 @@
  *                   caller can tell a death by signal from an exit code of 128+N;
  *   --pid-fd FD     "host PID\n" (the child's PID on the host, from the parent) and "ns PID\n"
  *                   (its PID in the sandbox, from the child itself) are written to FD, which
- *                   reaches EOF once both wrote (the child's copy closes on exec).
+ *                   reaches EOF once both wrote (the child's copy closes on exec);
+ *   --hold-stdin FD the write end of the pipe on stdin (a session shell's command stream):
+ *                   the parent keeps it open so the edge holds no fd for it while the shell
+ *                   idles (it opens /proc/HELPER/fd/FD to write a command, then closes it).
+ *                   The parent closes it, so the shell reads EOF and exits as it did when the
+ *                   edge held the pipe, on SIGURG (the edge lets the session go) or when the
+ *                   edge's thread that started it dies (PR_SET_PDEATHSIG: an edge killed
+ *                   outright leaves no shell waiting forever).
  *
  * Exit codes: 125 when the helper failed (the message is on stderr and on --status-fd; the
  * edge reports an infrastructure failure); 127 when argv[0] or the cwd does not exist, 126
@@ -659,7 +666,8 @@ struct opts {
 	const char *cgroup, *cwd, *caps, *deny, *bpf;
 	uid_t uid;
 	gid_t gid;
-	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd;
+	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd, hold_fd;
+	pid_t edge;
 	struct rlimit nofile;
 	int have_nofile;
 };
@@ -675,7 +683,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		{ "nofile", required_argument, NULL, 'n' },   { "idle", no_argument, NULL, 'i' },
 		{ "dump-seccomp", no_argument, NULL, 'D' },   { "seccomp-bpf", required_argument, NULL, 'B' },
 		{ "tty", no_argument, NULL, 'T' },            { "raise-signal", no_argument, NULL, 'R' },
-		{ "pid-fd", required_argument, NULL, 'P' },
+		{ "pid-fd", required_argument, NULL, 'P' },  { "hold-stdin", required_argument, NULL, 'H' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -684,6 +692,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 	o->pid = o->start_time = -1;
 	o->spec_fd = -1;
 	o->pid_fd = -1;
+	o->hold_fd = -1;
 	o->cwd = "/";
 	o->caps = "";
 	o->deny = "";
@@ -710,6 +719,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		case 'T': o->tty = 1; break;
 		case 'R': o->raise_signal = 1; break;
 		case 'P': o->pid_fd = (int)parse_num(optarg, "--pid-fd", 0, INT_MAX); break;
+		case 'H': o->hold_fd = (int)parse_num(optarg, "--hold-stdin", 3, INT_MAX); break;
 		default: die(0, "usage: see the comment at the top of dsec_enter.c");
 		}
 	}
@@ -751,6 +761,16 @@ static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitse
 		write_all(oom_fd, "-1000", 5);
 		close(oom_fd);
 	}
+	int hold_fd = o->hold_fd;
+	if (hold_fd >= 0) {
+		/* SIGURG is blocked (in waitset) and its default is to ignore: harmless either way. */
+		if (prctl(PR_SET_PDEATHSIG, SIGURG, 0, 0, 0) < 0)
+			die(errno, "PR_SET_PDEATHSIG");
+		if (getppid() != o->edge) { /* the edge died before that: let go now */
+			close(hold_fd);
+			hold_fd = -1;
+		}
+	}
 	for (;;) {
 		siginfo_t info;
 		int sig = sigwaitinfo(waitset, &info);
@@ -758,6 +778,12 @@ static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitse
 			if (errno == EINTR)
 				continue;
 			die(errno, "sigwaitinfo");
+		}
+		if (sig == SIGURG) {
+			if (hold_fd >= 0)
+				close(hold_fd); /* the shell reads EOF and exits; its children live on */
+			hold_fd = -1;
+			continue;
 		}
 		if (sig != SIGCHLD) {
 			kill(child, sig);
@@ -868,10 +894,13 @@ int main(int argc, char **argv)
 	if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
 		die(errno, "PR_SET_DUMPABLE");
 	parse_opts(argc, argv, &o);
+	o.edge = getppid();
 	if (status_fd >= 0 && fcntl(status_fd, F_SETFD, FD_CLOEXEC) < 0)
 		die(errno, "bad --status-fd");
 	if (o.pid_fd >= 0 && fcntl(o.pid_fd, F_SETFD, FD_CLOEXEC) < 0)
 		die(errno, "bad --pid-fd");
+	if (o.hold_fd >= 0 && fcntl(o.hold_fd, F_SETFD, FD_CLOEXEC) < 0)
+		die(errno, "bad --hold-stdin");
 	signal(SIGCHLD, SIG_DFL); /* an inherited SIG_IGN would reap the child behind our back */
 	if (o.bpf && !o.dump_seccomp)
 		prog = read_bpf(o.bpf);
@@ -920,6 +949,8 @@ int main(int argc, char **argv)
 	for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
 		sigaddset(&waitset, forwarded[i]);
 	sigaddset(&waitset, SIGCHLD);
+	if (o.hold_fd >= 0)
+		sigaddset(&waitset, SIGURG);
 	if (sigprocmask(SIG_BLOCK, &waitset, NULL) < 0)
 		die(errno, "sigprocmask");
 	pid = fork();

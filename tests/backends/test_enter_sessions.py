@@ -1,0 +1,136 @@
+"""Session shells through ``dsec-enter --hold-stdin``: what an idle session costs the edge, and
+how a shell is let go (by the edge, or by the edge's death)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec.backends.base import CreateContext, sandbox_env
+from dsec.backends.container import enter
+from dsec.executor.process import descendants, watch_children_with_pidfds
+from dsec.executor.session import DRIVER, Session
+from tests.support import DEADLINE_S, eventually
+
+from .conformance import Made
+from .test_enter import ROOT, _dead, backend, helper, layer_dirs, made, probe, sandbox  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def spawner(
+    helper: Path,  # noqa: F811
+    ctx: CreateContext,
+    h: dict[str, Any],
+) -> Callable[[], Awaitable[enter.SessionShell]]:
+    async def spawn() -> enter.SessionShell:
+        env = sandbox_env(ctx.spec, ROOT)
+        return await enter.spawn_session(
+            ctx.sandbox_id, h, ["sh", "-c", DRIVER], env=env, cwd="/", user=ROOT, helper=helper
+        )
+
+    return spawn
+
+
+async def start(helper: Path, made: Made) -> enter.SessionShell:  # noqa: F811
+    return await spawner(helper, *await sandbox(made))()
+
+
+async def run(
+    session: Session, command: str, timeout: float = DEADLINE_S
+) -> tuple[int | None, str, str, bool]:
+    r = await session.run(command, timeout=timeout, max_output=1 << 20, oom_kills=lambda: 0)
+    return r.exit_code, r.stdout, r.stderr, r.timed_out
+
+
+async def test_an_idle_session_holds_two_edge_fds_and_commands_keep_their_streams(
+    helper: Path,  # noqa: F811
+    made: Made,  # noqa: F811
+) -> None:
+    watch_children_with_pidfds()  # as the edge does
+    shells = [await start(helper, made) for _ in range(2)]  # warm: the helper's status pipes etc.
+    before = open_fds()
+    more = [await start(helper, made) for _ in range(4)]
+    # stdout and stderr pipes: the helper holds stdin's write end, no pidfd while idle.
+    assert open_fds() - before == 2 * len(more)
+    session = Session("s", spawner(helper, *await sandbox(made)))
+    assert await run(session, "true") == (0, "", "", False)
+    before = open_fds()
+    assert await run(
+        session,
+        "cd /tmp; X=1; echo out; echo err >&2; printf 'no newline'; exit_code() { return 3; }; exit_code",
+    ) == (
+        3,
+        "out\nno newline",
+        "err\n",
+        False,
+    )
+    assert await run(
+        session, 'echo "$X $(pwd)"; echo to-stdout > /dev/stdout; echo to-stderr > /dev/stderr'
+    ) == (
+        0,
+        "1 /tmp\nto-stdout\n",
+        "to-stderr\n",
+        False,
+    )
+    assert open_fds() == before  # the command's stdin fd closed again
+    assert await run(session, "while :; do :; done", timeout=0.5) == (None, "", "", True)
+    assert await run(session, 'echo "fresh ${X:-shell}"') == (0, "fresh shell\n", "", False)  # next shell
+    assert await run(session, "exit 7") == (7, "", "", False)
+    for shell in [*shells, *more]:
+        shell.kill()
+        await asyncio.wait_for(shell.wait(), DEADLINE_S)
+    await session.kill()
+
+
+async def test_a_shell_let_go_exits_at_eof_and_its_children_live_on(helper: Path, made: Made) -> None:  # noqa: F811
+    watch_children_with_pidfds()
+    session = Session("s", spawner(helper, *await sandbox(made)))
+    assert (await run(session, "sleep 1000 >/dev/null 2>&1 &"))[0] == 0
+    shell = session._proc
+    assert isinstance(shell, enter.SessionShell)
+    (sleep,) = await eventually(lambda: [p for p in descendants(shell.pid) if _comm(p) == "sleep"], "sleep")
+    session.detach()
+    assert await asyncio.wait_for(shell.wait(), DEADLINE_S) == 0  # the driver loop ended at EOF
+    assert not _dead(sleep)
+
+
+async def test_a_dead_edge_thread_lets_its_session_shells_go(helper: Path, made: Made) -> None:  # noqa: F811
+    """An edge that dies without letting go (killed) must not leave shells waiting forever."""
+    watch_children_with_pidfds()  # which leaves the resting helper to us to reap
+    ctx, h = await sandbox(made)
+    pids: list[int] = []
+
+    def edge() -> None:  # its own loop and thread: the helper's "parent" for PR_SET_PDEATHSIG
+        async def spawn() -> None:
+            shell = await enter.spawn_session(
+                ctx.sandbox_id, h, ["sh", "-c", DRIVER], env={}, cwd="/", user=ROOT, helper=helper
+            )
+            pids.append(shell.pid)
+
+        asyncio.run(spawn())
+
+    thread = threading.Thread(target=edge)  # not a pool's: it must end
+    thread.start()
+    await asyncio.to_thread(thread.join)
+    (pid,) = pids
+    await eventually(lambda: _dead(pid), "the helper to end once the shell read EOF")
+    _, status = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - a zombie already
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
