@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 from aiohttp import web
@@ -11,7 +12,16 @@ from dsec.iam import IamStore, Principal
 from dsec.protocol.errors import Forbidden, InvalidRequest
 from dsec.protocol.http import label_filter, respond
 
-__all__ = ["IAM_KEY", "PRINCIPAL", "label_filter", "query_param", "read_body", "require_admin", "respond"]
+__all__ = [
+    "IAM_KEY",
+    "PRINCIPAL",
+    "label_filter",
+    "query_param",
+    "read_body",
+    "require_admin",
+    "respond",
+    "stream_bytes",
+]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -34,3 +44,23 @@ def query_param(request: web.Request, name: str) -> str:
     if not value:
         raise InvalidRequest(f"query parameter {name!r} is required")
     return value
+
+
+async def stream_bytes(
+    request: web.Request, chunks: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None
+) -> web.StreamResponse:
+    """Answer with ``chunks`` as an octet stream. The first chunk is awaited before the status
+    is sent, so an error the stream raises at once (a missing file) is still a proper 4xx;
+    ``chunks`` is closed however this ends (a client gone mid-way stops the reading)."""
+    try:
+        first = await anext(chunks, b"")
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", **(headers or {})})
+        await resp.prepare(request)
+        if first:
+            await resp.write(first)
+        async for chunk in chunks:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+    finally:
+        await chunks.aclose()

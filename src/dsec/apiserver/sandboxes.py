@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from dsec.apiserver._http import PRINCIPAL, label_filter, query_param, read_body, respond
+from dsec.apiserver._http import PRINCIPAL, label_filter, query_param, read_body, respond, stream_bytes
 from dsec.apiserver.remote_edge import never_reached_edge
 from dsec.apiserver.tenancy import Tenancy
 from dsec.edge.link import EdgeLink
@@ -288,19 +288,7 @@ class SandboxRoutes:
 
     async def download(self, request: web.Request) -> web.StreamResponse:
         link, sid = await self.owned(request)
-        chunks = link.read_stream(sid, query_param(request, "path"))
-        try:
-            first = await anext(chunks, None)  # a missing file is still a proper 404
-            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-            await resp.prepare(request)
-            if first:
-                await resp.write(first)
-            async for chunk in chunks:
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-        finally:
-            await chunks.aclose()
+        return await stream_bytes(request, link.read_stream(sid, query_param(request, "path")))
 
     async def upload(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)

@@ -16,10 +16,11 @@ values, as protobuf does, since older SDK parsers drop unknown fields but not wr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -36,6 +37,7 @@ from dsec.protocol.errors import (
     Unauthorized,
 )
 
+T = TypeVar("T")
 END_STREAM = 0x02
 _COMPRESSED = 0x01
 _HEADER = struct.Struct(">BI")
@@ -237,3 +239,39 @@ class ServerStream:
             return max(1.0, float(raw)) if raw else None
         except ValueError:
             return None
+
+
+async def pump(
+    stream: ServerStream,
+    events: AsyncGenerator[T, None],
+    wrap: Callable[[T], dict[str, Any]],
+    keepalive: dict[str, Any],
+) -> web.StreamResponse:
+    """Send each of ``events`` as a message, and ``keepalive`` whenever it has been quiet for the
+    client's keepalive interval; an error (before or after the first event) ends the stream
+    with its Connect code. Closing ``events`` at the end detaches from whatever produces them."""
+    interval = stream.keepalive_s()
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                await stream.send(keepalive)
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return await stream.end()
+            await stream.send(wrap(item))
+    except DSecError as exc:
+        return await stream.end(from_dsec(exc))
+    except ConnectError as exc:
+        return await stream.end(exc)
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, DSecError):
+                await pending
+        await events.aclose()

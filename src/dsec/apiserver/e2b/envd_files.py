@@ -25,7 +25,8 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec
+from dsec.apiserver._http import stream_bytes
+from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, pump
 from dsec.edge.link import EdgeLink
 from dsec.protocol.errors import DSecError, FileNotFound, InvalidRequest
 from dsec.protocol.models import FileStat, FileType
@@ -111,23 +112,8 @@ class Owners:
 
 async def download(request: web.Request, link: EdgeLink, sandbox_id: str, user: str) -> web.StreamResponse:
     path = absolute(request.query.get("path", ""), user)
-    chunks = link.read_stream(sandbox_id, path)
-    try:
-        first = await anext(chunks, b"")  # a missing file is still a proper 404
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "application/octet-stream",
-                "Content-Disposition": f'attachment; filename="{posixpath.basename(path)}"',
-            }
-        )
-        await resp.prepare(request)
-        await resp.write(first)
-        async for chunk in chunks:
-            await resp.write(chunk)
-        await resp.write_eof()
-        return resp
-    finally:
-        await chunks.aclose()
+    disposition = {"Content-Disposition": f'attachment; filename="{posixpath.basename(path)}"'}
+    return await stream_bytes(request, link.read_stream(sandbox_id, path), disposition)
 
 
 async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -198,6 +184,10 @@ class _Watcher:
             await self.events.aclose()
 
 
+def _watch_message(event: WatchEvent) -> dict[str, Any]:
+    return {"start": {}} if event.t == "start" else {"filesystem": _fs_event(event)}
+
+
 def _fs_event(event: WatchEvent) -> dict[str, Any]:
     return {"name": event.name, "type": _EVENTS[event.t]}
 
@@ -261,29 +251,7 @@ class FilesystemService:
         stream = ServerStream(request)
         path = absolute(field(msg, "path", ""), user)
         events = link.watch_dir(sandbox_id, path, bool(field(msg, "recursive", False)))
-        keepalive = stream.keepalive_s()
-        pending: asyncio.Task[WatchEvent] | None = None
-        try:
-            while True:
-                pending = pending or asyncio.ensure_future(anext(events))
-                done, _ = await asyncio.wait({pending}, timeout=keepalive)
-                if not done:
-                    await stream.send({"keepalive": {}})
-                    continue
-                task, pending = pending, None
-                try:
-                    event = task.result()
-                except StopAsyncIteration:
-                    return await stream.end()
-                await stream.send({"start": {}} if event.t == "start" else {"filesystem": _fs_event(event)})
-        except DSecError as exc:
-            return await stream.end(from_dsec(exc))
-        finally:
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, DSecError):
-                    await pending
-            await events.aclose()
+        return await pump(stream, events, _watch_message, {"keepalive": {}})
 
     async def create_watcher(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str

@@ -12,12 +12,12 @@ import asyncio
 import base64
 import contextlib
 import signal as signals
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
-from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, timeout_s
+from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, pump, timeout_s
 from dsec.edge.link import EdgeLink
 from dsec.protocol.errors import DSecError
 from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize
@@ -63,6 +63,13 @@ def _signal_name(number: int) -> str:
     with contextlib.suppress(ValueError):
         return names.get(signals.Signals(number), signals.Signals(number).name.lower().removeprefix("sig"))
     return str(number)
+
+
+def _wrap(event: ProcessEvent) -> dict[str, Any]:
+    return {"event": event_wire(event)}
+
+
+_KEEPALIVE: dict[str, Any] = {"event": {"keepalive": {}}}
 
 
 def info_wire(info: ProcessInfo) -> dict[str, Any]:
@@ -124,42 +131,6 @@ async def select(link: EdgeLink, sandbox_id: str, msg: dict[str, Any] | None) ->
     raise ConnectError("not_found", f"no running process tagged {tag!r}")
 
 
-async def forward(
-    stream: ServerStream,
-    events: AsyncGenerator[ProcessEvent, None],
-    wrap: Callable[[ProcessEvent], dict[str, Any]],
-) -> web.StreamResponse:
-    """Send ``events`` as stream messages, with keepalives while it is quiet; the first event
-    (or the error before it) decides whether the client sees a start or an error."""
-    keepalive = stream.keepalive_s()
-    pending: asyncio.Task[ProcessEvent] | None = None
-    try:
-        while True:
-            pending = pending or asyncio.ensure_future(anext(events))
-            done, _ = await asyncio.wait({pending}, timeout=keepalive)
-            if not done:
-                await stream.send({"event": {"keepalive": {}}})
-                continue
-            task, pending = pending, None
-            try:
-                event = task.result()
-            except StopAsyncIteration:
-                return await stream.end()
-            await stream.send(wrap(event))
-            if event.t == "end":
-                return await stream.end()
-    except DSecError as exc:
-        return await stream.end(from_dsec(exc))
-    except ConnectError as exc:
-        return await stream.end(exc)
-    finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, DSecError):
-                await pending
-        await events.aclose()  # detaches: the process runs on
-
-
 class ProcessService:
     """The unary and streaming handlers, each given the request's sandbox, link and user."""
 
@@ -171,7 +142,7 @@ class ProcessService:
             req = start_request(msg, user, timeout_s(request))
         except ConnectError as exc:
             return await stream.end(exc)
-        return await forward(stream, link.start_process(sandbox_id, req), lambda e: {"event": event_wire(e)})
+        return await pump(stream, link.start_process(sandbox_id, req), _wrap, _KEEPALIVE)
 
     async def connect(
         self, request: web.Request, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str | None
@@ -183,9 +154,7 @@ class ProcessService:
             return await stream.end(exc)
         except DSecError as exc:
             return await stream.end(from_dsec(exc))
-        return await forward(
-            stream, link.connect_process(sandbox_id, pid), lambda e: {"event": event_wire(e)}
-        )
+        return await pump(stream, link.connect_process(sandbox_id, pid), _wrap, _KEEPALIVE)
 
     async def list(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
         return {"processes": [info_wire(i) for i in await link.list_processes(sandbox_id)]}
