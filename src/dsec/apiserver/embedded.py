@@ -78,7 +78,10 @@ def vm_backends(config: NodeConfig, store: LayerStore) -> list[Backend]:
         out.append(micro)
     if config.vm:
         accel = micro.accel if config.microvm_accel else None
-        out.append(FullVMBackend(config.data_dir, accel=accel, vm_images=vm_image_store(store)))
+        images = vm_image_store(store)
+        out.append(
+            FullVMBackend(config.data_dir, accel=accel, vm_images=images, layer_exists=store.blobs.exists)
+        )
     return out
 
 

@@ -211,6 +211,16 @@ class HostRooted(Protocol):
 
 
 @runtime_checkable
+class CollectsUnused(Protocol):
+    """A backend keeping node-local files of its own that outlive sandboxes (a full VM's base
+    images): the layer gc's round through the edges lets it remove the ones nobody uses."""
+
+    def collect_unused(self) -> list[str]:
+        """Remove what no sandbox of this node uses any more; returns what went."""
+        ...
+
+
+@runtime_checkable
 class Networked(Protocol):
     """A backend whose sandboxes sit in a Linux network namespace the edge can enter, so
     network permissions can give them a link (containers; VMs would need a tap device)."""

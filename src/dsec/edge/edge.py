@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, CreateContext, Forkable, User
+from dsec.backends.base import Backend, CollectsUnused, CreateContext, Forkable, User
 from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
 from dsec.density.swap import Swap, SwapConfig, free_swap_bytes
 from dsec.edge import hardware
@@ -241,6 +241,10 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         """
         if unmount_idle:
             self.mounts.unmount_unused()
+            # The same round collects what backends built from layers on this node (bases).
+            for backend in self.backends.values():
+                if isinstance(backend, CollectsUnused):
+                    backend.collect_unused()
         used = {digest for live in self._live.values() for digest in live.record.layers}
         for live in self._live.values():  # a full VM's imported image (kept by the same gc)
             if image := live.record.handle.get("disk_image"):

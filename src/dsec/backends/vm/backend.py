@@ -18,11 +18,11 @@ for its READY up to the boot deadline, and without it answers that the image has
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from dsec.backends.microvm.backend import BOOT_TIMEOUT_S, DEFAULT_DISK_MB, Micro
 from dsec.backends.microvm.channel import AgentChannel
 from dsec.backends.microvm.host import run_tool, socket_dir
 from dsec.backends.microvm.vmm import QemuVmm, QmpControl
+from dsec.backends.vm import bases
 from dsec.backends.vm.display import qmp_events
 from dsec.images.vm_images import VmImageStore
 from dsec.protocol.errors import InfraFailure, InvalidRequest
@@ -50,10 +51,16 @@ class FullVMBackend(MicroVMBackend):
         accel: qemu.Accel | None = None,
         kit_dir: Path | None = None,
         vm_images: VmImageStore | None = None,
+        layer_exists: Callable[[str], bool] | None = None,
+        base_grace_s: float = bases.GRACE_S,
     ) -> None:
         super().__init__(data_dir, accel=accel, kit_dir=kit_dir, use_templates=False)
-        self.bases = self.state_dir / "bases"
+        self.bases = bases.Bases(self.state_dir / "bases")
+        self.layer_exists = layer_exists  # whether the store still holds a layer (gc of bases)
+        self.base_grace_s = base_grace_s
         self._base_locks: dict[str, asyncio.Lock] = {}
+        # Bases a create is building or about to boot from (before its handle names them).
+        self._taking: Counter[str] = Counter()
         self.vm_images = vm_images
         self._agent_waits: dict[str, asyncio.Task[AgentChannel]] = {}
 
@@ -63,20 +70,30 @@ class FullVMBackend(MicroVMBackend):
             await self._boot_image(ctx.sandbox_id, ref, config, handle)
             return
         disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
-        base = await self._base_image(ctx.layer_digests, ctx.layer_dirs, disk_mb)
-        root = Path(handle["dir"]) / "root.qcow2"
-        await run_tool("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(root))
-        config.machine, config.root_disk = "q35", root
-        await self._start(ctx.sandbox_id, config, handle)
+        key = self.bases.key(ctx.layer_digests, disk_mb)
+        self._taking[key] += 1  # a collection now must not take the base from under this create
+        try:
+            base = await self._base_image(key, ctx.layer_digests, ctx.layer_dirs, disk_mb)
+            root = Path(handle["dir"]) / "root.qcow2"
+            await run_tool(
+                "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(root)
+            )
+            config.machine, config.root_disk = "q35", root
+            handle["base"] = key  # what the collection of bases keeps while this VM lives
+            await self._start(ctx.sandbox_id, config, handle)
+        finally:
+            self._taking[key] -= 1
+            if not self._taking[key]:
+                del self._taking[key]
         self._channels[ctx.sandbox_id] = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
 
-    async def _base_image(self, digests: list[str], dirs: list[Path], disk_mb: int) -> Path:
+    async def _base_image(self, key: str, digests: list[str], dirs: list[Path], disk_mb: int) -> Path:
         """The shared base image of these layers (built on first use, then reused)."""
-        key = hashlib.sha256(repr((digests, disk_mb)).encode()).hexdigest()[:24]
-        image = self.bases / f"{key}.qcow2"
+        image = self.bases.image(key)
         async with self._base_locks.setdefault(key, asyncio.Lock()):
             if not image.exists():
                 await asyncio.to_thread(_build_base, dirs, disk_mb, image)
+            await asyncio.to_thread(self.bases.used, key, digests, disk_mb)
         return image
 
     async def _boot_image(
@@ -130,6 +147,33 @@ class FullVMBackend(MicroVMBackend):
             if not wait.cancelled() and wait.exception() is None:
                 self._channels.setdefault(sandbox_id, wait.result())  # closed by the destroy
         await super().destroy(sandbox_id, handle, workdir)
+
+    def bases_in_use(self) -> set[str]:
+        """Keys of the bases this node's VMs (running or paused), fork snapshots and creates
+        in flight stand on."""
+        found = set(self._taking)
+        root = self.bases.root
+        for state in self.state_dir.glob("sb-*.json") if self.state_dir.is_dir() else []:
+            try:
+                handle = json.loads(state.read_text())
+            except (OSError, ValueError):
+                continue
+            key = handle.get("base")
+            if key is None and (handle.get("vm") or {}).get("root_disk"):
+                key = bases.base_of(Path(handle["vm"]["root_disk"]), root)  # a VM from before "base"
+            if key:
+                found.add(str(key))
+        # A fork's saved disk is a copy of its VM's overlay, on the same base.
+        for disk in (self.state_dir / "forks").glob("*/disk.qcow2"):
+            if key := bases.base_of(disk, root):
+                found.add(key)
+        return found
+
+    def collect_unused(self) -> list[str]:
+        """Remove bases nobody uses that are idle past the grace period or lost a layer
+        (driven by the layer gc's round through the edges); returns the removed keys."""
+        in_use = self.bases_in_use()
+        return self.bases.collect(in_use, self.layer_exists, grace_s=self.base_grace_s)
 
     def images_in_use(self) -> set[str]:
         """Digests of the imported images the VMs of this node boot from."""
