@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs, InvalidRequest
+from dsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, InvalidRequest
 from dsec.apiserver.embedded import EmbeddedNode
 from dsec.netpolicy import links
 from dsec.sdk.client import Sandbox
@@ -184,11 +185,35 @@ async def test_stop_removes_the_link_and_its_grants(
     assert ifname not in nft_list("set", "inet", table, "allowed")
 
 
-async def test_vms_refuse_network_permissions_for_now(client: DSecClient) -> None:
-    from dsec.sdk.args import DSecMicroVMRunArgs
-
-    with pytest.raises(InvalidRequest, match="not available for microvm"):
-        await client.run_microvm(DSecMicroVMRunArgs(container_image=BASE, network_rules={"mirror": True}))
+@pytest.mark.vm
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed")
+async def test_a_microvm_reaches_what_its_rules_grant_through_a_tap(
+    the_mirror: None, client: DSecClient, node: EmbeddedNode
+) -> None:
+    args = DSecMicroVMRunArgs(container_image=BASE, memory_limit_mb=384, network_rules={"mirror": True})
+    vm = await client.run_microvm(args)
+    ifname, table = links.link_name(vm.id), node.edge.egress.table
+    api_port = int(node.url.rsplit(":", 1)[1])
+    elsewhere = [[mirror.ADDRESS, mirror.OTHER_PORT], [GATEWAY, api_port], ["192.0.2.10", 3141]]
+    try:
+        assert links.exists(ifname), "a tap made before QEMU started"
+        assert (Path("/sys/class/net", ifname) / "tun_flags").exists()
+        out = await probe(
+            vm, connect=[[mirror.ADDRESS, mirror.PORT], *elsewhere], resolve=[mirror.NAME, mirror.OTHER_NAME]
+        )
+        assert out["open"] == [[mirror.ADDRESS, mirror.PORT]]
+        assert out["names"] == {mirror.NAME: [mirror.ADDRESS], mirror.OTHER_NAME: None}
+        assert (await probe(vm, fetch=MIRROR_URL))["fetched"] == mirror.BODY
+        # Live: the same set update as a container's; a snapshot pause keeps the tap for the
+        # QEMU that resumes it (the probe's first call wakes it).
+        await vm.set_network_rules({"mirror": False, "other": True})
+        await vm.pause()
+        out = await probe(vm, connect=BOTH_PORTS)
+        assert out["open"] == [[mirror.ADDRESS, mirror.OTHER_PORT]]
+    finally:
+        await vm.stop()
+    assert not links.exists(ifname)
+    assert ifname not in nft_list("set", "inet", table, "links")
 
 
 async def test_links_and_rules_survive_an_edge_restart(the_mirror: None, tmp_path: Path) -> None:

@@ -40,6 +40,16 @@ def sandbox_env(spec: ContainerSpec, user: User, extra: dict[str, str] | None = 
 
 
 @dataclass
+class GuestLink:
+    """A VM's network link, made by the edge before the VM starts: the host's tap device, the
+    guest's address on it, and the gateway (the host end, also the name server)."""
+
+    ifname: str
+    address: str
+    gateway: str
+
+
+@dataclass
 class CreateContext:
     sandbox_id: str
     spec: ContainerSpec
@@ -49,6 +59,7 @@ class CreateContext:
     handle: dict[str, Any] = field(default_factory=dict)
     layer_digests: list[str] = field(default_factory=list)  # the same layers (a VM attaches their files)
     nameserver: str | None = None  # what the sandbox resolves names with (the edge's, on its link)
+    link: GuestLink | None = None  # a VM's tap (Tapped backends, when the spec has network rules)
 
 
 class Backend(Protocol):
@@ -217,6 +228,17 @@ class CollectsUnused(Protocol):
 
     def collect_unused(self) -> list[str]:
         """Remove what no sandbox of this node uses any more; returns what went."""
+        ...
+
+
+@runtime_checkable
+class Tapped(Protocol):
+    """A backend whose sandboxes (VMs) reach the network through a tap device: the edge makes
+    it before the VM starts (``CreateContext.link``) when the spec names network rules, since
+    QEMU attaches it at start; a VM created without rules has no network card to grant to."""
+
+    def has_link(self, handle: dict[str, Any]) -> bool:
+        """Whether this sandbox was started with a network card on a tap."""
         ...
 
 

@@ -362,6 +362,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             self.journal.insert(rec)
             ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid), layer_digests=acquired)
             ctx.nameserver = self.egress.config.gateway if self.egress.enabled else None
+            await self._open_link(ctx, backend)  # a VM's tap, before its QEMU starts
             rec.handle = await start(ctx)  # cleans up after itself when it fails
             try:
                 await self._connect(rec)
@@ -379,6 +380,8 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             for digest in acquired:
                 self.mounts.release(digest)
             if rec is not None:
+                with contextlib.suppress(Exception):
+                    await self.egress.release(sid)  # a VM's tap made before it failed to start
                 rec.state = SandboxState.failed
                 rec.stop_reason = f"create failed: {exc}"[:500]
                 self.journal.update(rec)

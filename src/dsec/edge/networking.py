@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dsec.backends.base import Backend, Networked
+from dsec.backends.base import Backend, CreateContext, GuestLink, Networked, Tapped
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import ContainerSpec, SandboxInfo
 
@@ -32,8 +32,16 @@ class Networking:
     def _check_network(self, spec: ContainerSpec, backend: Backend) -> None:
         """Before anything is made: known permission names, and a backend that can be linked."""
         self.egress.check(spec.network_rules)
-        if self.egress.rules_need_link(spec.network_rules) and not isinstance(backend, Networked):
+        linkable = isinstance(backend, Networked | Tapped)
+        if self.egress.rules_need_link(spec.network_rules) and not linkable:
             raise InvalidRequest(f"network permissions are not available for {backend.name} sandboxes yet")
+
+    async def _open_link(self, ctx: CreateContext, backend: Backend) -> None:
+        """A VM that names network rules (even all False: it may be granted later) gets its tap
+        before it starts: QEMU attaches the network card at start, microvm cannot hot-plug."""
+        if isinstance(backend, Tapped) and ctx.spec.network_rules:
+            ifname, address = await self.egress.open_tap(ctx.sandbox_id)
+            ctx.link = GuestLink(ifname, address, self.egress.config.gateway)
 
     def _netns_pid(self, rec: Record) -> int | None:
         backend = self.backend_of(rec)
@@ -48,6 +56,13 @@ class Networking:
         """Replace the sandbox's network rules; effective in the kernel when this returns."""
         live = self._get_live(sandbox_id)  # a paused sandbox's rules change without waking it
         self.egress.check(rules)
+        backend = self.backend_of(live.record)
+        if isinstance(backend, Tapped) and not backend.has_link(live.record.handle):
+            if self.egress.rules_need_link(rules):
+                raise InvalidRequest(
+                    f"{sandbox_id} was created without network rules, so it has no network card: a VM"
+                    " gets one at create when network_rules is given (all False is enough)"
+                )
 
         async def run() -> dict[str, Any]:
             async with live.stopping:  # not while it is being stopped

@@ -1,5 +1,6 @@
 """A sandbox's link to the host: a veth pair, the host end in the node's namespace and
-``eth0`` in the sandbox's own network namespace (entered through its init's PID).
+``eth0`` in the sandbox's own network namespace (entered through its init's PID); for a VM, a
+tap device its QEMU attaches to the guest's virtio-net card.
 
 Every host end carries the same gateway address (a /32), and each sandbox a /32 of its own
 with a host route to it, so links need no bridge and no per-link subnet; which sandbox a
@@ -51,6 +52,21 @@ async def create(ifname: str, pid: int, gateway: str, address: str) -> None:
             f"route add default via {gateway} dev eth0\n"
         )
         await _run(["nsenter", "-t", str(pid), "-n", "ip", "-batch", "-"], inside)
+    except BaseException:
+        await remove(ifname)
+        raise
+
+
+async def create_tap(ifname: str, gateway: str, address: str) -> None:
+    """Make a VM's link: a persistent tap QEMU opens by name (``-netdev tap,ifname=``), its
+    host side addressed as a veth's host end. The guest configures its own end (its init is
+    told the address). Persistent, so it outlives a QEMU that quits for a snapshot pause."""
+    await _run(["ip", "tuntap", "add", "dev", ifname, "mode", "tap", "vnet_hdr"])
+    try:
+        host = (
+            f"link set {ifname} up\naddr add {gateway}/32 dev {ifname}\nroute add {address}/32 dev {ifname}\n"
+        )
+        await _run(["ip", "-batch", "-"], host)
     except BaseException:
         await remove(ifname)
         raise

@@ -1,7 +1,8 @@
 """Egress policy of one edge: links made on demand, grants in the kernel, names answered.
 
 A sandbox starts in a network namespace of its own with nothing but loopback. The first time
-its rules allow something it gets a link (see :mod:`.links`); the link then stays for its
+its rules allow something it gets a link (see :mod:`.links`; a VM asking for rules gets a tap
+before it starts, :meth:`EgressPolicy.open_tap`); the link then stays for its
 lifetime while grants come and go (``set_network_rules``), each change one atomic nftables
 element update. Sandboxes that never ask for the network cost nothing here: no veth, no
 route, no set element (at thousands per node that matters).
@@ -125,6 +126,22 @@ class EgressPolicy:
                 link.grants = old
                 raise
 
+    async def open_tap(self, sandbox_id: str) -> tuple[str, str]:
+        """A tap link for a VM about to start (QEMU needs it on its command line), known to
+        the table but granted nothing yet; returns (interface, the guest's address)."""
+        async with self._lock:
+            link = self._links.get(sandbox_id)
+            if link is None:
+                link = await self._new_link(sandbox_id, None)
+                try:
+                    await nft.apply(nft.grant(self.table, link.ifname, link.address, (), ()))
+                except BaseException:
+                    self._links.pop(sandbox_id, None)
+                    await links.remove(link.ifname)
+                    self._store.drop_link(sandbox_id)
+                    raise
+            return link.ifname, link.address
+
     async def release(self, sandbox_id: str) -> None:
         """The sandbox is gone: its link, grants and index go too."""
         async with self._lock:
@@ -150,7 +167,8 @@ class EgressPolicy:
 
     # -- internals --------------------------------------------------------------------------
 
-    async def _new_link(self, sandbox_id: str, pid: int) -> _Link:
+    async def _new_link(self, sandbox_id: str, pid: int | None) -> _Link:
+        """A veth into the network namespace of ``pid``; None: a tap (a VM's)."""
         used = {link.index for link in self._links.values()}
         index = next((i for i in range(1, self.config.capacity + 1) if i not in used), None)
         if index is None:
@@ -158,7 +176,10 @@ class EgressPolicy:
         link = _Link(index, links.link_name(sandbox_id), self.config.sandbox_address(index))
         self._store.put_link(sandbox_id, index)  # journaled first: a crash leaves nothing unknown
         try:
-            await links.create(link.ifname, pid, self.config.gateway, link.address)
+            if pid is None:
+                await links.create_tap(link.ifname, self.config.gateway, link.address)
+            else:
+                await links.create(link.ifname, pid, self.config.gateway, link.address)
         except BaseException:
             self._store.drop_link(sandbox_id)
             raise

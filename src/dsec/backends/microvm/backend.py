@@ -5,8 +5,8 @@ its layers attached read-only exactly as the store keeps them, an ext4 disk for 
 the guest agent on a virtio-serial port; processes and files go through the agent
 (:mod:`dsec.backends.microvm.channel`). The accelerator is chosen once per node
 (:meth:`dsec.backends.microvm.vmm.Vmm.detect_accel`); the monitor behind the seam of
-:mod:`dsec.backends.microvm.vmm` is QEMU. Not yet here: pack/changes of a VM's disk,
-networking (a VM has no network device at all).
+:mod:`dsec.backends.microvm.vmm` is QEMU. A VM created with network rules gets a virtio-net
+card on a tap the edge made (:class:`~dsec.backends.base.Tapped`); others have no network device.
 """
 
 from __future__ import annotations
@@ -128,6 +128,9 @@ class MicroVMBackend(VmForks):
             accel=self.accel,
             idle=ctx.spec.cpu_class == "be",
         )
+        if ctx.link is not None:  # a network card on the tap the edge made for this VM
+            config.tap = ctx.link.ifname
+            config.guest_net = f"{ctx.link.address},{ctx.link.gateway}"
         try:
             await self._boot(ctx, config, handle)
             return handle
@@ -147,7 +150,10 @@ class MicroVMBackend(VmForks):
         config.rw_disk = Path(handle["dir"]) / "rw.img"
         disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
         key = TemplateKey(self.kit.key, tuple(ctx.layer_digests), config.memory_mb, config.cpus, disk_mb)
-        template = self.templates.ready(key) if self.use_templates else None
+        # A networked VM boots cold: a template's saved devices have no network card, and its
+        # guest was never told an address; nor does it make a template of its own.
+        templated = self.use_templates and config.tap is None
+        template = self.templates.ready(key) if templated else None
         if template is not None:
             await self._clone(ctx.sandbox_id, config, template, handle)
             handle["template"] = key.name
@@ -155,7 +161,7 @@ class MicroVMBackend(VmForks):
         await asyncio.to_thread(host.make_rw_disk, config.rw_disk, disk_mb)
         await self._start(ctx.sandbox_id, config, handle)
         self._channels[ctx.sandbox_id] = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
-        if self.use_templates and not self.templates.building(key):
+        if templated and not self.templates.building(key):
             self.templates.start_build(key, self._build_template(key, config))
 
     async def _start(self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
@@ -241,6 +247,9 @@ class MicroVMBackend(VmForks):
             await asyncio.to_thread(shutil.rmtree, socks, True)
             if tdir.exists():
                 await asyncio.to_thread(shutil.rmtree, tdir, True)
+
+    def has_link(self, handle: dict[str, Any]) -> bool:
+        return bool((handle.get("vm") or {}).get("tap"))
 
     async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
         if handle.get("snapshot"):  # paused to a file: no process, and that is its state

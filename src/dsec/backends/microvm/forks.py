@@ -21,6 +21,7 @@ from dsec.backends.base import CreateContext
 from dsec.backends.microvm import host, qemu
 from dsec.backends.microvm.channel import AgentChannel
 from dsec.backends.microvm.vmm import Vmm
+from dsec.protocol.errors import InvalidRequest
 
 
 def new_source_dir(root: Path) -> Path:
@@ -72,6 +73,9 @@ class VmForks:
         ) -> None: ...
 
     async def fork_source(self, sandbox_id: str, handle: dict[str, Any]) -> dict[str, Any]:
+        if handle.get("vm", {}).get("tap"):
+            # Copies would share its tap and the address its guest configured: not yet.
+            raise InvalidRequest("a VM with a network card (created with network rules) cannot be forked yet")
         if handle.get("snapshot"):
             await self.prefetch(sandbox_id, handle)  # a paused VM: bring it back first
             await self.thaw(sandbox_id, handle)

@@ -59,6 +59,8 @@ def config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
         root_disk=None if vm.get("root_disk") is None else path("root_disk"),
         idle=bool(vm.get("idle", False)),
         boot_disk=None if vm.get("boot_disk") is None else path("boot_disk"),
+        tap=vm.get("tap"),
+        guest_net=vm.get("guest_net"),
     )
 
 

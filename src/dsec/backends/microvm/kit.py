@@ -41,8 +41,12 @@ MODULES = (
     "crc32c_generic",  # what libcrc32c (erofs, ext4) asks the crypto API for, by name
     "erofs", "overlay", "ext4", "evdev",
     "virtio_input",  # a full VM's absolute pointer (virtio tablet)
+    "virtio_net",  # the network card of a VM created with network rules
 )  # fmt: skip
-_APPLETS = ("sh", "mount", "umount", "mkdir", "modprobe", "insmod", "cat", "ls", "sleep", "poweroff", "echo")
+_APPLETS = (
+    "sh", "mount", "umount", "mkdir", "modprobe", "insmod", "cat", "ls", "sleep", "poweroff", "echo",
+    "ip", "rm",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The machine is QEMU's ``microvm`` (no PCI, no firmware: the kernel boots directl
 virtio-mmio devices: one virtio-blk per layer (read-only, the layer's EROFS file as it is in
 the store: no conversion per VM), one writable virtio-blk (the sandbox's upper layer, ext4), and
 a virtio-serial port for the guest agent whose host end is a unix socket. No network device
-at all unless the policy asks for one (not yet). ``-nodefaults`` keeps QEMU from adding any.
+unless the sandbox names network rules: then a virtio-net card on a tap the edge made.
+``-nodefaults`` keeps QEMU from adding any.
 
 The accelerator is KVM when the host's KVM boots a stock guest, else TCG. On these machines
 ``/dev/kvm`` is a PVM host that hangs stock kernels, so :func:`detect_accel` boots the kit's
@@ -56,6 +57,10 @@ class MicroVMConfig:
     idle: bool = False  # best effort: QEMU (and so every vCPU thread) under SCHED_IDLE
     # A user's image booted by its own bootloader (q35 firmware), instead of our kernel.
     boot_disk: Path | None = None
+    # A network card on this host tap device (made by the edge's egress policy), and what the
+    # guest's init configures on it: "address,gateway" (the gateway also answers DNS).
+    tap: str | None = None
+    guest_net: str | None = None
     extra: list[str] = field(default_factory=list)
 
 
@@ -64,6 +69,7 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
     cmdline = _CMDLINE + ("" if c.accel == "kvm" else " " + _TCG_CMDLINE)
     # vga=791: 1024x768 at 16 bits through the VESA BIOS, the framebuffer the kernel keeps.
     cmdline += " vga=791" if full else ""
+    cmdline += f" dsec.net={c.guest_net}" if c.guest_net else ""
     machine = "q35" if full else "microvm,rtc=on,pic=off,pit=on"
     machine += ",memory-backend=mem" if c.mem_path else ""
     bus = "pci" if full else "device"  # virtio over PCI on q35, over MMIO on microvm
@@ -81,6 +87,14 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
         "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=dsec.agent",
     ]  # fmt: skip
+    if c.tap is not None:
+        # The tap exists already (persistent, the edge's); QEMU only opens it, runs no script.
+        # romfile= : no PXE option ROM (the kernel is loaded directly; no ipxe files needed).
+        rom = ",romfile=" if full else ""
+        argv += [
+            "-netdev", f"tap,id=net0,ifname={c.tap},script=no,downscript=no",
+            "-device", f"virtio-net-{bus},netdev=net0{rom}",
+        ]  # fmt: skip
     if c.boot_disk is None:
         argv += ["-kernel", str(c.kernel), "-initrd", str(c.initramfs), "-append", cmdline]
     else:  # SeaBIOS (q35's default firmware) boots the image's own bootloader

@@ -101,6 +101,8 @@ class FullVMBackend(MicroVMBackend):
     ) -> None:
         if self.vm_images is None:
             raise InvalidRequest("this node has no VM image store")
+        if config.tap is not None:  # our init configures the card; an image's own OS does not know how
+            raise InvalidRequest("network rules are not available yet for VMs booting their own image")
         image = await asyncio.to_thread(self.vm_images.resolve, ref)  # LayerNotFound if unknown
         disk = Path(handle["dir"]) / "image.qcow2"
         base = self.vm_images.blob(image.digest)
