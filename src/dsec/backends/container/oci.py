@@ -100,10 +100,10 @@ DENIED_SYSCALLS = [
 ]
 
 
-# PID 1 of every sandbox: a static busybox shell from the node (bind-mounted read-only at
-# /.dsec) that reaps orphans and never exits on its own, so a sandbox survives edge restarts
-# and needs nothing from its image.
-INIT_SCRIPT = 'trap "exit 0" TERM; while :; do /.dsec/busybox sleep 2147483647 & wait; done'
+# PID 1 of every sandbox: dsec-init (init/dsec_init.c), static, from the node's runtime
+# directory (bind-mounted read-only at /.dsec): one process that reaps orphans and never exits
+# on its own, so a sandbox survives edge restarts and needs nothing from its image.
+INIT = "/.dsec/dsec-init"
 
 
 # clone(2) with any of these is refused like unshare(2): a new user namespace would give the
@@ -179,7 +179,7 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": ["/.dsec/busybox", "sh", "-c", INIT_SCRIPT],
+            "args": [INIT],
             "env": [f"PATH={DEFAULT_PATH}"],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps, "inheritable": []},
