@@ -135,6 +135,13 @@ class BackendConformance:
     def assert_released(self, backend: Backend, sandbox_id: str, handle: dict[str, Any]) -> None:
         """Backend-specific checks that nothing of a destroyed sandbox is left (cgroups...)."""
 
+    async def running(
+        self, backend: Backend, ctx: CreateContext, handle: dict[str, Any], argv: list[str]
+    ) -> bool:
+        """Whether a process with exactly ``argv`` runs in the sandbox; by default looked up on
+        the host (a backend whose processes are not host processes overrides this)."""
+        return bool(host_pids_running(argv))
+
     def kill_init(self, handle: dict[str, Any]) -> None:
         """Kill the sandbox's first process from outside, as the OOM killer or a crash would."""
         os.kill(int(handle["pid"]), signal.SIGKILL)
@@ -235,12 +242,14 @@ class BackendConformance:
             backend, ctx, handle, ["sh", "-c", f"{' '.join(sleeper)} </dev/null >/dev/null 2>&1 &"]
         )
         assert code == 0, err
-        await eventually(lambda: bool(host_pids_running(sleeper)), "the daemon to start")
+        await eventually(lambda: self.running(backend, ctx, handle, sleeper), "the daemon to start")
 
         await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
 
         assert not await backend.alive(ctx.sandbox_id, handle)
-        assert not host_pids_running(sleeper), "destroy kills processes that left their command"
+        assert not await self.running(backend, ctx, handle, sleeper), (
+            "destroy kills processes that left their command"
+        )
         assert ctx.sandbox_id not in await backend.leftovers()
         assert not ctx.workdir.exists(), f"{ctx.workdir} outlived destroy"
         self.assert_released(backend, ctx.sandbox_id, handle)

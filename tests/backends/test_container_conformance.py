@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from dsec.backends.base import Backend
+from dsec.backends.base import Backend, CreateContext
 from dsec.backends.container import cgroups
 from dsec.backends.container.backend import ContainerBackend
 from dsec.images.mount import mounts_under
 from dsec.protocol.errors import DSecError
 
-from .conformance import BackendConformance, Made, build_layers
+from .conformance import BackendConformance, Made, build_layers, run
 
 if os.geteuid() != 0 or shutil.which("crun") is None or shutil.which("busybox") is None:
     pytest.skip("the container backend needs root, crun and busybox-static", allow_module_level=True)
@@ -92,3 +92,38 @@ class TestContainerConformance(BackendConformance):
         assert cgroups.sandbox_dirs(sandbox_id) == [], "cgroups outlived the sandbox"
         assert _pids_in_cgroups_of(sandbox_id) == [], "processes outlived the sandbox"
         assert cgroups.oom_kills(sandbox_id) == 0
+
+
+class GVisorMade(Made):
+    """The suite's sandboxes on gVisor: every create asks for ``runtime="gvisor"``."""
+
+    def ctx(self, **spec: Any) -> CreateContext:
+        spec.setdefault("runtime", "gvisor")
+        return super().ctx(**spec)
+
+
+class TestGVisorConformance(TestContainerConformance):
+    """The same suite with ``runtime="gvisor"``: runsc in place of crun, same backend."""
+
+    async def running(
+        self, backend: Backend, ctx: CreateContext, handle: dict[str, Any], argv: list[str]
+    ) -> bool:
+        # Processes on gVisor's kernel are not host processes: asked inside, through the
+        # sandbox's own /proc (a destroyed sandbox cannot answer: nothing runs there).
+        script = 'for f in /proc/[0-9]*/cmdline; do cat "$f"; echo; done'
+        out, _, code = await run(backend, ctx, handle, ["sh", "-c", script])
+        want = b"".join(a.encode() + b"\0" for a in argv)
+        return code == 0 and want in out.split(b"\n")
+
+    @pytest.fixture
+    async def made(self, backend: Backend, layer_dirs: list[Path], tmp_path: Path) -> AsyncIterator[Made]:
+        assert isinstance(backend, ContainerBackend)
+        if shutil.which("runsc") is None:
+            pytest.skip("runtime='gvisor' needs runsc (Debian package runsc): not installed")
+        if not backend.gvisor.available:
+            pytest.skip(f"runsc does not work on this host: {backend.gvisor.why_not}")
+        m = GVisorMade(backend, layer_dirs, tmp_path)
+        try:
+            yield m
+        finally:
+            await m.cleanup()

@@ -160,7 +160,9 @@ class SandboxRoutes:
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    node = await self.placement.choose(spec.type, tried, spec.hardware)
+                    node = await self.placement.choose(
+                        spec.type, tried, spec.hardware, tuple(spec.required_capabilities())
+                    )
                     epoch = self.links[node].epoch
                     if epoch is None:  # never reached: no ID can be made for it yet
                         tried.add(node)

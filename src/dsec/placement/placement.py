@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
-from dsec.protocol.errors import CapacityExhausted
+from dsec.protocol.errors import CapacityExhausted, InvalidRequest
 from dsec.protocol.models import Hardware
 
 
@@ -84,7 +84,7 @@ class Placement:
         self.watcher = watcher
         self.k = k
         self.in_flight: Counter[str] = Counter()  # creates placed since the snapshot was taken
-        self._pools: dict[tuple[str, str], list[str]] = {}
+        self._pools: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
         self._pools_of: dict[str, dict[str, Any]] | None = None
 
     def _sync(self) -> None:
@@ -93,10 +93,10 @@ class Placement:
             self._pools, self._pools_of = {}, snapshot
             self.in_flight.clear()
 
-    def _pool(self, backend: str, need: Hardware | None) -> list[str]:
+    def _pool(self, backend: str, need: Hardware | None, features: tuple[str, ...] = ()) -> list[str]:
         self._sync()
         snapshot = self.watcher.snapshot
-        key = (backend, "" if need is None else need.model_dump_json())
+        key = (backend, "" if need is None else need.model_dump_json(), features)
         pool = self._pools.get(key)
         if pool is None:
             pool = [
@@ -105,6 +105,7 @@ class Placement:
                 if s.get("healthy")
                 and backend in s.get("backends", ())
                 and (need is None or need.unmet(s.get("hardware", {})) is None)
+                and _offers(s, backend, features)
             ]
             self._pools[key] = pool
         return pool
@@ -113,33 +114,49 @@ class Placement:
         s = self.watcher.snapshot[name]
         return bool(s.get("running", 0) + s.get("creating", 0) + self.in_flight[name] < s.get("capacity", 0))
 
-    def candidates(self, backend: str, exclude: set[str], need: Hardware | None = None) -> list[str]:
-        return [n for n in self._pool(backend, need) if n not in exclude and self._has_room(n)]
+    def candidates(
+        self, backend: str, exclude: set[str], need: Hardware | None = None, features: tuple[str, ...] = ()
+    ) -> list[str]:
+        return [n for n in self._pool(backend, need, features) if n not in exclude and self._has_room(n)]
 
     def _load(self, name: str) -> float:
         s = self.watcher.snapshot[name]
         busy = s.get("running", 0) + s.get("creating", 0) + self.in_flight[name]
         return float(busy) / max(1, int(s.get("capacity", 1)))
 
-    def _sample(self, backend: str, exclude: set[str], need: Hardware | None) -> list[str]:
-        pool = self._pool(backend, need)
+    def _sample(
+        self, backend: str, exclude: set[str], need: Hardware | None, features: tuple[str, ...]
+    ) -> list[str]:
+        pool = self._pool(backend, need, features)
         picked = random.sample(pool, min(len(pool), self.k))
         ok = [n for n in picked if n not in exclude and self._has_room(n)]
         if len(ok) == len(picked):
             return ok
         # Some picks were tried or full: fall back to sampling among those that are not.
-        eligible = self.candidates(backend, exclude, need)
+        eligible = self.candidates(backend, exclude, need, features)
         return random.sample(eligible, min(len(eligible), self.k))
 
     async def choose(
-        self, backend: str, exclude: set[str] | None = None, need: Hardware | None = None
+        self,
+        backend: str,
+        exclude: set[str] | None = None,
+        need: Hardware | None = None,
+        features: tuple[str, ...] = (),
     ) -> str:
+        """A node for a ``backend`` sandbox; ``features``: capabilities of that backend the node
+        must report true (a gVisor sandbox needs a node where runsc works)."""
         exclude = exclude or set()
-        sample = self._sample(backend, exclude, need)
+        sample = self._sample(backend, exclude, need, features)
         if not sample:
             # The snapshot may be a poll old: a node that was full then may have room now.
             await self.watcher.poll()
-            sample = self._sample(backend, exclude, need)
+            sample = self._sample(backend, exclude, need, features)
+        if not sample and features and self._pool(backend, need) and not self._pool(backend, need, features):
+            # Not a matter of room: no node of the cluster can run it, so retrying will not help.
+            raise InvalidRequest(
+                f"no node offers {', '.join(features)} for {backend} sandboxes"
+                " (a gVisor node needs runsc installed and working)"
+            )
         if not sample:
             wanted = (
                 ""
@@ -160,3 +177,8 @@ class Placement:
             if self._pools_of is self.watcher.snapshot:  # else a poll has cleared it already
                 self.in_flight[node] -= 1
             raise
+
+
+def _offers(stats: Mapping[str, Any], backend: str, features: tuple[str, ...]) -> bool:
+    caps = stats.get("capabilities", {}).get(backend, {})
+    return all(caps.get(f) for f in features)

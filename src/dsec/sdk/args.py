@@ -20,6 +20,7 @@ class DSecContainerRunArgs(BaseModel):
     cpu_cores_limit: float = 1.0
     cpu_class: Literal["ls", "be"] = "ls"  # be: best effort (SCHED_IDLE, low CPU shares)
     pids_limit: int = 1024
+    runtime: Literal["crun", "gvisor"] = "crun"  # gvisor: gVisor's user-space kernel, for hostile code
     disk_limit_mb: int | None = None  # cap on the writable layer; past it writes fail with EDQUOT
     ttl_running_stop: float | None = None
     max_lifetime_s: float | None = None
@@ -50,6 +51,7 @@ class DSecContainerRunArgs(BaseModel):
             cpu_cores_limit=self.cpu_cores_limit,
             cpu_class=self.cpu_class,
             pids_limit=self.pids_limit,
+            runtime=self.runtime,
             disk_limit_mb=self.disk_limit_mb,
             ttl_running_stop=self.ttl_running_stop,
             max_lifetime_s=self.max_lifetime_s,
