@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from dsec.backends.base import CreateContext, User, sandbox_env
-from dsec.backends.container import cgroups, enter, oci
+from dsec.backends.container import cgroups, enter
 from dsec.backends.container.backend import ContainerBackend
 from dsec.executor.process import descendants, kill_tree, run_streaming
 from dsec.protocol.errors import InfraFailure, InvalidRequest
@@ -63,10 +63,12 @@ STATUS_KEYS = (
 PROBE_C = r"""
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -83,6 +85,12 @@ int main(int argc, char **argv) {
         show("setns", setns(-1, 0));
         show("mount", mount("none", "/no/such/dir", "tmpfs", 0, NULL));
         show("getpid", getpid() > 0 ? 0 : -1);
+        /* ioctl by command: TIOCSTI is refused by the filter (the host: /dev/null is no tty),
+         * FIONREAD on a pipe passes. */
+        int null = open("/dev/null", O_RDONLY), fds[2], n;
+        char c = 'x';
+        show("tiocsti", ioctl(null, TIOCSTI, &c));
+        show("fionread", pipe(fds) || ioctl(fds[0], FIONREAD, &n));
         return 0;
     }
     if (!strcmp(argv[1], "argv")) {
@@ -346,28 +354,32 @@ async def test_credentials_and_limits_are_those_of_crun_exec(
     assert mine.decode().splitlines() == init
 
 
+ON_HOST = ["unshare ok", "setns EBADF", "mount ENOENT", "getpid ok", "tiocsti ENOTTY", "fionread ok"]
+IN_SANDBOX = ["unshare EPERM", "setns EPERM", "mount EPERM", "getpid ok", "tiocsti EPERM", "fionread ok"]
+
+
 async def test_the_seccomp_filter_is_the_containers(
     helper: Path, probe: Path, made: Made, backend: ContainerBackend, tmp_path: Path
 ) -> None:
     ctx, h = await sandbox(made)
     out, err, code = await run_entered(helper, ctx, h, ["probe", "syscalls"])
     assert code == 0, err
-    assert out.decode().splitlines() == ["unshare EPERM", "setns EPERM", "mount EPERM", "getpid ok"]
+    assert out.decode().splitlines() == IN_SANDBOX
     # The probe tells the filter apart: on the host (no filter) the same calls go through.
     # (In a mount namespace of its own all the same: nothing it does may reach the host's.)
     host = await run_host(["unshare", "--mount", "--propagation", "private", str(probe), "syscalls"])
-    assert host.stdout.decode().splitlines() == ["unshare ok", "setns EBADF", "mount ENOENT", "getpid ok"]
-    # Byte for byte the BPF program crun compiled for this container from the same list.
+    assert host.stdout.decode().splitlines() == ON_HOST
+    # Byte for byte the BPF program crun compiled for this container from the same profile.
     crun = (backend.state_dir / ctx.sandbox_id / "seccomp.bpf").read_bytes()
-    dumped = (await run_host([str(helper), "--dump-seccomp", "--deny", ",".join(oci.DENIED_SYSCALLS)])).stdout
+    dumped = (await run_host([str(helper), "--dump-seccomp", "--seccomp-rules", enter.SECCOMP_RULES])).stdout
     assert dumped == crun
     assert enter.seccomp_program(helper).read_bytes() == crun, "what every spawn loads"
-    # A helper without the compiled program next to it compiles the list itself, to the same.
+    # A helper without the compiled program next to it compiles the profile itself, to the same.
     bare = tmp_path / "bare" / "dsec-enter"
     bare.parent.mkdir()
     shutil.copy2(helper, bare)
     out, _, _ = await run_entered(bare, ctx, h, ["probe", "syscalls"])
-    assert out.decode().splitlines() == ["unshare EPERM", "setns EPERM", "mount EPERM", "getpid ok"]
+    assert out.decode().splitlines() == IN_SANDBOX
 
 
 async def test_uid_gid_cwd_argv_and_environment_are_as_asked(helper: Path, made: Made) -> None:

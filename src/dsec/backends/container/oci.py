@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from dsec.backends.base import DEFAULT_PATH, User
+from dsec.backends.container.seccomp import seccomp_profile
 from dsec.protocol.models import ContainerSpec
 
 # Docker's default set without NET_RAW (no raw sockets for port scans) and MKNOD (no devices).
@@ -51,74 +52,10 @@ MASKED_PATHS = [
 
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 
-# Syscalls no agent needs and that widen the kernel attack surface or touch host-global state.
-# A deny list (rather than Docker's allow list) keeps unusual but harmless workloads working;
-# capabilities already block most of these, seccomp is the second wall.
-DENIED_SYSCALLS = [
-    "acct",
-    "add_key",
-    "bpf",
-    "clock_adjtime",
-    "clock_settime",
-    "create_module",
-    "delete_module",
-    "finit_module",
-    "fsconfig",
-    "fsmount",
-    "fsopen",
-    "fspick",
-    "get_kernel_syms",
-    "init_module",
-    "ioperm",
-    "iopl",
-    "kexec_file_load",
-    "kexec_load",
-    "keyctl",
-    "lookup_dcookie",
-    "mount",
-    "mount_setattr",
-    "move_mount",
-    "name_to_handle_at",
-    "nfsservctl",
-    "open_by_handle_at",
-    "open_tree",
-    "perf_event_open",
-    "pivot_root",
-    "quotactl",
-    "reboot",
-    "request_key",
-    "setns",
-    "settimeofday",
-    "swapoff",
-    "swapon",
-    "syslog",
-    "umount2",
-    "unshare",
-    "uselib",
-    "userfaultfd",
-    "vhangup",
-]
-
-
 # PID 1 of every sandbox: dsec-init (init/dsec_init.c), static, from the node's runtime
 # directory (bind-mounted read-only at /.dsec): one process that reaps orphans and never exits
 # on its own, so a sandbox survives edge restarts and needs nothing from its image.
 INIT = "/.dsec/dsec-init"
-
-
-# clone(2) with any of these is refused like unshare(2): a new user namespace would give the
-# child every capability there (raw sockets, nf_tables...). One rule per flag, as a masked
-# compare cannot say "any of". dsec-enter's filter adds the same rules in the same order.
-CLONE_NAMESPACE_FLAGS = [
-    0x00020000,  # CLONE_NEWNS
-    0x02000000,  # CLONE_NEWCGROUP
-    0x04000000,  # CLONE_NEWUTS
-    0x08000000,  # CLONE_NEWIPC
-    0x10000000,  # CLONE_NEWUSER
-    0x20000000,  # CLONE_NEWPID
-    0x40000000,  # CLONE_NEWNET
-]
-ENOSYS = 38
 
 
 EMPTY_DIR = "empty"  # in the runtime directory: what masked directories show
@@ -130,29 +67,6 @@ def _empty_bind(destination: str, runtime_dir: str) -> dict[str, Any]:
         "type": "bind",
         "source": f"{runtime_dir}/{EMPTY_DIR}",
         "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
-    }
-
-
-def seccomp_profile() -> dict[str, Any]:
-    clone_rules = [
-        {
-            "names": ["clone"],
-            "action": "SCMP_ACT_ERRNO",
-            "errnoRet": 1,
-            "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
-        }
-        for flag in CLONE_NAMESPACE_FLAGS
-    ]
-    return {
-        "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
-        "syscalls": [
-            {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
-            *clone_rules,
-            # clone3 passes its flags in memory, out of a filter's reach: ENOSYS makes libc fall
-            # back to clone(2), where the rules above apply.
-            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
-        ],
     }
 
 

@@ -3,9 +3,9 @@
  *
  *     dsec-enter --pid PID --start-time TICKS --cgroup dsec/SANDBOX_ID --spec-fd FD
  *                [--status-fd FD] [--uid UID] [--gid GID] [--cwd DIR] [--caps CAP_X,CAP_Y]
- *                [--seccomp-bpf FILE | --deny SYSCALL,SYSCALL] [--nofile N] [--idle]
+ *                [--seccomp-bpf FILE | --seccomp-rules RULES] [--nofile N] [--idle]
  *                [--tty] [--raise-signal] [--pid-fd FD] [--hold-stdin FD]
- *     dsec-enter --dump-seccomp --deny SYSCALL,...     (the filter's BPF program on stdout)
+ *     dsec-enter --dump-seccomp --seccomp-rules RULES   (the filter's BPF program on stdout)
  *
  * The cost of `crun exec` grows with the number of sandboxes on a node (measured in the design
  * notes: 11 ms alone, 97 ms next to 9,000 containers). This helper only touches the sandbox's
@@ -33,14 +33,17 @@
  *      capability set to --caps, drops supplementary groups, setresgid/setresuid, leaves
  *      exactly --caps to uid 0 and nothing to any other user, umask 022, chdir(--cwd) with
  *      the final credentials, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG(SIGKILL) (a helper killed
- *      alone takes its command along), the seccomp deny list, and execs argv with exactly the
+ *      alone takes its command along), the seccomp filter, and execs argv with exactly the
  *      environment given, searching its PATH.
  *
- * The seccomp filter is the container's deny list compiled by libseccomp as crun compiles it
- * (default allow, the three x86 ABIs, each listed syscall failing with EPERM): byte for byte
- * the program crun stores for the container. Compiling costs ~0.45 ms, so the node does it
- * once (--dump-seccomp into a file of its own) and each spawn loads that file (--seccomp-bpf),
- * as `crun exec` loads the program crun stored; --deny compiles it on the spot instead.
+ * The seccomp filter is the container's profile (backends/container/seccomp.py) compiled by
+ * libseccomp as crun compiles it: --seccomp-rules takes the libseccomp calls crun makes for
+ * that profile, one per line (`default ACTION`, `arch NAME`, `rule ACTION SYSCALL [ARG OP A B]...`,
+ * numbers as strtoull reads them), and makes the same calls in the same order, so the program
+ * is byte for byte the one crun stores for the container. Compiling costs ~0.5 ms, so the node
+ * does it once (--dump-seccomp into a file of its own) and each spawn loads that file
+ * (--seccomp-bpf), as `crun exec` loads the program crun stored; --seccomp-rules alone compiles
+ * it on the spot instead.
  *
  * Nothing inside the sandbox is looked at with privileges: every path before the setns() is a
  * host path (/proc/PID/..., /sys/fs/cgroup/..., the seccomp program), the helper is
@@ -535,48 +538,84 @@ static void bound_caps(uint64_t keep)
 
 /* -- seccomp ----------------------------------------------------------------------------------- */
 
-static const unsigned long long clone_ns_flags[] = {
-	CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET,
-};
-
-/* The container's deny list as crun compiles it (libseccomp, default allow, the three x86
- * ABIs, each listed syscall failing with EPERM). Built before the fork, loaded by the child. */
-static scmp_filter_ctx build_filter(const char *list)
+static unsigned long long parse_datum(const char *tok, const char *line)
 {
-	scmp_filter_ctx ctx = seccomp_init(SCMP_ACT_ALLOW);
-	char *copy, *save = NULL;
+	char *end;
+	unsigned long long v;
+
+	errno = 0;
+	v = strtoull(tok ? tok : "", &end, 0);
+	if (!tok || errno || end == tok || *end)
+		die(0, "bad number in seccomp rule '%s'", line);
+	return v;
+}
+
+/* The profile as crun compiles it (libcrun_generate_seccomp): seccomp_init with the default
+ * action, seccomp_arch_add for each architecture, then one seccomp_rule_add_array per rule, in
+ * the order given (--seccomp-rules; seccomp.compiled_rules in Python already applied crun's
+ * reading of the OCI profile). Built before the fork, loaded by the child. */
+static scmp_filter_ctx build_filter(const char *rules)
+{
+	scmp_filter_ctx ctx = NULL;
+	char *copy = strdup(rules), *save = NULL;
 	int rc;
 
-	if (!ctx)
-		die(0, "seccomp_init failed");
-	if ((rc = seccomp_arch_add(ctx, SCMP_ARCH_X86)) < 0 && rc != -EEXIST)
-		die(-rc, "seccomp: add arch x86");
-	if ((rc = seccomp_arch_add(ctx, SCMP_ARCH_X32)) < 0 && rc != -EEXIST)
-		die(-rc, "seccomp: add arch x32");
-	copy = strdup(list);
 	if (!copy)
-		die(ENOMEM, "deny list");
-	for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-		int nr = seccomp_syscall_resolve_name(tok);
-		if (nr == __NR_SCMP_ERROR)
-			continue; /* as crun: a name this libseccomp does not know is skipped */
-		rc = seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), nr, 0);
-		if (rc < 0)
-			die(-rc, "seccomp: deny %s", tok);
+		die(ENOMEM, "seccomp rules");
+	for (char *line = strtok_r(copy, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+		char shown[256], *lsave = NULL, *kind;
+
+		snprintf(shown, sizeof shown, "%s", line); /* before strtok_r cuts it up */
+		kind = strtok_r(line, " ", &lsave);
+		if (!kind)
+			continue;
+		if (!strcmp(kind, "default")) {
+			if (ctx)
+				die(0, "a second 'default' in the seccomp rules");
+			ctx = seccomp_init((uint32_t)parse_datum(strtok_r(NULL, " ", &lsave), shown));
+			if (!ctx)
+				die(0, "seccomp_init failed");
+			continue;
+		}
+		if (!ctx)
+			die(0, "the seccomp rules do not start with 'default'");
+		if (!strcmp(kind, "arch")) {
+			const char *name = strtok_r(NULL, " ", &lsave);
+			uint32_t arch = name ? seccomp_arch_resolve_name(name) : 0;
+			if (arch == 0)
+				die(0, "unknown seccomp architecture in '%s'", shown);
+			if ((rc = seccomp_arch_add(ctx, arch)) < 0 && rc != -EEXIST)
+				die(-rc, "seccomp: add arch %s", name);
+		} else if (!strcmp(kind, "rule")) {
+			uint32_t action = (uint32_t)parse_datum(strtok_r(NULL, " ", &lsave), shown);
+			const char *name = strtok_r(NULL, " ", &lsave);
+			struct scmp_arg_cmp cmp[6];
+			unsigned int n = 0;
+			int nr;
+
+			if (!name)
+				die(0, "no system call in seccomp rule '%s'", shown);
+			for (char *tok; (tok = strtok_r(NULL, " ", &lsave)) != NULL; n++) {
+				if (n == 6)
+					die(0, "more than 6 comparisons in seccomp rule '%s'", shown);
+				cmp[n].arg = (unsigned int)parse_datum(tok, shown);
+				cmp[n].op = (enum scmp_compare)parse_datum(strtok_r(NULL, " ", &lsave), shown);
+				cmp[n].datum_a = parse_datum(strtok_r(NULL, " ", &lsave), shown);
+				cmp[n].datum_b = parse_datum(strtok_r(NULL, " ", &lsave), shown);
+			}
+			nr = seccomp_syscall_resolve_name(name);
+			if (nr == __NR_SCMP_ERROR)
+				continue; /* as crun: a name this libseccomp does not know is skipped */
+			rc = seccomp_rule_add_array(ctx, action, nr, n, cmp);
+			if (rc < 0)
+				die(-rc, "seccomp rule '%s'", shown);
+		} else {
+			die(0, "bad seccomp rule '%s'", shown);
+		}
 	}
 	free(copy);
-	/* As oci.seccomp_profile: clone with a namespace flag fails like unshare; clone3 (flags in
-	 * memory, beyond a filter) answers ENOSYS so libc falls back to clone. Same order. */
-	for (size_t i = 0; i < sizeof clone_ns_flags / sizeof clone_ns_flags[0]; i++) {
-		scmp_datum_t f = clone_ns_flags[i];
-		rc = seccomp_rule_add(ctx, SCMP_ACT_ERRNO(EPERM), SCMP_SYS(clone), 1,
-				      SCMP_A0(SCMP_CMP_MASKED_EQ, f, f));
-		if (rc < 0)
-			die(-rc, "seccomp: deny clone flag %#llx", (unsigned long long)f);
-	}
-	rc = seccomp_rule_add(ctx, SCMP_ACT_ERRNO(ENOSYS), SCMP_SYS(clone3), 0);
-	if (rc < 0)
-		die(-rc, "seccomp: clone3");
+	if (!ctx)
+		die(0, "no seccomp rules");
 	return ctx;
 }
 
@@ -663,7 +702,7 @@ static void exec_path(char *const argv[], char *const envp[])
 
 struct opts {
 	long long pid, start_time;
-	const char *cgroup, *cwd, *caps, *deny, *bpf;
+	const char *cgroup, *cwd, *caps, *rules, *bpf;
 	uid_t uid;
 	gid_t gid;
 	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd, hold_fd;
@@ -679,7 +718,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		{ "cgroup", required_argument, NULL, 'g' },   { "spec-fd", required_argument, NULL, 's' },
 		{ "status-fd", required_argument, NULL, 'S' }, { "uid", required_argument, NULL, 'u' },
 		{ "gid", required_argument, NULL, 'G' },      { "cwd", required_argument, NULL, 'c' },
-		{ "caps", required_argument, NULL, 'C' },     { "deny", required_argument, NULL, 'd' },
+		{ "caps", required_argument, NULL, 'C' },     { "seccomp-rules", required_argument, NULL, 'd' },
 		{ "nofile", required_argument, NULL, 'n' },   { "idle", no_argument, NULL, 'i' },
 		{ "dump-seccomp", no_argument, NULL, 'D' },   { "seccomp-bpf", required_argument, NULL, 'B' },
 		{ "tty", no_argument, NULL, 'T' },            { "raise-signal", no_argument, NULL, 'R' },
@@ -695,7 +734,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 	o->hold_fd = -1;
 	o->cwd = "/";
 	o->caps = "";
-	o->deny = "";
+	o->rules = NULL;
 	while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
 		switch (c) {
 		case 'p': o->pid = parse_num(optarg, "--pid", 1, INT_MAX); break;
@@ -707,7 +746,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		case 'G': o->gid = (gid_t)parse_num(optarg, "--gid", 0, UINT32_MAX - 1); break;
 		case 'c': o->cwd = optarg; break;
 		case 'C': o->caps = optarg; break;
-		case 'd': o->deny = optarg; break;
+		case 'd': o->rules = optarg; break;
 		case 'B': o->bpf = optarg; break;
 		case 'n':
 			o->nofile.rlim_cur = o->nofile.rlim_max =
@@ -905,7 +944,7 @@ int main(int argc, char **argv)
 	if (o.bpf && !o.dump_seccomp)
 		prog = read_bpf(o.bpf);
 	else
-		filter = build_filter(o.deny);
+		filter = build_filter(o.rules ? o.rules : "");
 	if (o.dump_seccomp) {
 		if (seccomp_export_bpf(filter, 1) < 0)
 			die(0, "seccomp_export_bpf failed");
