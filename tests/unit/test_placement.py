@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dsec.placement.placement import Placement, Watcher
-from dsec.protocol.errors import CapacityExhausted
+from dsec.protocol.errors import CapacityExhausted, InvalidRequest
 from dsec.protocol.models import Hardware
 from tests.support import eventually
 
@@ -22,12 +22,14 @@ class FakeNode:
         creating: int = 0,
         backends: tuple[str, ...] = ("container",),
         hardware: dict[str, Any] | None = None,
+        capabilities: dict[str, Any] | None = None,
     ):
         self.running = running
         self.capacity = capacity
         self.creating = creating
         self.backends = list(backends)
         self.hardware = hardware or {"arch": "x86_64", "gpus": 0, "labels": {}}
+        self.capabilities = capabilities or {}
         self.down = False
         self.polls = 0
 
@@ -41,6 +43,7 @@ class FakeNode:
             "capacity": self.capacity,
             "backends": self.backends,
             "hardware": self.hardware,
+            "capabilities": self.capabilities,
         }
 
 
@@ -171,3 +174,17 @@ async def test_the_watcher_polls_at_start_and_then_periodically() -> None:
     polls = node.polls
     await asyncio.sleep(0.05)  # five intervals: a negative can only be checked over time
     assert node.polls == polls, "close() stops polling"
+
+
+async def test_a_capability_asked_for_picks_only_nodes_that_report_it() -> None:
+    plain = FakeNode(capabilities={"container": {"gvisor": False}})
+    gv = FakeNode(running=5, capabilities={"container": {"gvisor": True}})
+    p = await placement({"plain": plain, "gvisor": gv})
+    assert {await p.choose("container", features=("gvisor",)) for _ in range(20)} == {"gvisor"}
+    assert await p.choose("container") == "plain", "without the feature, load decides"
+
+
+async def test_a_capability_no_node_has_is_an_invalid_request_not_a_full_cluster() -> None:
+    p = await placement({"a": FakeNode(), "b": FakeNode()})
+    with pytest.raises(InvalidRequest, match="gvisor"):
+        await p.choose("container", features=("gvisor",))

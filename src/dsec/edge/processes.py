@@ -18,8 +18,8 @@ import contextlib
 import os
 import posixpath
 import time
-from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
 
 from dsec.backends.base import HoldsProcesses, HostRooted, Spawned, User, sandbox_env
 from dsec.executor import pty
@@ -139,6 +139,9 @@ class Processes:
                 sandbox_id, handle, req.argv, env=env, cwd=cwd, user=user, tty=None, stdin=req.stdin
             )
             return held, None
+        refuse: Callable[[dict[str, Any]], None] | None = getattr(backend, "refuse_pty", None)
+        if refuse is not None:
+            refuse(handle)  # a runtime without terminals says so before one is opened (gVisor)
         # A sandbox whose root the host reaches gets a terminal of its own devpts (named inside:
         # `tty` works); others one of the host's. The master stays with the edge either way.
         if isinstance(backend, HostRooted):

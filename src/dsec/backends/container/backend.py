@@ -442,6 +442,10 @@ class ContainerBackend:
             tmp.rename(path)
         return str(path)
 
+    def refuse_pty(self, handle: dict[str, Any]) -> None:
+        if _on_gvisor(handle):
+            raise InvalidRequest("a terminal (pty) is not available with runtime='gvisor' yet")
+
     def netns_pid(self, handle: dict[str, Any]) -> int:
         if _on_gvisor(handle):
             raise InvalidRequest("network permissions are not available with runtime='gvisor' yet")
