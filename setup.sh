@@ -14,6 +14,7 @@ apt_packages=(python3 crun skopeo umoci zstd erofs-utils debootstrap busybox-sta
   btrfs-progs  # the third: the node's file system for per-sandbox disk quotas (disk_limit_mb)
   libseccomp-dev  # the fourth: dsec-enter, the containers' exec helper (with gcc, libc6-dev)
   nftables  # the fifth: egress allowlists (network permissions)
+  runsc  # gVisor, for runtime="gvisor" sandboxes (optional: a node without it reports so)
   seabios syslinux syslinux-common mtools dosfstools)  # the sixth: firmware booting users' VM images; a bootable test image
 
 need_root() {
@@ -108,7 +109,7 @@ case "$cmd" in
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|exec|density|e2b" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|exec|density|e2b|gvisor" >&2
     exit 2
     ;;
 esac

@@ -7,19 +7,22 @@ the test's tmp directory. Beyond the suite, every sandbox must leave no cgroup u
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dsec.backends.base import Backend, CreateContext
+from dsec.backends.base import Backend, CreateContext, sandbox_env
 from dsec.backends.container import cgroups
 from dsec.backends.container.backend import ContainerBackend
 from dsec.images.mount import mounts_under
-from dsec.protocol.errors import DSecError
+from dsec.protocol.errors import DSecError, InvalidRequest
+from tests.support import DEADLINE_S
 
 from .conformance import BackendConformance, Made, build_layers, run
 
@@ -127,3 +130,36 @@ class TestGVisorConformance(TestContainerConformance):
             yield m
         finally:
             await m.cleanup()
+
+
+async def test_gvisor_held_process_reports_its_pid_inside_and_dies_by_signal(
+    backend: ContainerBackend, layer_dirs: list[Path], tmp_path: Path
+) -> None:
+    if not backend.gvisor.available:
+        pytest.skip(f"runtime='gvisor' is not available here: {backend.gvisor.why_not}")
+    made = GVisorMade(backend, layer_dirs, tmp_path)
+    try:
+        ctx, handle = await made.create()
+        env = sandbox_env(ctx.spec, ctx.user)
+        held = await backend.spawn_held(
+            ctx.sandbox_id,
+            handle,
+            ["sh", "-c", "echo $$; exec cat"],
+            env=env,
+            cwd="/",
+            user=ctx.user,
+            tty=None,
+            stdin=True,
+        )
+        assert held.host_pid is None, "a process on gVisor's kernel is no host process"
+        assert held.proc.stdout is not None
+        assert int(await held.proc.stdout.readline()) == held.pid, "the PID as the sandbox sees it"
+        send = held.proc.send_signal
+        send(signal.SIGTERM, tree=True)
+        assert await asyncio.wait_for(held.proc.wait(), DEADLINE_S) == -signal.SIGTERM
+        with pytest.raises(InvalidRequest, match="gvisor"):
+            await backend.spawn_held(
+                ctx.sandbox_id, handle, ["cat"], env=env, cwd="/", user=ctx.user, tty=3, stdin=True
+            )
+    finally:
+        await made.cleanup()
