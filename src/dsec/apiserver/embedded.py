@@ -54,6 +54,9 @@ class NodeConfig:
     edge: dict[str, Any] = field(default_factory=dict)  # EdgeConfig overrides (tests)
     microvm: bool = False  # also run microVM sandboxes (QEMU; the guest kit is built at start)
     microvm_accel: str | None = None  # "kvm" or "tcg"; None: detected at start
+    # How (micro)VMs reach their guest agent: "auto" (vsock where the host has vhost-vsock,
+    # else virtio-serial), "vsock" (creates fail without it) or "serial".
+    agent_channel: str = "auto"
     vm: bool = False  # also run full VMs (q35 with a display; Debian's full kernel is fetched)
     e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means here
 
@@ -73,19 +76,27 @@ def open_layer_store(config: NodeConfig) -> LayerStore:
 def vm_backends(config: NodeConfig, store: LayerStore) -> list[Backend]:
     """The VM backends ``config`` asks for: microVMs, full VMs, both or neither."""
     out: list[Backend] = []
-    micro = microvm_backend(config.data_dir, store, config.microvm_accel)
+    micro = microvm_backend(config.data_dir, store, config.microvm_accel, config.agent_channel)
     if config.microvm:
         out.append(micro)
     if config.vm:
         accel = micro.accel if config.microvm_accel else None
         images = vm_image_store(store)
         out.append(
-            FullVMBackend(config.data_dir, accel=accel, vm_images=images, layer_exists=store.blobs.exists)
+            FullVMBackend(
+                config.data_dir,
+                accel=accel,
+                vm_images=images,
+                layer_exists=store.blobs.exists,
+                agent_channel=config.agent_channel,
+            )
         )
     return out
 
 
-def microvm_backend(data_dir: Path, store: LayerStore, accel: str | None) -> MicroVMBackend:
+def microvm_backend(
+    data_dir: Path, store: LayerStore, accel: str | None, agent_channel: str = "auto"
+) -> MicroVMBackend:
     """The microVM backend of a node whose layers are in ``store``."""
 
     def layer_file(digest: str) -> Path:
@@ -103,7 +114,7 @@ def microvm_backend(data_dir: Path, store: LayerStore, accel: str | None) -> Mic
         chosen = "tcg"
     elif accel is not None:
         raise InvalidRequest(f"microVM accelerator {accel!r}: say kvm or tcg (or nothing: detect)")
-    return MicroVMBackend(data_dir, accel=chosen, layer_file=layer_file)
+    return MicroVMBackend(data_dir, accel=chosen, layer_file=layer_file, agent_channel=agent_channel)
 
 
 class EmbeddedNode:

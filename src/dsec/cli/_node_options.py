@@ -30,6 +30,10 @@ VMOption = Annotated[
 AccelOption = Annotated[
     str | None, typer.Option(help="microVM accelerator: kvm or tcg (default: detected once, cached)")
 ]
+AgentChannelOption = Annotated[
+    str,
+    typer.Option(help="VMs' guest agent channel: auto (vsock where /dev/vhost-vsock works), vsock or serial"),
+]
 
 EgressOption = Annotated[
     Path | None,

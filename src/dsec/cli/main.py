@@ -21,6 +21,7 @@ from dsec.cli._common import _client_call, _fail, console, err_console
 from dsec.cli._node_options import (
     AccelOption,
     AdmissionOption,
+    AgentChannelOption,
     EgressOption,
     MicroVMOption,
     SwapOption,
@@ -97,6 +98,7 @@ def up(
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
+    agent_channel: AgentChannelOption = "auto",
     e2b_template: E2BTemplate = "debian:bookworm",
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
@@ -122,6 +124,7 @@ def up(
         microvm=microvm,
         vm=vm,
         microvm_accel=microvm_accel,
+        agent_channel=agent_channel,
         e2b_template=e2b_template,
     )
     if base:
@@ -187,6 +190,7 @@ def edge_cmd(
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
+    agent_channel: AgentChannelOption = "auto",
     secret_file: SecretFile = None,
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
@@ -215,6 +219,7 @@ def edge_cmd(
         microvm=microvm,
         vm=vm,
         microvm_accel=microvm_accel,
+        agent_channel=agent_channel,
     )
 
     async def serve() -> None:

@@ -2,7 +2,8 @@
 
 Each sandbox is one daemonized QEMU (it outlives an edge restart, like a container's init),
 its layers attached read-only exactly as the store keeps them, an ext4 disk for its writes, and
-the guest agent on a virtio-serial port; processes and files go through the agent
+the guest agent on a virtio-serial port, or on vsock where the host has vhost-vsock
+(:mod:`dsec.backends.microvm.vsock`); processes and files go through the agent
 (:mod:`dsec.backends.microvm.channel`). The accelerator is chosen once per node
 (:meth:`dsec.backends.microvm.vmm.Vmm.detect_accel`); the monitor behind the seam of
 :mod:`dsec.backends.microvm.vmm` is QEMU. A VM created with network rules gets a virtio-net
@@ -26,7 +27,7 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import CreateContext, User
-from dsec.backends.microvm import forks, host, qemu
+from dsec.backends.microvm import forks, host, qemu, vsock
 from dsec.backends.microvm.channel import AgentChannel, VmProcess
 from dsec.backends.microvm.files import VmFileOps
 from dsec.backends.microvm.forks import VmForks
@@ -54,8 +55,18 @@ class MicroVMBackend(VmForks):
         kit_dir: Path | None = None,
         use_templates: bool = True,
         vmm: Vmm | None = None,
+        agent_channel: str = "auto",
+        vsock_device: Path = vsock.VHOST_VSOCK,
+        cid_root: Path | None = None,
     ) -> None:
         self.vmm: Vmm = vmm or QemuVmm()
+        # How new VMs reach their agent: the setting, then (prepare_node) what the host allows.
+        self.agent_channel = agent_channel
+        self.vsock_device = vsock_device
+        self.vhost_vsock = False
+        self.channel: vsock.Channel = vsock.choose(agent_channel, False)
+        # CIDs are one namespace for the host's kernel: claims are host-wide, not per data dir.
+        self.cids = vsock.Cids(cid_root or host.SOCKET_ROOT / "cids")
         self.state_dir = data_dir / self.name
         self.kit_dir = kit_dir or data_dir / "guest-kit"
         self.accel: qemu.Accel = accel or "tcg"
@@ -79,7 +90,20 @@ class MicroVMBackend(VmForks):
             log.info("removed %d templates of earlier guest kits", removed)
         if not self._accel_given:
             self.accel = await self.vmm.detect_accel(self.kit, self.state_dir.parent)
-        log.info("microVMs on this node: %s, kernel %s", self.accel, self.kit.kernel_version)
+        await self.detect_channel()
+        log.info(
+            "microVMs on this node: %s, kernel %s, agent over %s",
+            self.accel,
+            self.kit.kernel_version,
+            self.channel,
+        )
+
+    async def detect_channel(self) -> None:
+        """Probe vhost-vsock once for the node (cached beside the accelerator's answer)."""
+        self.vhost_vsock = await asyncio.to_thread(
+            vsock.vhost_vsock_present, self.state_dir.parent, self.vsock_device
+        )
+        self.channel = vsock.choose(self.agent_channel, self.vhost_vsock)
 
     def capabilities(self) -> dict[str, Any]:
         return {
@@ -88,6 +112,8 @@ class MicroVMBackend(VmForks):
             "pause": True,  # stop/cont (memory stays resident: snapshot pause is still to come)
             "pack": False,
             "fork_processes": True,  # fork copies memory and processes too
+            "vhost_vsock": self.vhost_vsock,  # the host kernel offers /dev/vhost-vsock
+            "agent_channel": self.channel,  # how new VMs reach their agent: vsock or serial
         }
 
     async def detach(self) -> None:
@@ -110,6 +136,11 @@ class MicroVMBackend(VmForks):
     async def create(self, ctx: CreateContext) -> dict[str, Any]:
         if self.kit is None:
             raise InfraFailure(f"the {self.name} backend was not prepared", reason="runtime")
+        # An image booted by its own bootloader has its own kernel command line: init cannot be
+        # told to listen on vsock, so such a VM keeps the virtio-serial port.
+        use_vsock = self.channel == "vsock" and getattr(ctx.spec, "disk_image", None) is None
+        if use_vsock and not self.vhost_vsock:
+            raise vsock.missing(self.vsock_device)  # forced by the setting; nothing made yet
         work = ctx.workdir
         work.mkdir(parents=True, exist_ok=True)
         socks = host.socket_dir(work)
@@ -132,6 +163,8 @@ class MicroVMBackend(VmForks):
             config.tap = ctx.link.ifname
             config.guest_net = f"{ctx.link.address},{ctx.link.gateway}"
         try:
+            if use_vsock:  # journaled at once: a failed create's destroy gives it back
+                config.vsock_cid = handle["vsock_cid"] = await asyncio.to_thread(self.cids.claim, work)
             await self._boot(ctx, config, handle)
             return handle
         except BaseException as exc:
@@ -149,7 +182,11 @@ class MicroVMBackend(VmForks):
         config.layers = [self.layer_file(d) for d in ctx.layer_digests]
         config.rw_disk = Path(handle["dir"]) / "rw.img"
         disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
-        key = TemplateKey(self.kit.key, tuple(ctx.layer_digests), config.memory_mb, config.cpus, disk_mb)
+        # A template's saved devices include its agent channel's: a clone must have the same.
+        channel = "serial" if config.vsock_cid is None else "vsock"
+        key = TemplateKey(
+            self.kit.key, tuple(ctx.layer_digests), config.memory_mb, config.cpus, disk_mb, channel
+        )
         # A networked VM boots cold: a template's saved devices have no network card, and its
         # guest was never told an address; nor does it make a template of its own.
         templated = self.use_templates and config.tap is None
@@ -160,7 +197,7 @@ class MicroVMBackend(VmForks):
             return
         await asyncio.to_thread(host.make_rw_disk, config.rw_disk, disk_mb)
         await self._start(ctx.sandbox_id, config, handle)
-        self._channels[ctx.sandbox_id] = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
+        self._channels[ctx.sandbox_id] = await AgentChannel.connect(host.config_addr(config), BOOT_TIMEOUT_S)
         if templated and not self.templates.building(key):
             self.templates.start_build(key, self._build_template(key, config))
 
@@ -196,7 +233,7 @@ class MicroVMBackend(VmForks):
         async with self.vmm.control(config.qmp_socket) as control:
             await control.load(template / "state")
             await control.cont()
-        channel = await AgentChannel.connect(config.agent_socket, 30.0, booting=False)
+        channel = await AgentChannel.connect(host.config_addr(config), 30.0, booting=False)
         self._channels[sandbox_id] = channel
         await host.refresh_guest(channel)
 
@@ -206,11 +243,14 @@ class MicroVMBackend(VmForks):
         tdir = final.with_name(final.name + ".building")
         socks = host.socket_dir(tdir)
         pid = 0
+        cid: int | None = None
         try:
             await asyncio.to_thread(shutil.rmtree, tdir, True)
             tdir.mkdir(parents=True)
             socks.mkdir(parents=True, exist_ok=True, mode=0o700)
             await asyncio.to_thread(host.make_rw_disk, tdir / "rw.img", key.disk_mb)
+            if like.vsock_cid is not None:  # its own CID: the VM it was made for holds that one
+                cid = await asyncio.to_thread(self.cids.claim, tdir)
             config = dataclasses.replace(
                 like,
                 agent_socket=socks / "agent.sock",
@@ -219,9 +259,10 @@ class MicroVMBackend(VmForks):
                 rw_disk=tdir / "rw.img",
                 mem_path=tdir / "ram",
                 mem_shared=True,
+                vsock_cid=cid,
             )
             pid = await self.vmm.start(config, tdir)
-            channel = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
+            channel = await AgentChannel.connect(host.config_addr(config), BOOT_TIMEOUT_S)
             try:
                 sync = await channel.spawn(["sync"], env={"PATH": host.GUEST_PATH}, cwd="/", uid=0, gid=0)
                 await sync.wait()  # the disk the clones start from holds what the RAM believes
@@ -245,6 +286,8 @@ class MicroVMBackend(VmForks):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             await asyncio.to_thread(shutil.rmtree, socks, True)
+            if cid is not None:
+                await asyncio.to_thread(self.cids.release, cid, tdir)
             if tdir.exists():
                 await asyncio.to_thread(shutil.rmtree, tdir, True)
 
@@ -272,6 +315,9 @@ class MicroVMBackend(VmForks):
             await host.gone(pid, 5.0)
         await asyncio.to_thread(shutil.rmtree, workdir, True)
         await asyncio.to_thread(shutil.rmtree, host.socket_dir(workdir), True)
+        cid = handle.get("vsock_cid", (handle.get("vm") or {}).get("vsock_cid"))
+        if cid is not None:  # only if this VM still holds it (the claim names its directory)
+            await asyncio.to_thread(self.cids.release, int(cid), Path(handle.get("dir", workdir)))
         if handle.get("fork_source"):
             await asyncio.to_thread(forks.drop, Path(handle["fork_source"]), sandbox_id)
         state.unlink(missing_ok=True)
@@ -286,11 +332,11 @@ class MicroVMBackend(VmForks):
         async with lock:  # after an edge restart: reconnect once, for every waiting caller
             channel = self._channels.get(sandbox_id)
             if channel is not None and channel.suspended and not handle.get("snapshot"):
-                await channel.resume(host.socket_dir(Path(handle["dir"])) / "agent.sock")
+                await channel.resume(host.agent_addr(handle))
             elif channel is None or channel.closed:
-                sock = host.socket_dir(Path(handle["dir"])) / "agent.sock"
                 # A channel this edge never had: its sessions died with an earlier edge.
-                channel = await AgentChannel.connect(sock, 30.0, booting=False, forget=True)
+                addr = host.agent_addr(handle)  # the journaled CID, after an edge restart too
+                channel = await AgentChannel.connect(addr, 30.0, booting=False, forget=True)
                 self._channels[sandbox_id] = channel
             return channel
 
@@ -345,9 +391,8 @@ class MicroVMBackend(VmForks):
         await self._qmp(handle, "cont")
         if handle.pop("resumed", False):
             channel = self._channels.get(sandbox_id)
-            sock = host.socket_dir(Path(handle["dir"])) / "agent.sock"
             if channel is not None and channel.suspended:
-                await channel.resume(sock)
+                await channel.resume(host.agent_addr(handle))
             await host.refresh_guest(await self._channel(sandbox_id, handle))
 
     async def _qmp(self, handle: dict[str, Any], command: str) -> None:

@@ -1,7 +1,8 @@
-"""The host end of the guest agent protocol (``guest/PROTOCOL.md``) over QEMU's unix socket.
+"""The host end of the guest agent protocol (``guest/PROTOCOL.md``) over QEMU's unix socket
+(the virtio-serial port's host end) or over AF_VSOCK (:mod:`dsec.backends.microvm.vsock`).
 
-One :class:`AgentChannel` per microVM multiplexes every process and file operation over the
-virtio-serial port. A process is a :class:`VmProcess`: the same shape as an asyncio subprocess
+One :class:`AgentChannel` per microVM multiplexes every process and file operation over that
+one byte stream. A process is a :class:`VmProcess`: the same shape as an asyncio subprocess
 (stdin writer, stdout/stderr stream readers, ``wait``, ``kill``), so the edge's sessions and
 exec streams drive a process in a VM exactly as one in a container.
 """
@@ -15,11 +16,13 @@ import itertools
 import os
 import secrets
 import signal
+import socket
 import struct
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from dsec.backends.microvm.vsock import VsockAddr
 from dsec.protocol.errors import InfraFailure
 
 _HEADER = struct.Struct("<IBI")  # len (of what follows it), type, chan
@@ -35,6 +38,8 @@ SPAWN, STDIN, KILL, FOP, WDATA, COMMIT, ABORT, PING = range(1, 9)
 OP_STAT, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE = 1, 2, 3, 4, 5, 6
 
 Handler = Callable[[int, bytes], None]
+# Where the agent is: the unix socket of QEMU's virtio-serial chardev, or a guest's vsock port.
+AgentAddr = Path | VsockAddr
 
 
 def cstr(text: str) -> bytes:
@@ -66,7 +71,7 @@ class AgentChannel:
 
     @classmethod
     async def connect(
-        cls, path: Path, timeout: float, *, booting: bool = True, forget: bool = False
+        cls, path: AgentAddr, timeout: float, *, booting: bool = True, forget: bool = False
     ) -> AgentChannel:
         """Connect to the agent's socket. ``booting``: wait for the READY it sends when it
         starts; else (an edge reconnecting to a running VM) ask with a PING and wait for the
@@ -92,7 +97,7 @@ class AgentChannel:
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
 
-    async def resume(self, path: Path, timeout: float = 30.0) -> None:
+    async def resume(self, path: AgentAddr, timeout: float = 30.0) -> None:
         """Reconnect to the (restored) VM; the channels of :meth:`suspend` resume."""
         self._reader, self._writer, _ = await _open(path, timeout, booting=False)
         self._suspended = False
@@ -224,15 +229,22 @@ class AgentChannel:
 
 
 async def _open(
-    path: Path, timeout: float, booting: bool, forget: bool = False
+    path: AgentAddr, timeout: float, booting: bool, forget: bool = False
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
     async with asyncio.timeout(timeout):
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 22)
+                if isinstance(path, VsockAddr):
+                    reader, writer = await _open_vsock(path)
+                else:
+                    reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 22)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 await asyncio.sleep(0.005)  # QEMU creates the socket as it starts
+            except OSError as exc:
+                if not isinstance(path, VsockAddr) or exc.errno not in _VSOCK_NOT_YET:
+                    raise
+                await asyncio.sleep(0.02)  # the guest's agent is not listening yet
         want, nonce = READY, b""
         if not booting:
             want, nonce = PONG, (b"forget:" if forget else b"") + os.urandom(8)
@@ -242,6 +254,25 @@ async def _open(
             kind, _chan, payload = await _read_frame(reader)
             if kind == want and (not nonce or payload == nonce):
                 return reader, writer, payload.decode(errors="replace") if booting else ""
+
+
+# What connecting to a guest's vsock port says while the guest boots: no such CID yet (QEMU
+# has not set the device up), reset (the guest's transport answers, nothing listens), timed out
+# (the guest's transport is not loaded yet: nobody answers).
+_VSOCK_NOT_YET = {errno.ENODEV, errno.ECONNRESET, errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH}
+
+
+async def _open_vsock(addr: VsockAddr) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream over AF_VSOCK to ``addr``. asyncio's ``sock_connect`` resolves only inet
+    addresses, so a (cid, port) pair goes to the kernel as it is."""
+    sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (addr.cid, addr.port))
+        return await asyncio.open_connection(sock=sock, limit=1 << 22)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _fres(kind: int, payload: bytes) -> bytes:

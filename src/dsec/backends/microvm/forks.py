@@ -21,6 +21,7 @@ from dsec.backends.base import CreateContext
 from dsec.backends.microvm import host, qemu
 from dsec.backends.microvm.channel import AgentChannel
 from dsec.backends.microvm.vmm import Vmm
+from dsec.backends.microvm.vsock import Cids
 from dsec.protocol.errors import InvalidRequest
 
 
@@ -63,6 +64,7 @@ class VmForks:
     if TYPE_CHECKING:
         state_dir: Path
         vmm: Vmm
+        cids: Cids
         _channels: dict[str, AgentChannel]
 
         async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int: ...
@@ -122,11 +124,16 @@ class VmForks:
                 config.rw_disk, config.rw_format = overlay, "qcow2"
             config.agent_socket, config.qmp_socket = socks / "agent.sock", socks / "qmp.sock"
             config.serial_log, config.incoming = work / "console.log", True
+            if config.vsock_cid is not None:
+                # The same device as the source (its saved state has it), at a CID of its own:
+                # the CID is QEMU's command line, not migrated state, and the guest learns the
+                # new one from the transport reset vhost-vsock sends after the load.
+                config.vsock_cid = handle["vsock_cid"] = await asyncio.to_thread(self.cids.claim, work)
             await self._start(ctx.sandbox_id, config, handle)
             async with self.vmm.control(config.qmp_socket) as control:
                 await control.load(Path(source["state"]))
                 await control.cont()
-            channel = await AgentChannel.connect(config.agent_socket, 30.0, booting=False)
+            channel = await AgentChannel.connect(host.config_addr(config), 30.0, booting=False)
             self._channels[ctx.sandbox_id] = channel
             await host.refresh_guest(channel)
             take(Path(source["dir"]), ctx.sandbox_id)

@@ -13,7 +13,8 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.microvm import qemu
-from dsec.backends.microvm.channel import AgentChannel
+from dsec.backends.microvm.channel import AgentAddr, AgentChannel
+from dsec.backends.microvm.vsock import VsockAddr
 from dsec.protocol.errors import InfraFailure
 
 SOCKET_ROOT = Path("/run/dsec-vm")
@@ -61,7 +62,20 @@ def config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
         boot_disk=None if vm.get("boot_disk") is None else path("boot_disk"),
         tap=vm.get("tap"),
         guest_net=vm.get("guest_net"),
+        vsock_cid=None if vm.get("vsock_cid") is None else int(vm["vsock_cid"]),
     )
+
+
+def agent_addr(handle: dict[str, Any]) -> AgentAddr:
+    """Where a VM's agent answers: its journaled vsock CID, else its virtio-serial socket."""
+    cid = (handle.get("vm") or {}).get("vsock_cid")
+    if cid is not None:
+        return VsockAddr(int(cid))
+    return socket_dir(Path(handle["dir"])) / "agent.sock"
+
+
+def config_addr(config: qemu.MicroVMConfig) -> AgentAddr:
+    return config.agent_socket if config.vsock_cid is None else VsockAddr(config.vsock_cid)
 
 
 async def run_tool(*argv: str) -> None:

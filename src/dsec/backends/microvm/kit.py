@@ -4,8 +4,9 @@
   fetched with ``apt-get download`` and unpacked with ``dpkg -x`` into the kit directory; no
   install into /boot, no initramfs-tools. Its virtio, EROFS and overlay drivers are modules.
 * Initramfs: static busybox (from busybox-static), the few modules the guest needs (with a
-  ``modules.dep`` made by ``depmod -b``), our ``init`` script, and the guest agent compiled
-  here with ``gcc -static`` (no Python in the guest). Written as a newc cpio by this module.
+  ``modules.dep`` made by ``depmod -b``; one the kernel package lacks is left out), our ``init``
+  script, and the guest agent compiled here with ``gcc -static`` (no Python in the guest).
+  Written as a newc cpio by this module.
 
 A kit is keyed by the kernel version and a hash of everything that goes into the initramfs, so
 a changed agent rebuilds it and a kit in use is never changed in place.
@@ -42,6 +43,9 @@ MODULES = (
     "erofs", "overlay", "ext4", "evdev",
     "virtio_input",  # a full VM's absolute pointer (virtio tablet)
     "virtio_net",  # the network card of a VM created with network rules
+    # The agent's channel where the host has vhost-vsock (dsec.channel=vsock); the transport
+    # pulls in vsock and the common virtio part through modules.dep.
+    "vsock", "vmw_vsock_virtio_transport",
 )  # fmt: skip
 _APPLETS = (
     "sh", "mount", "umount", "mkdir", "modprobe", "insmod", "cat", "ls", "sleep", "poweroff", "echo",

@@ -3,7 +3,8 @@
 The machine is QEMU's ``microvm`` (no PCI, no firmware: the kernel boots directly) with
 virtio-mmio devices: one virtio-blk per layer (read-only, the layer's EROFS file as it is in
 the store: no conversion per VM), one writable virtio-blk (the sandbox's upper layer, ext4), and
-a virtio-serial port for the guest agent whose host end is a unix socket. No network device
+a virtio-serial port for the guest agent whose host end is a unix socket (or, where the host
+has vhost-vsock, a vhost-vsock device instead: :mod:`dsec.backends.microvm.vsock`). No network device
 unless the sandbox names network rules: then a virtio-net card on a tap the edge made.
 ``-nodefaults`` keeps QEMU from adding any.
 
@@ -61,6 +62,8 @@ class MicroVMConfig:
     # guest's init configures on it: "address,gateway" (the gateway also answers DNS).
     tap: str | None = None
     guest_net: str | None = None
+    # The agent over vsock instead of virtio-serial: the guest's CID (unique on the host).
+    vsock_cid: int | None = None
     extra: list[str] = field(default_factory=list)
 
 
@@ -70,6 +73,8 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
     # vga=791: 1024x768 at 16 bits through the VESA BIOS, the framebuffer the kernel keeps.
     cmdline += " vga=791" if full else ""
     cmdline += f" dsec.net={c.guest_net}" if c.guest_net else ""
+    # init starts the agent listening on vsock instead of opening the virtio-serial port.
+    cmdline += " dsec.channel=vsock" if c.vsock_cid is not None else ""
     machine = "q35" if full else "microvm,rtc=on,pic=off,pit=on"
     machine += ",memory-backend=mem" if c.mem_path else ""
     bus = "pci" if full else "device"  # virtio over PCI on q35, over MMIO on microvm
@@ -83,10 +88,17 @@ def microvm_argv(c: MicroVMConfig) -> list[str]:
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-serial", f"file:{c.serial_log}",
         "-qmp", f"unix:{c.qmp_socket},server=on,wait=off",
-        "-device", f"virtio-serial-{bus}",
-        "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
-        "-device", "virtserialport,chardev=agent,name=dsec.agent",
     ]  # fmt: skip
+    if c.vsock_cid is None:
+        argv += [
+            "-device", f"virtio-serial-{bus}",
+            "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
+            "-device", "virtserialport,chardev=agent,name=dsec.agent",
+        ]  # fmt: skip
+    else:
+        # QEMU opens /dev/vhost-vsock and sets the CID; the host kernel then carries the bytes.
+        # The CID is a device property, not migrated state: a restore takes it from this line.
+        argv += ["-device", f"vhost-vsock-{bus},guest-cid={c.vsock_cid}"]
     if c.tap is not None:
         # The tap exists already (persistent, the edge's); QEMU only opens it, runs no script.
         # romfile= : no PXE option ROM (the kernel is loaded directly; no ipxe files needed).

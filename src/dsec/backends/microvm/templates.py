@@ -35,10 +35,14 @@ class TemplateKey:
     memory_mb: int
     cpus: int
     disk_mb: int
+    channel: str = "serial"  # the agent's device (virtio-serial or vhost-vsock) is in the saved state
 
     @property
     def name(self) -> str:
-        text = json.dumps([self.kit, list(self.layers), self.memory_mb, self.cpus, self.disk_mb])
+        parts: list[object] = [self.kit, list(self.layers), self.memory_mb, self.cpus, self.disk_mb]
+        if self.channel != "serial":  # (serial templates keep the names they had)
+            parts.append(self.channel)
+        text = json.dumps(parts)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -31,7 +31,7 @@ from dsec.backends.base import CreateContext
 from dsec.backends.microvm import qemu
 from dsec.backends.microvm.backend import BOOT_TIMEOUT_S, DEFAULT_DISK_MB, MicroVMBackend
 from dsec.backends.microvm.channel import AgentChannel
-from dsec.backends.microvm.host import run_tool, socket_dir
+from dsec.backends.microvm.host import config_addr, run_tool, socket_dir
 from dsec.backends.microvm.vmm import QemuVmm, QmpControl
 from dsec.backends.vm import bases
 from dsec.backends.vm.display import qmp_events
@@ -53,8 +53,11 @@ class FullVMBackend(MicroVMBackend):
         vm_images: VmImageStore | None = None,
         layer_exists: Callable[[str], bool] | None = None,
         base_grace_s: float = bases.GRACE_S,
+        agent_channel: str = "auto",
     ) -> None:
-        super().__init__(data_dir, accel=accel, kit_dir=kit_dir, use_templates=False)
+        super().__init__(
+            data_dir, accel=accel, kit_dir=kit_dir, use_templates=False, agent_channel=agent_channel
+        )
         self.bases = bases.Bases(self.state_dir / "bases")
         self.layer_exists = layer_exists  # whether the store still holds a layer (gc of bases)
         self.base_grace_s = base_grace_s
@@ -85,7 +88,7 @@ class FullVMBackend(MicroVMBackend):
             self._taking[key] -= 1
             if not self._taking[key]:
                 del self._taking[key]
-        self._channels[ctx.sandbox_id] = await AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S)
+        self._channels[ctx.sandbox_id] = await AgentChannel.connect(config_addr(config), BOOT_TIMEOUT_S)
 
     async def _base_image(self, key: str, digests: list[str], dirs: list[Path], disk_mb: int) -> Path:
         """The shared base image of these layers (built on first use, then reused)."""

@@ -2,9 +2,11 @@
  * dsec microVM guest agent: PID 1 of the guest (exec'd by /init).
  *
  *     agent PORT ROOT      e.g.  agent /dev/virtio-ports/dsec.agent /sysroot
+ *                                 agent vsock:1024 /sysroot
+ *                                 agent unix:/tmp/agent.sock /   (tests, on the host)
  *
  * Speaks the protocol of PROTOCOL.md (next to this file) with the host over the virtio-serial
- * PORT: spawns processes chrooted in ROOT with their stdio streamed, signals them, and does
+ * PORT, or over one AF_VSOCK connection at a time accepted on the given vsock port: spawns processes chrooted in ROOT with their stdio streamed, signals them, and does
  * file operations inside ROOT. Single-threaded: one poll() loop over the port, the signalfd
  * (SIGCHLD) and every spawned process's stdio pipes. As PID 1 it reaps every child (orphans
  * are reparented to it) and never exits: PID 1 exiting panics the kernel.
@@ -18,6 +20,7 @@
 #include <grp.h>
 #include <limits.h>
 #include <linux/openat2.h>
+#include <linux/vm_sockets.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -28,6 +31,8 @@
 #include <sys/reboot.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -76,6 +81,10 @@ struct wr {
 static struct rlimit nofile; /* RLIMIT_NOFILE as we got it: children get it back */
 static const char *root_path;
 static int root_fd = -1, port_fd = -1, sig_fd = -1, vmstat_fd = -1;
+/* vsock mode: the listening socket (port_fd is then the accepted host connection, -1 while
+ * none), and a count of connections so a poll result is never applied to a later one. */
+static int listen_fd = -1;
+static unsigned conn_gen;
 static uint64_t oom_sent; /* the guest kernel's OOM kill count as last sent to the host */
 static struct proc *procs;
 static struct rd *reads;
@@ -124,6 +133,60 @@ static uint32_t get32(const unsigned char *p)
 
 /* ---- port output ---------------------------------------------------------------------- */
 
+static uint64_t oom_count(void);
+
+/* vsock mode: the host's connection ended (closed, or reset by a snapshot restore). */
+static void host_gone(void)
+{
+	close(port_fd);
+	port_fd = -1;
+	rx_len = 0; /* the next connection starts on a frame boundary */
+	conn_gen++;
+}
+
+/*
+ * vsock mode: wait for the host to connect (blocking: as a virtio-serial write waits for a
+ * host, this holds output back while none is connected), then greet it as a virtio-serial
+ * host is greeted when the agent starts: READY, then the OOM count. A host that reconnects
+ * skips both (it waits for the PONG of its PING). Uses its own buffer: the frame a caller was
+ * about to send may be in tx already.
+ */
+static void accept_host(void)
+{
+	unsigned char b[2 * HDR + sizeof VERSION + 8];
+	uint64_t oom = oom_count();
+	size_t n = 0;
+
+	while ((port_fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC)) < 0) {
+		if (errno != EINTR && errno != ECONNABORTED) {
+			logmsg("accept: %s", strerror(errno));
+			poll(NULL, 0, 100);
+		}
+	}
+	conn_gen++;
+	put32(b, 5 + sizeof VERSION);
+	b[4] = R_READY;
+	put32(b + 5, 0);
+	memcpy(b + HDR, VERSION, sizeof VERSION);
+	n = HDR + sizeof VERSION;
+	put32(b + n, 5 + 8);
+	b[n + 4] = R_OOM;
+	put32(b + n + 5, 0);
+	put64(b + n + HDR, oom);
+	n += HDR + 8;
+	oom_sent = oom;
+	for (size_t off = 0; off < n;) {
+		ssize_t w = write(port_fd, b + off, n - off);
+		if (w > 0) {
+			off += (size_t)w;
+		} else if (w < 0 && errno != EINTR) {
+			host_gone(); /* it went away at once: wait for the next one */
+			accept_host();
+			return;
+		}
+	}
+}
+
 /*
  * Writes a whole buffer to the port. The port is a blocking fd (we only read it after poll()
  * says POLLIN), so this waits while the host is slow or not connected; that is the
@@ -141,6 +204,10 @@ static void port_write(const unsigned char *p, size_t n)
 			poll(&(struct pollfd){ .fd = port_fd, .events = POLLOUT }, 1, 100);
 		} else if (errno != EINTR) {
 			logmsg("port write: %s (frame dropped)", strerror(errno));
+			/* vsock: the host is gone. The rest of this frame must not start the next
+			 * connection (its framing would be lost): drop it. */
+			if (listen_fd >= 0)
+				host_gone();
 			return;
 		}
 	}
@@ -148,6 +215,8 @@ static void port_write(const unsigned char *p, size_t n)
 
 static void send_frame(int type, uint32_t chan, const void *data, size_t n)
 {
+	if (listen_fd >= 0 && port_fd < 0)
+		accept_host(); /* before tx is touched: data may point into it */
 	put32(tx, (uint32_t)n + 5);
 	tx[4] = type;
 	put32(tx + 5, chan);
@@ -1118,6 +1187,7 @@ static int port_input(void)
 {
 	ssize_t got = read(port_fd, rx + rx_len, sizeof rx - rx_len);
 	size_t off = 0;
+	unsigned gen = conn_gen;
 
 	if (got < 0)
 		return errno == EINTR || errno == EAGAIN;
@@ -1141,6 +1211,8 @@ static int port_input(void)
 		if (rx_len - off < 4 + (size_t)len)
 			break; /* partial frame: wait for the rest */
 		handle_frame(rx[off + 4], get32(rx + off + 5), rx + off + HDR, len - 5);
+		if (gen != conn_gen)
+			return 1; /* an answer found the host gone (vsock): rx belongs to no one now */
 		off += 4 + (size_t)len;
 	}
 	memmove(rx, rx + off, rx_len - off);
@@ -1180,16 +1252,51 @@ int main(int argc, char **argv)
 	root_path = argv[2];
 	if ((root_fd = open(root_path, O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0)
 		fatal(root_path);
-	if ((port_fd = open(argv[1], O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0)
-		fatal(argv[1]);
-	/* Blocks until the host connects: a virtio-serial port holds writes until then. */
-	send_frame(R_READY, 0, VERSION, sizeof VERSION);
 	vmstat_fd = open("/proc/vmstat", O_RDONLY | O_CLOEXEC);
-	oom_report(1);
+	if (strncmp(argv[1], "unix:", 5) == 0) {
+		/* The vsock mode's connection handling on a unix socket: how the tests run it on
+		 * a host without vhost-vsock (in a PID namespace of its own, so fatal()'s power
+		 * off only ends that namespace). */
+		struct sockaddr_un addr = { .sun_family = AF_UNIX };
+		if (strlen(argv[1] + 5) >= sizeof addr.sun_path) {
+			errno = ENAMETOOLONG;
+			fatal(argv[1]);
+		}
+		strcpy(addr.sun_path, argv[1] + 5);
+		if ((listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0)
+			fatal("socket(AF_UNIX)");
+		if (bind(listen_fd, (struct sockaddr *)&addr, sizeof addr) < 0)
+			fatal(argv[1]);
+		if (listen(listen_fd, 4) < 0)
+			fatal("listen");
+	} else if (strncmp(argv[1], "vsock:", 6) == 0) {
+		/* The host connects to us (vhost-vsock); READY greets each connection. */
+		struct sockaddr_vm addr = { .svm_family = AF_VSOCK, .svm_cid = VMADDR_CID_ANY };
+		char *end;
+		unsigned long port = strtoul(argv[1] + 6, &end, 10);
+		if (*end || port == 0 || port > 0xffffffffUL) {
+			errno = EINVAL;
+			fatal(argv[1]);
+		}
+		addr.svm_port = (unsigned)port;
+		if ((listen_fd = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0)
+			fatal("socket(AF_VSOCK)");
+		if (bind(listen_fd, (struct sockaddr *)&addr, sizeof addr) < 0)
+			fatal(argv[1]);
+		if (listen(listen_fd, 4) < 0)
+			fatal("listen");
+	} else {
+		if ((port_fd = open(argv[1], O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0)
+			fatal(argv[1]);
+		/* Blocks until the host connects: a virtio-serial port holds writes until then. */
+		send_frame(R_READY, 0, VERSION, sizeof VERSION);
+		oom_report(1);
+	}
 
 	for (;;) {
 		size_t n = 0, need = 2;
 		int port_slot = -1, timeout = -1;
+		unsigned gen = conn_gen;
 
 		for (struct proc *p = procs; p; p = p->next)
 			need += 3;
@@ -1204,7 +1311,11 @@ int main(int argc, char **argv)
 	(pfd[n] = (struct pollfd){ .fd = (fd_), .events = (ev) }, \
 	 slot[n].p = (p_), slot[n].kind = (kind_), n++)
 		ADD(sig_fd, POLLIN, NULL, K_SIG);
-		if (!port_gone) {
+		if (listen_fd >= 0) {
+			/* vsock: the connection's input, or a host connecting. */
+			port_slot = (int)n;
+			ADD(port_fd >= 0 ? port_fd : listen_fd, POLLIN, NULL, K_PORT);
+		} else if (!port_gone) {
 			port_slot = (int)n;
 			ADD(port_fd, POLLIN, NULL, K_PORT);
 		} else {
@@ -1244,7 +1355,13 @@ int main(int argc, char **argv)
 			else if (slot[i].kind == K_IN && p->in == pfd[i].fd)
 				stdin_flush(p);
 		}
-		if (port_slot >= 0 && pfd[port_slot].revents) {
+		if (listen_fd >= 0 && port_slot >= 0 && pfd[port_slot].revents && gen == conn_gen) {
+			/* (a write above may have lost or replaced the connection: then skip) */
+			if (port_fd < 0)
+				accept_host();
+			else if (!(pfd[port_slot].revents & POLLIN) || !port_input())
+				host_gone();
+		} else if (listen_fd < 0 && port_slot >= 0 && pfd[port_slot].revents) {
 			if (pfd[port_slot].revents & POLLIN)
 				port_gone = !port_input();
 			else /* POLLHUP alone: no host connected */
