@@ -163,7 +163,7 @@ class MicroVMBackend(VmForks):
             config.tap = ctx.link.ifname
             config.guest_net = f"{ctx.link.address},{ctx.link.gateway}"
         try:
-            if use_vsock:  # journaled at once: a failed create's destroy gives it back
+            if use_vsock:  # in the handle at once: a failed create's destroy gives it back
                 config.vsock_cid = handle["vsock_cid"] = await asyncio.to_thread(self.cids.claim, work)
             await self._boot(ctx, config, handle)
             return handle
