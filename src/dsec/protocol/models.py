@@ -27,6 +27,14 @@ from pydantic import (
 )
 
 from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.files import Change as Change
+from dsec.protocol.files import ChangeKind as ChangeKind
+from dsec.protocol.files import FileStat as FileStat
+from dsec.protocol.files import FileType as FileType
+from dsec.protocol.iam import KeyCreate as KeyCreate
+from dsec.protocol.iam import ProjectCreate as ProjectCreate
+from dsec.protocol.iam import QuotaModel as QuotaModel
+from dsec.protocol.iam import QuotaUpdate as QuotaUpdate
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
@@ -449,34 +457,6 @@ class GcRequest(_Model):
     grace_s: float | None = Field(default=None, ge=0, description="spare blobs younger than this")
 
 
-class QuotaModel(_Model):
-    """Bounds for a project's whole subtree; ``None``: only the ancestors' bounds apply."""
-
-    sandboxes: int | None = Field(default=None, ge=0)
-    cpu_cores: float | None = Field(default=None, ge=0)
-    memory_mib: int | None = Field(default=None, ge=0)
-
-
-class ProjectCreate(_Model):
-    parent: str
-    name: str
-    quota: QuotaModel = Field(default_factory=QuotaModel)
-
-
-class QuotaUpdate(_Model):
-    project: str
-    quota: QuotaModel
-
-
-class KeyCreate(_Model):
-    project: str
-    admin: bool = False
-    name: str = Field(default="", max_length=200)
-    format: Literal["dsec", "e2b"] = Field(
-        default="dsec", description="dsec: dsec_<hex>; e2b: e2b_<hex>, the form E2B's SDKs accept"
-    )
-
-
 class CommitRequest(_Model):
     """Pack what a sandbox changed into a new layer ``ref``: ``name:version``, or a bare
     ``name`` for the next free integer version (what ``pack_diff`` does)."""
@@ -484,38 +464,6 @@ class CommitRequest(_Model):
     ref: str
     scrub_defaults: bool = Field(default=True, description="remove caches, histories, temp files")
     exclude: list[str] = Field(default_factory=list, max_length=256, description="more paths to scrub")
-
-
-class FileType(StrEnum):
-    file = "file"
-    dir = "dir"
-    symlink = "symlink"
-    other = "other"
-
-
-class FileStat(_Model):
-    path: str
-    name: str
-    type: FileType
-    size: int
-    mode: int
-    mtime: float
-    uid: int
-    gid: int
-
-
-class ChangeKind(StrEnum):
-    added = "added"
-    modified = "modified"
-    deleted = "deleted"
-
-
-class Change(_Model):
-    """One path the sandbox changed relative to its layers (read from the host side)."""
-
-    path: str
-    kind: ChangeKind
-    type: FileType
 
 
 def validate_name_ref(ref: str) -> str:
