@@ -11,6 +11,12 @@ The LS sandbox runs a fixed CPU-bound step (a shell loop, ~tens of ms) again and
   - next to the same load in the best-effort class (SCHED_IDLE, cpu.shares 2).
 It prints each with its inflation over the baseline. The machine is shared and noisy: compare
 the ratios of one run, not runs with each other.
+
+The first line also says whether core scheduling was on (the container backend's
+``core_scheduling`` capability, and why not): with it, each LS sandbox (the task, and each
+same-class load sandbox) has a cookie of its own, so on an SMT CPU the task never shares a
+physical core with the load; without it (this project's hosts: no CONFIG_SCHED_CORE, no SMT)
+the figures are those of SCHED_IDLE and cpu.shares alone.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Literal
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.density import coresched
 from dsec.density.swap import SwapConfig
 from dsec.sdk.client import Sandbox
 
@@ -92,6 +99,10 @@ async def main() -> None:
     cores = os.cpu_count() or 1
     share = a.load_cores / cores
     print(f"cores {cores}  load {a.load_cores} core(s) = {share:.0%} of the node  steps {a.steps}")
+    # The embedded node's backend decides with this same probe (one per process).
+    core = coresched.node_support()
+    state = "on (a cookie per LS sandbox)" if core.available else f"off ({core.why_not})"
+    print(f"core scheduling: {state}")
     try:
         async with DSecClient(node.url, node.api_key) as client:
             task = await client.run_container(DSecContainerRunArgs(container_image="debian:bookworm"))

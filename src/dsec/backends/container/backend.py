@@ -29,7 +29,7 @@ from dsec import _linux
 from dsec.backends.base import CreateContext, Spawned, User
 from dsec.backends.container import cgroups, diskquota, enter, gvisor, init, oci
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
-from dsec.density import memory
+from dsec.density import coresched, memory
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import SandboxProcess
@@ -209,9 +209,15 @@ class ContainerBackend:
         lower = ":".join(str(p) for p in reversed(ctx.layer_dirs))
         options = f"lowerdir={lower},upperdir={upper},workdir={work}"
 
+        # LS on an SMT node with core scheduling: a fresh cookie before crun execs, so crun and
+        # all it forks (the init first) share it, with no window and no fix-up afterwards.
+        cookie = coresched.wants_cookie(ctx.spec.cpu_class, coresched.node_support())
+
         def enter_private_rootfs() -> None:
             _linux.private_mount_namespace()
             _linux.mount("overlay", str(rootfs), "overlay", 0, options)
+            if cookie:
+                coresched.new_cookie()
 
         log = bundle / "crun.log"
         pid_file = bundle / "init.pid"
@@ -249,7 +255,9 @@ class ContainerBackend:
             )
         except subprocess.SubprocessError as exc:
             # Raised when the overlay mount in the child failed; the child cannot say why.
-            msg = f"cannot mount the sandbox root (overlay over {lower}): {exc}"
+            # (Or, with a cookie, PR_SCHED_CORE_CREATE failed: the probe succeeded, so only ENOMEM.)
+            also = " or give it a core scheduling cookie" if cookie else ""
+            msg = f"cannot mount the sandbox root (overlay over {lower}){also}: {exc}"
             raise InfraFailure(msg, reason="storage") from exc
         rc = await proc.wait()
         if rc != 0:
@@ -258,6 +266,8 @@ class ContainerBackend:
             raise InfraFailure(f"{which} run failed (exit {rc}): {detail.strip()}", reason="runtime")
         pid = int(pid_file.read_text())  # gVisor: the sentry, whose death is the sandbox's
         handle = {"pid": pid, "start_time": _linux.proc_start_time(pid), "cpu_class": ctx.spec.cpu_class}
+        if cookie:
+            handle["core_cookie"] = True  # dsec-enter makes every later process share the init's
         if on_gvisor:
             handle.update(self.gvisor.handle_extra(ctx.sandbox_id))
         if limit_mb is not None:
@@ -469,6 +479,7 @@ class ContainerBackend:
             "fork_processes": False,
             "disk_quota": self._disk_quota_reason() is None,
             "gvisor": self.gvisor.available,  # runtime="gvisor": placement asks for this
+            **coresched.capabilities(),  # core_scheduling (LS: an SMT core of its own) or why not
         }
         if not self.gvisor.available:
             caps["gvisor_missing"] = self.gvisor.why_not

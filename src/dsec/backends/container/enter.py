@@ -163,6 +163,8 @@ def helper_argv(
         argv += ["--status-fd", str(status_fd)]
     if handle.get("cpu_class", "ls") == "be":
         argv.append("--idle")
+    if handle.get("core_cookie"):  # set at start (LS, node with core scheduling): join it
+        argv.append("--share-core-cookie")
     return argv
 
 

@@ -4,7 +4,7 @@
  *     dsec-enter --pid PID --start-time TICKS --cgroup dsec/SANDBOX_ID --spec-fd FD
  *                [--status-fd FD] [--uid UID] [--gid GID] [--cwd DIR] [--caps CAP_X,CAP_Y]
  *                [--seccomp-bpf FILE | --seccomp-rules RULES] [--nofile N] [--idle]
- *                [--tty] [--raise-signal] [--pid-fd FD] [--hold-stdin FD]
+ *                [--share-core-cookie] [--tty] [--raise-signal] [--pid-fd FD] [--hold-stdin FD]
  *     dsec-enter --dump-seccomp --seccomp-rules RULES   (the filter's BPF program on stdout)
  *
  * The cost of `crun exec` grows with the number of sandboxes on a node (measured in the design
@@ -13,7 +13,11 @@
  *
  *   1. opens /proc/PID once and checks the init's start time through that directory fd (a
  *      recycled PID cannot slip in afterwards: the fd stays bound to the process it named);
- *   2. opens the init's namespace files through the same fd, on the host's procfs;
+ *   2. opens the init's namespace files through the same fd, on the host's procfs; with
+ *      --share-core-cookie takes the init's core scheduling cookie (PR_SCHED_CORE_SHARE_FROM
+ *      PID, one task: ourselves), so the parent and the command share a physical SMT core only
+ *      with the sandbox's own tasks; the start time is checked again after both (a PID reused
+ *      meanwhile, whose cookie we might have taken, fails the check and nothing runs);
  *   3. refuses a paused sandbox (its freezer cgroup not THAWED: joining would freeze us), writes
  *      its own pid into DIR/cgroup.procs of every cgroup hierarchy under /sys/fs/cgroup that
  *      has DIR (= dsec/SANDBOX_ID), then checks that /proc/self/cgroup now equals the init's:
@@ -123,6 +127,11 @@
 #endif
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
+#ifndef PR_SCHED_CORE
+#define PR_SCHED_CORE 62
+#define PR_SCHED_CORE_SHARE_FROM 3
+#define PR_SCHED_CORE_SCOPE_THREAD 0
 #endif
 
 static int status_fd = -1;
@@ -705,7 +714,7 @@ struct opts {
 	const char *cgroup, *cwd, *caps, *rules, *bpf;
 	uid_t uid;
 	gid_t gid;
-	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd, hold_fd;
+	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd, hold_fd, share_cookie;
 	pid_t edge;
 	struct rlimit nofile;
 	int have_nofile;
@@ -723,6 +732,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		{ "dump-seccomp", no_argument, NULL, 'D' },   { "seccomp-bpf", required_argument, NULL, 'B' },
 		{ "tty", no_argument, NULL, 'T' },            { "raise-signal", no_argument, NULL, 'R' },
 		{ "pid-fd", required_argument, NULL, 'P' },  { "hold-stdin", required_argument, NULL, 'H' },
+		{ "share-core-cookie", no_argument, NULL, 'K' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -754,6 +764,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 			o->have_nofile = 1;
 			break;
 		case 'i': o->idle = 1; break;
+		case 'K': o->share_cookie = 1; break;
 		case 'D': o->dump_seccomp = 1; break;
 		case 'T': o->tty = 1; break;
 		case 'R': o->raise_signal = 1; break;
@@ -967,6 +978,13 @@ int main(int argc, char **argv)
 	open_namespaces(procfd);
 	if (!o.have_nofile)
 		init_nofile(procfd, &o.nofile);
+	/* The edge asks only for a sandbox whose init got a cookie at start: fail rather than run
+	 * the command beside other sandboxes' tasks. Before the fork: the child inherits it. */
+	if (o.share_cookie &&
+	    prctl(PR_SCHED_CORE, PR_SCHED_CORE_SHARE_FROM, (unsigned long)o.pid,
+		  PR_SCHED_CORE_SCOPE_THREAD, 0UL) < 0)
+		die(errno, "take the sandbox init's core scheduling cookie (PR_SCHED_CORE_SHARE_FROM %lld)",
+		    o.pid);
 	/* Through the same fd, so it is the same process: still alive after all of the above. */
 	if (init_start_time(procfd) != o.start_time)
 		die(0, "the sandbox's init (pid %lld) died while entering", o.pid);
