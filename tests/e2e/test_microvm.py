@@ -76,6 +76,10 @@ async def test_a_microvm_runs_commands_and_files_through_the_same_sdk(
         assert st.size == len(blob) and st.mode == 0o600
         await sb.mkdir("/srv/a/b")
         assert [f.name for f in await sb.list_dir("/srv/a")] == ["b"]
+        assert (await sb.move("/srv/a/b", "/srv/a/c")).path == "/srv/a/c"  # the agent's RENAME
+        assert [f.name for f in await sb.list_dir("/srv/a")] == ["c"]
+        with pytest.raises(FileNotFound):
+            await sb.move("/srv/a/b", "/srv/a/d")
         await sb.remove("/srv/a", recursive=True)
         assert not [f for f in await sb.list_dir("/srv") if f.name == "a"]
         await sb.run_shell("ln -s /../../../../ /root/escape")

@@ -35,7 +35,7 @@ READY, STARTED, STDOUT, STDERR, FRES, DATA, EXIT, OOM = range(0x80, 0x88)
 PONG, ERROR = 0x88, 0x8F
 # host -> guest
 SPAWN, STDIN, KILL, FOP, WDATA, COMMIT, ABORT, PING = range(1, 9)
-OP_STAT, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE = 1, 2, 3, 4, 5, 6
+OP_STAT, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE, OP_RENAME = 1, 2, 3, 4, 5, 6, 7
 
 Handler = Callable[[int, bytes], None]
 # Where the agent is: the unix socket of QEMU's virtio-serial chardev, or a guest's vsock port.

@@ -13,6 +13,7 @@ from dsec.backends.microvm.channel import (
     OP_LIST,
     OP_MKDIR,
     OP_REMOVE,
+    OP_RENAME,
     OP_STAT,
     STAT,
     AgentChannel,
@@ -21,7 +22,7 @@ from dsec.backends.microvm.channel import (
 )
 from dsec.executor._paths import _file_type, _map_oserror, _normalize
 from dsec.executor.file_ops import DEFAULT_FILE_MODE
-from dsec.protocol.errors import FileNotFound, InvalidRequest
+from dsec.protocol.errors import FileNotFound
 from dsec.protocol.models import FileStat
 
 ChannelOf = Callable[[], Awaitable[AgentChannel]]
@@ -107,5 +108,6 @@ class VmFileOps:
         await self._fop(OP_REMOVE, struct.pack("<B", int(recursive)) + cstr(full), full)
 
     async def move(self, source: str, destination: str) -> FileStat:
-        # The guest agent has no rename operation yet: say so rather than copy and delete.
-        raise InvalidRequest("moving files is not supported on VM sandboxes yet")
+        src, dst = _normalize(source, "/"), _normalize(destination, "/")
+        await self._fop(OP_RENAME, cstr(src) + cstr(dst), src)
+        return await self.stat(dst)

@@ -48,7 +48,7 @@
 enum { T_SPAWN = 1, T_STDIN, T_KILL, T_FOP, T_DATA, T_COMMIT, T_ABORT, T_PING };
 enum { R_READY = 0x80, R_STARTED, R_STDOUT, R_STDERR, R_FRES, R_DATA, R_EXIT, R_OOM,
        R_PONG = 0x88, R_ERROR = 0x8f };
-enum { OP_STAT = 1, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE };
+enum { OP_STAT = 1, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE, OP_RENAME };
 
 /* A spawned process, from SPAWN until its EXIT frame is sent. */
 struct proc {
@@ -962,6 +962,31 @@ static int op_remove(const char *path, int recursive)
 	return err;
 }
 
+/* rename(2) of one path to another, both parents resolved inside the root; neither final
+ * component is followed (a symlink is moved itself). */
+static int op_rename(const char *from, const char *to)
+{
+	char a[NAME_MAX + 1], b[NAME_MAX + 1];
+	int sfd, dfd, err = 0;
+
+	if (is_root(from) || is_root(to))
+		return EBUSY;
+	if ((sfd = open_parent(from, a)) < 0)
+		return errno;
+	if ((dfd = open_parent(to, b)) < 0) {
+		err = errno;
+		close(sfd);
+		return err;
+	}
+	if (is_dots(a) || is_dots(b))
+		err = EINVAL;
+	else if (renameat(sfd, a, dfd, b) < 0)
+		err = errno;
+	close(sfd);
+	close(dfd);
+	return err;
+}
+
 static void op_read(uint32_t chan, const char *path)
 {
 	/* O_NONBLOCK: opening a FIFO must not hang the agent (it is rejected just below). */
@@ -1118,6 +1143,19 @@ static void do_fop(uint32_t chan, const unsigned char *p, size_t n)
 	op = p[0];
 	p++;
 	n--;
+	if (op == OP_RENAME) {
+		/* Two paths, each NUL-terminated, the second ending exactly at the payload's end. */
+		const char *end = memchr(p, 0, n);
+		size_t first = end ? (size_t)(end - (const char *)p) + 1 : n;
+		if (!end || first >= n || memchr(p + first, 0, n - first) != p + n - 1)
+			goto malformed;
+		if (p[0] != '/' || p[first] != '/') {
+			send_fres(chan, EINVAL, NULL, 0);
+			return;
+		}
+		send_fres(chan, op_rename((const char *)p, (const char *)p + first), NULL, 0);
+		return;
+	}
 	switch (op) {
 	case OP_MKDIR: fixed = 5; break;
 	case OP_REMOVE: fixed = 1; break;
