@@ -9,7 +9,8 @@ task still never runs beside an LS sandbox's (cookie 0 differs from every cookie
 
 Where the cookie is set (one place per kind of process, no fix-up after the fact):
 
-- the sandbox's start: :func:`new_cookie` in crun's ``preexec_fn`` (before crun execs), so crun
+- the sandbox's start: ``dsec-rootfs --new-core-cookie`` (the same prctl as :func:`new_cookie`,
+  after it mounts the root and before it execs crun; backends/container/rootfs.py), so crun
   and everything it forks, the sandbox's init first, inherit one fresh cookie (the kernel copies
   it on every fork); the handle records ``core_cookie``;
 - every later process (sessions, exec, held processes): ``dsec-enter --share-core-cookie`` pulls
@@ -148,7 +149,8 @@ def wants_cookie(cpu_class: str, support: Support) -> bool:
 
 def new_cookie() -> None:
     """A fresh cookie for the calling process, inherited by everything it forks afterwards.
-    Called in crun's ``preexec_fn`` (single-threaded there, so the thread group is the process)."""
+    The call dsec-rootfs makes in C before it execs crun (a preexec_fn would make the edge fork
+    rather than vfork: slow at density); kept for tests and diagnostics."""
     _prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, 0, PIDTYPE_TGID, 0)
 
 

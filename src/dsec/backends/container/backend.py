@@ -19,7 +19,6 @@ import json
 import logging
 import resource
 import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import CreateContext, Spawned, User
-from dsec.backends.container import cgroups, diskquota, enter, gvisor, init, oci
+from dsec.backends.container import cgroups, diskquota, enter, gvisor, init, oci, rootfs
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import coresched, memory
 from dsec.executor.file_ops import FileOps, HostFileOps
@@ -84,6 +83,7 @@ class ContainerBackend:
         self.runtime_dir = data_dir / "runtime"  # read-only tools bind-mounted at /.dsec
         # The exec helper runs as root on the host: kept out of runtime_dir, which sandboxes mount.
         self.enter_helper = enter.helper_path(data_dir / "bin")
+        self.rootfs_helper = data_dir / "bin" / rootfs.NAME  # built by prepare_node
         # Made and mounted by the first create with disk_limit_mb (a node whose sandboxes never
         # ask for one carries no extra mount); re-used by prepare_node after a restart.
         self.disk_quota = diskquota.QuotaFs(data_dir / "disk-quota", size_mb=disk_quota_mb)
@@ -126,10 +126,12 @@ class ContainerBackend:
             target.with_suffix(".tmp").write_bytes(runner)
             target.with_suffix(".tmp").replace(target)
         cgroups.fix_hybrid_layout()
+        cgroups.prepare_cpuset_parent()
         _raise_nofile_limit()
         _raise_pid_max()
         self.enter_helper = enter.build_helper(self.data_dir / "bin")  # gcc once per source version
         init.install_init(self.data_dir / "bin", self.runtime_dir)  # PID 1 of every sandbox
+        self.rootfs_helper = rootfs.build_helper(self.data_dir / "bin")
         if self.disk_quota.image.exists():
             # Sandboxes of an earlier run may live there (still mounted after an edge restart,
             # to mount again after a reboot, so their leftovers can be destroyed).
@@ -189,21 +191,21 @@ class ContainerBackend:
         limit_mb = ctx.spec.disk_limit_mb
         if limit_mb is not None:
             wd = await self._quota_volume(ctx, limit_mb)
-        upper, work, rootfs, bundle = wd / "upper", wd / "work", wd / "rootfs", wd / "bundle"
-        for d in (upper, work, rootfs, bundle):
+        upper, work, root, bundle = wd / "upper", wd / "work", wd / "rootfs", wd / "bundle"
+        for d in (upper, work, root, bundle):
             d.mkdir(parents=True, exist_ok=True)
         config = oci.build_config(
             sandbox_id=ctx.sandbox_id,
             spec=ctx.spec,
             user=ctx.user,
-            rootfs=str(rootfs),
+            rootfs=str(root),
             runtime_dir=str(self.runtime_dir),
             cgroup_path=f"/{cgroups.PARENT}/{ctx.sandbox_id}",
             nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
             resolv_conf=self._resolv_conf(ctx.nameserver),
         )
         if on_gvisor:
-            config = self.gvisor.adapt_config(config, rootfs)
+            config = self.gvisor.adapt_config(config, root)
         (bundle / "config.json").write_text(json.dumps(config))
         # overlayfs lists lowerdirs top-most first; the spec lists base first.
         lower = ":".join(str(p) for p in reversed(ctx.layer_dirs))
@@ -212,13 +214,6 @@ class ContainerBackend:
         # LS on an SMT node with core scheduling: a fresh cookie before crun execs, so crun and
         # all it forks (the init first) share it, with no window and no fix-up afterwards.
         cookie = coresched.wants_cookie(ctx.spec.cpu_class, coresched.node_support())
-
-        def enter_private_rootfs() -> None:
-            _linux.private_mount_namespace()
-            _linux.mount("overlay", str(rootfs), "overlay", 0, options)
-            if cookie:
-                coresched.new_cookie()
-
         log = bundle / "crun.log"
         pid_file = bundle / "init.pid"
         if on_gvisor:
@@ -236,6 +231,11 @@ class ContainerBackend:
                     f"file:{log}",
                     "run",
                     "--detach",
+                    # The edge's session keyring, not one per sandbox: joining a named keyring
+                    # searches every keyring on the host by name (perf: O(sandboxes) per
+                    # create), and sandboxes cannot use keyrings at all (keyctl, add_key and
+                    # request_key fail under seccomp; dsec-enter's processes never had their own).
+                    "--no-new-keyring",
                     "--bundle",
                     str(bundle),
                     cpu_class=ctx.spec.cpu_class,
@@ -244,22 +244,9 @@ class ContainerBackend:
                 str(pid_file),
                 ctx.sandbox_id,
             ]
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *run,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-                env=_CRUN_ENV,
-                preexec_fn=enter_private_rootfs,
-            )
-        except subprocess.SubprocessError as exc:
-            # Raised when the overlay mount in the child failed; the child cannot say why.
-            # (Or, with a cookie, PR_SCHED_CORE_CREATE failed: the probe succeeded, so only ENOMEM.)
-            also = " or give it a core scheduling cookie" if cookie else ""
-            msg = f"cannot mount the sandbox root (overlay over {lower}){also}: {exc}"
-            raise InfraFailure(msg, reason="storage") from exc
-        rc = await proc.wait()
+        # Mounted by dsec-rootfs after a vfork+exec (rootfs.py): a preexec_fn would fork the
+        # whole edge, whose page tables grow with the sandboxes it holds.
+        rc = await rootfs.run(self.rootfs_helper, options, root, run, _CRUN_ENV, new_core_cookie=cookie)
         if rc != 0:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             which = "runsc" if on_gvisor else "crun"

@@ -39,6 +39,27 @@ def fix_hybrid_layout() -> list[str]:
     return moved
 
 
+def prepare_cpuset_parent() -> bool:
+    """Have the kernel give each new sandbox cpuset its parent's CPUs and memory nodes
+    (``cgroup.clone_children``); True if set. crun writes both into every new cpuset, and a
+    write that changes them checks every sibling and rebuilds the scheduler domains, which walk
+    every cpuset: perf at 3,000 held sandboxes, ~3 ms of each create. Once the kernel has copied
+    them, crun's write is the same value, which the kernel returns from at once."""
+    root = CGROUP_ROOT / "cpuset"
+    parent = root / PARENT
+    if not (root / "cpuset.cpus").exists():
+        return False
+    try:
+        parent.mkdir(exist_ok=True)
+        for name in ("cpuset.cpus", "cpuset.mems"):  # a parent made here starts empty
+            if not (parent / name).read_text().strip():
+                (parent / name).write_text((root / name).read_text())
+        (parent / "cgroup.clone_children").write_text("1")
+    except OSError:
+        return False
+    return True
+
+
 def v1_controllers() -> list[Path]:
     out = []
     for entry in CGROUP_ROOT.iterdir():

@@ -24,31 +24,37 @@ NAME = "dsec-init"
 CC = ["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror"]
 
 
-def _key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+def _key(source: Path) -> str:
+    h = hashlib.sha256(source.read_bytes())
     h.update("\0".join(CC).encode())
     return h.hexdigest()[:16]
 
 
 def build_init(bin_dir: Path) -> Path:
     """Compile ``dsec-init`` into ``bin_dir`` unless this source's binary is there; its path."""
-    out = bin_dir / f"{NAME}-{_key()}"
+    return build_static(SOURCE, NAME, bin_dir)
+
+
+def build_static(source: Path, name: str, bin_dir: Path) -> Path:
+    """Compile the dependency-free C program ``source`` as ``bin_dir/name-<key>`` unless it is
+    there already (the key hashes the source and flags); its path. Older builds are removed."""
+    out = bin_dir / f"{name}-{_key(source)}"
     if out.exists():
         return out
     bin_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(bin_dir / f".{NAME}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(bin_dir / f".{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another node on this data directory may build it too
         if out.exists():
             return out
         if shutil.which(CC[0]) is None:
-            raise InfraFailure(f"cannot build {NAME}: gcc missing (install gcc, libc6-dev)", reason="runtime")
+            raise InfraFailure(f"cannot build {name}: gcc missing (install gcc, libc6-dev)", reason="runtime")
         tmp = out.with_name(f".{out.name}.tmp")
-        done = subprocess.run([*CC, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, check=False)
+        done = subprocess.run([*CC, "-o", str(tmp), str(source)], capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise InfraFailure(f"cannot build {NAME}: {done.stderr.strip()[-1500:]}", reason="runtime")
+            raise InfraFailure(f"cannot build {name}: {done.stderr.strip()[-1500:]}", reason="runtime")
         tmp.replace(out)
-        for old in bin_dir.glob(f"{NAME}-*"):
+        for old in bin_dir.glob(f"{name}-*"):
             if old != out:
                 with contextlib.suppress(OSError):
                     old.unlink()

@@ -1,0 +1,100 @@
+"""What a container create does to the host, trimmed of work that grows with the node's
+sandboxes (docs/decisions.md, "A create's cost at density"): dsec-rootfs mounts the root after a
+vfork, the cpuset parent clones its CPUs to children, no keyring per sandbox, no period write."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dsec.backends.base import User
+from dsec.backends.container import cgroups, oci, rootfs
+from dsec.protocol.errors import InfraFailure
+from dsec.protocol.models import ContainerSpec
+from tests.backends.conformance import Made
+
+from .test_enter import backend, helper, layer_dirs, made, probe, sandbox  # noqa: F401
+
+pytestmark = pytest.mark.slow
+ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+
+
+@pytest.fixture(scope="module")
+def rootfs_helper(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return rootfs.build_helper(tmp_path_factory.mktemp("bin"))
+
+
+def overlay(tmp: Path) -> tuple[str, Path]:
+    lower, upper, work, root = (tmp / d for d in ("lower", "upper", "work", "root"))
+    for d in (lower, upper, work, root):
+        d.mkdir()
+    (lower / "from-lower").write_text("x")
+    return f"lowerdir={lower},upperdir={upper},workdir={work}", root
+
+
+async def test_the_program_runs_on_the_mounted_root_which_the_host_never_sees(
+    rootfs_helper: Path, tmp_path: Path
+) -> None:
+    options, root = overlay(tmp_path)
+    seen = tmp_path / "seen"
+    script = f"test -e {root}/from-lower && grep -q ' {root} ' /proc/self/mountinfo && touch {seen}"
+    assert await rootfs.run(rootfs_helper, options, root, ["sh", "-c", script], ENV) == 0
+    assert seen.exists()
+    assert not (root / "from-lower").exists()  # the mount died with the namespace
+    assert f" {root} " not in Path("/proc/self/mountinfo").read_text()
+
+
+async def test_its_exit_status_is_the_programs(rootfs_helper: Path, tmp_path: Path) -> None:
+    options, root = overlay(tmp_path)
+    assert await rootfs.run(rootfs_helper, options, root, ["sh", "-c", "exit 7"], ENV) == 7
+
+
+async def test_a_mount_that_fails_is_a_storage_failure_that_says_why(
+    rootfs_helper: Path, tmp_path: Path
+) -> None:
+    _, root = overlay(tmp_path)
+    bad = f"lowerdir={tmp_path}/missing,upperdir={tmp_path}/upper,workdir={tmp_path}/work"
+    with pytest.raises(InfraFailure, match=r"cannot mount the sandbox root.*No such file") as exc:
+        await rootfs.run(rootfs_helper, bad, root, ["true"], ENV)
+    assert exc.value.reason == "storage"
+
+
+async def test_a_program_that_cannot_start_is_a_runtime_failure(rootfs_helper: Path, tmp_path: Path) -> None:
+    options, root = overlay(tmp_path)
+    with pytest.raises(InfraFailure, match="cannot start /nonexistent") as exc:
+        await rootfs.run(rootfs_helper, options, root, ["/nonexistent"], ENV)
+    assert exc.value.reason == "runtime"
+
+
+def test_new_sandbox_cpusets_get_their_parents_cpus_from_the_kernel() -> None:
+    if not cgroups.prepare_cpuset_parent():
+        pytest.skip("no cgroup v1 cpuset hierarchy")
+    parent = cgroups.CGROUP_ROOT / "cpuset" / cgroups.PARENT
+    assert (parent / "cgroup.clone_children").read_text().strip() == "1"
+    child = parent / f"test-{uuid.uuid4().hex[:8]}"
+    child.mkdir()
+    try:  # crun's later write of the same values returns early in the kernel
+        assert (child / "cpuset.cpus").read_text() == (parent / "cpuset.cpus").read_text() != "\n"
+        assert (child / "cpuset.mems").read_text() == (parent / "cpuset.mems").read_text() != "\n"
+    finally:
+        child.rmdir()
+
+
+def test_only_the_cpu_quota_is_written_the_period_is_the_kernels_default() -> None:
+    spec = ContainerSpec(image="x", cpu_cores_limit=0.5)
+    config = oci.build_config(
+        sandbox_id="s", spec=spec, user=User("root", 0, 0, "/root"), rootfs="/r",
+        runtime_dir="/d", cgroup_path="/dsec/s",
+    )  # fmt: skip
+    assert config["linux"]["resources"]["cpu"]["quota"] == 50_000
+    assert "period" not in config["linux"]["resources"]["cpu"]
+
+
+async def test_a_sandbox_gets_no_session_keyring_of_its_own(made: Made) -> None:  # noqa: F811
+    ctx, h = await sandbox(made)
+    keys = await asyncio.to_thread(Path("/proc/keys").read_text)
+    assert ctx.sandbox_id not in keys
+    assert Path(f"/proc/{h['pid']}/cmdline").exists()
