@@ -24,17 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal
 
+from _node import scratch_node
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.density import coresched
-from dsec.density.swap import SwapConfig
 from dsec.sdk.client import Sandbox
 
 STEP = "i=0; while [ $i -lt 40000 ]; do i=$((i+1)); done"  # CPU only, in the session's shell
@@ -84,18 +81,6 @@ async def main() -> None:
     ap.add_argument("--load-cores", type=int, default=1)
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     a = ap.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-cpuclass-"))
-    node = EmbeddedNode(
-        NodeConfig(
-            data_dir=scratch,
-            layer_dir=a.layers,
-            port=0,
-            node="bench",
-            config_file=scratch / "config.json",
-            edge={"swap": SwapConfig("none")},
-        )
-    )
-    await node.start()
     cores = os.cpu_count() or 1
     share = a.load_cores / cores
     print(f"cores {cores}  load {a.load_cores} core(s) = {share:.0%} of the node  steps {a.steps}")
@@ -103,7 +88,7 @@ async def main() -> None:
     core = coresched.node_support()
     state = "on (a cookie per LS sandbox)" if core.available else f"off ({core.why_not})"
     print(f"core scheduling: {state}")
-    try:
+    async with scratch_node("cpuclass", a.layers) as node:
         async with DSecClient(node.url, node.api_key) as client:
             task = await client.run_container(DSecContainerRunArgs(container_image="debian:bookworm"))
             await steps(task, 5)  # warm
@@ -114,9 +99,6 @@ async def main() -> None:
         print(line("LS task alone (baseline)", base, None))
         print(line("next to load of the same class", same, base))
         print(line("next to best-effort load (classes)", be, base))
-    finally:
-        await node.close(stop_sandboxes=True)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

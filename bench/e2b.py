@@ -21,16 +21,13 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
+from _node import scratch_node
 from _stats import pct
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
-from dsec.density.swap import SwapConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,19 +100,7 @@ async def main() -> None:
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     a = ap.parse_args()
     e2b = await asyncio.to_thread(e2b_python, a.version)
-    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-e2b-"))
-    node = EmbeddedNode(
-        NodeConfig(
-            data_dir=scratch,
-            layer_dir=a.layers,
-            port=0,
-            node="bench",
-            config_file=scratch / "config.json",
-            edge={"swap": SwapConfig("none")},
-        )
-    )
-    await node.start()
-    try:
+    async with scratch_node("e2b", a.layers) as node:
         key = await node.iam.issue_key("root", format="e2b", name="bench/e2b")
         base = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
         e2b_env = {**base, "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url, "E2B_API_KEY": key}
@@ -136,9 +121,6 @@ async def main() -> None:
         ):
             p50, p99 = pct(lat[name], 50), pct(lat[name], 99)
             print(f"  {label:<48} p50 {p50 * 1e3:7.2f} ms  p99 {p99 * 1e3:7.2f} ms  {p50 / baseline:5.2f}x")
-    finally:
-        await node.close(stop_sandboxes=True)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from _node import scratch_node
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.density.swap import SwapConfig
 from dsec.netpolicy.config import EgressConfig
 
@@ -59,20 +57,10 @@ async def main() -> None:
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     a = ap.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-egress-"))
-    node = EmbeddedNode(
-        NodeConfig(
-            data_dir=scratch,
-            layer_dir=a.layers,
-            port=0,
-            node="bench",
-            config_file=scratch / "config.json",
-            edge={"swap": SwapConfig("none"), "egress": EGRESS},
-        )
-    )
-    await node.start()
     print(f"cores {os.cpu_count()}  n {a.n}")
-    try:
+    async with scratch_node(
+        "egress", a.layers, lambda scratch: {"swap": SwapConfig("none"), "egress": EGRESS}
+    ) as node:
         async with DSecClient(node.url, node.api_key) as client:
             made = []
 
@@ -98,9 +86,6 @@ async def main() -> None:
         print(line("create with a grant (link made)", granted, base))
         print(line("set_network_rules: first grant (link made)", first, base))
         print(line("set_network_rules: switch grants (set update)", swap, base))
-    finally:
-        await node.close(stop_sandboxes=True)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

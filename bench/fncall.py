@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from _node import scratch_node
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.fncall.pool import PoolConfig
 from dsec.images.base import TOOLCHAIN_REF
 from dsec.protocol.fncall import FnResult
@@ -71,23 +69,11 @@ async def main() -> None:
     a = ap.parse_args()
     levels = [int(c) for c in a.concurrency.split(",")]
 
-    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-fncall-"))
     pool = PoolConfig(size=a.pool_size, image=TOOLCHAIN_REF, max_calls=100_000)
-    node = EmbeddedNode(
-        NodeConfig(
-            data_dir=scratch,
-            layer_dir=a.layers,
-            port=0,
-            node="bench",
-            config_file=scratch / "config.json",
-            edge={"fncall_pools": [pool]},
-        )
-    )
-    await node.start()
     print(
         f"cores {os.cpu_count()}  python {sys.version.split()[0]}  pool of {a.pool_size} on {TOOLCHAIN_REF}"
     )
-    try:
+    async with scratch_node("fncall", a.layers, lambda scratch: {"fncall_pools": [pool]}) as node:
         async with DSecClient(node.url, node.api_key) as client:
             sandbox = await client.run_container(DSecContainerRunArgs(container_image=TOOLCHAIN_REF))
 
@@ -119,9 +105,6 @@ async def main() -> None:
                 rate, lat = await drive(20, 1, call)
                 assert all(r.status == "ok" for r in results), results[-1]
                 row(name, rate, lat, None)
-    finally:
-        await node.close(stop_sandboxes=True)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
