@@ -239,7 +239,7 @@ async def main() -> None:
                     f" ({pct(lat, 50) / base_exec:4.2f}x empty)"
                 )
                 print(
-                    f"        per sandbox: MemAvailable -{per['available']:5.2f} MiB; of which (overlapping)"
+                    f"        per sandbox: MemAvailable {-per['available']:+6.2f} MiB; of which (overlapping)"
                     f" charged to its cgroup {per['charged']:5.2f}, kernel slab {per['slab']:5.2f},"
                     f" edge RSS {per['edge_rss']:5.2f} MiB, edge fds {fds:4.2f};  {node_limits()}"
                 )
