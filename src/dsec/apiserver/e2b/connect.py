@@ -213,9 +213,6 @@ class ServerStream:
         self._ended = False
         self._lock = asyncio.Lock()  # keepalives come from another task
 
-    async def open(self) -> None:
-        await self.response.prepare(self.request)
-
     async def send(self, msg: dict[str, Any]) -> None:
         async with self._lock:
             if not self.response.prepared:
