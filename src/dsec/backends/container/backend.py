@@ -97,10 +97,8 @@ class ContainerBackend:
         # runtime="gvisor" sandboxes (gvisor.py): runsc, when the node has a working one.
         self.gvisor = gvisor.GVisor(data_dir)
 
-    def _cmd(self, *args: str, cpu_class: str = "ls") -> list[str]:
-        # Best effort: SCHED_IDLE for crun and so for everything it starts (children inherit).
-        idle = ["chrt", "--idle", "0"] if cpu_class == "be" else []
-        return [*idle, self.runtime, "--root", str(self.state_dir), *args]
+    def _cmd(self, *args: str) -> list[str]:
+        return [self.runtime, "--root", str(self.state_dir), *args]
 
     async def prepare_node(self) -> None:
         await asyncio.to_thread(self._prepare_node)
@@ -217,13 +215,9 @@ class ContainerBackend:
         log = bundle / "crun.log"
         pid_file = bundle / "init.pid"
         if on_gvisor:
-            idle = ["chrt", "--idle", "0"] if ctx.spec.cpu_class == "be" else []
-            run = [
-                *idle,
-                *self.gvisor.run_argv(
-                    bundle=bundle, log_file=log, pid_file=pid_file, sandbox_id=ctx.sandbox_id
-                ),
-            ]
+            run = self.gvisor.run_argv(
+                bundle=bundle, log_file=log, pid_file=pid_file, sandbox_id=ctx.sandbox_id
+            )
         else:
             run = [
                 *self._cmd(
@@ -238,12 +232,14 @@ class ContainerBackend:
                     "--no-new-keyring",
                     "--bundle",
                     str(bundle),
-                    cpu_class=ctx.spec.cpu_class,
                 ),
                 "--pid-file",
                 str(pid_file),
                 ctx.sandbox_id,
             ]
+        if ctx.spec.cpu_class == "be":
+            # Best effort: SCHED_IDLE for the runtime and so for everything it starts (children inherit).
+            run = ["chrt", "--idle", "0", *run]
         # Mounted by dsec-rootfs after a vfork+exec (rootfs.py): a preexec_fn would fork the
         # whole edge, whose page tables grow with the sandboxes it holds.
         rc = await rootfs.run(self.rootfs_helper, options, root, run, _CRUN_ENV, new_core_cookie=cookie)
