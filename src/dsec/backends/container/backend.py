@@ -336,9 +336,9 @@ class ContainerBackend:
         tty: int | None,
         stdin: bool,
     ) -> Spawned:
+        if tty is not None:
+            self.refuse_pty(handle)
         if _on_gvisor(handle):
-            if tty is not None:
-                raise InvalidRequest("a terminal (pty) is not available with runtime='gvisor' yet")
             proc = await self.gvisor.spawn(
                 sandbox_id,
                 argv,
