@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import resource
@@ -89,8 +90,6 @@ class ContainerBackend:
         self.disk_quota = diskquota.QuotaFs(data_dir / "disk-quota", size_mb=disk_quota_mb)
         self._disk_quota_ready = False
         self._disk_quota_lock = asyncio.Lock()
-        self._disk_quota_why: str | None = None  # why this node cannot, once checked
-        self._disk_quota_checked = False
         self._disk_commit: asyncio.Task[None] | None = None
         self._disk_commit_again = False
         self._disk_commit_stop = asyncio.Event()
@@ -139,18 +138,17 @@ class ContainerBackend:
             except OSError as exc:
                 log.error("disk quotas: cannot mount %s: %s", self.disk_quota.image, exc)
 
-    def _disk_quota_reason(self) -> str | None:
-        if not self._disk_quota_checked:
-            self._disk_quota_why = diskquota.QuotaFs.unsupported()
-            self._disk_quota_checked = True
-        return self._disk_quota_why
+    @functools.cached_property
+    def _disk_quota_why(self) -> str | None:
+        """Why this node cannot enforce disk_limit_mb (None: it can); asked once."""
+        return diskquota.QuotaFs.unsupported()
 
     async def _quota_volume(self, ctx: CreateContext, limit_mb: int) -> Path:
         """The sandbox's working directory in a subvolume limited to ``limit_mb``; the edge's
         workdir path becomes a symlink to it."""
         async with self._disk_quota_lock:
             if not self._disk_quota_ready:
-                why = await asyncio.to_thread(self._disk_quota_reason)
+                why = await asyncio.to_thread(lambda: self._disk_quota_why)
                 if why is not None:
                     raise CapacityExhausted(f"this node cannot enforce disk_limit_mb: {why}")
                 try:
@@ -460,7 +458,7 @@ class ContainerBackend:
         caps: dict[str, Any] = {
             "pause": True,
             "fork_processes": False,
-            "disk_quota": self._disk_quota_reason() is None,
+            "disk_quota": self._disk_quota_why is None,
             "gvisor": self.gvisor.available,  # runtime="gvisor": placement asks for this
             **coresched.capabilities(),  # core_scheduling (LS: an SMT core of its own) or why not
         }
