@@ -57,7 +57,6 @@ answer, and notices when an address it was given belongs to another node.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -68,7 +67,7 @@ from pydantic import ValidationError
 
 from dsec.edge.edge import Edge
 from dsec.edge.link import LocalEdgeLink
-from dsec.edge.server_processes import ProcessRoutes
+from dsec.edge.server_processes import ProcessRoutes, stream_ndjson
 from dsec.executor.file_ops import CHUNK
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
@@ -340,29 +339,7 @@ class EdgeServer:
             max_output=req.max_output_bytes,
             idempotency_key=req.idempotency_key,
         )
-        try:
-            event = await anext(events, None)  # errors before any output get their own status
-            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-            await resp.prepare(request)
-            while event is not None:
-                await resp.write(event.model_dump_json().encode() + b"\n")
-                try:
-                    event = await anext(events, None)
-                except DSecError as exc:
-                    # Too late for a status: the error is the stream's last line instead.
-                    await resp.write(json.dumps(exc.to_wire()).encode() + b"\n")
-                    break
-                except Exception as exc:
-                    log.exception("exec on %s failed mid-stream", request.match_info["id"])
-                    infra = InfraFailure(
-                        f"exec failed on the edge: {type(exc).__name__}: {exc}", reason="edge"
-                    )
-                    await resp.write(json.dumps(infra.to_wire()).encode() + b"\n")
-                    break
-            await resp.write_eof()
-            return resp
-        finally:
-            await events.aclose()
+        return await stream_ndjson(request, events)
 
     async def commit(self, request: web.Request) -> web.Response:
         req = CommitRequest.model_validate_json(await request.read() or b"{}")
