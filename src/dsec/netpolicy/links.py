@@ -36,14 +36,16 @@ async def _run(argv: list[str], script: str | None = None) -> None:
         )
 
 
+def _host_end(ifname: str, gateway: str, address: str) -> str:
+    """The host end's setup, the same for a veth and a tap: up, the gateway, a route to the sandbox."""
+    return f"link set {ifname} up\naddr add {gateway}/32 dev {ifname}\nroute add {address}/32 dev {ifname}\n"
+
+
 async def create(ifname: str, pid: int, gateway: str, address: str) -> None:
     """Make the link of the sandbox whose init is ``pid``; on failure nothing is left."""
     await _run(["ip", "link", "add", ifname, "type", "veth", "peer", "name", "eth0", "netns", str(pid)])
     try:
-        host = (
-            f"link set {ifname} up\naddr add {gateway}/32 dev {ifname}\nroute add {address}/32 dev {ifname}\n"
-        )
-        await _run(["ip", "-batch", "-"], host)
+        await _run(["ip", "-batch", "-"], _host_end(ifname, gateway, address))
         inside = (
             "link set lo up\n"
             f"addr add {address}/32 dev eth0\n"
@@ -63,10 +65,7 @@ async def create_tap(ifname: str, gateway: str, address: str) -> None:
     told the address). Persistent, so it outlives a QEMU that quits for a snapshot pause."""
     await _run(["ip", "tuntap", "add", "dev", ifname, "mode", "tap", "vnet_hdr"])
     try:
-        host = (
-            f"link set {ifname} up\naddr add {gateway}/32 dev {ifname}\nroute add {address}/32 dev {ifname}\n"
-        )
-        await _run(["ip", "-batch", "-"], host)
+        await _run(["ip", "-batch", "-"], _host_end(ifname, gateway, address))
     except BaseException:
         await remove(ifname)
         raise
