@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import posixpath
 import time
@@ -22,6 +23,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from dsec.backends.base import HoldsProcesses, HostRooted, Spawned, User, sandbox_env
+from dsec.edge.users import find_user
 from dsec.executor import pty
 from dsec.executor.file_ops import FileOps
 from dsec.executor.held import HeldProcess, ProcessTable, set_size
@@ -170,18 +172,12 @@ class Processes:
                 text += chunk
                 if len(text) > _PASSWD_MAX:
                     break
-        for line in text.decode(errors="replace").splitlines():
-            parts = line.split(":")
-            if len(parts) >= 7 and name in (parts[0], parts[2]) and parts[2].isdigit() and parts[3].isdigit():
-                home = parts[5] or "/"
-                if not await _is_dir(files, home):
-                    home = "/"
-                return User(name=parts[0], uid=int(parts[2]), gid=int(parts[3]), home=home)
-        if name == "root":
-            return User("root", 0, 0, "/")
-        if name.isdigit():
-            return User(name, int(name), int(name), "/")
-        raise InvalidRequest(f"user {name!r} is not a user of this sandbox (not in its /etc/passwd)")
+        user = find_user(text.decode(errors="replace"), name)
+        if user is None:
+            raise InvalidRequest(f"user {name!r} is not a user of this sandbox (not in its /etc/passwd)")
+        if user.home != "/" and not await _is_dir(files, user.home):
+            return dataclasses.replace(user, home="/")
+        return user
 
     async def _cwd(self, live: _Live, user: User, cwd: str | None) -> str:
         """The working directory, checked before the start (relative: to the user's home)."""
