@@ -363,18 +363,9 @@ class RemoteEdgeLink(RemoteProcesses):
             raise invalid_request(exc) from exc
         path = self._sandbox(sandbox_id, "/exec")
         async with self._call("POST", path, data=req.model_dump_json(), headers=_JSON) as resp:
-            async for line in resp.content:  # closing this generator closes the response:
-                if not line.strip():  # the edge sees the hang-up and kills the process tree
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as exc:
-                    raise InfraFailure(
-                        f"edge {self.node!r} sent a malformed exec line", reason="protocol"
-                    ) from exc
-                if isinstance(obj, dict) and "error" in obj:
-                    raise error_from_wire(500, obj)
-                event = self._parse(ExecEvent, line)
+            # Closing this generator closes the response: the edge sees the hang-up and kills
+            # the process tree.
+            async for event in self._lines(resp, ExecEvent):
                 yield event
                 if event.t == "exit":
                     return

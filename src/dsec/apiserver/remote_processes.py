@@ -28,6 +28,7 @@ from dsec.protocol.processes import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 _INFOS = TypeAdapter(list[ProcessInfo])
 _JSON = {"Content-Type": "application/json"}
 
@@ -48,6 +49,7 @@ class RemoteProcesses:
             quick: bool = False,
         ) -> AbstractAsyncContextManager[aiohttp.ClientResponse]: ...
         def _parse(self, model: type[M], data: bytes) -> M: ...
+        def _parse_list(self, adapter: TypeAdapter[list[T]], data: bytes) -> list[T]: ...
         async def _json(
             self, method: str, path: str, *, body: BaseModel | None = None, quick: bool = False, **kw: Any
         ) -> bytes: ...
@@ -81,28 +83,15 @@ class RemoteProcesses:
             reason="edge_unreachable",
         )
 
-    async def start_process(self, sandbox_id: str, req: ProcessStart) -> AsyncGenerator[ProcessEvent, None]:
-        events = self._process_events("POST", self._sandbox(sandbox_id, "/processes"), req.model_dump_json())
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await events.aclose()
+    def start_process(self, sandbox_id: str, req: ProcessStart) -> AsyncGenerator[ProcessEvent, None]:
+        return self._process_events("POST", self._sandbox(sandbox_id, "/processes"), req.model_dump_json())
 
-    async def connect_process(self, sandbox_id: str, pid: int) -> AsyncGenerator[ProcessEvent, None]:
-        events = self._process_events("GET", self._sandbox(sandbox_id, f"/processes/{int(pid)}/events"), None)
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await events.aclose()
+    def connect_process(self, sandbox_id: str, pid: int) -> AsyncGenerator[ProcessEvent, None]:
+        return self._process_events("GET", self._sandbox(sandbox_id, f"/processes/{int(pid)}/events"), None)
 
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
         raw = await self._json("GET", self._sandbox(sandbox_id, "/processes"), quick=True)
-        try:
-            return _INFOS.validate_json(raw)
-        except ValidationError as exc:
-            raise InfraFailure(f"edge {self.node!r} sent a malformed list: {exc}", reason="protocol") from exc
+        return self._parse_list(_INFOS, raw)
 
     async def _control(self, sandbox_id: str, pid: int, what: str, body: BaseModel | None = None) -> None:
         await self._json("POST", self._sandbox(sandbox_id, f"/processes/{int(pid)}/{what}"), body=body)
