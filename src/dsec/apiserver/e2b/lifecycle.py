@@ -86,9 +86,13 @@ def _end(info: SandboxInfo) -> dt.datetime:
     return _NO_END if info.deadline_at is None else _when(info.deadline_at)
 
 
+def _template_id(info: SandboxInfo) -> str:
+    return LAYER_SEPARATOR.join(info.refs) or LAYER_SEPARATOR.join(info.layers)
+
+
 def _listed(info: SandboxInfo) -> dict[str, Any]:
     return {
-        "template_id": LAYER_SEPARATOR.join(info.refs) or LAYER_SEPARATOR.join(info.layers),
+        "template_id": _template_id(info),
         "sandbox_id": info.id,
         "client_id": info.node,
         "started_at": _when(info.created_at),
@@ -165,7 +169,7 @@ class LifecycleRoutes:
     def _created(self, info: SandboxInfo, status: int) -> web.Response:
         body = Sandbox.model_validate(
             {
-                "template_id": _listed(info)["template_id"],
+                "template_id": _template_id(info),
                 "sandbox_id": info.id,
                 "client_id": info.node,
                 "envd_access_token": self.tokens.issue(info.id),
