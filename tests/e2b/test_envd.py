@@ -194,29 +194,38 @@ async def test_watch_dir_reports_changes_made_inside(e2b: E2B) -> None:
         sbx = Sandbox.create(timeout=120)
         sbx.files.make_dir("/work/w")
         handle = sbx.files.watch_dir("/work/w", recursive=True)
-        sbx.commands.run("echo y > /work/w/top.txt && mkdir /work/w/sub && echo x > /work/w/sub/new.txt"
-                         " && mv /work/w/sub/new.txt /work/w/moved.txt && rm /work/w/moved.txt")
         seen = []
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            seen += [(e.name, e.type.value) for e in handle.get_new_events()]
-            if ("moved.txt", "remove") in seen:
-                break
-            time.sleep(0.1)
+        def until(event):
+            # Each step waits for the watch to report the last: a subdirectory is watched once
+            # its creation is seen (what inotify allows); nothing here races the watcher.
+            deadline = time.time() + 30
+            while event not in seen and time.time() < deadline:
+                seen.extend((e.name, e.type.value) for e in handle.get_new_events())
+                time.sleep(0.05)
+        sbx.commands.run("echo y > /work/w/top.txt && mkdir /work/w/sub")
+        until(("sub", "create"))
+        sbx.commands.run("echo x > /work/w/sub/new.txt")
+        until(("sub/new.txt", "write"))
+        sbx.commands.run("mv /work/w/sub/new.txt /work/w/moved.txt && rm /work/w/moved.txt")
+        until(("moved.txt", "remove"))
         handle.stop()
         print(json.dumps(seen))
         """
     )
     events = [tuple(e) for e in out]
-    # A file made in a new subdirectory before its watch is in place is reported as created
-    # (the new watch walks it) but its earlier writes are not: inotify's own race.
-    for wanted in [("top.txt", "create"), ("top.txt", "write"), ("sub", "create"), ("sub/new.txt", "create")]:
-        assert wanted in events, (wanted, events)
-    assert (
-        events.index(("sub", "create"))
-        < events.index(("sub/new.txt", "create"))
-        < events.index(("moved.txt", "remove"))
-    )
+    wanted = [
+        ("top.txt", "create"),
+        ("top.txt", "write"),
+        ("sub", "create"),
+        ("sub/new.txt", "create"),
+        ("sub/new.txt", "write"),
+        ("sub/new.txt", "rename"),
+        ("moved.txt", "create"),
+        ("moved.txt", "remove"),
+    ]
+    for event in wanted:
+        assert event in events, (event, events)
+    assert [events.index(e) for e in wanted[2:]] == sorted(events.index(e) for e in wanted[2:]), events
 
 
 async def test_async_sdk_watch_dir_streams_events(e2b: E2B) -> None:
