@@ -22,7 +22,7 @@ import json
 import os
 import subprocess
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -158,11 +158,7 @@ class FullVMBackend(MicroVMBackend):
         in flight stand on."""
         found = set(self._taking)
         root = self.bases.root
-        for state in self.state_dir.glob("sb-*.json") if self.state_dir.is_dir() else []:
-            try:
-                handle = json.loads(state.read_text())
-            except (OSError, ValueError):
-                continue
+        for handle in self._journaled():
             key = handle.get("base")
             if key is None and (handle.get("vm") or {}).get("root_disk"):
                 key = bases.base_of(Path(handle["vm"]["root_disk"]), root)  # a VM from before "base"
@@ -182,15 +178,15 @@ class FullVMBackend(MicroVMBackend):
 
     def images_in_use(self) -> set[str]:
         """Digests of the imported images the VMs of this node boot from."""
-        found = set()
+        return {str(h["disk_image"]) for h in self._journaled() if h.get("disk_image")}
+
+    def _journaled(self) -> Iterator[dict[str, Any]]:
+        """The handles of this node's VMs as journaled (an unreadable one is skipped)."""
         for state in self.state_dir.glob("sb-*.json") if self.state_dir.is_dir() else []:
             try:
-                digest = json.loads(state.read_text()).get("disk_image")
+                yield json.loads(state.read_text())
             except (OSError, ValueError):
                 continue
-            if digest:
-                found.add(str(digest))
-        return found
 
     def qemu(self, handle: dict[str, Any]) -> AbstractAsyncContextManager[QmpControl]:
         """QEMU's own control of the VM: display and input are QEMU calls (no other monitor)."""
