@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 from typing import TypeVar
 
 from aiohttp import web
@@ -15,6 +19,7 @@ from dsec.protocol.http import label_filter, respond
 __all__ = [
     "IAM_KEY",
     "PRINCIPAL",
+    "body_to_file",
     "label_filter",
     "query_param",
     "read_body",
@@ -24,6 +29,7 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=BaseModel)
+_CHUNK = 1 << 20
 
 IAM_KEY = web.AppKey("iam", IamStore)
 PRINCIPAL = web.RequestKey("principal", Principal)
@@ -64,3 +70,14 @@ async def stream_bytes(
         return resp
     finally:
         await chunks.aclose()
+
+
+@contextlib.asynccontextmanager
+async def body_to_file(request: web.Request, directory: Path, suffix: str) -> AsyncIterator[Path]:
+    """The request body streamed into a temporary file in ``directory`` (never whole in
+    memory, written off the event loop); the file is removed when the block ends."""
+    with tempfile.NamedTemporaryFile(dir=directory, suffix=suffix) as tmp:
+        async for chunk in request.content.iter_chunked(_CHUNK):
+            await asyncio.to_thread(tmp.write, chunk)
+        await asyncio.to_thread(tmp.flush)
+        yield Path(tmp.name)

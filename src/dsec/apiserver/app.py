@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import tempfile
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +19,7 @@ from pydantic import ValidationError
 from dsec.apiserver._http import (
     IAM_KEY,
     PRINCIPAL,
+    body_to_file,
     query_param,
     read_body,
     require_admin,
@@ -174,10 +173,7 @@ class ApiServer:
         except ValueError as exc:
             raise InvalidRequest("merge_below_mb must be a number") from exc
         selector = request.query.get("image") or None
-        with tempfile.NamedTemporaryFile(dir=self.store.tmp_dir, suffix=".tar") as tmp:
-            async for chunk in request.content.iter_chunked(_CHUNK):
-                await asyncio.to_thread(tmp.write, chunk)
-            await asyncio.to_thread(tmp.flush)
+        async with body_to_file(request, self.store.tmp_dir, ".tar") as upload:
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
             loop = asyncio.get_running_loop()
@@ -192,7 +188,7 @@ class ApiServer:
                 asyncio.to_thread(
                     import_oci,
                     self.store,
-                    Path(tmp.name),
+                    upload,
                     ref,
                     merge_below_bytes=merge_below,
                     progress=progress,
@@ -248,9 +244,6 @@ class ApiServer:
     async def import_layer(self, request: web.Request) -> web.Response:
         """Import a tar archive streamed as the request body as layer ``?ref=name:version``."""
         ref = query_param(request, "ref")
-        with tempfile.NamedTemporaryFile(dir=self.store.tmp_dir, suffix=".tar") as tmp:
-            async for chunk in request.content.iter_chunked(_CHUNK):
-                await asyncio.to_thread(tmp.write, chunk)
-            await asyncio.to_thread(tmp.flush)
-            info = await asyncio.to_thread(self.store.import_path, Path(tmp.name), ref)
+        async with body_to_file(request, self.store.tmp_dir, ".tar") as upload:
+            info = await asyncio.to_thread(self.store.import_path, upload, ref)
         return respond(info, status=201)

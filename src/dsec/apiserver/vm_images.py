@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import tempfile
-from pathlib import Path
 
 from aiohttp import web
 
-from dsec.apiserver._http import query_param, require_admin, respond
+from dsec.apiserver._http import body_to_file, query_param, require_admin, respond
 from dsec.images.store import LayerStore
 from dsec.images.vm_images import VmImageStore
 
@@ -36,9 +34,6 @@ class VmImageRoutes:
         require_admin(request)
         ref = query_param(request, "ref")
         await asyncio.to_thread(self.images.tmp.mkdir, parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=self.images.tmp, suffix=".upload") as tmp:
-            async for chunk in request.content.iter_chunked(_CHUNK):
-                await asyncio.to_thread(tmp.write, chunk)
-            await asyncio.to_thread(tmp.flush)
-            info = await asyncio.to_thread(self.images.import_file, Path(tmp.name), ref)
+        async with body_to_file(request, self.images.tmp, ".upload") as upload:
+            info = await asyncio.to_thread(self.images.import_file, upload, ref)
         return respond(info, status=201)
