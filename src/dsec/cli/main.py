@@ -1,23 +1,20 @@
-"""The ``dsec`` command."""
+"""The ``dsec`` command: its subcommand groups (one module each), and the commands that run
+DSec itself (``up``, ``edge``, ``apiserver``, ``base``) and list its nodes."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from dsec.apiserver.embedded import NodeConfig
-from dsec.cli._common import _client_call, _fail, console, err_console
+from dsec.cli._common import _client_call, _fail, console
 from dsec.cli._node_options import (
     AccelOption,
     AdmissionOption,
@@ -30,31 +27,23 @@ from dsec.cli._node_options import (
     _egress,
     _swap,
 )
+from dsec.cli.keys import key_app
+from dsec.cli.layers import image_app, layer_app
+from dsec.cli.projects import project_app
 from dsec.cli.sandbox import job_app, sandbox_app
 from dsec.cli.vm_images import vm_image_app
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
-from dsec.sdk.client import DSecClient
-
-T = TypeVar("T")
 
 app = typer.Typer(
     help="DSec: sandboxes for agentic RL.", no_args_is_help=True, pretty_exceptions_enable=False
 )
-layer_app = typer.Typer(help="Layers: immutable, content-addressed EROFS images.", no_args_is_help=True)
 app.add_typer(layer_app, name="layer")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(job_app, name="job")
 app.add_typer(vm_image_app, name="vm-image")
-project_app = typer.Typer(
-    help="Projects: nested, each with quotas bounding its subtree.", no_args_is_help=True
-)
-key_app = typer.Typer(
-    help="API keys: each belongs to a project and sees only its subtree.", no_args_is_help=True
-)
 app.add_typer(project_app, name="project")
 app.add_typer(key_app, name="key")
-image_app = typer.Typer(help="Images: ordered lists of layers under one name:version.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 node_app = typer.Typer(help="Nodes: the edges of this DSec (admin keys).", no_args_is_help=True)
 app.add_typer(node_app, name="node")
@@ -318,205 +307,6 @@ def base_cmd(data_dir: DataDir = Path("/var/lib/dsec")) -> None:
         _ensure_base(LayerStore(data_dir / "layers"))
     except DSecError as exc:
         raise _fail(exc) from None
-
-
-@layer_app.command("import")
-def layer_import(
-    path: Annotated[Path, typer.Argument(exists=True, help="a directory or a tar archive")],
-    name: Annotated[str, typer.Option("--name", help="name:version of the new layer")],
-) -> None:
-    """Import a directory or tar archive as an immutable EROFS layer."""
-    with err_console.status(f"importing {path} as {name} (pack, upload, mkfs.erofs)"):
-        info = _client_call(lambda c: c.import_layer(path, name))
-    console.print_json(json.dumps(info.model_dump(mode="json")))
-
-
-@layer_app.command("workspace")
-def layer_workspace(
-    repo: Annotated[Path, typer.Argument(help="a local git repository (working tree or bare)")],
-    base: Annotated[str, typer.Argument(help="the task's base commit (sha, branch or tag)")],
-    name: Annotated[str, typer.Option("--name", help="name:version of the new layer")],
-    subdir: Annotated[str, typer.Option(help="where the workspace sits in the sandbox")] = "workspace",
-) -> None:
-    """A task workspace layer: the repository at BASE, with no way back to later commits."""
-    from dsec.rl.workspace import prepare_workspace
-
-    with tempfile.TemporaryDirectory(prefix="dsec-workspace-") as tmp:
-        try:
-            prepare_workspace(repo, base, Path(tmp) / "layer", subdir=subdir)
-        except DSecError as exc:
-            raise _fail(exc) from None
-        with err_console.status(f"importing the workspace as {name}"):
-            info = _client_call(lambda c: c.import_layer(Path(tmp) / "layer", name))
-    console.print_json(json.dumps(info.model_dump(mode="json")))
-
-
-@layer_app.command("build")
-def layer_build(
-    context: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="directory COPY reads from")],
-    name: Annotated[str, typer.Option("--name", help="name:version of the new layer")],
-    file: Annotated[Path | None, typer.Option("-f", "--file", help="default: CONTEXT/Dockerfile")] = None,
-    exclude: Annotated[list[str] | None, typer.Option(help="more paths to scrub (glob per part)")] = None,
-    verbose: Annotated[bool, typer.Option("-v", help="show the steps' output")] = False,
-) -> None:
-    """Build a layer from a Dockerfile subset (FROM, RUN, COPY, ENV, WORKDIR)."""
-    from dsec.sdk.build import BuildEvent
-
-    dockerfile = file or context / "Dockerfile"
-
-    def show(event: BuildEvent) -> None:
-        if event.output:
-            if verbose:
-                sys.stdout.write(event.output.decode(errors="replace"))
-            return
-        where = (
-            "set-up"
-            if event.step == 0
-            else "commit"
-            if event.step > event.total
-            else f"{event.step}/{event.total}"
-        )
-        console.print(f"[bold cyan]{escape(f'[{where}]')}[/bold cyan] {escape(event.description)}")
-
-    info = _client_call(lambda c: c.build_layer(dockerfile, context, name, exclude=exclude, progress=show))
-    console.print_json(json.dumps(info.model_dump(mode="json")))
-
-
-QUOTA_KEYS = ("sandboxes", "cpu_cores", "memory_mib")
-Sandboxes = Annotated[int | None, typer.Option(help="max concurrent sandboxes in the subtree")]
-Cores = Annotated[float | None, typer.Option(help="max CPU cores in the subtree")]
-Memory = Annotated[int | None, typer.Option(help="max memory (MiB) in the subtree")]
-
-
-@project_app.command("create")
-def project_create(
-    parent: str, name: str, sandboxes: Sandboxes = None, cpus: Cores = None, memory_mib: Memory = None
-) -> None:
-    """Create PARENT/NAME (quotas may not exceed the parent's)."""
-    info = _client_call(
-        lambda c: c.create_project(parent, name, sandboxes=sandboxes, cpu_cores=cpus, memory_mib=memory_mib)
-    )
-    console.print(f"created {info['id']}")
-
-
-@project_app.command("quota")
-def project_quota(
-    project: str, sandboxes: Sandboxes = None, cpus: Cores = None, memory_mib: Memory = None
-) -> None:
-    """Set a sub-project's quotas (a key can never raise its own)."""
-    _client_call(lambda c: c.set_quota(project, sandboxes=sandboxes, cpu_cores=cpus, memory_mib=memory_mib))
-    console.print(f"quota of {project} set")
-
-
-@project_app.command("ls")
-def project_ls(under: Annotated[str | None, typer.Argument()] = None) -> None:
-    """Projects under UNDER (default: your key's), with quotas and usage."""
-    projects = _client_call(lambda c: c.list_projects(under))
-    table = Table("project", "sandboxes", "cpu cores", "memory MiB")
-    for p in projects:
-        cells = [f"{p['usage'][k]} / {'-' if p['quota'][k] is None else p['quota'][k]}" for k in QUOTA_KEYS]
-        table.add_row(p["id"], *cells)
-    console.print(table)
-
-
-@key_app.command("issue")
-def key_issue(project: str, admin: bool = False, name: str = "", e2b: bool = False) -> None:
-    """Issue an API key for PROJECT (printed once: only its digest is kept); --e2b: an e2b_<hex>
-    key for E2B's SDKs."""
-    fmt: Literal["dsec", "e2b"] = "e2b" if e2b else "dsec"
-    print(_client_call(lambda c: c.issue_key(project, admin=admin, name=name, format=fmt)))
-
-
-@key_app.command("ls")
-def key_ls(project: Annotated[str | None, typer.Argument()] = None) -> None:
-    """Keys of PROJECT (their IDs, never the keys)."""
-    keys = _client_call(lambda c: c.list_keys(project))
-    table = Table("key id", "project", "admin", "name", "revoked")
-    for k in keys:
-        table.add_row(k["key_id"], k["project"], str(k["admin"]), k["name"], str(k["revoked"]))
-    console.print(table)
-
-
-@key_app.command("revoke")
-def key_revoke(key_id: str) -> None:
-    """Revoke a key by its ID."""
-    revoked = _client_call(lambda c: c.revoke_key(key_id))
-    console.print("revoked" if revoked else "no such key")
-
-
-@image_app.command("import")
-def image_import(
-    path: Annotated[Path, typer.Argument(exists=True, help="docker save tar, OCI layout dir or tarball")],
-    name: Annotated[str, typer.Option("--name", help="name:version of the new image")],
-    merge_below_mb: Annotated[float, typer.Option(help="merge consecutive layers smaller than this")] = 0,
-    image: Annotated[str | None, typer.Option(help="which image, if the archive holds several")] = None,
-) -> None:
-    """Import an OCI image (no registry needed: `docker save` or `skopeo copy` output)."""
-    from rich.progress import Progress
-
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("upload", total=None)
-
-        def show(stage: str, done: int, total: int) -> None:
-            bar.update(task, description=stage, completed=done, total=max(total, 1))
-
-        layers = _client_call(
-            lambda c: c.import_image(path, name, merge_below_mb=merge_below_mb, image=image, progress=show)
-        )
-    table = Table("#", "digest", "size")
-    for i, layer in enumerate(layers, 1):
-        table.add_row(str(i), layer.digest[:19], f"{layer.size / 1e6:.1f} MB")
-    console.print(table)
-    console.print(f"image {name}: {len(layers)} layers")
-
-
-@layer_app.command("tag")
-def layer_tag(
-    target: Annotated[str, typer.Argument(help="a layer reference or digest")],
-    ref: Annotated[str, typer.Argument(help="name:version to point at it")],
-) -> None:
-    """Point NAME:VERSION at a layer (the only way a tag ever moves)."""
-    layers = _client_call(lambda c: c.retag(ref, target))
-    console.print(f"{ref} -> {', '.join(x.digest[:19] for x in layers)}")
-
-
-@layer_app.command("rm")
-def layer_rm(refs: list[str]) -> None:
-    """Remove tags; the layers go at the next `dsec layer gc` if nothing else uses them."""
-
-    async def untag_all(c: DSecClient) -> None:
-        for ref in refs:
-            await c.untag(ref)
-            console.print(f"untagged {ref}")
-
-    _client_call(untag_all)
-
-
-@layer_app.command("gc")
-def layer_gc(
-    grace_s: Annotated[float | None, typer.Option(help="spare layers younger than this")] = None,
-) -> None:
-    """Delete stored layers that no tag names and no sandbox uses."""
-    removed = _client_call(lambda c: c.gc_layers(grace_s=grace_s))
-    console.print(f"removed {len(removed)} layer blobs")
-
-
-@layer_app.command("verify")
-def layer_verify(ref: str) -> None:
-    """Re-hash a layer's stored bytes (refused with 'corrupt' if they changed)."""
-    info = _client_call(lambda c: c.verify_layer(ref))
-    console.print(f"{info.digest} ok ({info.size / 1e6:.1f} MB)")
-
-
-@layer_app.command("ls")
-def layer_ls() -> None:
-    """List the layers of this DSec."""
-    layers = _client_call(lambda c: c.layers())
-    table = Table("digest", "size", "names", "created")
-    for layer in layers:
-        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(layer.created_at))
-        table.add_row(layer.digest[:19], f"{layer.size / 1e6:.1f} MB", ", ".join(layer.names), created)
-    console.print(table)
 
 
 @node_app.command("ls")
