@@ -5,17 +5,15 @@ its own project and below; it may create sub-projects and keys there, set the qu
 strict sub-projects only (never its own: that would let it raise its own limit), and issue
 admin keys only if it is an admin key itself.
 
-``authenticate`` is on every request's path. A fresh in-process cache answers it without a
-database trip; an entry lives ``cache_ttl_s`` (default 5 s), which is how long a revocation
-made through another apiserver process can take to reach this one (the revoking process
-evicts at once). Concurrent misses for one key share one lookup.
+``authenticate`` is answered from an in-process cache of principals (iam/key_cache.py);
+``cache_ttl_s`` bounds how long a revocation made through another process takes to reach
+this one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Self
 
 from dsec.iam import ledger, registry
@@ -41,12 +39,11 @@ from dsec.iam.base import (
     validate_project,
 )
 from dsec.iam.group_commit import ReservationQueue, Want
+from dsec.iam.key_cache import KeyCache
 from dsec.iam.ledger import PROJECT_COLS, Driver, ProjectRow, Tx, lock_chain, quota_limits
 from dsec.iam.registry import NodeRecord
 from dsec.protocol.errors import Conflict, Forbidden, InvalidRequest, Unauthorized
 from dsec.protocol.ids import SandboxId
-
-_CACHE_MAX = 100_000
 
 
 def _require(actor: Principal | None, project: str, what: str) -> None:
@@ -78,15 +75,10 @@ class SqlIamStore:
     def __init__(self, db: Driver, *, cache_ttl_s: float = 5.0) -> None:
         self._db = db
         self._reservations = ReservationQueue(db, self._reserve_one, self.release)  # iam/group_commit.py
-        self.cache_ttl_s = cache_ttl_s
-        self._cache: dict[str, tuple[Principal, float]] = {}
-        self._inflight: dict[str, asyncio.Task[Principal]] = {}
-        # Bumped by every eviction: a lookup that started before it must not cache its answer
-        # (it may have read a key this process has revoked since).
-        self._generation = 0
+        self._keys = KeyCache(self._lookup, cache_ttl_s)
 
     async def close(self) -> None:
-        self._cache.clear()
+        self._keys.clear()
         await self._db.close()
 
     async def __aenter__(self) -> Self:
@@ -221,7 +213,7 @@ class SqlIamStore:
             await tx.execute("DELETE FROM projects WHERE id = $1 OR (id >= $2 AND id < $3)", project, lo, hi)
 
         await self._db.write(tx)
-        self._evict(lambda p: in_subtree(p.project, project))
+        self._keys.evict(lambda p: in_subtree(p.project, project))
 
     # -- keys -------------------------------------------------------------------------------
 
@@ -261,22 +253,7 @@ class SqlIamStore:
     async def authenticate(self, key: str | None) -> Principal:
         if not key:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        digest = key_digest(key)
-        hit = self._cache.get(digest)
-        if hit is not None and hit[1] > time.monotonic():
-            return hit[0]
-        task = self._inflight.get(digest)
-        if task is None:
-            task = asyncio.ensure_future(self._lookup(digest))
-            self._inflight[digest] = task
-            task.add_done_callback(lambda t: self._lookup_done(digest, t))
-        # Shielded: one caller giving up must not cancel the lookup the others are waiting for.
-        return await asyncio.shield(task)
-
-    def _lookup_done(self, digest: str, task: asyncio.Task[Principal]) -> None:
-        self._inflight.pop(digest, None)
-        if not task.cancelled():
-            task.exception()  # retrieved here: every waiter may have given up already
+        return await self._keys.get(key_digest(key))
 
     async def _lookup(self, digest: str) -> Principal:
         async def tx(tx: Tx) -> list[ledger.Row]:
@@ -284,23 +261,10 @@ class SqlIamStore:
                 "SELECT project, admin, key_id FROM api_keys WHERE digest = $1 AND revoked_at IS NULL", digest
             )
 
-        generation = self._generation
         rows = await self._db.read(tx)
         if not rows:
             raise Unauthorized("unknown API key (never issued, revoked, or its project deleted)")
-        principal = Principal(project=rows[0][0], admin=bool(rows[0][1]), key_id=rows[0][2])
-        if self.cache_ttl_s > 0 and generation == self._generation:
-            if len(self._cache) >= _CACHE_MAX:
-                now = time.monotonic()
-                self._cache = {d: e for d, e in self._cache.items() if e[1] > now}
-                if len(self._cache) >= _CACHE_MAX:
-                    self._cache.clear()
-            self._cache[digest] = (principal, time.monotonic() + self.cache_ttl_s)
-        return principal
-
-    def _evict(self, match: Callable[[Principal], bool]) -> None:
-        self._generation += 1
-        self._cache = {d: e for d, e in self._cache.items() if not match(e[0])}
+        return Principal(project=rows[0][0], admin=bool(rows[0][1]), key_id=rows[0][2])
 
     async def is_valid(self, key: str) -> bool:
         try:
@@ -325,7 +289,7 @@ class SqlIamStore:
             return True
 
         revoked = await self._db.write(tx)
-        self._evict(lambda p: p.key_id == key_id)
+        self._keys.evict(lambda p: p.key_id == key_id)
         return revoked
 
     async def list_keys(
