@@ -6,13 +6,27 @@ Errors come back typed: the server's ``{"error": {"code": ...}}`` body becomes t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+
+_CHUNK = 1 << 20
+
+
+async def file_chunks(path: Path) -> AsyncIterator[bytes]:
+    """A local file as a request body (``data=``): a stream of chunks, read off the event loop."""
+    fh = await asyncio.to_thread(path.open, "rb")
+    try:
+        while chunk := await asyncio.to_thread(fh.read, _CHUNK):
+            yield chunk
+    finally:
+        fh.close()
 
 
 class Transport:

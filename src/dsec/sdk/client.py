@@ -13,18 +13,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
-import json
 import os
-import tarfile
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from dsec.images.vm_images import VmImageInfo
-from dsec.protocol.errors import InfraFailure, error_from_wire
 from dsec.protocol.models import (
     BatchCreateRequest,
     CommandResult,
@@ -33,23 +28,20 @@ from dsec.protocol.models import (
     ExecEvent,
     ExecRequest,
     FileStat,
-    GcRequest,
     LayerInfo,
     NetworkRulesRequest,
-    RetagRequest,
     SandboxInfo,
     ShellRequest,
 )
 from dsec.sdk._display import SandboxDisplayCalls
 from dsec.sdk._fncall import FnCalls
+from dsec.sdk._layers import LayerCalls
 from dsec.sdk._projects import ProjectCalls
 from dsec.sdk._rl import JobCalls, SandboxRlCalls
-from dsec.sdk._transport import Transport
+from dsec.sdk._transport import Transport, file_chunks
 from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
 from dsec.sdk.build import BuildEvent, build_layer
 from dsec.sdk.config import load_client_config
-
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -237,7 +229,7 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
             "PUT",
             self._base + "/files/content",
             params={"path": path, "mode": f"{mode:o}"},
-            data=_chunks(local),
+            data=file_chunks(local),
         )
         return FileStat.model_validate(body)
 
@@ -285,22 +277,7 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
         )
 
 
-async def _chunks(path: Path) -> AsyncIterator[bytes]:
-    """A local file as a stream of chunks, read off the event loop."""
-    fh = await asyncio.to_thread(path.open, "rb")
-    try:
-        while chunk := await asyncio.to_thread(fh.read, _CHUNK):
-            yield chunk
-    finally:
-        fh.close()
-
-
-def _tar_dir(src: Path, archive: Path) -> None:
-    with tarfile.open(archive, "w") as tar:
-        tar.add(src, arcname=".")
-
-
-class DSecClient(ProjectCalls, FnCalls, JobCalls):
+class DSecClient(ProjectCalls, FnCalls, JobCalls, LayerCalls):
     """Connects to DSec: by default the local node that ``dsec up`` wrote into the config file."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 300) -> None:
@@ -409,97 +386,6 @@ class DSecClient(ProjectCalls, FnCalls, JobCalls):
         """The cluster's registered nodes with their epoch, health and load (admin keys only)."""
         body: builtins.list[dict[str, Any]] = await self._t.request("GET", "/v1/nodes")
         return body
-
-    async def layers(self) -> builtins.list[LayerInfo]:
-        return [LayerInfo.model_validate(x) for x in await self._t.request("GET", "/v1/layers")]
-
-    async def import_image(
-        self,
-        path: str | os.PathLike[str],
-        ref: str,
-        *,
-        merge_below_mb: float = 0,
-        image: str | None = None,
-        progress: Callable[[str, int, int], None] | None = None,
-    ) -> builtins.list[LayerInfo]:
-        """Import an OCI image as ``ref``: ``docker save`` output, or an OCI layout (directory
-        or tarball, as skopeo writes them). Each image layer becomes an EROFS layer (layers
-        shared with earlier imports are stored once); ``ref`` names their ordered list, usable
-        as ``container_image``. Consecutive layers under ``merge_below_mb`` are merged.
-        ``progress(stage, done, total)`` follows the server's work.
-        """
-        src = Path(path)
-        params = {"ref": ref, "merge_below_mb": str(merge_below_mb)}
-        if image:
-            params["image"] = image
-        with tempfile.TemporaryDirectory() as tmp:
-            archive = src
-            if await asyncio.to_thread(src.is_dir):
-                archive = Path(tmp) / "image.tar"
-                await asyncio.to_thread(_tar_dir, src, archive)
-            async for line in self._t.lines(
-                "POST", "/v1/images", params=params, data=_chunks(archive), timeout=6 * 3600
-            ):
-                event = json.loads(line)
-                if event["t"] == "progress" and progress is not None:
-                    progress(event["stage"], event["done"], event["total"])
-                elif event["t"] == "error":
-                    raise error_from_wire(200, event)
-                elif event["t"] == "done":
-                    return [LayerInfo.model_validate(x) for x in event["layers"]]
-        raise InfraFailure(f"image import of {ref} ended without a result", reason="protocol")
-
-    async def retag(self, ref: str, target: str | builtins.list[str]) -> builtins.list[LayerInfo]:
-        """Point ``ref`` at other content (a layer, or an ordered list for an image).
-
-        Versions are immutable everywhere else: this explicit call is the only way a tag moves.
-        """
-        body = await self._t.request(
-            "POST", "/v1/layers/retag", json_body=RetagRequest(ref=ref, target=target).model_dump()
-        )
-        return [LayerInfo.model_validate(x) for x in body]
-
-    async def untag(self, ref: str) -> builtins.list[str]:
-        """Remove tag ``ref``; its blobs go at the next :meth:`gc_layers` if nothing else names them."""
-        body = await self._t.request("DELETE", "/v1/layers", params={"ref": ref})
-        return [str(d) for d in body["untagged"]]
-
-    async def verify_layer(self, ref: str) -> LayerInfo:
-        """Re-hash a layer's stored bytes; ``InfraFailure(reason="corrupt")`` if they changed."""
-        body = await self._t.request("POST", "/v1/layers/verify", params={"ref": ref}, timeout=3600)
-        return LayerInfo.model_validate(body)
-
-    async def gc_layers(self, *, grace_s: float | None = None) -> builtins.list[str]:
-        """Delete stored layers that no tag names and no sandbox uses; returns their digests."""
-        body = await self._t.request(
-            "POST", "/v1/layers/gc", json_body=GcRequest(grace_s=grace_s).model_dump(), timeout=3600
-        )
-        return [str(d) for d in body["removed"]]
-
-    async def import_vm_image(self, path: str | os.PathLike[str], ref: str) -> VmImageInfo:
-        """Import a bootable disk image (qcow2 or raw) as VM image ``ref`` (``name:version``),
-        for ``DSecVMRunArgs(disk_image=ref)``."""
-        body: Any = await self._t.request(
-            "POST", "/v1/vm-images", params={"ref": ref}, data=_chunks(Path(path)), timeout=3600
-        )
-        return VmImageInfo.model_validate(body)
-
-    async def vm_images(self) -> builtins.list[VmImageInfo]:
-        body: Any = await self._t.request("GET", "/v1/vm-images")
-        return [VmImageInfo.model_validate(x) for x in body]
-
-    async def import_layer(self, path: str | os.PathLike[str], ref: str) -> LayerInfo:
-        """Import a directory or tar archive as layer ``ref`` (``name:version``)."""
-        src = Path(path)
-        with tempfile.TemporaryDirectory() as tmp:
-            archive = src
-            if await asyncio.to_thread(src.is_dir):
-                archive = Path(tmp) / "layer.tar"
-                await asyncio.to_thread(_tar_dir, src, archive)
-            body: Any = await self._t.request(
-                "POST", "/v1/layers", params={"ref": ref}, data=_chunks(archive), timeout=3600
-            )
-        return LayerInfo.model_validate(body)
 
 
 __all__ = ["DSecClient", "ExecChunk", "Sandbox"]
