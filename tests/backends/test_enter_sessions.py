@@ -4,8 +4,9 @@ how a shell is let go (by the edge, or by the edge's death)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-import threading
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 from dsec.backends.base import CreateContext, sandbox_env
 from dsec.backends.container import enter
+from dsec.executor import spawner as spawner_mod
 from dsec.executor.process import descendants, watch_children_with_pidfds
 from dsec.executor.session import DRIVER, Session
 from tests.support import DEADLINE_S, eventually
@@ -105,28 +107,52 @@ async def test_a_shell_let_go_exits_at_eof_and_its_children_live_on(helper: Path
     assert not _dead(sleep)
 
 
-async def test_a_dead_edge_thread_lets_its_session_shells_go(helper: Path, made: Made) -> None:  # noqa: F811
+# An edge of its own (a process, as the real one): starts a session, says the PIDs, waits.
+_EDGE = """
+import asyncio, json, sys
+from pathlib import Path
+from dsec.backends.container import enter
+from dsec.executor import spawner
+from dsec.executor import spawner as spawner_mod
+from dsec.executor.process import descendants, watch_children_with_pidfds
+from dsec.executor.session import DRIVER
+from tests.backends.test_enter import ROOT
+
+async def main():
+    watch_children_with_pidfds()
+    spawner.start(Path(sys.argv[1]))
+    sid, handle, helper = json.loads(sys.argv[2])
+    argv = ["sh", "-c", DRIVER]
+    shell = await enter.spawn_session(sid, handle, argv, env={}, cwd="/", user=ROOT, helper=Path(helper))
+    print(json.dumps([shell.pid, *descendants(shell.pid)]), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_edge_lets_its_session_shells_go(helper: Path, made: Made, tmp_path: Path) -> None:  # noqa: F811
     """An edge that dies without letting go (killed) must not leave shells waiting forever."""
-    watch_children_with_pidfds()  # which leaves the resting helper to us to reap
     ctx, h = await sandbox(made)
-    pids: list[int] = []
-
-    def edge() -> None:  # its own loop and thread: the helper's "parent" for PR_SET_PDEATHSIG
-        async def spawn() -> None:
-            shell = await enter.spawn_session(
-                ctx.sandbox_id, h, ["sh", "-c", DRIVER], env={}, cwd="/", user=ROOT, helper=helper
-            )
-            pids.append(shell.pid)
-
-        asyncio.run(spawn())
-
-    thread = threading.Thread(target=edge)  # not a pool's: it must end
-    thread.start()
-    await asyncio.to_thread(thread.join)
-    (pid,) = pids
-    await eventually(lambda: _dead(pid), "the helper to end once the shell read EOF")
-    _, status = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - a zombie already
-    assert os.waitstatus_to_exitcode(status) == 0
+    spawn_helper = spawner_mod.build_helper(tmp_path)
+    edge = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _EDGE,
+        str(spawn_helper),
+        json.dumps([ctx.sandbox_id, h, str(helper)]),
+        stdout=asyncio.subprocess.PIPE,
+        cwd=Path(__file__).parents[2],
+    )
+    assert edge.stdout is not None
+    try:
+        pids = json.loads(await asyncio.wait_for(edge.stdout.readline(), DEADLINE_S))
+        assert pids and not any(_dead(pid) for pid in pids), pids
+    finally:
+        edge.kill()
+        await edge.wait()
+    for pid in pids:  # the session's processes (reparented, so reaped by the host's init)
+        await eventually(lambda pid=pid: _dead(pid), f"{pid} ({_comm(pid)}) to end with the edge")
 
 
 def _comm(pid: int) -> str:

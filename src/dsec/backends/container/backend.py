@@ -30,6 +30,7 @@ from dsec.backends.base import CreateContext, Spawned, User
 from dsec.backends.container import cgroups, diskquota, enter, gvisor, init, oci, rootfs
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import coresched, memory
+from dsec.executor import spawner
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import SandboxProcess
@@ -85,6 +86,7 @@ class ContainerBackend:
         # The exec helper runs as root on the host: kept out of runtime_dir, which sandboxes mount.
         self.enter_helper = enter.helper_path(data_dir / "bin")
         self.rootfs_helper = data_dir / "bin" / rootfs.NAME  # built by prepare_node
+        self.spawn_helper = data_dir / "bin" / spawner.NAME  # built by prepare_node
         # Made and mounted by the first create with disk_limit_mb (a node whose sandboxes never
         # ask for one carries no extra mount); re-used by prepare_node after a restart.
         self.disk_quota = diskquota.QuotaFs(data_dir / "disk-quota", size_mb=disk_quota_mb)
@@ -101,6 +103,7 @@ class ContainerBackend:
 
     async def prepare_node(self) -> None:
         await asyncio.to_thread(self._prepare_node)
+        spawner.start(self.spawn_helper)  # from the loop's thread, before the edge holds fds
         await self.gvisor.probe(self.runtime_dir)  # once per runsc binary (cached on disk)
 
     def _prepare_node(self) -> None:
@@ -129,6 +132,7 @@ class ContainerBackend:
         self.enter_helper = enter.build_helper(self.data_dir / "bin")  # gcc once per source version
         init.install_init(self.data_dir / "bin", self.runtime_dir)  # PID 1 of every sandbox
         self.rootfs_helper = rootfs.build_helper(self.data_dir / "bin")
+        self.spawn_helper = spawner.build_helper(self.data_dir / "bin")
         if self.disk_quota.image.exists():
             # Sandboxes of an earlier run may live there (still mounted after an edge restart,
             # to mount again after a reboot, so their leftovers can be destroyed).
@@ -263,7 +267,7 @@ class ContainerBackend:
         if _on_gvisor(handle) or self.gvisor.knows(sandbox_id):  # an empty handle: runsc's state says
             await self.gvisor.delete(sandbox_id)
         else:
-            proc = await asyncio.create_subprocess_exec(
+            proc = await spawner.create_subprocess_exec(
                 *self._cmd("delete", "--force", sandbox_id),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,

@@ -39,6 +39,7 @@ from typing import Any
 from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
 from dsec.executor.process import kill_tree, poll_child, watch_child, watch_lazily
+from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 SOURCE = Path(__file__).parent / "enter" / "dsec_enter.c"
@@ -418,7 +419,7 @@ async def _enter(
             passed += (hold_stdin,)
         stdin, stdout, stderr = stdio or (asyncio.subprocess.PIPE, *_PIPES)
         try:
-            proc = await asyncio.create_subprocess_exec(
+            proc = await spawner.create_subprocess_exec(
                 *cmd,
                 stdin=stdin,
                 stdout=stdout,

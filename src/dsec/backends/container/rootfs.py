@@ -14,6 +14,7 @@ import asyncio
 from pathlib import Path
 
 from dsec.backends.container import init
+from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure
 
 SOURCE = Path(__file__).parent / "rootfs" / "dsec_rootfs.c"
@@ -38,7 +39,7 @@ async def run(
     """Run ``argv`` in a private mount namespace with the overlay mounted on ``rootfs`` (and,
     if asked, a fresh core scheduling cookie); its exit status. InfraFailure (storage) when the
     namespace, the mount or the cookie cannot be made."""
-    proc = await asyncio.create_subprocess_exec(
+    proc = await spawner.create_subprocess_exec(
         str(helper),
         *(["--new-core-cookie"] if new_core_cookie else []),
         overlay_options,

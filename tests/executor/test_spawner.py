@@ -1,0 +1,101 @@
+"""Tests of dsec.executor.spawner: children forked by ``dsec-spawn`` behave as asyncio's own.
+
+The edge relies on: pipes, exit codes, the environment and cwd given, the fds passed (and no
+other fd of the edge), a new session when asked, errors raised as Popen raises them, and the
+process being the edge's own child (it waits for it, its PR_SET_PDEATHSIG follows the edge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from dsec.executor import spawner
+from dsec.executor.process import watch_children_with_pidfds
+
+PIPE = asyncio.subprocess.PIPE
+ENV = {"PATH": "/usr/bin:/bin", "ONLY": "this"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def running(tmp_path_factory: pytest.TempPathFactory) -> None:
+    watch_children_with_pidfds()
+    spawner.start(spawner.build_helper(tmp_path_factory.mktemp("spawn-bin")))
+    assert spawner._spawner is not None
+
+
+async def sh(script: str, **kw: object) -> tuple[int, str, str]:
+    proc = await spawner.create_subprocess_exec("sh", "-c", script, stdout=PIPE, stderr=PIPE, env=ENV, **kw)
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_output_exit_code_environment_and_cwd(tmp_path: Path) -> None:
+    code, out, err = await sh("echo out; echo err >&2; env | sort; pwd; exit 7", cwd=tmp_path)
+    assert code == 7
+    assert out.splitlines() == [
+        "out",
+        "ONLY=this",
+        f"PATH={ENV['PATH']}",
+        "PWD=" + str(tmp_path),
+        str(tmp_path),
+    ]
+    assert err == "err\n"
+
+
+async def test_the_child_is_the_edges_own_and_holds_only_its_stdio_and_passed_fds() -> None:
+    r, w = os.pipe()  # the edge's fds are close-on-exec: none may reach the child but w
+    try:
+        # (through /proc: dash redirects fds 0-9 only)
+        code, out, _ = await sh(f"echo $PPID; ls /proc/$$/fd; echo x > /proc/$$/fd/{w}", pass_fds=(w,))
+    finally:
+        os.close(w)
+    assert os.read(r, 10) == b"x\n", out
+    os.close(r)
+    ppid, *fds = out.split()
+    assert code == 0
+    assert int(ppid) == os.getpid()
+    assert sorted(int(fd) for fd in fds) == [0, 1, 2, w]
+
+
+async def test_stdin_pipe_and_a_new_session() -> None:
+    proc = await spawner.create_subprocess_exec(
+        "sh", "-c", "cat; ps -o sid= -p $$", stdin=PIPE, stdout=PIPE, env=ENV, start_new_session=True
+    )
+    out, _ = await proc.communicate(b"typed\n")
+    typed, sid = out.decode().split()
+    assert (typed, int(sid)) == ("typed", proc.pid)  # the session leader is the process itself
+
+
+async def test_a_missing_program_or_cwd_raises_as_popen_does(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        await spawner.create_subprocess_exec("no-such-program-here", env=ENV)
+    with pytest.raises(FileNotFoundError) as missing:
+        await spawner.create_subprocess_exec(str(tmp_path / "absent"), env=ENV)
+    assert missing.value.filename == str(tmp_path / "absent")
+    with pytest.raises(FileNotFoundError) as cwd:
+        await spawner.create_subprocess_exec("true", cwd=tmp_path / "gone", env=ENV)
+    assert cwd.value.filename == str(tmp_path / "gone")
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError):
+        await spawner.create_subprocess_exec(str(script), env=ENV)
+
+
+async def test_kill_and_signals_reach_the_child() -> None:
+    proc = await spawner.create_subprocess_exec("sleep", "600", env=ENV)
+    proc.kill()
+    assert await proc.wait() == -9
+
+
+async def test_a_dead_spawner_is_started_again() -> None:
+    running = spawner._spawner
+    assert running is not None
+    running._proc.kill()
+    running._proc.wait()
+    assert await sh("echo again") == (0, "again\n", "")
+    assert spawner._spawner is not running
