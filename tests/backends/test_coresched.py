@@ -39,15 +39,18 @@ pytestmark = pytest.mark.slow
 
 ROOT = User(name="root", uid=0, gid=0, home="/")
 
-# Linked with -Wl,--wrap=prctl,--wrap=fork,--wrap=execve: the helper's own calls come here.
+# Linked with -Wl,--wrap=prctl,--wrap=fork,--wrap=execve,--wrap=syscall: the helper's own calls
+# come here (a session shell is forked by a raw clone(CLONE_PARENT): a "fork" too).
 SHIM_C = r"""
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <unistd.h>
 int __real_prctl(int option, ...);
 pid_t __real_fork(void);
+long __real_syscall(long n, ...);
 int __real_execve(const char *path, char *const argv[], char *const envp[]);
 static int log_fd = -1;
 /* Before main: the log is a host path, opened before the helper enters the mount namespace. */
@@ -67,6 +70,10 @@ int __wrap_prctl(int option, unsigned long a2, unsigned long a3, unsigned long a
     return __real_prctl(option, a2, a3, a4, a5);
 }
 pid_t __wrap_fork(void) { note("fork"); return __real_fork(); }
+long __wrap_syscall(long n, long a, long b, long c, long d, long e) {
+    if (n == SYS_clone) note("fork");
+    return __real_syscall(n, a, b, c, d, e);
+}
 int __wrap_execve(const char *path, char *const argv[], char *const envp[]) {
     note("execve");
     return __real_execve(path, argv, envp);
@@ -88,7 +95,7 @@ def shimmed_helper(tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> P
     d = tmp_path_factory.mktemp("shim")
     (d / "shim.c").write_text(SHIM_C)
     out = d / "dsec-enter-shimmed"
-    wrap = "-Wl,--wrap=prctl,--wrap=fork,--wrap=execve"
+    wrap = "-Wl,--wrap=prctl,--wrap=fork,--wrap=execve,--wrap=syscall"
     log = f'-DLOG_PATH="{log_dir / "calls"}"'
     cmd = [*enter.CC, wrap, log, "-o", str(out), str(enter.SOURCE), str(d / "shim.c"), *enter.LIBS]
     subprocess.run(cmd, check=True, capture_output=True)

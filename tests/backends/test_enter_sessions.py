@@ -1,5 +1,6 @@
-"""Session shells through ``dsec-enter --hold-stdin``: what an idle session costs the edge, and
-how a shell is let go (by the edge, or by the edge's death)."""
+"""Session shells through ``dsec-enter --hold-stdin``: what an idle session costs the edge (2
+fds, 1 process: the shell is the edge's own child), and how a shell is let go (by the edge,
+or by the edge's death)."""
 
 from __future__ import annotations
 
@@ -63,8 +64,11 @@ async def test_an_idle_session_holds_two_edge_fds_and_commands_keep_their_stream
     shells = [await start(helper, made) for _ in range(2)]  # warm: the helper's status pipes etc.
     before = open_fds()
     more = [await start(helper, made) for _ in range(4)]
-    # stdout and stderr pipes: the helper holds stdin's write end, no pidfd while idle.
+    # stdout and stderr pipes: the shell holds stdin's write end, no pidfd while idle.
     assert open_fds() - before == 2 * len(more)
+    for shell in more:  # and one process: the shell, the edge's own child; its helper exited
+        assert Path(f"/proc/{shell.pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())
+        await eventually(lambda shell=shell: shell._helper.returncode == 0, "the helper to exit")
     session = Session("s", spawner(helper, *await sandbox(made)))
     assert await run(session, "true") == (0, "", "", False)
     before = open_fds()
@@ -86,6 +90,8 @@ async def test_an_idle_session_holds_two_edge_fds_and_commands_keep_their_stream
         False,
     )
     assert open_fds() == before  # the command's stdin fd closed again
+    # The shell's own hold on its stdin (fd 9) does not reach commands: none can write into it.
+    assert await run(session, "ls /proc/self/fd | sort -n | tr '\\n' ' '") == (0, "0 1 2 3 ", "", False)
     assert await run(session, "while :; do :; done", timeout=0.5) == (None, "", "", True)
     assert await run(session, 'echo "fresh ${X:-shell}"') == (0, "fresh shell\n", "", False)  # next shell
     assert await run(session, "exit 7") == (7, "", "", False)
@@ -95,7 +101,7 @@ async def test_an_idle_session_holds_two_edge_fds_and_commands_keep_their_stream
     await session.kill()
 
 
-async def test_a_shell_let_go_exits_at_eof_and_its_children_live_on(helper: Path, made: Made) -> None:  # noqa: F811
+async def test_a_shell_let_go_ends_and_its_children_live_on(helper: Path, made: Made) -> None:  # noqa: F811
     watch_children_with_pidfds()
     session = Session("s", spawner(helper, *await sandbox(made)))
     assert (await run(session, "sleep 1000 >/dev/null 2>&1 &"))[0] == 0
@@ -103,7 +109,7 @@ async def test_a_shell_let_go_exits_at_eof_and_its_children_live_on(helper: Path
     assert isinstance(shell, enter.SessionShell)
     (sleep,) = await eventually(lambda: [p for p in descendants(shell.pid) if _comm(p) == "sleep"], "sleep")
     session.detach()
-    assert await asyncio.wait_for(shell.wait(), DEADLINE_S) == 0  # the driver loop ended at EOF
+    assert await asyncio.wait_for(shell.wait(), DEADLINE_S) == -9  # killed alone
     assert not _dead(sleep)
 
 

@@ -212,13 +212,17 @@ def _watcher() -> _PidfdWatcher | None:
     return watcher if isinstance(watcher, _PidfdWatcher) else None
 
 
-def watch_lazily(pid: int) -> None:
-    """Stop watching the child ``pid`` through a pidfd: it holds no fd until :func:`watch_child`
-    (or :func:`poll_child` finds it gone). For session shells, which idle for hours by the
-    thousand: a pidfd each was a quarter of the fds an edge spent per held session."""
-    watcher = _watcher()
-    if watcher is not None:
-        watcher.rest(pid)
+def watch_pid_lazily(pid: int, callback: Callable[[int, int], object]) -> None:
+    """Watch a child the edge did not start through asyncio (a session shell, forked for the
+    edge by its helper), without a pidfd until :func:`watch_child` (or until :func:`poll_child`
+    finds it gone): ``callback(pid, exit code as asyncio reports it)`` once it is reaped. For
+    session shells, which idle for hours by the thousand: a pidfd each was a quarter of the fds
+    an edge spent per held session."""
+    watcher = asyncio.get_child_watcher()
+    if isinstance(watcher, _PidfdWatcher):
+        watcher.add_resting(pid, callback)
+    else:
+        watcher.add_child_handler(pid, callback)
 
 
 def poll_child(pid: int) -> int | None:
@@ -255,13 +259,8 @@ class _PidfdWatcher(asyncio.AbstractChildWatcher):
         self._active[pid] = (pidfd, handler)
         handler[0].add_reader(pidfd, self._reap, pid)
 
-    def rest(self, pid: int) -> None:
-        entry = self._active.pop(pid, None)
-        if entry is not None:
-            pidfd, handler = entry
-            handler[0].remove_reader(pidfd)
-            os.close(pidfd)
-            self._resting[pid] = handler
+    def add_resting(self, pid: int, callback: Callable[..., object]) -> None:
+        self._resting[pid] = (asyncio.get_running_loop(), callback, ())
 
     def wake(self, pid: int) -> None:
         handler = self._resting.pop(pid, None)

@@ -30,7 +30,7 @@ while IFS= read -r __dsec_n; do
     __dsec_c="$__dsec_c$__dsec_l
 "
   done
-  eval "$__dsec_c" </dev/null
+  eval "$__dsec_c" </dev/null 9>&-
   __dsec_rc=$?
   printf '\0%s:%d\0' "$__dsec_n" "$__dsec_rc"
   printf '\0%s\0' "$__dsec_n" >&2

@@ -38,8 +38,8 @@ from typing import Any
 
 from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
-from dsec.executor.process import kill_tree, poll_child, watch_child, watch_lazily
 from dsec.executor import spawner
+from dsec.executor.process import kill_tree, poll_child, watch_child, watch_pid_lazily
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 SOURCE = Path(__file__).parent / "enter" / "dsec_enter.c"
@@ -253,6 +253,9 @@ async def spawn_held(
     return Spawned(proc, ns, pids.get("host"))
 
 
+SESSION_STDIN_FD = 9  # where a session shell keeps the write end of its stdin (dsec_enter.c)
+
+
 async def spawn_session(
     sandbox_id: str,
     handle: dict[str, Any],
@@ -263,15 +266,17 @@ async def spawn_session(
     user: User,
     helper: Path,
 ) -> SessionShell:
-    """As :func:`spawn_entered`, for a session shell that idles between commands, holding 2
-    of the edge's fds rather than 4 (RLIMIT_NOFILE, 20,000 here and not raisable, allowed
-    ~4,900 held sessions): stdout and stderr stay pipes the edge reads (a socket would make
-    ``> /dev/stdout`` fail with ENXIO), the helper keeps the write end of stdin
-    (``--hold-stdin``) and the edge opens it per command, and no pidfd watches the helper
-    while it idles (:func:`dsec.executor.process.watch_lazily`)."""
+    """As :func:`spawn_entered`, for a session shell that idles between commands, at 2 of the
+    edge's fds and 1 process (RLIMIT_NOFILE is 20,000 here and not raisable; each process on
+    the host lengthens every pivot_root's walk): stdout and stderr stay pipes the edge reads
+    (a socket would make ``> /dev/stdout`` fail with ENXIO); the shell keeps the write end of
+    its own stdin at fd 9 (``--hold-stdin``), which the edge opens per command; the helper
+    forks the shell as the edge's own child and exits, and no pidfd watches the shell while it
+    idles (:func:`dsec.executor.process.watch_pid_lazily`)."""
     stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
     try:
-        proc, _ = await _enter(
+        pipe = os.fstat(stdin_w).st_ino
+        helper_proc, pids = await _enter(
             sandbox_id,
             handle,
             argv,
@@ -279,67 +284,91 @@ async def spawn_session(
             cwd=cwd,
             user=user,
             helper=helper,
+            flags=[],
             stdio=(stdin_r, *_PIPES),
             hold_stdin=stdin_w,
         )
     finally:
         os.close(stdin_r)
         os.close(stdin_w)
-    watch_lazily(proc.pid)
-    return SessionShell(proc, stdin_w)
+    shell = pids.get("host") if pids else None
+    if shell is None:  # pragma: no cover - the helper writes it right after the fork
+        kill_tree(helper_proc.pid)
+        raise InfraFailure(f"{NAME} did not report the PID of the session shell", reason="runtime")
+    return SessionShell(helper_proc, shell, pipe)
 
 
 class SessionShell:
-    """A session shell started by :func:`spawn_session`, as a :class:`SandboxProcess`."""
+    """A session shell started by :func:`spawn_session`, as a :class:`SandboxProcess`: the
+    edge's child, which the edge reaps itself; output through the helper's pipes."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, held_fd: int) -> None:
-        self._proc = proc
+    def __init__(self, helper: asyncio.subprocess.Process, pid: int, pipe: int) -> None:
+        self._helper = helper  # exited (or about to): its transport carries stdout and stderr
+        self._pid = pid
         self._code: int | None = None
-        self.stdin = _HeldStdin(self, f"/proc/{proc.pid}/fd/{held_fd}")
+        self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        watch_pid_lazily(pid, self._exited)
+        self.stdin = _HeldStdin(self, f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
+
+    def _exited(self, pid: int, code: int) -> None:
+        self._code = code
+        if not self._ended.done():
+            self._ended.set_result(code)
 
     @property
     def stdout(self) -> asyncio.StreamReader | None:
-        return self._proc.stdout
+        return self._helper.stdout
 
     @property
     def stderr(self) -> asyncio.StreamReader | None:
-        return self._proc.stderr
+        return self._helper.stderr
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._pid
+
+    def shell_pid(self) -> int | None:
+        """The shell's host PID while it runs (unreaped: the PID names no other process)."""
+        return self._pid if self.returncode is None else None
 
     @property
     def returncode(self) -> int | None:
         # Not watched while it idles: a shell killed meanwhile (OOM, `kill` from the sandbox)
         # is found here, when the session is next used.
         if self._code is None:
-            self._code = self._proc.returncode
-        if self._code is None:
-            self._code = poll_child(self._proc.pid)
+            poll_child(self._pid)
         return self._code
 
     async def wait(self) -> int:
-        watch_child(self._proc.pid)
-        return await self._proc.wait()
+        watch_child(self._pid)
+        return await asyncio.shield(self._ended)
 
     def kill(self) -> None:
-        self._proc.kill()
+        if self._code is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
+
+    def kill_tree(self) -> None:
+        """The shell, what it started and the helper's process group (the shell's)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._helper.pid, signal.SIGKILL)
+        if self._code is None:
+            kill_tree(self._pid)
 
     def let_go(self) -> None:
-        """The helper closes the shell's stdin (the shell exits at EOF, its children live on)."""
-        if self.returncode is None:  # unreaped, so the PID is still the helper's
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._proc.pid, signal.SIGURG)
-            watch_child(self._proc.pid)  # reaped when it ends, not left a zombie
+        """The shell ends (killed alone, so what it runs in the background lives on)."""
+        self.kill()
+        watch_child(self._pid)  # reaped when it ends, not left a zombie
 
 
 class _HeldStdin:
-    """The shell's stdin, which the helper holds: opened through its /proc fd per command."""
+    """The shell's stdin, whose write end the shell holds: opened through its /proc fd per
+    command, and checked to be that pipe (a command may have replaced fd 9)."""
 
-    def __init__(self, shell: SessionShell, path: str) -> None:
+    def __init__(self, shell: SessionShell, path: str, pipe: int) -> None:
         self._shell = shell
         self._path = path
+        self._pipe = pipe
         self._buf = bytearray()
 
     def write(self, data: bytes) -> None:
@@ -348,12 +377,15 @@ class _HeldStdin:
     async def drain(self) -> None:
         data, self._buf = bytes(self._buf), bytearray()
         try:
-            # Safe while the helper is unreaped (its PID cannot be reused); a zombie's fds
-            # are gone (ENOENT): the session died.
+            if self._shell.returncode is not None:
+                raise OSError("exited")
+            # Safe while the shell is unreaped (its PID cannot be reused).
             fd = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise BrokenPipeError(f"session shell gone: {exc}") from exc
         try:
+            if os.fstat(fd).st_ino != self._pipe:
+                raise BrokenPipeError(f"the session shell's fd {SESSION_STDIN_FD} is no longer its stdin")
             await _write_all(fd, data)
         finally:
             os.close(fd)

@@ -71,13 +71,16 @@
  *   --pid-fd FD     "host PID\n" (the child's PID on the host, from the parent) and "ns PID\n"
  *                   (its PID in the sandbox, from the child itself) are written to FD, which
  *                   reaches EOF once both wrote (the child's copy closes on exec);
- *   --hold-stdin FD the write end of the pipe on stdin (a session shell's command stream):
- *                   the parent keeps it open so the edge holds no fd for it while the shell
- *                   idles (it opens /proc/HELPER/fd/FD to write a command, then closes it).
- *                   The parent closes it, so the shell reads EOF and exits as it did when the
- *                   edge held the pipe, on SIGURG (the edge lets the session go) or when the
- *                   edge's thread that started it dies (PR_SET_PDEATHSIG: an edge killed
- *                   outright leaves no shell waiting forever).
+ *   --hold-stdin FD the write end of the pipe on stdin (a session shell's command stream),
+ *                   with --pid-fd: a session shell, which idles by the thousand. The command
+ *                   keeps FD itself, at fd 9 (SESSION_STDIN_FD, not close-on-exec), so the edge
+ *                   holds no fd for it (it opens /proc/SHELL/fd/9 to write a command); the
+ *                   child is forked with CLONE_PARENT, so it is the EDGE's child, and the
+ *                   parent exits once it reported the PID: no helper process per session
+ *                   (every process on the host lengthens the walk of each pivot_root, i.e.
+ *                   of each create). The child's PR_SET_PDEATHSIG then follows the edge's
+ *                   thread: an edge killed outright leaves no shell waiting forever. The
+ *                   edge lets the shell go by killing it alone (its children live on).
  *
  * Exit codes: 125 when the helper failed (the message is on stderr and on --status-fd; the
  * edge reports an infrastructure failure); 127 when argv[0] or the cwd does not exist, 126
@@ -117,6 +120,7 @@
 #include <unistd.h>
 
 #define EXIT_HELPER 125
+#define SESSION_STDIN_FD 9 /* POSIX sh redirects fds 0-9 only: the driver closes it for commands */
 #define EXIT_CANNOT_RUN 126
 #define EXIT_NOT_FOUND 127
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -803,6 +807,8 @@ static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitse
 		close(o->pid_fd);
 	close(status_fd); /* the child's copy alone tells the caller about the exec */
 	status_fd = -1;
+	if (o->hold_fd >= 0)
+		_exit(0); /* a session shell: the edge's own child, which it reaps */
 	close(0); /* stdin and stdout are the command's: no second holder of the pipes */
 	close(1);
 	/* Tiny, and charged to the sandbox's memory cgroup: never the OOM victim (the child was
@@ -811,16 +817,6 @@ static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitse
 		write_all(oom_fd, "-1000", 5);
 		close(oom_fd);
 	}
-	int hold_fd = o->hold_fd;
-	if (hold_fd >= 0) {
-		/* SIGURG is blocked (in waitset) and its default is to ignore: harmless either way. */
-		if (prctl(PR_SET_PDEATHSIG, SIGURG, 0, 0, 0) < 0)
-			die(errno, "PR_SET_PDEATHSIG");
-		if (getppid() != o->edge) { /* the edge died before that: let go now */
-			close(hold_fd);
-			hold_fd = -1;
-		}
-	}
 	for (;;) {
 		siginfo_t info;
 		int sig = sigwaitinfo(waitset, &info);
@@ -828,12 +824,6 @@ static __attribute__((noreturn)) void parent(pid_t child, const sigset_t *waitse
 			if (errno == EINTR)
 				continue;
 			die(errno, "sigwaitinfo");
-		}
-		if (sig == SIGURG) {
-			if (hold_fd >= 0)
-				close(hold_fd); /* the shell reads EOF and exits; its children live on */
-			hold_fd = -1;
-			continue;
 		}
 		if (sig != SIGCHLD) {
 			kill(child, sig);
@@ -894,7 +884,8 @@ static __attribute__((noreturn)) void child(const struct opts *o, uint64_t caps,
 	umask(022);
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		die(errno, "PR_SET_NO_NEW_PRIVS");
-	/* Die with the helper: a helper killed alone must not leave its command running. */
+	/* Die with the helper (a helper killed alone must not leave its command running), or with
+	 * the edge's thread for a session shell, forked with CLONE_PARENT. */
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
 		die(errno, "PR_SET_PDEATHSIG");
 	{
@@ -920,6 +911,10 @@ static __attribute__((noreturn)) void child(const struct opts *o, uint64_t caps,
 		for (int fd = 3; fd < (max > 0 ? max : 65536); fd++)
 			fcntl(fd, F_SETFD, FD_CLOEXEC);
 	}
+	/* A session shell holds the write end of its own stdin, through the exec. */
+	if (o->hold_fd >= 0 && (o->hold_fd == SESSION_STDIN_FD ? fcntl(SESSION_STDIN_FD, F_SETFD, 0)
+							       : dup2(o->hold_fd, SESSION_STDIN_FD)) < 0)
+		die(errno, "keep the session's stdin at fd %d", SESSION_STDIN_FD);
 	for (int s = 1; s < NSIG; s++)
 		signal(s, SIG_DFL);
 	sigemptyset(&none);
@@ -951,6 +946,8 @@ int main(int argc, char **argv)
 		die(errno, "bad --pid-fd");
 	if (o.hold_fd >= 0 && fcntl(o.hold_fd, F_SETFD, FD_CLOEXEC) < 0)
 		die(errno, "bad --hold-stdin");
+	if (o.hold_fd >= 0 && o.pid_fd < 0)
+		die(0, "--hold-stdin needs --pid-fd (the edge must learn the shell's PID)");
 	signal(SIGCHLD, SIG_DFL); /* an inherited SIG_IGN would reap the child behind our back */
 	if (o.bpf && !o.dump_seccomp)
 		prog = read_bpf(o.bpf);
@@ -999,18 +996,20 @@ int main(int argc, char **argv)
 	}
 	enter_namespaces();
 
-	helper_pidfd = (int)syscall(SYS_pidfd_open, getpid(), 0); /* close-on-exec */
+	/* Who the child dies with: us, or the edge for a session shell (our parent: the edge or
+	 * its spawner forked us with CLONE_PARENT). Close-on-exec. */
+	helper_pidfd = (int)syscall(SYS_pidfd_open, o.hold_fd >= 0 ? o.edge : getpid(), 0);
 	if (helper_pidfd < 0)
 		die(errno, "pidfd_open");
 	sigemptyset(&waitset);
 	for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
 		sigaddset(&waitset, forwarded[i]);
 	sigaddset(&waitset, SIGCHLD);
-	if (o.hold_fd >= 0)
-		sigaddset(&waitset, SIGURG);
 	if (sigprocmask(SIG_BLOCK, &waitset, NULL) < 0)
 		die(errno, "sigprocmask");
-	pid = fork();
+	/* A session shell becomes the edge's child: raw clone, as fork but with CLONE_PARENT (we
+	 * are single-threaded: none of glibc's fork-time handling is needed). */
+	pid = o.hold_fd >= 0 ? (pid_t)syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, NULL, NULL, 0) : fork();
 	if (pid < 0)
 		die(errno, "fork into the sandbox%s",
 		    errno == EAGAIN ? " (its pids limit reached?)" : "");
