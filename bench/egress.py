@@ -1,6 +1,6 @@
 """What network permissions cost: create with a grant, a live grant change, vs a plain create.
 
-    .venv/bin/python bench/egress.py [--n 40]
+    .venv/bin/python bench/egress.py [--n 40] [--runtime gvisor] [--pool 10.233.0.0/16]
 
 An embedded node (containers only) on a scratch data directory sharing `dsec up`'s layer
 store, with two permissions naming documentation addresses (nothing needs to answer: the cost
@@ -9,6 +9,9 @@ measured is the node's, not the network's). Measured in the same run, each p50/p
   - create with a grant (the link is made before the create returns);
   - set_network_rules on a running sandbox with no link (first grant: link made);
   - set_network_rules switching one grant for another (an nftables element update).
+With --runtime gvisor every create is a gVisor one; its network stack takes its link at start,
+so the sandboxes granted later are created with all-False rules (the link made at create) and
+their first grant is an element update too.
 """
 
 from __future__ import annotations
@@ -26,18 +29,13 @@ from dsec import DSecClient, DSecContainerRunArgs
 from dsec.density.swap import SwapConfig
 from dsec.netpolicy.config import EgressConfig
 
-EGRESS = EgressConfig.model_validate(
-    {
-        "pool": "10.233.0.0/16",
-        "permissions": {
-            "a": [{"address": "192.0.2.10", "ports": [3141], "names": ["a.test"]}],
-            "b": [{"address": "192.0.2.11", "ports": [443, 80], "names": ["b.test"]}],
-        },
-    }
-)
+PERMISSIONS = {
+    "a": [{"address": "192.0.2.10", "ports": [3141], "names": ["a.test"]}],
+    "b": [{"address": "192.0.2.11", "ports": [443, 80], "names": ["b.test"]}],
+}
 
 
-async def timed(n: int, op: Callable[[int], Awaitable[None]]) -> list[float]:
+async def timed(n: int, op: Callable[[int], Awaitable[object]]) -> list[float]:
     out = []
     for i in range(n):
         t = time.perf_counter()
@@ -56,10 +54,13 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
+    ap.add_argument("--runtime", choices=["crun", "gvisor"], default="crun")
+    ap.add_argument("--pool", default="10.233.0.0/16", help="sandbox link addresses (one per bench run)")
     a = ap.parse_args()
-    print(f"cores {os.cpu_count()}  n {a.n}")
+    egress = EgressConfig.model_validate({"pool": a.pool, "permissions": PERMISSIONS})
+    print(f"cores {os.cpu_count()}  n {a.n}  runtime {a.runtime}")
     async with scratch_node(
-        "egress", a.layers, lambda scratch: {"swap": SwapConfig("none"), "egress": EGRESS}
+        "egress", a.layers, lambda scratch: {"swap": SwapConfig("none"), "egress": egress}
     ) as node:
         async with DSecClient(node.url, node.api_key) as client:
             made = []
@@ -68,7 +69,11 @@ async def main() -> None:
                 async def op(_: int) -> None:
                     made.append(
                         await client.run_container(
-                            DSecContainerRunArgs(container_image="debian:bookworm", network_rules=rules)
+                            DSecContainerRunArgs(
+                                container_image="debian:bookworm",
+                                runtime=a.runtime,
+                                network_rules=rules,
+                            )
                         )
                     )
 
@@ -78,13 +83,20 @@ async def main() -> None:
             base = await timed(a.n, create({}))
             granted = await timed(a.n, create({"a": True}))
             plain = made[1 : a.n + 1]
+            if a.runtime == "gvisor":  # linked at create or never: a later grant needs rules named
+                unlinked = await timed(a.n, create({"a": False}))
+                plain = made[-a.n :]
             first = await timed(a.n, lambda i: plain[i].set_network_rules({"a": True}))
             swap = await timed(a.n, lambda i: plain[i].set_network_rules({"a": False, "b": True}))
             for sb in made:
                 await sb.stop()
         print(line("create, no rules (baseline)", base, None))
         print(line("create with a grant (link made)", granted, base))
-        print(line("set_network_rules: first grant (link made)", first, base))
+        if a.runtime == "gvisor":
+            print(line("create, all False (link made, nothing granted)", unlinked, base))
+            print(line("set_network_rules: first grant (set update)", first, base))
+        else:
+            print(line("set_network_rules: first grant (link made)", first, base))
         print(line("set_network_rules: switch grants (set update)", swap, base))
 
 

@@ -52,6 +52,20 @@ async def test_its_exit_status_is_the_programs(rootfs_helper: Path, tmp_path: Pa
     assert await rootfs.run(rootfs_helper, options, root, ["sh", "-c", "exit 7"], ENV) == 7
 
 
+async def test_a_networked_runsc_finds_no_net_sysctls_in_any_namespace_the_host_keeps_them(
+    rootfs_helper: Path, tmp_path: Path
+) -> None:
+    # runsc 20221219 takes a namespace where net.core.rmem_default exists for the host's and
+    # refuses netstack there (gvisor.py); since Linux 6.x every namespace has it.
+    options, root = overlay(tmp_path)
+    seen = tmp_path / "seen"
+    script = f"unshare -n test ! -e /proc/sys/net/core/rmem_default && touch {seen}"
+    argv = ["sh", "-c", script]
+    assert await rootfs.run(rootfs_helper, options, root, argv, ENV, hide_net_sysctls=True) == 0
+    assert seen.exists()
+    assert Path("/proc/sys/net/core/rmem_default").exists()
+
+
 async def test_a_mount_that_fails_is_a_storage_failure_that_says_why(
     rootfs_helper: Path, tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
 """Egress allowlists on the real kernel: a sandbox reaches exactly what its named permissions
 open (a real HTTP mirror in a network namespace of its own), resolves only allowed names,
-finds nothing else by scanning, and its rules change live and survive an edge restart."""
+finds nothing else by scanning, and its rules change live and survive an edge restart. The
+container tests run on both runtimes: crun, and gVisor's netstack over the same veth."""
 
 from __future__ import annotations
 
@@ -52,6 +53,19 @@ print(json.dumps(out))
 """
 
 
+@pytest.fixture(params=["crun", "gvisor"])
+def runtime(request: pytest.FixtureRequest) -> str:
+    if request.param == "gvisor" and shutil.which("runsc") is None:
+        pytest.skip("runtime='gvisor' needs runsc (Debian package runsc): not installed")
+    return str(request.param)
+
+
+def ungranted(runtime: str) -> dict[str, bool]:
+    """Rules granting nothing yet: none for crun (a link comes with the first grant); for
+    gVisor, whose netstack takes its links at start, named at create (all False)."""
+    return {"mirror": False} if runtime == "gvisor" else {}
+
+
 @pytest.fixture(scope="module")
 def the_mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with mirror.mirror(tmp_path_factory.mktemp("mirror")):
@@ -74,8 +88,10 @@ MIRROR_URL = f"http://{mirror.NAME}:{mirror.PORT}/hello.txt"
 BOTH_PORTS = [[mirror.ADDRESS, mirror.PORT], [mirror.ADDRESS, mirror.OTHER_PORT]]
 
 
-async def test_nothing_is_reachable_without_permissions(the_mirror: None, make_sandbox: Sandboxes) -> None:
-    sb = await make_sandbox()
+async def test_nothing_is_reachable_without_permissions(
+    the_mirror: None, make_sandbox: Sandboxes, runtime: str
+) -> None:
+    sb = await make_sandbox(runtime=runtime)
     out = await probe(sb, connect=BOTH_PORTS, resolve=[mirror.NAME], fetch=MIRROR_URL)
     assert out["open"] == []
     assert out["names"] == {mirror.NAME: None}
@@ -87,9 +103,9 @@ async def test_nothing_is_reachable_without_permissions(the_mirror: None, make_s
 
 
 async def test_a_permission_opens_exactly_its_endpoints_and_names(
-    the_mirror: None, make_sandbox: Sandboxes, node: EmbeddedNode
+    the_mirror: None, make_sandbox: Sandboxes, node: EmbeddedNode, runtime: str
 ) -> None:
-    sb = await make_sandbox(network_rules={"mirror": True, "other": False})
+    sb = await make_sandbox(runtime=runtime, network_rules={"mirror": True, "other": False})
     assert sb.info.network_rules == {"mirror": True, "other": False}
     out = await probe(
         sb, connect=BOTH_PORTS, resolve=[mirror.NAME, mirror.OTHER_NAME, "example.com"], fetch=MIRROR_URL
@@ -103,9 +119,9 @@ async def test_a_permission_opens_exactly_its_endpoints_and_names(
 
 
 async def test_a_port_scan_from_inside_finds_only_what_was_allowed(
-    the_mirror: None, make_sandbox: Sandboxes, node: EmbeddedNode
+    the_mirror: None, make_sandbox: Sandboxes, node: EmbeddedNode, runtime: str
 ) -> None:
-    sb = await make_sandbox(network_rules={"mirror": True})
+    sb = await make_sandbox(runtime=runtime, network_rules={"mirror": True})
     api_port = int(node.url.rsplit(":", 1)[1])
     ports = sorted({*range(1, 1025), 3141, 5432, 8080, 8081, 8642, 8643, api_port})
     hosts = [mirror.ADDRESS, mirror.HOST_SIDE, GATEWAY, "127.0.0.1", "192.0.2.10"]
@@ -113,11 +129,11 @@ async def test_a_port_scan_from_inside_finds_only_what_was_allowed(
     assert out["open"] == [[mirror.ADDRESS, mirror.PORT]]
 
 
-async def test_rules_change_live(the_mirror: None, make_sandbox: Sandboxes) -> None:
-    sb = await make_sandbox()
+async def test_rules_change_live(the_mirror: None, make_sandbox: Sandboxes, runtime: str) -> None:
+    sb = await make_sandbox(runtime=runtime, network_rules=ungranted(runtime))
     assert (await probe(sb, connect=BOTH_PORTS))["open"] == []
 
-    info = await sb.set_network_rules({"mirror": True})  # the link is made now
+    info = await sb.set_network_rules({"mirror": True})  # crun's link is made now
     assert info.network_rules == {"mirror": True}
     out = await probe(sb, connect=BOTH_PORTS, fetch=MIRROR_URL)
     assert out["open"] == [[mirror.ADDRESS, mirror.PORT]] and out["fetched"] == mirror.BODY
@@ -155,9 +171,11 @@ LISTENER = (
 )
 
 
-async def test_sandboxes_cannot_reach_each_other(the_mirror: None, make_sandbox: Sandboxes) -> None:
-    a = await make_sandbox(network_rules={"mirror": True})
-    b = await make_sandbox(network_rules={"mirror": True})
+async def test_sandboxes_cannot_reach_each_other(
+    the_mirror: None, make_sandbox: Sandboxes, runtime: str
+) -> None:
+    a = await make_sandbox(runtime=runtime, network_rules={"mirror": True})
+    b = await make_sandbox(runtime=runtime, network_rules={"mirror": True})
     assert (await a.run_shell(LISTENER, timeout=30)).exit_code == 0
     # A's own address, as its routing picks it towards the mirror.
     mine = await a.run_shell(
@@ -174,9 +192,9 @@ async def test_sandboxes_cannot_reach_each_other(the_mirror: None, make_sandbox:
 
 
 async def test_stop_removes_the_link_and_its_grants(
-    the_mirror: None, make_sandbox: Sandboxes, node: EmbeddedNode
+    the_mirror: None, make_sandbox: Sandboxes, node: EmbeddedNode, runtime: str
 ) -> None:
-    sb = await make_sandbox(network_rules={"mirror": True})
+    sb = await make_sandbox(runtime=runtime, network_rules={"mirror": True})
     ifname = links.link_name(sb.id)
     table = node.edge.egress.table
     assert links.exists(ifname) and ifname in nft_list("set", "inet", table, "allowed")
@@ -216,7 +234,9 @@ async def test_a_microvm_reaches_what_its_rules_grant_through_a_tap(
     assert ifname not in nft_list("set", "inet", table, "links")
 
 
-async def test_links_and_rules_survive_an_edge_restart(the_mirror: None, tmp_path: Path) -> None:
+async def test_links_and_rules_survive_an_edge_restart(
+    the_mirror: None, tmp_path: Path, runtime: str
+) -> None:
     cfg = node_config(tmp_path, data_dir=tmp_path / "node")
     cfg.node, cfg.microvm, cfg.vm = "egr", False, False
     cfg.edge["egress"] = mirror.egress_config(pool="10.232.0.0/24")
@@ -224,7 +244,7 @@ async def test_links_and_rules_survive_an_edge_restart(the_mirror: None, tmp_pat
         table = n.node.edge.egress.table
         async with DSecClient(n.node.url, n.node.api_key) as c:
             sb = await c.run_container(
-                DSecContainerRunArgs(container_image=BASE, network_rules={"mirror": True})
+                DSecContainerRunArgs(container_image=BASE, runtime=runtime, network_rules={"mirror": True})
             )
             assert (await probe(sb, fetch=MIRROR_URL))["fetched"] == mirror.BODY
         await n.restart()

@@ -30,8 +30,6 @@ def test_a_vm_refuses_a_runtime() -> None:
         DSecMicroVMRunArgs(container_image="base:1", runtime="gvisor").to_spec()
 
 
-def test_gvisor_refuses_network_permissions_for_now() -> None:
-    with pytest.raises(ValidationError, match="network_rules"):
-        ContainerSpec(image="base:1", runtime="gvisor", network_rules={"internet": True})
-    # Rules that grant nothing are harmless.
-    assert ContainerSpec(image="base:1", runtime="gvisor", network_rules={"internet": False})
+def test_gvisor_takes_network_rules_like_crun() -> None:
+    spec = ContainerSpec(image="base:1", runtime="gvisor", network_rules={"internet": True})
+    assert spec.network_rules == {"internet": True}

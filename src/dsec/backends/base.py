@@ -41,12 +41,15 @@ def sandbox_env(spec: ContainerSpec, user: User, extra: dict[str, str] | None = 
 
 @dataclass
 class GuestLink:
-    """A VM's network link, made by the edge before the VM starts: the host's tap device, the
-    guest's address on it, and the gateway (the host end, also the name server)."""
+    """A network link the edge makes before the sandbox starts: a VM's tap device on the host,
+    or a veth whose sandbox end is in a fresh network namespace ``netns`` for the runtime to
+    start in (gVisor); the sandbox's address on it, and the gateway (the host end, also the
+    name server)."""
 
     ifname: str
     address: str
     gateway: str
+    netns: str | None = None  # a veth's: the path of the namespace holding its sandbox end
 
 
 @dataclass
@@ -59,7 +62,8 @@ class CreateContext:
     handle: dict[str, Any] = field(default_factory=dict)
     layer_digests: list[str] = field(default_factory=list)  # the same layers (a VM attaches their files)
     nameserver: str | None = None  # what the sandbox resolves names with (the edge's, on its link)
-    link: GuestLink | None = None  # a VM's tap (Tapped backends, when the spec has network rules)
+    link: GuestLink | None = None  # made before the start when the spec has network rules: a VM's
+    # tap (Tapped backends), or a namespace with a veth (Networked ones whose link_at_start says so)
 
 
 class Backend(Protocol):
@@ -247,5 +251,13 @@ class Networked(Protocol):
     """A backend whose sandboxes sit in a Linux network namespace the edge can enter, so
     network permissions can give them a link (containers; VMs would need a tap device)."""
 
-    def netns_pid(self, handle: dict[str, Any]) -> int:
-        """A PID whose network namespace is the sandbox's."""
+    def link_at_start(self, spec: ContainerSpec) -> bool:
+        """Whether a sandbox of ``spec`` reads its network links once, when it starts (gVisor's
+        netstack copies its namespace's interfaces then): given network rules, it is started
+        in a namespace that has its link already (``CreateContext.link``), and without them it
+        can never get one."""
+        ...
+
+    def netns_pid(self, handle: dict[str, Any]) -> int | None:
+        """A PID whose network namespace is the sandbox's, to add a link to while it runs;
+        None when a link added then would not be seen (see :meth:`link_at_start`)."""

@@ -37,11 +37,19 @@ class Networking:
             raise InvalidRequest(f"network permissions are not available for {backend.name} sandboxes yet")
 
     async def _open_link(self, ctx: CreateContext, backend: Backend) -> None:
-        """A VM that names network rules (even all False: it may be granted later) gets its tap
-        before it starts: QEMU attaches the network card at start, microvm cannot hot-plug."""
-        if isinstance(backend, Tapped) and ctx.spec.network_rules:
+        """A sandbox that names network rules (even all False: it may be granted later) and
+        takes its links only at start gets one before it starts: a VM its tap (QEMU attaches
+        the network card at start, microvm cannot hot-plug), a gVisor sandbox a namespace with
+        its veth in it (netstack copies the namespace's interfaces at start)."""
+        if not ctx.spec.network_rules:
+            return
+        gateway = self.egress.config.gateway
+        if isinstance(backend, Tapped):
             ifname, address = await self.egress.open_tap(ctx.sandbox_id)
-            ctx.link = GuestLink(ifname, address, self.egress.config.gateway)
+            ctx.link = GuestLink(ifname, address, gateway)
+        elif isinstance(backend, Networked) and backend.link_at_start(ctx.spec):
+            ifname, address, netns = await self.egress.open_netns(ctx.sandbox_id)
+            ctx.link = GuestLink(ifname, address, gateway, netns=netns)
 
     def _netns_pid(self, rec: Record) -> int | None:
         backend = self.backend_of(rec)
@@ -49,6 +57,7 @@ class Networking:
 
     async def _connect(self, rec: Record) -> None:
         """A new sandbox gets what its rules allow (nothing to do for most: no rules)."""
+        self.egress.started(rec.id)  # it runs in the namespace made for it, if one was
         if self.egress.rules_need_link(rec.spec.network_rules):
             await self.egress.set_rules(rec.id, self._netns_pid(rec), rec.spec.network_rules)
 
@@ -57,11 +66,18 @@ class Networking:
         live = self._get_live(sandbox_id)  # a paused sandbox's rules change without waking it
         self.egress.check(rules)
         backend = self.backend_of(live.record)
-        if isinstance(backend, Tapped) and not backend.has_link(live.record.handle):
-            if self.egress.rules_need_link(rules):
+        if self.egress.rules_need_link(rules):
+            if isinstance(backend, Tapped) and not backend.has_link(live.record.handle):
                 raise InvalidRequest(
                     f"{sandbox_id} was created without network rules, so it has no network card: a VM"
                     " gets one at create when network_rules is given (all False is enough)"
+                )
+            only_at_start = isinstance(backend, Networked) and backend.netns_pid(live.record.handle) is None
+            if only_at_start and not self.egress.has_link(sandbox_id):
+                raise InvalidRequest(
+                    f"{sandbox_id} was created without network rules, so it has no network link: a"
+                    f" {live.record.spec.runtime} sandbox's network stack takes its links when it starts,"
+                    " and gets one at create when network_rules is given (all False is enough)"
                 )
 
         async def run() -> dict[str, Any]:

@@ -141,12 +141,11 @@ class Processes:
                 sandbox_id, handle, req.argv, env=env, cwd=cwd, user=user, tty=None, stdin=req.stdin
             )
             return held, None
-        refuse: Callable[[dict[str, Any]], None] | None = getattr(backend, "refuse_pty", None)
-        if refuse is not None:
-            refuse(handle)  # a runtime without terminals says so before one is opened (gVisor)
         # A sandbox whose root the host reaches gets a terminal of its own devpts (named inside:
-        # `tty` works); others one of the host's. The master stays with the edge either way.
-        if isinstance(backend, HostRooted):
+        # `tty` works); others (and gVisor's, whose devpts is the sentry's) one of the host's.
+        # The master stays with the edge either way.
+        host_terminals: Callable[[dict[str, Any]], bool] | None = getattr(backend, "host_terminals", None)
+        if isinstance(backend, HostRooted) and not (host_terminals is not None and host_terminals(handle)):
             master, slave = await asyncio.to_thread(pty.open_in_sandbox, backend.root_path(handle), user.uid)
         else:
             master, slave = os.openpty()

@@ -1,6 +1,7 @@
 """A sandbox's link to the host: a veth pair, the host end in the node's namespace and
-``eth0`` in the sandbox's own network namespace (entered through its init's PID); for a VM, a
-tap device its QEMU attaches to the guest's virtio-net card.
+``eth0`` in the sandbox's own network namespace (entered through its init's PID, or, for a
+runtime that reads its links once at start, a fresh namespace made here for it to join: see
+:func:`new_netns`); for a VM, a tap device its QEMU attaches to the guest's virtio-net card.
 
 Every host end carries the same gateway address (a /32), and each sandbox a /32 of its own
 with a host route to it, so links need no bridge and no per-link subnet; which sandbox a
@@ -12,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
+import threading
 from pathlib import Path
 
+from dsec import _linux
 from dsec.protocol.errors import InfraFailure
 
 
@@ -41,9 +45,13 @@ def _host_end(ifname: str, gateway: str, address: str) -> str:
     return f"link set {ifname} up\naddr add {gateway}/32 dev {ifname}\nroute add {address}/32 dev {ifname}\n"
 
 
-async def create(ifname: str, pid: int, gateway: str, address: str) -> None:
-    """Make the link of the sandbox whose init is ``pid``; on failure nothing is left."""
-    await _run(["ip", "link", "add", ifname, "type", "veth", "peer", "name", "eth0", "netns", str(pid)])
+async def create(ifname: str, netns: int | str, gateway: str, address: str) -> None:
+    """Make the link of the sandbox whose network namespace is ``netns``: the PID of a process
+    in it (its init), or the path of the namespace (see :func:`new_netns`). On failure nothing
+    is left."""
+    # ip takes a PID, or a path when the name has a slash; nsenter one or the other.
+    enter = ["nsenter", "-t", str(netns), "-n"] if isinstance(netns, int) else ["nsenter", f"--net={netns}"]
+    await _run(["ip", "link", "add", ifname, "type", "veth", "peer", "name", "eth0", "netns", str(netns)])
     try:
         await _run(["ip", "-batch", "-"], _host_end(ifname, gateway, address))
         inside = (
@@ -53,10 +61,46 @@ async def create(ifname: str, pid: int, gateway: str, address: str) -> None:
             f"route add {gateway}/32 dev eth0\n"
             f"route add default via {gateway} dev eth0\n"
         )
-        await _run(["nsenter", "-t", str(pid), "-n", "ip", "-batch", "-"], inside)
+        await _run([*enter, "ip", "-batch", "-"], inside)
     except BaseException:
         await remove(ifname)
         raise
+
+
+def new_netns() -> int:
+    """A fresh network namespace, as an open file descriptor (the namespace lives as long as the
+    descriptor or a process in it; others reach it as ``/proc/<edge pid>/fd/<fd>``). Made by a
+    thread that ends at once: unshare(2) moves only the calling thread, and a pooled thread
+    left in the namespace would take the edge's later work there. Blocks: run it off the loop."""
+    made: list[int] = []
+    failed: list[OSError] = []
+
+    def make() -> None:
+        try:
+            _linux.unshare(_linux.CLONE_NEWNET)
+            made.append(os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=make, name="dsec-new-netns")
+    thread.start()
+    thread.join()
+    if failed or not made:
+        raise InfraFailure(
+            f"cannot make a network namespace: {failed[0] if failed else '?'}", reason="network"
+        )
+    return made[0]
+
+
+def fd_path(fd: int) -> str:
+    """How another process (ip, nsenter, a runtime) names this process's descriptor ``fd``."""
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def is_hosts_netns(path: str) -> bool:
+    """Whether ``path`` is the network namespace this process runs in (the node's)."""
+    ours, theirs = os.stat("/proc/self/ns/net"), os.stat(path)
+    return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 async def create_tap(ifname: str, gateway: str, address: str) -> None:

@@ -2,7 +2,8 @@
 
 A sandbox starts in a network namespace of its own with nothing but loopback. The first time
 its rules allow something it gets a link (see :mod:`.links`; a VM asking for rules gets a tap
-before it starts, :meth:`EgressPolicy.open_tap`); the link then stays for its
+before it starts, :meth:`EgressPolicy.open_tap`, and a gVisor sandbox a veth in a namespace
+made for it to start in, :meth:`EgressPolicy.open_netns`); the link then stays for its
 lifetime while grants come and go (``set_network_rules``), each change one atomic nftables
 element update. Sandboxes that never ask for the network cost nothing here: no veth, no
 route, no set element (at thousands per node that matters).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -55,6 +57,7 @@ class EgressPolicy:
         self._by_ifindex: dict[int, _Link] = {}
         self._lock = asyncio.Lock()
         self._dns: NameServer | None = None
+        self._netns: dict[str, int] = {}  # sandbox -> its namespace's fd, until it runs in it
         self._forward_marker = state_dir / "ip_forward.set-by-dsec"
 
     @property
@@ -66,6 +69,9 @@ class EgressPolicy:
 
     def rules_need_link(self, rules: dict[str, bool]) -> bool:
         return bool(self.config.endpoints(rules))
+
+    def has_link(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._links
 
     async def start(self, live_rules: dict[str, dict[str, bool]]) -> None:
         """Re-learn the links of sandboxes still live (``live_rules``: ID -> their rules),
@@ -130,21 +136,37 @@ class EgressPolicy:
         """A tap link for a VM about to start (QEMU needs it on its command line), known to
         the table but granted nothing yet; returns (interface, the guest's address)."""
         async with self._lock:
-            link = self._links.get(sandbox_id)
-            if link is None:
-                link = await self._new_link(sandbox_id, None)
-                try:
-                    await nft.apply(nft.grant(self.table, link.ifname, link.address, (), ()))
-                except BaseException:
-                    self._links.pop(sandbox_id, None)
-                    await links.remove(link.ifname)
-                    self._store.drop_link(sandbox_id)
-                    raise
+            link = self._links.get(sandbox_id) or await self._open_before_start(sandbox_id, None)
             return link.ifname, link.address
+
+    async def open_netns(self, sandbox_id: str) -> tuple[str, str, str]:
+        """A fresh network namespace holding a veth link (addressed, routed, granted nothing
+        yet) for a sandbox whose runtime copies its namespace's links once, when it starts
+        (gVisor's netstack); returns (interface, the sandbox's address, the namespace's path
+        for the runtime to join). The namespace is held until :meth:`started` or
+        :meth:`release`; after that the sandbox's processes hold it."""
+        async with self._lock:
+            if sandbox_id in self._links:
+                raise InfraFailure(f"{sandbox_id} already has a link", reason="network")
+            fd = await asyncio.to_thread(links.new_netns)
+            try:
+                link = await self._open_before_start(sandbox_id, links.fd_path(fd))
+            except BaseException:
+                os.close(fd)
+                raise
+            self._netns[sandbox_id] = fd
+            return link.ifname, link.address, links.fd_path(fd)
+
+    def started(self, sandbox_id: str) -> None:
+        """The sandbox runs (in the namespace :meth:`open_netns` made): the edge lets go of it."""
+        fd = self._netns.pop(sandbox_id, None)
+        if fd is not None:
+            os.close(fd)
 
     async def release(self, sandbox_id: str) -> None:
         """The sandbox is gone: its link, grants and index go too."""
         async with self._lock:
+            self.started(sandbox_id)  # a namespace made for a start that failed
             link = self._links.pop(sandbox_id, None)
             if link is None:
                 return
@@ -167,8 +189,21 @@ class EgressPolicy:
 
     # -- internals --------------------------------------------------------------------------
 
-    async def _new_link(self, sandbox_id: str, pid: int | None) -> _Link:
-        """A veth into the network namespace of ``pid``; None: a tap (a VM's)."""
+    async def _open_before_start(self, sandbox_id: str, netns: str | None) -> _Link:
+        """A link made before its sandbox starts, known to the table with no grant."""
+        link = await self._new_link(sandbox_id, netns)
+        try:
+            await nft.apply(nft.grant(self.table, link.ifname, link.address, (), ()))
+        except BaseException:
+            self._links.pop(sandbox_id, None)
+            await links.remove(link.ifname)
+            self._store.drop_link(sandbox_id)
+            raise
+        return link
+
+    async def _new_link(self, sandbox_id: str, netns: int | str | None) -> _Link:
+        """A veth into the network namespace ``netns`` (a PID in it, or its path); None: a
+        tap (a VM's)."""
         used = {link.index for link in self._links.values()}
         index = next((i for i in range(1, self.config.capacity + 1) if i not in used), None)
         if index is None:
@@ -176,10 +211,10 @@ class EgressPolicy:
         link = _Link(index, links.link_name(sandbox_id), self.config.sandbox_address(index))
         self._store.put_link(sandbox_id, index)  # journaled first: a crash leaves nothing unknown
         try:
-            if pid is None:
+            if netns is None:
                 await links.create_tap(link.ifname, self.config.gateway, link.address)
             else:
-                await links.create(link.ifname, pid, self.config.gateway, link.address)
+                await links.create(link.ifname, netns, self.config.gateway, link.address)
         except BaseException:
             self._store.drop_link(sandbox_id)
             raise

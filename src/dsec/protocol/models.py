@@ -153,9 +153,6 @@ class ContainerSpec(_Model):
             raise ValueError("layers must name 1 to 64 layers")
         if self.lease_s is not None and not self.labels.get(JOB_LABEL):
             raise ValueError(f"lease_s needs a {JOB_LABEL!r} label: a lease is renewed per job")
-        if self.runtime == "gvisor" and any(self.network_rules.values()):
-            # gVisor's netstack takes its interfaces at start; the edge links sandboxes later.
-            raise ValueError("network_rules are not available with runtime='gvisor' yet")
         return self
 
     def required_capabilities(self) -> list[str]:

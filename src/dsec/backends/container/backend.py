@@ -35,6 +35,7 @@ from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import SandboxProcess
 from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
+from dsec.protocol.models import ContainerSpec
 
 log = logging.getLogger("dsec.backends.container")
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -200,12 +201,12 @@ class ContainerBackend:
             user=ctx.user,
             rootfs=str(root),
             runtime_dir=str(self.runtime_dir),
-            cgroup_path=f"/{cgroups.PARENT}/{ctx.sandbox_id}",
+            cgroup_path=f"/{cgroups.rel(ctx.sandbox_id)}",
             nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
             resolv_conf=self._resolv_conf(ctx.nameserver),
         )
         if on_gvisor:
-            config = self.gvisor.adapt_config(config, root)
+            config = self.gvisor.adapt_config(config, root, ctx.link)
         (bundle / "config.json").write_text(json.dumps(config))
         # overlayfs lists lowerdirs top-most first; the spec lists base first.
         lower = ":".join(str(p) for p in reversed(ctx.layer_dirs))
@@ -218,7 +219,7 @@ class ContainerBackend:
         pid_file = bundle / "init.pid"
         if on_gvisor:
             run = self.gvisor.run_argv(
-                bundle=bundle, log_file=log, pid_file=pid_file, sandbox_id=ctx.sandbox_id
+                bundle=bundle, log_file=log, pid_file=pid_file, sandbox_id=ctx.sandbox_id, link=ctx.link
             )
         else:
             run = [
@@ -244,7 +245,11 @@ class ContainerBackend:
             run = ["chrt", "--idle", "0", *run]
         # Mounted by dsec-rootfs after a vfork+exec (rootfs.py): a preexec_fn would fork the
         # whole edge, whose page tables grow with the sandboxes it holds.
-        rc = await rootfs.run(self.rootfs_helper, options, root, run, _CRUN_ENV, new_core_cookie=cookie)
+        # A networked runsc must not see the host's net sysctls (gvisor.py: its root-netns test).
+        hide = on_gvisor and ctx.link is not None
+        rc = await rootfs.run(
+            self.rootfs_helper, options, root, run, _CRUN_ENV, new_core_cookie=cookie, hide_net_sysctls=hide
+        )
         if rc != 0:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             which = "runsc" if on_gvisor else "crun"
@@ -338,8 +343,6 @@ class ContainerBackend:
         tty: int | None,
         stdin: bool,
     ) -> Spawned:
-        if tty is not None:
-            self.refuse_pty(handle)
         if _on_gvisor(handle):
             proc = await self.gvisor.spawn(
                 sandbox_id,
@@ -349,6 +352,7 @@ class ContainerBackend:
                 user=user,
                 stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
                 raise_signal=True,
+                tty=tty,
             )
             if proc.inner_pid is None:  # it never ran: as a held process, a failed start
                 err = await proc.communicate()
@@ -437,14 +441,16 @@ class ContainerBackend:
             tmp.rename(path)
         return str(path)
 
-    def refuse_pty(self, handle: dict[str, Any]) -> None:
-        if _on_gvisor(handle):
-            raise InvalidRequest("a terminal (pty) is not available with runtime='gvisor' yet")
+    def host_terminals(self, handle: dict[str, Any]) -> bool:
+        """Whether this sandbox's terminals are the host's (gVisor: the host cannot reach the
+        sentry's devpts; runsc imports a host terminal) rather than its own devpts'."""
+        return _on_gvisor(handle)
 
-    def netns_pid(self, handle: dict[str, Any]) -> int:
-        if _on_gvisor(handle):
-            raise InvalidRequest("network permissions are not available with runtime='gvisor' yet")
-        return int(handle["pid"])
+    def link_at_start(self, spec: ContainerSpec) -> bool:
+        return spec.runtime == "gvisor"  # netstack copies its namespace's links once, at start
+
+    def netns_pid(self, handle: dict[str, Any]) -> int | None:
+        return None if _on_gvisor(handle) else int(handle["pid"])
 
     def root_path(self, handle: dict[str, Any]) -> str:
         if _on_gvisor(handle):  # the gofer serves the root to the sentry, writing through

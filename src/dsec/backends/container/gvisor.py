@@ -4,15 +4,23 @@ The sandbox's processes run on gVisor's user-space kernel (the *sentry*); the ho
 only the sentry, its ptrace stubs and the *gofer* that serves the root file system. The rest of
 the container backend stays as it is: the same bundle and overlay root (runsc's gofer writes
 through to the overlay's upper directory, so pack, changes and disk quotas read the same
-place), the same cgroups (runsc puts sentry and gofer in ``/dsec/<id>``: memory accounting,
+place), the same cgroups (runsc puts sentry and gofer in ``/dsec/<bucket>/<id>``: memory accounting,
 page-out, OOM counts and the freezer work unchanged).
 
 What differs is everything that entered the sandbox's namespaces: processes inside are not host
 processes, so they start through ``runsc exec`` (:class:`GVisorProcess` relays their stdio and
 exit code, and kills them through runsc), and the host reaches the files through the gofer's
 root (``/proc/<gofer>/root``), with ``--file-access=shared`` so the sentry revalidates what
-the host changed. Not yet: terminals (runsc 20221219 does not give an exec'd process a host
-terminal it is handed) and network permissions (netstack takes its links at start).
+the host changed.
+
+Network: a sandbox created without network rules runs ``--network=none`` (netstack with
+loopback only). One created with rules starts ``--network=sandbox`` in a network namespace the
+edge made with its veth link already in it (``CreateContext.link``): netstack copies the
+namespace's interfaces, addresses and routes once, at start, and takes the addresses off the
+host side, so the edge's nftables grants on the veth's host end apply as to a crun sandbox's.
+
+Terminals: the sentry's own devpts is out of the host's reach, so a PTY process gets a host
+pseudo-terminal, which runsc imports as its terminal (see :meth:`GVisor.spawn`).
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from dsec import _linux
-from dsec.backends.base import User
+from dsec.backends.base import GuestLink, User
 from dsec.backends.container import oci
+from dsec.netpolicy import links
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 log = logging.getLogger("dsec.backends.container.gvisor")
@@ -151,13 +160,18 @@ class GVisor:
         assert self.runsc is not None
         return [self.runsc, "--root", str(self.state_dir)]
 
-    def run_argv(self, *, bundle: Path, log_file: Path, pid_file: Path, sandbox_id: str) -> list[str]:
+    def run_argv(
+        self, *, bundle: Path, log_file: Path, pid_file: Path, sandbox_id: str, link: GuestLink | None
+    ) -> list[str]:
         self.require()
+        if link is not None:
+            _check_fresh(link)
         return [
             *self._base(),
             f"--platform={self.platform}",
-            # The sandbox's own loopback only; the edge's network permissions are crun's for now.
-            "--network=none",
+            # With a link: netstack over the interfaces of the namespace the spec names (its
+            # veth). Without: loopback only, and no link can be added later.
+            "--network=sandbox" if link is not None else "--network=none",
             # Writes go through the gofer to our overlay's upper directory, not to a sentry-side
             # overlay in memory: pack, changes and disk_limit_mb read the upper directory.
             "--overlay2=none",
@@ -175,12 +189,18 @@ class GVisor:
         ]
 
     @staticmethod
-    def adapt_config(config: dict[str, Any], rootfs: Path) -> dict[str, Any]:
+    def adapt_config(config: dict[str, Any], rootfs: Path, link: GuestLink | None) -> dict[str, Any]:
         """crun's config for runsc: without seccomp (the sentry filters its own syscalls; runsc
-        applies an OCI profile only with --oci-seccomp), and /tmp bound to the root's own /tmp,
+        applies an OCI profile only with --oci-seccomp), /tmp bound to the root's own /tmp,
         since runsc mounts a tmpfs over an empty /tmp that is not a mount of the spec (and
-        writes there would never reach the upper directory)."""
+        writes there would never reach the upper directory), and, with a ``link``, the
+        network namespace that holds it."""
         linux = {k: v for k, v in config["linux"].items() if k != "seccomp"}
+        if link is not None:
+            linux["namespaces"] = [
+                {"type": "network", "path": link.netns} if ns["type"] == "network" else ns
+                for ns in linux["namespaces"]
+            ]
         mounts = list(config["mounts"])
         mounts.append(
             {
@@ -233,13 +253,20 @@ class GVisor:
         user: User,
         stdin: int = asyncio.subprocess.PIPE,
         raise_signal: bool = False,
+        tty: int | None = None,
     ) -> GVisorProcess:
         """``argv`` in the sandbox through ``runsc exec``, which relays its stdio (the pipes the
         edge holds) and its exit code; returns once the command runs (or failed to start: then
-        it has exited with 127 and runsc's message on its stderr)."""
+        it has exited with 127 and runsc's message on its stderr).
+
+        ``tty``: the slave of a host pseudo-terminal, the command's stdio. runsc hands it to
+        the sentry as the command's terminal (size, modes and input are the host's line
+        discipline), and, holding it as its own controlling terminal (``setsid --ctty``),
+        passes on what that terminal signals (^C, ^Z, SIGWINCH) to the foreground process
+        group inside."""
         if self.runsc is None:
             raise InfraFailure("runsc is not installed", reason="runtime")
-        process = json.dumps(_process_spec(argv, env, cwd, user)).encode()
+        process = json.dumps(_process_spec(argv, env, cwd, user, terminal=tty is not None)).encode()
         self.scratch.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=self.scratch))
         spec_fd = os.memfd_create("dsec-gvisor-process", os.MFD_CLOEXEC)
@@ -250,7 +277,9 @@ class GVisor:
             pid_r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
                 os.write(spec_fd, process)  # the command and its environment: not on a command line
+                # A session of its own either way: the edge's process group tests and kills see runsc.
                 proc = await asyncio.create_subprocess_exec(
+                    *(["setsid", "--ctty"] if tty is not None else []),
                     *self._base(),
                     "exec",
                     "--process",
@@ -258,12 +287,12 @@ class GVisor:
                     "--internal-pid-file",
                     str(fifo),
                     sandbox_id,
-                    stdin=stdin,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
+                    stdin=stdin if tty is None else tty,
+                    stdout=asyncio.subprocess.PIPE if tty is None else tty,
+                    stderr=asyncio.subprocess.PIPE if tty is None else tty,
                     env=_ENV,
                     pass_fds=(spec_fd,),
-                    start_new_session=True,  # the edge's process group tests and kills see runsc
+                    start_new_session=tty is None,  # setsid(1) makes it, then takes the terminal
                 )
                 inner = await _pid_or_exit(pid_r, proc)
             finally:
@@ -312,7 +341,18 @@ class GVisor:
         return found
 
 
-def _process_spec(argv: list[str], env: dict[str, str], cwd: str, user: User) -> dict[str, Any]:
+def _check_fresh(link: GuestLink) -> None:
+    """runsc moves the addresses of the namespace it is given into netstack, and its own test
+    against the host's namespace is hidden from it (rootfs.py): the edge makes sure."""
+    if link.netns is None or links.is_hosts_netns(link.netns):
+        raise InfraFailure(
+            f"refusing to start netstack in {link.netns!r}: not a namespace of its own", reason="network"
+        )
+
+
+def _process_spec(
+    argv: list[str], env: dict[str, str], cwd: str, user: User, *, terminal: bool = False
+) -> dict[str, Any]:
     if not argv:
         raise InvalidRequest("an empty command")
     for key, value in env.items():
@@ -330,7 +370,7 @@ def _process_spec(argv: list[str], env: dict[str, str], cwd: str, user: User) ->
         "env": [f"{k}={v}" for k, v in env.items()],
         "cwd": cwd,
         "user": {"uid": user.uid, "gid": user.gid},
-        "terminal": False,
+        "terminal": terminal,
         "noNewPrivileges": True,
         "capabilities": capabilities,
     }

@@ -35,13 +35,16 @@ async def run(
     env: dict[str, str],
     *,
     new_core_cookie: bool = False,
+    hide_net_sysctls: bool = False,
 ) -> int:
     """Run ``argv`` in a private mount namespace with the overlay mounted on ``rootfs`` (and,
-    if asked, a fresh core scheduling cookie); its exit status. InfraFailure (storage) when the
-    namespace, the mount or the cookie cannot be made."""
+    if asked, a fresh core scheduling cookie, and an empty ``/proc/sys/net``: see the helper);
+    its exit status. InfraFailure (storage) when the namespace, the mount or the cookie cannot
+    be made."""
     proc = await spawner.create_subprocess_exec(
         str(helper),
         *(["--new-core-cookie"] if new_core_cookie else []),
+        *(["--hide-net-sysctls"] if hide_net_sysctls else []),
         overlay_options,
         str(rootfs),
         *argv,

@@ -1,5 +1,5 @@
-/* dsec-rootfs [--new-core-cookie] OPTIONS ROOTFS PROGRAM [ARG...]: mount a sandbox's overlay root out of the host's
- * sight, then exec the OCI runtime there.
+/* dsec-rootfs [--new-core-cookie] [--hide-net-sysctls] OPTIONS ROOTFS PROGRAM [ARG...]: mount a
+ * sandbox's overlay root out of the host's sight, then exec the OCI runtime there.
  *
  * Unshares a mount namespace (private: nothing propagates back to the host), mounts overlayfs
  * with OPTIONS on ROOTFS and execs PROGRAM (found on PATH), which makes the container's
@@ -9,6 +9,11 @@
  *
  * --new-core-cookie: a fresh core scheduling cookie (PR_SCHED_CORE_CREATE) for this process,
  * inherited by the runtime and everything it starts (density/coresched.py says when).
+ *
+ * --hide-net-sysctls: an empty read-only tmpfs over /proc/sys/net in that namespace. runsc
+ * 20221219 refuses to start netstack in any network namespace where
+ * /proc/sys/net/core/rmem_default exists, taking it for the host's; since Linux 6.x every
+ * namespace has it (gVisor issue 10704). The edge checks the namespace itself (gvisor.py).
  *
  * Failures before the exec go to stderr, which the edge reads; a successful exec leaves
  * stdin/stdout/stderr on /dev/null (crun keeps its caller's stdio open: a pipe would never end).
@@ -30,11 +35,19 @@
 #define PIDTYPE_TGID 1
 
 int main(int argc, char **argv) {
-    int cookie = argc > 1 && strcmp(argv[1], "--new-core-cookie") == 0;
-    argc -= cookie;
-    argv += cookie;
+    int cookie = 0, hide_net = 0;
+    while (argc > 1 && strncmp(argv[1], "--", 2) == 0) {
+        if (strcmp(argv[1], "--new-core-cookie") == 0)
+            cookie = 1;
+        else if (strcmp(argv[1], "--hide-net-sysctls") == 0)
+            hide_net = 1;
+        else
+            break;
+        argc--;
+        argv++;
+    }
     if (argc < 4) {
-        fprintf(stderr, "usage: dsec-rootfs [--new-core-cookie] OPTIONS ROOTFS PROGRAM [ARG...]\n");
+        fprintf(stderr, "usage: dsec-rootfs [--new-core-cookie] [--hide-net-sysctls] OPTIONS ROOTFS PROGRAM [ARG...]\n");
         return 2;
     }
     if (unshare(CLONE_NEWNS) != 0) {
@@ -47,6 +60,11 @@ int main(int argc, char **argv) {
     }
     if (mount("overlay", argv[2], "overlay", 0, argv[1]) != 0) {
         fprintf(stderr, "mount overlay on %s: %s\n", argv[2], strerror(errno));
+        return 125;
+    }
+    if (hide_net && mount("dsec-hidden", "/proc/sys/net", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                          "mode=0555,size=4k") != 0) {
+        fprintf(stderr, "hiding /proc/sys/net: %s\n", strerror(errno));
         return 125;
     }
     if (cookie && prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, 0, PIDTYPE_TGID, 0) != 0) {
