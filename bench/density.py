@@ -38,6 +38,7 @@ from _rl.host import wait_until
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.backends.container import cgroups
 from dsec.density.swap import SwapConfig
 from dsec.sdk.client import Sandbox
 
@@ -151,7 +152,7 @@ async def reclaim(client: DSecClient, n: int) -> None:
     boxes = await client.run_containers(args, n)
     try:
         await asyncio.gather(*(sb.run_shell(HOG) for sb in boxes))
-        cgroups = [Path(f"/sys/fs/cgroup/memory/dsec/{sb.id}/memory.usage_in_bytes") for sb in boxes]
+        cgroups = [cgroups.memory_dir(sb.id) / "memory.usage_in_bytes" for sb in boxes]
         await wait_until(lambda: sum(int(c.read_text()) for c in cgroups) >= n * 30 * MiB, "the hogs' memory")
         held = sum(int(c.read_text()) for c in cgroups)
         before = meminfo()["MemAvailable"]

@@ -29,7 +29,13 @@ def snapshot(data_dir: Path) -> dict[str, object]:
     mounts = [line for line in Path("/proc/self/mounts").read_text().splitlines() if layer_mounts not in line]
     return {
         "mounts": len(mounts),
-        "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/dsec/sb-*")),
+        "cgroups": sorted(
+            str(p)
+            for p in [
+                *Path("/sys/fs/cgroup").glob("*/dsec/sb-*"),
+                *Path("/sys/fs/cgroup").glob("*/dsec/*/sb-*"),
+            ]
+        ),
         "netns": len(netns),
         "sandbox_processes": len(sandbox_procs),
         "workdirs": sorted(p.name for p in workdirs.iterdir()) if workdirs.is_dir() else [],

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from _stats import pct
+from dsec.backends.container import cgroups
 from dsec.images.catalogue import REFS, TAGS, tag_key
 from dsec.images.erofs import build_erofs
 from dsec.images.refs import digest_hex
@@ -23,7 +24,6 @@ from dsec.protocol.errors import DSecError
 
 MiB = 1 << 20
 CGROUP = Path("/sys/fs/cgroup")
-PARENT = "dsec"  # the edge's parent cgroup in every hierarchy
 
 
 # ---------------------------------------------------------------- statistics
@@ -41,7 +41,7 @@ def timing(label: str, xs: list[float]) -> str:
 
 
 def memory_dir(sandbox_id: str) -> Path:
-    return CGROUP / "memory" / PARENT / sandbox_id
+    return cgroups.sandbox_dir("memory", sandbox_id)
 
 
 def usage(sandbox_id: str) -> int:
@@ -69,7 +69,7 @@ def has_process(sandbox_id: str, comm: str) -> bool:
 
 def cgroups_of(ids: set[str]) -> list[Path]:
     """Cgroups left in any hierarchy for these sandbox IDs (and only these)."""
-    return sorted(p for p in CGROUP.glob(f"*/{PARENT}/*") if p.name in ids)
+    return sorted(d for i in ids for d in cgroups.sandbox_dirs(i))
 
 
 async def wait_until(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
@@ -82,7 +82,7 @@ async def wait_until(pred: Callable[[], bool], what: str, timeout: float = 60.0)
 
 
 async def set_freezer(sandbox_id: str, state: str) -> None:
-    path = CGROUP / "freezer" / PARENT / sandbox_id / "freezer.state"
+    path = cgroups.sandbox_dir("freezer", sandbox_id) / "freezer.state"
     path.write_text(state)
     await wait_until(lambda: path.read_text().strip() == state, f"{sandbox_id} {state}", 10)
 

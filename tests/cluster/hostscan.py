@@ -50,7 +50,7 @@ def processes_mentioning(path: Path) -> list[str]:
 
 
 def sandbox_cgroups(nodes: Iterable[str]) -> list[str]:
-    return sorted(str(p) for node in nodes for p in CGROUP_ROOT.glob(f"*/dsec/sb-{node}-*"))
+    return sorted(str(p) for node in nodes for p in CGROUP_ROOT.glob(f"*/dsec/*/sb-{node}-*"))
 
 
 def sandbox_processes() -> set[str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dsec import DSecClient, DSecMicroVMRunArgs
 from dsec.apiserver.embedded import EmbeddedNode
+from dsec.backends.container import cgroups
 from tests.conftest import Sandboxes
 
 SCHED_OTHER, SCHED_IDLE = 0, 5
@@ -15,7 +16,7 @@ SCHED_OTHER, SCHED_IDLE = 0, 5
 def policies(sandbox_id: str) -> set[int]:
     """The scheduling policy of every process of the sandbox (field 41 of /proc/<pid>/stat)."""
     out = set()
-    for pid in Path(f"/sys/fs/cgroup/cpu/dsec/{sandbox_id}/cgroup.procs").read_text().split():
+    for pid in (cgroups.sandbox_dir("cpu", sandbox_id) / "cgroup.procs").read_text().split():
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
@@ -25,7 +26,7 @@ def policies(sandbox_id: str) -> set[int]:
 
 
 def shares(sandbox_id: str) -> int:
-    return int(Path(f"/sys/fs/cgroup/cpu/dsec/{sandbox_id}/cpu.shares").read_text())
+    return int((cgroups.sandbox_dir("cpu", sandbox_id) / "cpu.shares").read_text())
 
 
 async def test_best_effort_runs_idle_with_minimum_shares(make_sandbox: Sandboxes) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.apiserver.embedded import EmbeddedNode
+from dsec.backends.container import cgroups
 from dsec.density.swap import active_swaps
 from tests import leaks
 from tests.conftest import Sandboxes, node_config
@@ -20,7 +21,7 @@ HOG = "{ head -c 192M /dev/urandom; sleep 100000; } | sort -S 400M > /dev/null &
 
 
 def charged(sandbox_id: str) -> int:
-    return int(Path(f"/sys/fs/cgroup/memory/dsec/{sandbox_id}/memory.usage_in_bytes").read_text())
+    return int((cgroups.memory_dir(sandbox_id) / "memory.usage_in_bytes").read_text())
 
 
 async def hog(sb: object) -> int:
@@ -40,7 +41,7 @@ async def test_pause_pushes_memory_out_and_a_command_resumes_it(make_sandbox: Sa
     info = await sb.pause()
     assert info.state is SandboxState.paused and info.pause_reason == "requested"
     assert charged(sb.id) < resident // 10, "at least 90% of its memory left RAM"
-    state = Path(f"/sys/fs/cgroup/freezer/dsec/{sb.id}/freezer.state").read_text().strip()
+    state = (cgroups.sandbox_dir("freezer", sb.id) / "freezer.state").read_text().strip()
     assert state == "FROZEN"
     # Any request resumes it first; the process and its memory are intact.
     r = await sb.run_shell(f"kill -0 {pid} && echo alive")
@@ -146,7 +147,7 @@ async def test_paused_sandbox_stays_paused_across_an_edge_restart(base_layer: st
         async with DSecClient(second.url, second.api_key) as c:
             again = await c.get(sb.id)
             assert again.info.state is SandboxState.paused
-            freezer = Path(f"/sys/fs/cgroup/freezer/dsec/{sb.id}/freezer.state")
+            freezer = cgroups.sandbox_dir("freezer", sb.id) / "freezer.state"
             assert freezer.read_text().strip() == "FROZEN"
             # The shell session's state died with the old edge's pipes; the sandbox did not.
             assert (await again.run_shell("cat /root/mark")).stdout == "started\n"

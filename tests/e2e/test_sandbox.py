@@ -22,6 +22,7 @@ from dsec import (
     SandboxNotFound,
     SandboxState,
 )
+from dsec.backends.container import cgroups
 from tests.conftest import BASE, Sandboxes
 
 
@@ -211,12 +212,15 @@ async def test_host_processes_and_files_are_invisible(sandbox: Sandbox, host_sec
 
 async def test_limits_and_env_reach_the_kernel(make_sandbox: Sandboxes) -> None:
     sb = await make_sandbox(memory_limit_mb=300, cpu_cores_limit=0.5, pids_limit=77, env={"TASK": "t-1"})
-    cg = Path("/sys/fs/cgroup")
-    assert (cg / "cpu/dsec" / sb.id / "cpu.cfs_quota_us").read_text().strip() == "50000"
-    assert (cg / "cpu/dsec" / sb.id / "cpu.cfs_period_us").read_text().strip() == "100000"
-    assert int((cg / "memory/dsec" / sb.id / "memory.limit_in_bytes").read_text()) == 300 << 20
-    assert int((cg / "memory/dsec" / sb.id / "memory.memsw.limit_in_bytes").read_text()) == 300 << 20
-    assert (cg / "pids/dsec" / sb.id / "pids.max").read_text().strip() == "77"
+
+    def cg(controller: str) -> Path:
+        return cgroups.sandbox_dir(controller, sb.id)
+
+    assert (cg("cpu") / "cpu.cfs_quota_us").read_text().strip() == "50000"
+    assert (cg("cpu") / "cpu.cfs_period_us").read_text().strip() == "100000"
+    assert int((cg("memory") / "memory.limit_in_bytes").read_text()) == 300 << 20
+    assert int((cg("memory") / "memory.memsw.limit_in_bytes").read_text()) == 300 << 20
+    assert (cg("pids") / "pids.max").read_text().strip() == "77"
     assert (await sb.run_shell("echo $TASK")).stdout == "t-1\n"
     assert (await sb.exec(["sh", "-c", "echo $TASK"])).stdout == "t-1\n"
 

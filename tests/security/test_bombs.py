@@ -11,11 +11,10 @@ import pytest
 
 from dsec import DSecClient
 from dsec.apiserver.embedded import EmbeddedNode
+from dsec.backends.container import cgroups
 from tests.conftest import Sandboxes
 from tests.security.conftest import Witness, assert_host_process_untouched, assert_node_healthy
 from tests.support import eventually
-
-CGROUPS = Path("/sys/fs/cgroup")
 
 
 @pytest.mark.slow
@@ -26,7 +25,7 @@ async def test_fork_bomb_is_contained_and_the_bomber_can_be_stopped(
     host_process: subprocess.Popen[bytes],
 ) -> None:
     bomber = await make_sandbox(pids_limit=64)
-    pids_dir = CGROUPS / "pids" / "dsec" / bomber.id
+    pids_dir = cgroups.sandbox_dir("pids", bomber.id)
     # The classic bash bomb: it returns at once and multiplies in the background, for good.
     r = await bomber.run_shell(":(){ :|:& };:", timeout=60)
     assert not r.timed_out, r
@@ -47,7 +46,7 @@ async def test_fork_bomb_is_contained_and_the_bomber_can_be_stopped(
     assert int((pids_dir / "pids.current").read_text()) > 1  # still raging when stopped
     info = await bomber.stop()
     assert info.state.value == "stopped"
-    assert not list(CGROUPS.glob(f"*/dsec/{bomber.id}"))
+    assert not cgroups.sandbox_dirs(bomber.id)
     await witness.assert_intact()
 
 

@@ -147,7 +147,7 @@ def helper_argv(
         "--start-time",
         str(int(handle.get("start_time") or 0)),
         "--cgroup",
-        f"{cgroups.PARENT}/{sandbox_id}",
+        cgroups.rel(sandbox_id),
         "--uid",
         str(user.uid),
         "--gid",
