@@ -112,3 +112,32 @@ async def test_a_sandbox_gets_no_session_keyring_of_its_own(made: Made) -> None:
     keys = await asyncio.to_thread(Path("/proc/keys").read_text)
     assert ctx.sandbox_id not in keys
     assert Path(f"/proc/{h['pid']}/cmdline").exists()
+
+
+async def test_a_sandboxs_cgroups_sit_in_a_bucket_of_the_parent_in_every_hierarchy(made: Made) -> None:  # noqa: F811
+    # Siblings are walked by each new cpuset: the node spreads sandboxes over 64 buckets.
+    ctx, h = await sandbox(made)
+    dirs = cgroups.sandbox_dirs(ctx.sandbox_id)
+    bucket = cgroups.rel(ctx.sandbox_id).split("/")[1]
+    assert len(dirs) == len(cgroups.hierarchies())
+    assert {(d.parent.parent.name, d.parent.name) for d in dirs} == {(cgroups.PARENT, bucket)}
+    assert str(h["pid"]) in (cgroups.memory_dir(ctx.sandbox_id) / "cgroup.procs").read_text().split()
+    spread = [cgroups.rel(f"sb-{i}").split("/")[1] for i in range(6400)]
+    assert len(set(spread)) == cgroups.BUCKETS and max(map(spread.count, set(spread))) < 3 * 100
+
+
+def test_a_sandbox_made_before_buckets_keeps_its_cgroup() -> None:
+    # Still running after an edge upgrade: found where it was made (dsec/<id>), not re-bucketed.
+    parent = cgroups.CGROUP_ROOT / "memory" / cgroups.PARENT
+    made_parent = not parent.exists()
+    old = parent / f"sb-old-{uuid.uuid4().hex[:8]}"
+    old.mkdir(parents=True)
+    try:
+        assert cgroups.rel(old.name) == f"{cgroups.PARENT}/{old.name}"
+        assert cgroups.memory_dir(old.name) == old
+        assert old in cgroups.sandbox_dirs(old.name)
+    finally:
+        old.rmdir()
+        if made_parent:
+            parent.rmdir()
+    assert cgroups.rel(old.name) != f"{cgroups.PARENT}/{old.name}"
