@@ -12,7 +12,7 @@ from dsec.apiserver.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.support import eventually
 
-from .conftest import TINY, fake
+from .conftest import TINY, Nodes, fake
 
 
 async def stopped(client: DSecClient, sandbox: Sandbox) -> bool:
@@ -84,3 +84,34 @@ async def test_a_command_running_longer_than_the_ttl_is_not_idleness(
     assert (result.exit_code, result.stdout) == (0, "finished\n")
     await eventually(lambda: stopped(client, sandbox), "the sandbox to be reclaimed once idle")
     assert (await client.get(sandbox.id)).info.stop_reason == "idle_ttl"
+
+
+async def test_liveness_is_checked_a_batch_at_a_time_and_every_sandbox_in_turn(
+    client: DSecClient, node: EmbeddedNode
+) -> None:
+    # Each check reads /proc: a full node is swept over several passes, none left out.
+    boxes = await client.run_containers(DSecContainerRunArgs(container_image=TINY), 5)
+    node.edge.config.liveness_batch = 2
+    seen = [node.edge._liveness_batch() for _ in range(3)]
+    assert all(len(batch) == 2 for batch in seen)
+    assert set().union(*seen) == {sb.id for sb in boxes}
+
+
+async def test_only_activity_that_changed_is_written_to_the_journal(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = await nodes.start(reap_interval_s=3600)  # no reaper pass of its own meanwhile
+    async with DSecClient(node.url, node.api_key) as client:
+        boxes = await client.run_containers(DSecContainerRunArgs(container_image=TINY), 3)
+        written: list[set[str]] = []
+        touch_many = node.edge.journal.touch_many
+        monkeypatch.setattr(
+            node.edge.journal, "touch_many", lambda a: (written.append(set(a)), touch_many(a))
+        )
+        node.edge._flush_activity()
+        node.edge._flush_activity()  # nothing happened in between: nothing to write
+        await boxes[1].run_shell("true")
+        node.edge._flush_activity()
+    assert written == [{sb.id for sb in boxes}, {boxes[1].id}]
+    record = node.edge.journal.get(boxes[1].id)
+    assert record is not None and record.last_active_at == node.edge._live[boxes[1].id].record.last_active_at

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from dsec import _linux
+from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure
 
 
@@ -27,7 +28,7 @@ def link_name(sandbox_id: str) -> str:
 
 
 async def _run(argv: list[str], script: str | None = None) -> None:
-    proc = await asyncio.create_subprocess_exec(
+    proc = await spawner.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.PIPE if script is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,

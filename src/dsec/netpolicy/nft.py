@@ -24,6 +24,7 @@ import hashlib
 import re
 from collections.abc import Iterable
 
+from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure
 
 Element = tuple[str, str, str, int]  # interface, address, protocol, port
@@ -131,7 +132,7 @@ def drop_table(table: str) -> str:
 async def apply(script: str) -> None:
     """Run an nft script as one transaction (all of it or none)."""
     try:
-        proc = await asyncio.create_subprocess_exec(
+        proc = await spawner.create_subprocess_exec(
             "nft",
             "-f",
             "-",
