@@ -56,8 +56,8 @@ def _raise_nofile_limit() -> None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-# Each held sandbox is 3 processes (init, a session shell and its dsec-enter parent): the
-# kernel's default pid_max (32,768) would cap a node near 8,000 sandboxes. 4M is the maximum.
+# Each held sandbox is 2 processes (init, a session shell) and more while commands run: the
+# kernel's default pid_max (32,768) would cap a node near 10,000 sandboxes. 4M is the maximum.
 _PID_MAX = Path("/proc/sys/kernel/pid_max")
 PID_MAX_WANTED = 1 << 22
 
