@@ -130,6 +130,17 @@ def stop() -> None:
         spawner.close()
 
 
+def spawn_unwatched(
+    exe: str, argv: list[str], env: dict[str, str], fds: dict[int, int], *, setsid: bool
+) -> int | None:
+    """Fork ``exe`` (an absolute path) as the edge's child without asyncio watching it: the
+    caller reaps it (:func:`dsec.executor.process.watch_pid_lazily`). ``fds`` maps fd numbers
+    in the child to the edge's. None when no spawner runs."""
+    if _spawner is not None and _spawner._proc.poll() is not None:
+        start(_spawner.helper)
+    return None if _spawner is None else _spawner.spawn(exe, argv, env, None, fds, setsid)
+
+
 class _SpawnedPopen(subprocess.Popen[bytes]):
     """Popen whose child comes from the spawner; everything after the fork is Popen's."""
 

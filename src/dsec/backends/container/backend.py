@@ -27,7 +27,7 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import CreateContext, Spawned, User
-from dsec.backends.container import cgroups, diskquota, enter, gvisor, init, oci, rootfs
+from dsec.backends.container import cgroups, diskquota, enter, gvisor, gvisor_exec, init, oci, rootfs
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import coresched, memory
 from dsec.executor import spawner
@@ -308,7 +308,7 @@ class ContainerBackend:
         user: User,
     ) -> SandboxProcess:
         if _on_gvisor(handle):  # its processes live in the sentry: only runsc can start them
-            return await self.gvisor.spawn(sandbox_id, argv, env=env, cwd=cwd, user=user)
+            return await gvisor_exec.spawn(self.gvisor, sandbox_id, argv, env=env, cwd=cwd, user=user)
         # Straight into the sandbox's namespaces and cgroups (dsec-enter), not through `crun
         # exec`: 2.3x faster here (bench/exec.py), and nothing on the path scans global state.
         return await enter.spawn_entered(
@@ -325,8 +325,8 @@ class ContainerBackend:
         cwd: str,
         user: User,
     ) -> SandboxProcess:
-        if _on_gvisor(handle):  # pipes on runsc exec (4 edge fds per idle session, not 2)
-            return await self.gvisor.spawn(sandbox_id, argv, env=env, cwd=cwd, user=user)
+        if _on_gvisor(handle):  # runsc exec holds the shell's stdin: 2 edge fds, as crun's
+            return await gvisor_exec.spawn_session(self.gvisor, sandbox_id, argv, env=env, cwd=cwd, user=user)
         return await enter.spawn_session(
             sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper
         )
@@ -344,7 +344,8 @@ class ContainerBackend:
         stdin: bool,
     ) -> Spawned:
         if _on_gvisor(handle):
-            proc = await self.gvisor.spawn(
+            proc = await gvisor_exec.spawn(
+                self.gvisor,
                 sandbox_id,
                 argv,
                 env=env,

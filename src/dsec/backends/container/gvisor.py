@@ -8,8 +8,8 @@ place), the same cgroups (runsc puts sentry and gofer in ``/dsec/<bucket>/<id>``
 page-out, OOM counts and the freezer work unchanged).
 
 What differs is everything that entered the sandbox's namespaces: processes inside are not host
-processes, so they start through ``runsc exec`` (:class:`GVisorProcess` relays their stdio and
-exit code, and kills them through runsc), and the host reaches the files through the gofer's
+processes, so they start through ``runsc exec`` (:mod:`.gvisor_exec`: it relays their stdio
+and exit code, and they are killed through runsc), and the host reaches the files through the gofer's
 root (``/proc/<gofer>/root``), with ``--file-access=shared`` so the sentry revalidates what
 the host changed.
 
@@ -20,7 +20,7 @@ namespace's interfaces, addresses and routes once, at start, and takes the addre
 host side, so the edge's nftables grants on the veth's host end apply as to a crun sandbox's.
 
 Terminals: the sentry's own devpts is out of the host's reach, so a PTY process gets a host
-pseudo-terminal, which runsc imports as its terminal (see :meth:`GVisor.spawn`).
+pseudo-terminal, which runsc imports as its terminal (see :func:`.gvisor_exec.spawn`).
 """
 
 from __future__ import annotations
@@ -37,18 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from dsec import _linux
-from dsec.backends.base import GuestLink, User
-from dsec.backends.container import oci
+from dsec.backends.base import GuestLink
 from dsec.netpolicy import links
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 log = logging.getLogger("dsec.backends.container.gvisor")
 RUNSC = "runsc"
-_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 PROBE_DEADLINE_S = 5.0  # a platform that has not run `true` by then does not work here (PVM: hangs)
-EXEC_NOT_STARTED = 127  # runsc could not start the command (missing program, bad cwd): a shell's 127
 _probed: dict[str, dict[str, Any]] = {}  # per runsc binary (path, size, mtime): one probe per process
-_background: set[asyncio.Task[None]] = set()
 
 
 def _binary_key(path: str) -> str:
@@ -136,7 +133,7 @@ class GVisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
-                env=_ENV,
+                env=ENV,
                 start_new_session=True,
             )
             try:
@@ -151,12 +148,13 @@ class GVisor:
                 return f"exit {proc.returncode}: {err.decode(errors='replace').strip()[-300:]}"
             return None
         finally:
-            await _run_quietly([*base, "delete", "--force", sid])
+            await run_quietly([*base, "delete", "--force", sid])
             shutil.rmtree(probe, ignore_errors=True)
 
     # -- sandboxes ----------------------------------------------------------------------------
 
-    def _base(self) -> list[str]:
+    def base_argv(self) -> list[str]:
+        """runsc with this node's state directory: what every command on its sandboxes starts with."""
         assert self.runsc is not None
         return [self.runsc, "--root", str(self.state_dir)]
 
@@ -167,7 +165,7 @@ class GVisor:
         if link is not None:
             _check_fresh(link)
         return [
-            *self._base(),
+            *self.base_argv(),
             f"--platform={self.platform}",
             # With a link: netstack over the interfaces of the namespace the spec names (its
             # veth). Without: loopback only, and no link can be added later.
@@ -239,106 +237,7 @@ class GVisor:
 
     async def delete(self, sandbox_id: str) -> None:
         if self.runsc is not None and self.knows(sandbox_id):
-            await _run_quietly([*self._base(), "delete", "--force", sandbox_id])
-
-    # -- processes ----------------------------------------------------------------------------
-
-    async def spawn(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        *,
-        env: dict[str, str],
-        cwd: str,
-        user: User,
-        stdin: int = asyncio.subprocess.PIPE,
-        raise_signal: bool = False,
-        tty: int | None = None,
-    ) -> GVisorProcess:
-        """``argv`` in the sandbox through ``runsc exec``, which relays its stdio (the pipes the
-        edge holds) and its exit code; returns once the command runs (or failed to start: then
-        it has exited with 127 and runsc's message on its stderr).
-
-        ``tty``: the slave of a host pseudo-terminal, the command's stdio. runsc hands it to
-        the sentry as the command's terminal (size, modes and input are the host's line
-        discipline), and, holding it as its own controlling terminal (``setsid --ctty``),
-        passes on what that terminal signals (^C, ^Z, SIGWINCH) to the foreground process
-        group inside."""
-        if self.runsc is None:
-            raise InfraFailure("runsc is not installed", reason="runtime")
-        process = json.dumps(_process_spec(argv, env, cwd, user, terminal=tty is not None)).encode()
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=self.scratch))
-        spec_fd = os.memfd_create("dsec-gvisor-process", os.MFD_CLOEXEC)
-        try:
-            # The PID file is a FIFO: runsc's write of it says the command started, no polling.
-            fifo = tmp / "pid"
-            os.mkfifo(fifo, 0o600)
-            pid_r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            try:
-                os.write(spec_fd, process)  # the command and its environment: not on a command line
-                # A session of its own either way: the edge's process group tests and kills see runsc.
-                proc = await asyncio.create_subprocess_exec(
-                    *(["setsid", "--ctty"] if tty is not None else []),
-                    *self._base(),
-                    "exec",
-                    "--process",
-                    f"/proc/self/fd/{spec_fd}",
-                    "--internal-pid-file",
-                    str(fifo),
-                    sandbox_id,
-                    stdin=stdin if tty is None else tty,
-                    stdout=asyncio.subprocess.PIPE if tty is None else tty,
-                    stderr=asyncio.subprocess.PIPE if tty is None else tty,
-                    env=_ENV,
-                    pass_fds=(spec_fd,),
-                    start_new_session=tty is None,  # setsid(1) makes it, then takes the terminal
-                )
-                inner = await _pid_or_exit(pid_r, proc)
-            finally:
-                os.close(pid_r)
-        finally:
-            os.close(spec_fd)
-            shutil.rmtree(tmp, ignore_errors=True)
-        return GVisorProcess(self, sandbox_id, proc, inner, raise_signal=raise_signal)
-
-    async def signal(self, sandbox_id: str, pid: int, sig: int, *, tree: bool) -> None:
-        """``sig`` to ``pid`` (a PID inside) and, with ``tree``, to every descendant, through
-        runsc (the host cannot signal what lives in the sentry). A SIGKILL of a tree repeats
-        until no descendant is left (a process may fork meanwhile)."""
-        for _ in range(5 if tree and sig == signal.SIGKILL else 1):
-            victims = [pid, *(await self._descendants(sandbox_id, pid) if tree else [])]
-            await asyncio.gather(
-                *(
-                    _run_quietly([*self._base(), "kill", "--pid", str(v), sandbox_id, str(int(sig))])
-                    for v in victims
-                )
-            )
-            if not tree or len(victims) == 1:
-                return
-
-    async def _descendants(self, sandbox_id: str, pid: int) -> list[int]:
-        proc = await asyncio.create_subprocess_exec(
-            *self._base(),
-            "ps",
-            sandbox_id,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            env=_ENV,
-        )
-        out, _ = await proc.communicate()
-        children: dict[int, list[int]] = {}
-        for line in out.decode(errors="replace").splitlines()[1:]:
-            fields = line.split()  # UID PID PPID ... CMD: the command, last, cannot shift these
-            if len(fields) >= 3 and fields[1].isdigit() and fields[2].isdigit():
-                children.setdefault(int(fields[2]), []).append(int(fields[1]))
-        found, stack = [], [pid]
-        while stack:
-            for child in children.get(stack.pop(), []):
-                found.append(child)
-                stack.append(child)
-        return found
+            await run_quietly([*self.base_argv(), "delete", "--force", sandbox_id])
 
 
 def _check_fresh(link: GuestLink) -> None:
@@ -350,139 +249,7 @@ def _check_fresh(link: GuestLink) -> None:
         )
 
 
-def _process_spec(
-    argv: list[str], env: dict[str, str], cwd: str, user: User, *, terminal: bool = False
-) -> dict[str, Any]:
-    if not argv:
-        raise InvalidRequest("an empty command")
-    for key, value in env.items():
-        if not key or "=" in key or "\0" in key or "\0" in value:
-            raise InvalidRequest(f"bad environment variable {key!r}")
-    if any("\0" in a for a in argv):
-        raise InvalidRequest("a NUL byte in the command")
-    caps = list(oci.CAPABILITIES)
-    # As an exec of a non-root user: the bounding set only, nothing effective.
-    capabilities = (
-        {"bounding": caps, "effective": caps, "permitted": caps} if user.uid == 0 else {"bounding": caps}
-    )
-    return {
-        "args": argv,
-        "env": [f"{k}={v}" for k, v in env.items()],
-        "cwd": cwd,
-        "user": {"uid": user.uid, "gid": user.gid},
-        "terminal": terminal,
-        "noNewPrivileges": True,
-        "capabilities": capabilities,
-    }
-
-
-async def _pid_or_exit(fd: int, proc: asyncio.subprocess.Process) -> int | None:
-    """The PID runsc writes into the FIFO ``fd``, or None when runsc exits without (the
-    command never started)."""
-    loop = asyncio.get_running_loop()
-    reported: asyncio.Future[bytes] = loop.create_future()
-    chunks: list[bytes] = []
-
-    def readable() -> None:
-        try:
-            while chunk := os.read(fd, 64):
-                chunks.append(chunk)
-        except BlockingIOError:
-            return
-        except OSError:
-            pass
-        if not reported.done():
-            reported.set_result(b"".join(chunks))
-
-    loop.add_reader(fd, readable)
-    exited: asyncio.Future[Any] = asyncio.ensure_future(proc.wait())
-    try:
-        await asyncio.wait([reported, exited], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        loop.remove_reader(fd)
-        if not exited.done():
-            exited.cancel()
-    text = reported.result().strip() if reported.done() else b""
-    return int(text) if text.isdigit() else None
-
-
-class GVisorProcess:
-    """A process in a gVisor sandbox as the edge drives it (:class:`SandboxProcess`): stdio,
-    ``pid`` and the process group are those of its ``runsc exec`` on the host, the exit code
-    is the command's; killing and signalling go to the process inside, through runsc."""
-
-    def __init__(
-        self,
-        gvisor: GVisor,
-        sandbox_id: str,
-        proc: asyncio.subprocess.Process,
-        inner_pid: int | None,
-        *,
-        raise_signal: bool,
-    ) -> None:
-        self._gvisor = gvisor
-        self._sandbox_id = sandbox_id
-        self._proc = proc
-        self.inner_pid = inner_pid
-        self._raise_signal = raise_signal
-
-    @property
-    def stdin(self) -> asyncio.StreamWriter | None:
-        return self._proc.stdin
-
-    @property
-    def stdout(self) -> asyncio.StreamReader | None:
-        return self._proc.stdout
-
-    @property
-    def stderr(self) -> asyncio.StreamReader | None:
-        return self._proc.stderr
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        code = self._proc.returncode
-        if code is None:
-            return None
-        if self.inner_pid is None and code == 128:
-            return EXEC_NOT_STARTED
-        # runsc reports a death by signal N as 128+N (it cannot die of it itself); a held
-        # process reports -N (an `exit 130` reads as SIGINT: runsc does not tell them apart).
-        if self._raise_signal and 128 < code <= 128 + 64:
-            return 128 - code
-        return code
-
-    async def wait(self) -> int:
-        await self._proc.wait()
-        code = self.returncode
-        assert code is not None
-        return code
-
-    async def communicate(self, input: bytes | None = None) -> tuple[bytes, bytes]:
-        out, err = await self._proc.communicate(input)
-        return out, err
-
-    def send_signal(self, sig: int, *, tree: bool = False) -> None:
-        if self.inner_pid is None or self._proc.returncode is not None:
-            return
-        task = asyncio.get_running_loop().create_task(
-            self._gvisor.signal(self._sandbox_id, self.inner_pid, sig, tree=tree)
-        )
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def kill_tree(self) -> None:
-        """SIGKILL the process and its descendants inside; runsc exec then ends by itself."""
-        self.send_signal(signal.SIGKILL, tree=True)
-
-
-async def _run_quietly(argv: list[str], timeout_s: float = 30.0) -> int | None:
+async def run_quietly(argv: list[str], timeout_s: float = 30.0) -> int | None:
     """Run a runsc control command; None if it hung (a sentry that a freezer stopped cannot
     answer until thawed)."""
     proc = await asyncio.create_subprocess_exec(
@@ -490,7 +257,7 @@ async def _run_quietly(argv: list[str], timeout_s: float = 30.0) -> int | None:
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
-        env=_ENV,
+        env=ENV,
     )
     try:
         async with asyncio.timeout(timeout_s):
