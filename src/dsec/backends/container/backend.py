@@ -128,6 +128,7 @@ class ContainerBackend:
             target.with_suffix(".tmp").replace(target)
         cgroups.fix_hybrid_layout()
         cgroups.prepare_cpuset_parent()
+        cgroups.prepare_buckets()
         _raise_nofile_limit()
         _raise_pid_max()
         self.enter_helper = enter.build_helper(self.data_dir / "bin")  # gcc once per source version

@@ -79,6 +79,17 @@ def prepare_cpuset_parent() -> bool:
     return True
 
 
+def prepare_buckets() -> None:
+    """Make the buckets below ``dsec`` in every hierarchy now, while the node starts: a cpuset
+    bucket made by crun with the first sandbox in it costs that create a cpus write and a
+    rebuild of the scheduler domains. Made after :func:`prepare_cpuset_parent`, so each cpuset
+    bucket copies its parent's CPUs and passes the copying on to its sandboxes."""
+    for c in hierarchies():
+        for bucket in range(BUCKETS):
+            with contextlib.suppress(FileExistsError):
+                (c / PARENT / f"{bucket:02x}").mkdir(parents=True)
+
+
 def v1_controllers() -> list[Path]:
     out = []
     for entry in CGROUP_ROOT.iterdir():
