@@ -99,3 +99,13 @@ async def test_a_dead_spawner_is_started_again() -> None:
     running._proc.wait()
     assert await sh("echo again") == (0, "again\n", "")
     assert spawner._spawner is not running
+
+
+def test_a_fork_of_the_edge_does_not_use_its_spawner() -> None:
+    # Its children would be the edge's (CLONE_PARENT), not the fork's: the fork forks itself.
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if spawner._running() is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert spawner._running() is not None

@@ -43,6 +43,7 @@ class Spawner:
 
     def __init__(self, helper: Path) -> None:
         self.helper = helper
+        self.owner = os.getpid()  # a forked copy of the edge must not use it (CLONE_PARENT)
         self._lock = threading.Lock()  # one request at a time (subprocess may run in threads)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -118,16 +119,27 @@ def start(helper: Path) -> None:
     the thread that runs the event loop (children's PR_SET_PDEATHSIG follow the thread that
     forked the spawner). It lives until the process exits."""
     global _spawner
-    if _spawner is None or _spawner._proc.poll() is not None:
+    if _spawner is None or _spawner.owner != os.getpid() or _spawner._proc.poll() is not None:
+        if _spawner is None:
+            atexit.register(stop)
         _spawner = Spawner(helper)
-        atexit.register(stop)
 
 
 def stop() -> None:
     global _spawner
-    if _spawner is not None:
+    if _spawner is not None and _spawner.owner == os.getpid():
         spawner, _spawner = _spawner, None
         spawner.close()
+
+
+def _running() -> Spawner | None:
+    """This process's spawner, started again if it died (killed by hand, or an OOM kill);
+    None when there is none (or this is a fork of the process that started it)."""
+    if _spawner is None or _spawner.owner != os.getpid():
+        return None
+    if _spawner._proc.poll() is not None:
+        start(_spawner.helper)
+    return _spawner
 
 
 def spawn_unwatched(
@@ -136,9 +148,8 @@ def spawn_unwatched(
     """Fork ``exe`` (an absolute path) as the edge's child without asyncio watching it: the
     caller reaps it (:func:`dsec.executor.process.watch_pid_lazily`). ``fds`` maps fd numbers
     in the child to the edge's. None when no spawner runs."""
-    if _spawner is not None and _spawner._proc.poll() is not None:
-        start(_spawner.helper)
-    return None if _spawner is None else _spawner.spawn(exe, argv, env, None, fds, setsid)
+    spawner = _running()
+    return None if spawner is None else spawner.spawn(exe, argv, env, None, fds, setsid)
 
 
 class _SpawnedPopen(subprocess.Popen[bytes]):
@@ -165,7 +176,8 @@ class _SpawnedPopen(subprocess.Popen[bytes]):
         *rest: Any,
     ) -> None:
         start_new_session = rest[5]
-        assert _spawner is not None and preexec_fn is None and not shell
+        spawner = _running()
+        assert spawner is not None and preexec_fn is None and not shell
         env = dict(os.environ if env is None else env)
         argv = [os.fsdecode(a) for a in args]
         exe = os.fsdecode(executable or argv[0])
@@ -177,7 +189,7 @@ class _SpawnedPopen(subprocess.Popen[bytes]):
         fds[2] = errwrite if errwrite >= 0 else 2
         fds.update({fd: fd for fd in pass_fds})
         try:
-            self.pid = _spawner.spawn(
+            self.pid = spawner.spawn(
                 os.path.abspath(found), argv, env, cwd and os.fsdecode(cwd), fds, start_new_session
             )
             self._child_created = True
@@ -202,9 +214,7 @@ async def create_subprocess_exec(
     **kwds: Any,
 ) -> asyncio.subprocess.Process:
     """:func:`asyncio.create_subprocess_exec`, forked by the spawner when one runs."""
-    if _spawner is not None and _spawner._proc.poll() is not None:
-        start(_spawner.helper)  # killed (by hand, or an OOM kill): a new one, as at start
-    if _spawner is None:
+    if _running() is None:
         return await asyncio.create_subprocess_exec(
             program, *args, stdin=stdin, stdout=stdout, stderr=stderr, limit=limit, **kwds
         )
