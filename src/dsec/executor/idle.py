@@ -1,0 +1,179 @@
+"""Whether a session shell is back in its driver loop, as the host's /proc shows it.
+
+A session command runs inside the session shell (``eval``): whatever the driver prints, the
+command can print as well, and it can even read its end marker's nonce off the command pipe
+(the shell keeps its stdin on a saved fd during ``eval``, and /proc/$$/fd reaches it). What
+it does not choose is what the kernel tells the edge about the shell: the system call it is
+blocked in, with its arguments, stack pointer and instruction pointer (/proc/PID/syscall,
+read by the edge as root). Between commands a bash or dash driver waits in read(2) of one
+byte from its command pipe, at one point of its loop: the same line every time (measured
+over varied commands: traps, ``set -x``, functions, background jobs, a grown environment),
+recorded once before the first command. A command that reads the pipe itself blocks deeper
+in the shell's stack (another SP); one that execs a program in the shell's place has other
+addresses, unless it is built to map its stack and code at the recorded ones (what that and
+other takeovers of a session still achieve is in docs/decisions.md).
+
+Only shells known to wait that way are watched (busybox ash polls before it reads); the
+others, and every process not on this host (microVMs, gVisor's sentry), are ended by the end
+marker's secret nonce alone (:mod:`dsec.executor.session`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import platform
+from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
+
+log = logging.getLogger("dsec.executor")
+
+_READ = {"x86_64": "0", "aarch64": "63"}.get(platform.machine())  # read(2)'s number
+_SHELLS = frozenset({"bash", "dash"})
+CALIBRATE_S = 10.0  # from a no-op command's end to its shell's next wait: moments
+
+
+@runtime_checkable
+class HasShellPid(Protocol):
+    """A session process that knows its shell's PID on this host (a container's, not runsc's)."""
+
+    def shell_pid(self) -> int | None:
+        """The shell's host PID while it runs, None once it is gone; never another process's
+        (the shell is an unreaped child of the edge, so its PID is not reused meanwhile)."""
+        ...
+
+
+def backoff() -> Iterator[float]:
+    """Delays between looks at a shell that is not waiting yet: a few loop turns (it is
+    usually microseconds from its read), then 1 ms doubling to 50 ms (a command that printed
+    a marker and runs on: at most 20 looks a second, each one small read)."""
+    return itertools.chain(itertools.repeat(0.0, 32), (min(0.001 * 2**i, 0.05) for i in itertools.count()))
+
+
+class ShellView:
+    """The /proc view of one session shell: where it waits for commands, and its output pipes."""
+
+    def __init__(self, pid_of: Callable[[], int | None]) -> None:
+        self._pid_of = pid_of
+        self._pipes: tuple[str, ...] = ()  # what fds 0-2 were at spawn: pipe:[inode]
+        self._waiting: tuple[str, ...] = ()  # its /proc/PID/syscall line waiting for a command
+        self._pid: int | None = None  # as :meth:`idle` last found it
+
+    @classmethod
+    def of(cls, proc: HasShellPid) -> ShellView | None:
+        """A view of ``proc``'s shell, to :meth:`calibrate`; None where it cannot be watched
+        (a shell that waits otherwise, another architecture, a shell already gone)."""
+        pid = proc.shell_pid()
+        if _READ is None or pid is None:
+            return None
+        try:
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+            pipes = tuple(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in range(3))
+        except OSError:
+            return None
+        if exe not in _SHELLS or not all(p.startswith("pipe:") for p in pipes):
+            return None
+        view = cls(proc.shell_pid)
+        view._pipes = pipes
+        return view
+
+    async def calibrate(self) -> bool:
+        """Record where the shell waits for its next command, before any caller's command ran
+        in it (after a no-op: it is moments from there). False if it never got there within
+        :data:`CALIBRATE_S`: then it is not watched."""
+        pid = self._pid_of()
+        if pid is None:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CALIBRATE_S
+        for delay in backoff():
+            line = _blocked(pid)
+            if line is not None and line[0] == _READ and self._fd_is(pid, line[1], 0):
+                self._waiting = line
+                return True
+            if loop.time() > deadline or self._pid_of() is None:
+                log.warning("session shell %d never waited for a command: no idle checks", pid)
+                return False
+            await asyncio.sleep(delay)
+        return False  # pragma: no cover - backoff() never ends
+
+    def idle(self) -> bool | None:
+        """True if the shell waits for its next command exactly where its driver loop does;
+        False if it does anything else; None if it is gone (nothing more can come from it)."""
+        pid = self._pid = self._pid_of()
+        if pid is None:
+            return None
+        line = _blocked(pid)
+        return line is not None and line == self._waiting and self._fd_is(pid, line[1], 0)
+
+    async def mark_end(self, token: bytes) -> tuple[bool, bool]:
+        """Write ``token`` (at most PIPE_BUF: one atomic write) into the shell's stdout and
+        stderr pipes, behind everything the shell wrote, once :meth:`idle` found it waiting.
+        For each: False if its fd is no longer the pipe the edge reads (``exec >file``)."""
+        pid = self._pid
+        return (
+            pid is not None and await _send(pid, 1, self._pipes[1], token),
+            pid is not None and await _send(pid, 2, self._pipes[2], token),
+        )
+
+    def _fd_is(self, pid: int, fd: str, which: int) -> bool:
+        try:
+            return os.readlink(f"/proc/{pid}/fd/{int(fd, 16)}") == self._pipes[which]
+        except (OSError, ValueError):
+            return False
+
+
+def _blocked(pid: int) -> tuple[str, ...] | None:
+    """The call ``pid`` is blocked in: number, fd, buffer, count, stack and instruction
+    pointers (the other three arguments are whatever the registers held); None if running."""
+    try:
+        fd = os.open(f"/proc/{pid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fields = os.read(fd, 256).decode().split()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(fields) != 9:  # "running", or "-1 SP PC": stopped outside any call
+        return None
+    return (*fields[:4], *fields[7:])
+
+
+async def _send(pid: int, fd: int, pipe: str, data: bytes) -> bool:
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if os.readlink(path) != pipe:
+            return False
+        out = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        while True:
+            try:
+                os.write(out, data)
+                return True
+            except BlockingIOError:
+                await _writable(out)  # full: the edge's readers are emptying it
+    finally:
+        os.close(out)
+
+
+async def _writable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(fd, settle)
+    try:
+        await ready
+    finally:
+        with contextlib.suppress(ValueError):
+            loop.remove_writer(fd)
