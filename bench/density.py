@@ -152,16 +152,16 @@ async def reclaim(client: DSecClient, n: int) -> None:
     boxes = await client.run_containers(args, n)
     try:
         await asyncio.gather(*(sb.run_shell(HOG) for sb in boxes))
-        cgroups = [cgroups.memory_dir(sb.id) / "memory.usage_in_bytes" for sb in boxes]
-        await wait_until(lambda: sum(int(c.read_text()) for c in cgroups) >= n * 30 * MiB, "the hogs' memory")
-        held = sum(int(c.read_text()) for c in cgroups)
+        usage = [cgroups.memory_dir(sb.id) / "memory.usage_in_bytes" for sb in boxes]
+        await wait_until(lambda: sum(int(c.read_text()) for c in usage) >= n * 30 * MiB, "the hogs' memory")
+        held = sum(int(c.read_text()) for c in usage)
         before = meminfo()["MemAvailable"]
         t = time.perf_counter()
         await client.pause_all(labels)
         took = time.perf_counter() - t
         await wait_until(lambda: meminfo()["Writeback"] < MiB, "swap writes to finish", 120)
         after = meminfo()["MemAvailable"]
-        left = sum(int(c.read_text()) for c in cgroups)
+        left = sum(int(c.read_text()) for c in usage)
         print(
             f"reclaim: {n} idle sandboxes held {held / MiB:.0f} MiB; pausing them all took {took:.1f} s,"
             f" charged {left / MiB:.0f} MiB after ({1 - left / held:.1%} returned),"

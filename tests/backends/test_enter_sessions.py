@@ -16,6 +16,7 @@ import pytest
 
 from dsec.backends.base import CreateContext, sandbox_env
 from dsec.backends.container import enter
+from dsec.backends.container.session_shell import SessionShell
 from dsec.executor import spawner as spawner_mod
 from dsec.executor.process import descendants, watch_children_with_pidfds
 from dsec.executor.session import DRIVER, Session
@@ -35,8 +36,8 @@ def spawner(
     helper: Path,  # noqa: F811
     ctx: CreateContext,
     h: dict[str, Any],
-) -> Callable[[], Awaitable[enter.SessionShell]]:
-    async def spawn() -> enter.SessionShell:
+) -> Callable[[], Awaitable[SessionShell]]:
+    async def spawn() -> SessionShell:
         env = sandbox_env(ctx.spec, ROOT)
         return await enter.spawn_session(
             ctx.sandbox_id, h, ["sh", "-c", DRIVER], env=env, cwd="/", user=ROOT, helper=helper
@@ -45,7 +46,7 @@ def spawner(
     return spawn
 
 
-async def start(helper: Path, made: Made) -> enter.SessionShell:  # noqa: F811
+async def start(helper: Path, made: Made) -> SessionShell:  # noqa: F811
     return await spawner(helper, *await sandbox(made))()
 
 
@@ -106,7 +107,7 @@ async def test_a_shell_let_go_ends_and_its_children_live_on(helper: Path, made: 
     session = Session("s", spawner(helper, *await sandbox(made)))
     assert (await run(session, "sleep 1000 >/dev/null 2>&1 &"))[0] == 0
     shell = session._proc
-    assert isinstance(shell, enter.SessionShell)
+    assert isinstance(shell, SessionShell)
     (sleep,) = await eventually(lambda: [p for p in descendants(shell.pid) if _comm(p) == "sleep"], "sleep")
     session.detach()
     assert await asyncio.wait_for(shell.wait(), DEADLINE_S) == -9  # killed alone

@@ -23,7 +23,8 @@ from dsec.protocol.errors import CapacityExhausted, DSecError
 from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
-    from dsec.edge.edge import EdgeConfig, _Live
+    from dsec.edge.edge import EdgeConfig
+    from dsec.edge.tally import LiveSandboxes
 
 log = logging.getLogger("dsec.edge")
 MiB = 1 << 20
@@ -46,7 +47,7 @@ class Admission:
 
     if TYPE_CHECKING:
         config: EdgeConfig
-        _live: dict[str, _Live]
+        _live: LiveSandboxes
         _creating: int
 
         async def pause(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...

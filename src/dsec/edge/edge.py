@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from dsec.edge.networking import Networking
 from dsec.edge.pausing import PauseTotals, Pausing
 from dsec.edge.processes import Processes
 from dsec.edge.reclaim import Reclaimer
+from dsec.edge.tally import LiveSandboxes
 from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
 from dsec.executor.held import ProcessTable
@@ -136,7 +136,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self.leases = {(lease.project, lease.job): lease for lease in self.journal.leases()}
         self.egress = EgressPolicy(config.egress, config.node, self.journal, config.data_dir / "edge")
         self.pause_totals = PauseTotals()
-        self._live: dict[str, _Live] = {}
+        self._live = LiveSandboxes()
         self._creating = 0
         self._reaper: asyncio.Task[None] | None = None
         self._last_liveness = 0.0
@@ -211,7 +211,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                     await self.reapply_pause_state(rec)
                 except DSecError as exc:  # its cgroup vanished: the liveness check will reap it
                     log.warning("re-adopting %s: %s", rec.id, exc)
-                self._live[rec.id] = _Live(rec, user)
+                self._live.admit(_Live(rec, user))
                 log.info("re-adopted %s (%s)", rec.id, rec.state.value)
                 continue
             reason = {
@@ -263,27 +263,20 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
 
     def stats(self) -> dict[str, Any]:
         """Health and load for the watcher: totals, and running counts per backend, project, label."""
-        by_project: Counter[str] = Counter()
-        by_label: Counter[str] = Counter()
-        paused = 0
-        for live in self._live.values():
-            paused += live.record.state is SandboxState.paused
-            labels = live.record.spec.labels
-            by_project[labels.get(PROJECT_LABEL, DEFAULT_PROJECT)] += 1
-            by_label.update(f"{k}={v}" for k, v in labels.items() if not k.startswith(RESERVED_LABEL_PREFIX))
+        live = self._live  # counted as sandboxes come and go (edge/tally.py), not here
         return {
             "node": self.config.node,
             "epoch": self.epoch,
             "backends": [*self.backends, *(["fncall"] if self._fncall_serving() else [])],
             "running": len(self._live),  # paused ones included: they hold the node's disk
-            "paused": paused,
+            "paused": len(live.paused),
             "creating": self._creating,
             "capacity": 0 if self.fenced else self.config.max_sandboxes,
             "hardware": self.hardware,
-            "by_backend": dict(Counter(live.record.backend for live in self._live.values())),
-            "by_project": dict(by_project),
+            "by_backend": dict(live.by_backend),
+            "by_project": dict(live.by_project),
             # Bounded: a label per rollout would otherwise make every poll as large as the node.
-            "by_label": dict(by_label.most_common(_MAX_LABELS_REPORTED)),
+            "by_label": dict(live.by_label.most_common(_MAX_LABELS_REPORTED)),
             "fncall": {name: pool.stats() for name, pool in self.pools.items()},
             "pause": dataclasses.asdict(self.pause_totals),
             "swap_free_bytes": free_swap_bytes(),
@@ -377,7 +370,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             rec.state = SandboxState.running
             rec.last_active_at = time.time()
             self.journal.update(rec)
-            self._live[sid] = _Live(rec, user)
+            self._live.admit(_Live(rec, user))
             self.take_lease(spec)  # after it is live: a lease covering nothing is dropped
             return self._info(rec)
         except BaseException as exc:
@@ -469,6 +462,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 return self._info(rec)
             if rec.state is not SandboxState.stopping:
                 rec.state = SandboxState.stopping
+                self._live.mark_paused(sandbox_id, False)
                 rec.stop_reason = reason
                 rec.paused_at = rec.pause_reason = None
                 self.journal.update(rec)
@@ -489,7 +483,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 self.mounts.release(digest)
             rec.state = final
             self.journal.update(rec)
-            self._live.pop(sandbox_id, None)
+            self._live.release(sandbox_id)
             return self._info(rec)
 
     def _info(self, rec: Record) -> SandboxInfo:

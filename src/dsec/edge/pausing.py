@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from dsec.backends.base import Backend
     from dsec.edge.edge import _Live
     from dsec.edge.journal import Journal, Record
+    from dsec.edge.tally import LiveSandboxes
     from dsec.edge.trajectory import Recorder
 
 log = logging.getLogger("dsec.edge")
@@ -70,7 +71,7 @@ class Pausing:
         backend: Backend
         journal: Journal
         recorder: Recorder
-        _live: dict[str, _Live]
+        _live: LiveSandboxes
         leases: dict[LeaseKey, Lease]
         pause_totals: PauseTotals
 
@@ -131,6 +132,7 @@ class Pausing:
                 await backend.thaw(sandbox_id, rec.handle)
                 raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason="runtime") from exc
             rec.state = SandboxState.paused
+            self._live.mark_paused(sandbox_id, True)
             rec.paused_at = time.time()
             rec.pause_reason = reason
             self.journal.update(rec)
@@ -152,6 +154,7 @@ class Pausing:
             prefetched = await backend.prefetch(sandbox_id, rec.handle)
             await backend.thaw(sandbox_id, rec.handle)
             rec.state = SandboxState.running
+            self._live.mark_paused(sandbox_id, False)
             rec.paused_at = None
             rec.pause_reason = None
             rec.last_active_at = time.time()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from dsec.backends.base import Backend
     from dsec.edge.edge import EdgeConfig, _Live
     from dsec.edge.journal import Journal, Record
+    from dsec.edge.tally import LiveSandboxes
     from dsec.edge.trajectory import Recorder
 
 log = logging.getLogger("dsec.edge")
@@ -37,7 +38,7 @@ class Reclaimer:
         config: EdgeConfig
         backend: Backend
         journal: Journal
-        _live: dict[str, _Live]
+        _live: LiveSandboxes
         _last_liveness: float
         _liveness_cursor: int
         _flushed_activity: dict[str, float]

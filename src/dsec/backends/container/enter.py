@@ -31,15 +31,15 @@ import functools
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
+from dsec.backends.container.session_shell import SessionShell
 from dsec.executor import spawner
-from dsec.executor.process import kill_tree, poll_child, watch_child, watch_pid_lazily
+from dsec.executor.process import kill_tree
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 SOURCE = Path(__file__).parent / "enter" / "dsec_enter.c"
@@ -253,9 +253,6 @@ async def spawn_held(
     return Spawned(proc, ns, pids.get("host"))
 
 
-SESSION_STDIN_FD = 9  # where a session shell keeps the write end of its stdin (dsec_enter.c)
-
-
 async def spawn_session(
     sandbox_id: str,
     handle: dict[str, Any],
@@ -296,124 +293,6 @@ async def spawn_session(
         kill_tree(helper_proc.pid)
         raise InfraFailure(f"{NAME} did not report the PID of the session shell", reason="runtime")
     return SessionShell(helper_proc, shell, pipe)
-
-
-class SessionShell:
-    """A session shell started by :func:`spawn_session`, as a :class:`SandboxProcess`: the
-    edge's child, which the edge reaps itself; output through the helper's pipes."""
-
-    def __init__(self, helper: asyncio.subprocess.Process, pid: int, pipe: int) -> None:
-        self._helper = helper  # exited (or about to): its transport carries stdout and stderr
-        self._pid = pid
-        self._code: int | None = None
-        self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        watch_pid_lazily(pid, self._exited)
-        self.stdin = _HeldStdin(self, f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
-
-    def _exited(self, pid: int, code: int) -> None:
-        self._code = code
-        if not self._ended.done():
-            self._ended.set_result(code)
-
-    @property
-    def stdout(self) -> asyncio.StreamReader | None:
-        return self._helper.stdout
-
-    @property
-    def stderr(self) -> asyncio.StreamReader | None:
-        return self._helper.stderr
-
-    @property
-    def pid(self) -> int:
-        return self._pid
-
-    def shell_pid(self) -> int | None:
-        """The shell's host PID while it runs (unreaped: the PID names no other process)."""
-        return self._pid if self.returncode is None else None
-
-    @property
-    def returncode(self) -> int | None:
-        # Not watched while it idles: a shell killed meanwhile (OOM, `kill` from the sandbox)
-        # is found here, when the session is next used.
-        if self._code is None:
-            poll_child(self._pid)
-        return self._code
-
-    async def wait(self) -> int:
-        watch_child(self._pid)
-        return await asyncio.shield(self._ended)
-
-    def kill(self) -> None:
-        if self._code is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, signal.SIGKILL)
-
-    def kill_tree(self) -> None:
-        """The shell, what it started and the helper's process group (the shell's)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._helper.pid, signal.SIGKILL)
-        if self._code is None:
-            kill_tree(self._pid)
-
-    def let_go(self) -> None:
-        """The shell ends (killed alone, so what it runs in the background lives on)."""
-        self.kill()
-        watch_child(self._pid)  # reaped when it ends, not left a zombie
-
-
-class _HeldStdin:
-    """The shell's stdin, whose write end the shell holds: opened through its /proc fd per
-    command, and checked to be that pipe (a command may have replaced fd 9)."""
-
-    def __init__(self, shell: SessionShell, path: str, pipe: int) -> None:
-        self._shell = shell
-        self._path = path
-        self._pipe = pipe
-        self._buf = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self._buf += data
-
-    async def drain(self) -> None:
-        data, self._buf = bytes(self._buf), bytearray()
-        try:
-            if self._shell.returncode is not None:
-                raise OSError("exited")
-            # Safe while the shell is unreaped (its PID cannot be reused).
-            fd = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            raise BrokenPipeError(f"session shell gone: {exc}") from exc
-        try:
-            if os.fstat(fd).st_ino != self._pipe:
-                raise BrokenPipeError(f"the session shell's fd {SESSION_STDIN_FD} is no longer its stdin")
-            await _write_all(fd, data)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self._shell.let_go()
-
-
-async def _write_all(fd: int, data: bytes) -> None:
-    loop = asyncio.get_running_loop()
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view) :]
-            continue
-        except BlockingIOError:
-            pass
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_writer(fd, _settle, ready)
-        try:
-            await ready
-        finally:
-            loop.remove_writer(fd)
-
-
-def _settle(ready: asyncio.Future[None]) -> None:
-    if not ready.done():
-        ready.set_result(None)
 
 
 _PIPES = (asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
