@@ -310,7 +310,7 @@ async def test_the_command_is_charged_to_the_sandboxs_cgroups(
     mine, _, _ = await run_entered(helper, ctx, h, ["cat", "/proc/self/cgroup"])
     theirs, _, _ = await run_crun(backend, ctx, h, ["cat", "/proc/self/cgroup"])
     assert mine == theirs
-    assert mine.decode().count(f"/dsec/{ctx.sandbox_id}") == len(mine.decode().splitlines())
+    assert mine.decode().count(f"/{cgroups.rel(ctx.sandbox_id)}") == len(mine.decode().splitlines())
     proc = await entered(helper, ctx, h, ["sleep", "30"])
     try:
         child = await command_pid(proc)

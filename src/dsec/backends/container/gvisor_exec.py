@@ -17,19 +17,19 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, Protocol
 
 from dsec.backends.base import User
 from dsec.backends.container import oci
 from dsec.backends.container.gvisor import ENV, GVisor, run_quietly
+from dsec.backends.container.session_shell import SESSION_STDIN_FD, HeldStdin
 from dsec.executor import spawner
 from dsec.executor.process import ProcessStdin, poll_child, watch_child, watch_pid_lazily
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 EXEC_NOT_STARTED = 127  # runsc could not start the command (missing program, bad cwd): a shell's 127
-SESSION_STDIN_FD = 9  # where a session's runsc exec keeps the write end of the shell's stdin
 _SPEC_FD = 3  # the process spec, in a session's runsc exec
 _background: set[asyncio.Task[None]] = set()
 
@@ -101,7 +101,7 @@ async def spawn_session(
                 os.close(fd)
                 ours.discard(fd)
             inner = await _pid_or_exit(pid_r, _exit_of(pid))
-        held = _HeldStdin(f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
+        held = HeldStdin(f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
         ours -= {out_r, err_r}  # the readers' transports own them now
         runsc_exec = _RestingExec(pid, held, await _reader(out_r), await _reader(err_r))
         proc = GVisorProcess(gv, sandbox_id, runsc_exec, inner, raise_signal=False)
@@ -290,7 +290,7 @@ class _RestingExec:
     with no pidfd while the shell idles (:func:`dsec.executor.process.watch_pid_lazily`)."""
 
     def __init__(
-        self, pid: int, stdin: _HeldStdin, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader
+        self, pid: int, stdin: HeldStdin, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader
     ) -> None:
         self.pid = pid
         self.stdin = stdin
@@ -298,7 +298,7 @@ class _RestingExec:
         self.stderr = stderr
         self._code: int | None = None
         self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        stdin.owner = self
+        stdin.ended = lambda: self.returncode is not None
         watch_pid_lazily(pid, self._exited)
 
     def _exited(self, pid: int, code: int) -> None:
@@ -315,58 +315,6 @@ class _RestingExec:
     async def wait(self) -> int:
         watch_child(self.pid)
         return await asyncio.shield(self._ended)
-
-
-class _HeldStdin:
-    """The session shell's stdin, whose write end its ``runsc exec`` holds: opened through
-    /proc per command and checked to be that pipe (safe while runsc exec is unreaped: its PID
-    cannot be reused). Closing it lets the shell go (killed alone, as crun's)."""
-
-    def __init__(self, path: str, pipe: int) -> None:
-        self._path = path
-        self._pipe = pipe
-        self._buf = bytearray()
-        self.owner: _RestingExec | None = None
-        self.let_go: Callable[[], None] | None = None
-
-    def write(self, data: bytes) -> None:
-        self._buf += data
-
-    async def drain(self) -> None:
-        data, self._buf = bytes(self._buf), bytearray()
-        try:
-            if self.owner is not None and self.owner.returncode is not None:
-                raise OSError("exited")
-            fd = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            raise BrokenPipeError(f"session shell gone: {exc}") from exc
-        try:
-            if os.fstat(fd).st_ino != self._pipe:
-                raise BrokenPipeError("runsc exec's hold on the session's stdin is gone")
-            await _write_all(fd, data)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        if self.let_go is not None:
-            self.let_go()
-
-
-async def _write_all(fd: int, data: bytes) -> None:
-    loop = asyncio.get_running_loop()
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view) :]
-            continue
-        except BlockingIOError:
-            pass
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_writer(fd, _settle, ready)
-        try:
-            await ready
-        finally:
-            loop.remove_writer(fd)
 
 
 def _settle(ready: asyncio.Future[None]) -> None:

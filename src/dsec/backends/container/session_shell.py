@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 
 from dsec.executor.process import kill_tree, poll_child, watch_child, watch_pid_lazily
 
@@ -25,7 +26,9 @@ class SessionShell:
         self._code: int | None = None
         self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         watch_pid_lazily(pid, self._exited)
-        self.stdin = _HeldStdin(self, f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
+        self.stdin = HeldStdin(f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
+        self.stdin.ended = lambda: self.returncode is not None
+        self.stdin.let_go = self.let_go
 
     def _exited(self, pid: int, code: int) -> None:
         self._code = code
@@ -78,15 +81,18 @@ class SessionShell:
         watch_child(self._pid)  # reaped when it ends, not left a zombie
 
 
-class _HeldStdin:
-    """The shell's stdin, whose write end the shell holds: opened through its /proc fd per
-    command, and checked to be that pipe (a command may have replaced fd 9)."""
+class HeldStdin:
+    """A session shell's stdin, whose write end a process of the edge holds (the shell itself,
+    or gVisor's ``runsc exec``): opened through ``path`` (/proc/PID/fd/N) per command, safe
+    while that PID is unreaped, and checked to be that pipe (inode ``pipe``: a command may have
+    replaced the fd). ``ended`` says whether the shell ended; closing calls ``let_go``."""
 
-    def __init__(self, shell: SessionShell, path: str, pipe: int) -> None:
-        self._shell = shell
+    def __init__(self, path: str, pipe: int) -> None:
         self._path = path
         self._pipe = pipe
         self._buf = bytearray()
+        self.ended: Callable[[], bool] = lambda: False
+        self.let_go: Callable[[], None] = lambda: None
 
     def write(self, data: bytes) -> None:
         self._buf += data
@@ -94,21 +100,20 @@ class _HeldStdin:
     async def drain(self) -> None:
         data, self._buf = bytes(self._buf), bytearray()
         try:
-            if self._shell.returncode is not None:
+            if self.ended():
                 raise OSError("exited")
-            # Safe while the shell is unreaped (its PID cannot be reused).
             fd = os.open(self._path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise BrokenPipeError(f"session shell gone: {exc}") from exc
         try:
             if os.fstat(fd).st_ino != self._pipe:
-                raise BrokenPipeError(f"the session shell's fd {SESSION_STDIN_FD} is no longer its stdin")
+                raise BrokenPipeError(f"{self._path} is no longer the session shell's stdin")
             await _write_all(fd, data)
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        self._shell.let_go()
+        self.let_go()
 
 
 async def _write_all(fd: int, data: bytes) -> None:
