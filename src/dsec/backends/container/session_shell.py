@@ -70,9 +70,9 @@ class SessionShell:
 
     def kill_tree(self) -> None:
         """The shell, what it started and the helper's process group (the shell's)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._helper.pid, signal.SIGKILL)
-        if self._code is None:
+        if self._code is None:  # unreaped, so the group (the helper's PID) is still the shell's
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._helper.pid, signal.SIGKILL)
             kill_tree(self._pid)
 
     def let_go(self) -> None:
