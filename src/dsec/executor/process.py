@@ -212,17 +212,38 @@ def _watcher() -> _PidfdWatcher | None:
     return watcher if isinstance(watcher, _PidfdWatcher) else None
 
 
-def watch_pid_lazily(pid: int, callback: Callable[[int, int], object]) -> None:
-    """Watch a child the edge did not start through asyncio (a session shell, forked for the
-    edge by its helper), without a pidfd until :func:`watch_child` (or until :func:`poll_child`
-    finds it gone): ``callback(pid, exit code as asyncio reports it)`` once it is reaped. For
-    session shells, which idle for hours by the thousand: a pidfd each was a quarter of the fds
-    an edge spent per held session."""
-    watcher = asyncio.get_child_watcher()
-    if isinstance(watcher, _PidfdWatcher):
-        watcher.add_resting(pid, callback)
-    else:
-        watcher.add_child_handler(pid, callback)
+class RestingChild:
+    """A child the edge did not start through asyncio (a session shell, forked for the edge by
+    its helper), watched without a pidfd until someone awaits it (:meth:`wait`) or asks for its
+    exit code (:attr:`returncode`, one waitid): session shells idle for hours by the thousand,
+    and a pidfd each was a quarter of the fds an edge spent per held session."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._code: int | None = None
+        self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        watcher = asyncio.get_child_watcher()
+        if isinstance(watcher, _PidfdWatcher):
+            watcher.add_resting(pid, self._exited)
+        else:
+            watcher.add_child_handler(pid, self._exited)
+
+    def _exited(self, pid: int, code: int) -> None:
+        self._code = code
+        if not self._ended.done():
+            self._ended.set_result(code)
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code as asyncio reports it once reaped (found now if it ended meanwhile:
+        OOM, a kill from the sandbox), else None."""
+        if self._code is None:
+            poll_child(self.pid)
+        return self._code
+
+    async def wait(self) -> int:
+        watch_child(self.pid)
+        return await asyncio.shield(self._ended)
 
 
 def poll_child(pid: int) -> int | None:

@@ -146,7 +146,7 @@ def spawn_unwatched(
     exe: str, argv: list[str], env: dict[str, str], fds: dict[int, int], *, setsid: bool
 ) -> int | None:
     """Fork ``exe`` (an absolute path) as the edge's child without asyncio watching it: the
-    caller reaps it (:func:`dsec.executor.process.watch_pid_lazily`). ``fds`` maps fd numbers
+    caller reaps it (:class:`dsec.executor.process.RestingChild`). ``fds`` maps fd numbers
     in the child to the edge's. None when no spawner runs."""
     spawner = _running()
     return None if spawner is None else spawner.spawn(exe, argv, env, None, fds, setsid)

@@ -269,7 +269,7 @@ async def spawn_session(
     (a socket would make ``> /dev/stdout`` fail with ENXIO); the shell keeps the write end of
     its own stdin at fd 9 (``--hold-stdin``), which the edge opens per command; the helper
     forks the shell as the edge's own child and exits, and no pidfd watches the shell while it
-    idles (:func:`dsec.executor.process.watch_pid_lazily`)."""
+    idles (:class:`dsec.executor.process.RestingChild`)."""
     stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
     try:
         pipe = os.fstat(stdin_w).st_ino

@@ -19,14 +19,14 @@ import signal
 import tempfile
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from dsec.backends.base import User
 from dsec.backends.container import oci
 from dsec.backends.container.gvisor import ENV, GVisor, run_quietly
 from dsec.backends.container.session_shell import SESSION_STDIN_FD, HeldStdin
 from dsec.executor import spawner
-from dsec.executor.process import ProcessStdin, poll_child, watch_child, watch_pid_lazily
+from dsec.executor.process import ProcessStdin, RestingChild, watch_child
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 EXEC_NOT_STARTED = 127  # runsc could not start the command (missing program, bad cwd): a shell's 127
@@ -264,57 +264,18 @@ async def _reader(fd: int) -> asyncio.StreamReader:
     return reader
 
 
-class _RunscExec(Protocol):
-    """``runsc exec`` on the host, as :class:`GVisorProcess` drives it."""
-
-    @property
-    def stdin(self) -> ProcessStdin | None: ...
-
-    @property
-    def stdout(self) -> asyncio.StreamReader | None: ...
-
-    @property
-    def stderr(self) -> asyncio.StreamReader | None: ...
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
-
-
-class _RestingExec:
+class _RestingExec(RestingChild):
     """A session's ``runsc exec``: the edge's child by the spawner, reaped by the edge itself
-    with no pidfd while the shell idles (:func:`dsec.executor.process.watch_pid_lazily`)."""
+    with no pidfd while the shell idles."""
 
     def __init__(
         self, pid: int, stdin: HeldStdin, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader
     ) -> None:
-        self.pid = pid
+        super().__init__(pid)
         self.stdin = stdin
         self.stdout = stdout
         self.stderr = stderr
-        self._code: int | None = None
-        self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         stdin.ended = lambda: self.returncode is not None
-        watch_pid_lazily(pid, self._exited)
-
-    def _exited(self, pid: int, code: int) -> None:
-        self._code = code
-        if not self._ended.done():
-            self._ended.set_result(code)
-
-    @property
-    def returncode(self) -> int | None:
-        if self._code is None:  # not watched while it idles: a shell that ended is found now
-            poll_child(self.pid)
-        return self._code
-
-    async def wait(self) -> int:
-        watch_child(self.pid)
-        return await asyncio.shield(self._ended)
 
 
 def _settle(ready: asyncio.Future[None]) -> None:
@@ -331,7 +292,7 @@ class GVisorProcess:
         self,
         gvisor: GVisor,
         sandbox_id: str,
-        proc: asyncio.subprocess.Process | _RunscExec,
+        proc: asyncio.subprocess.Process | _RestingExec,
         inner_pid: int | None,
         *,
         raise_signal: bool,

@@ -11,29 +11,21 @@ import os
 import signal
 from collections.abc import Callable
 
-from dsec.executor.process import kill_tree, poll_child, watch_child, watch_pid_lazily
+from dsec.executor.process import RestingChild, kill_tree, watch_child
 
 SESSION_STDIN_FD = 9  # where a session shell keeps the write end of its stdin (dsec_enter.c)
 
 
-class SessionShell:
+class SessionShell(RestingChild):
     """A session shell started by :func:`spawn_session`, as a :class:`SandboxProcess`: the
     edge's child, which the edge reaps itself; output through the helper's pipes."""
 
     def __init__(self, helper: asyncio.subprocess.Process, pid: int, pipe: int) -> None:
+        super().__init__(pid)
         self._helper = helper  # exited (or about to): its transport carries stdout and stderr
-        self._pid = pid
-        self._code: int | None = None
-        self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        watch_pid_lazily(pid, self._exited)
         self.stdin = HeldStdin(f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
         self.stdin.ended = lambda: self.returncode is not None
         self.stdin.let_go = self.let_go
-
-    def _exited(self, pid: int, code: int) -> None:
-        self._code = code
-        if not self._ended.done():
-            self._ended.set_result(code)
 
     @property
     def stdout(self) -> asyncio.StreamReader | None:
@@ -43,42 +35,26 @@ class SessionShell:
     def stderr(self) -> asyncio.StreamReader | None:
         return self._helper.stderr
 
-    @property
-    def pid(self) -> int:
-        return self._pid
-
     def shell_pid(self) -> int | None:
         """The shell's host PID while it runs (unreaped: the PID names no other process)."""
-        return self._pid if self.returncode is None else None
-
-    @property
-    def returncode(self) -> int | None:
-        # Not watched while it idles: a shell killed meanwhile (OOM, `kill` from the sandbox)
-        # is found here, when the session is next used.
-        if self._code is None:
-            poll_child(self._pid)
-        return self._code
-
-    async def wait(self) -> int:
-        watch_child(self._pid)
-        return await asyncio.shield(self._ended)
+        return self.pid if self.returncode is None else None
 
     def kill(self) -> None:
         if self._code is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
 
     def kill_tree(self) -> None:
         """The shell, what it started and the helper's process group (the shell's)."""
         if self._code is None:  # unreaped, so the group (the helper's PID) is still the shell's
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._helper.pid, signal.SIGKILL)
-            kill_tree(self._pid)
+            kill_tree(self.pid)
 
     def let_go(self) -> None:
         """The shell ends (killed alone, so what it runs in the background lives on)."""
         self.kill()
-        watch_child(self._pid)  # reaped when it ends, not left a zombie
+        watch_child(self.pid)  # reaped when it ends, not left a zombie
 
 
 class HeldStdin:
