@@ -8,13 +8,12 @@ lands, so whoever fixes it removes the marker and the test joins the suite for g
 from __future__ import annotations
 
 import base64
-import shutil
 
 import pytest
 
-from dsec import DSecMicroVMRunArgs, Sandbox
-from tests.conftest import BASE, Sandboxes
-from tests.security.test_session_end import PEEKERS
+from dsec import Sandbox
+from tests.conftest import Sandboxes
+from tests.security.test_session_end import OTHER_BACKENDS, PEEKERS, on_backend
 
 # Replaces printf, which the driver loop calls to print a command's end marker, so that every
 # later end marker of the session says exit code 0.
@@ -64,19 +63,7 @@ async def test_a_process_cannot_write_into_another_sessions_command_pipe(sandbox
     assert (r.exit_code, r.stdout) == (3, "grading\n"), r
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param("gvisor", marks=pytest.mark.skipif(shutil.which("runsc") is None, reason="no runsc")),
-        pytest.param(
-            "microvm",
-            marks=[
-                pytest.mark.vm,
-                pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="no qemu"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
 @pytest.mark.xfail(
     strict=True,
     reason="GAP: a session shell under gVisor or in a microVM is not a process the edge sees in "
@@ -88,11 +75,7 @@ async def test_a_process_cannot_write_into_another_sessions_command_pipe(sandbox
 async def test_a_command_that_reads_its_end_nonce_cannot_end_early_on_other_backends(
     make_sandbox: Sandboxes, backend: str
 ) -> None:
-    if backend == "microvm":
-        sandbox = await make_sandbox.client.run_microvm(DSecMicroVMRunArgs(container_image=BASE))
-        make_sandbox.made.append(sandbox)
-    else:
-        sandbox = await make_sandbox(runtime=backend)
+    sandbox = await on_backend(make_sandbox, backend)
     first = await sandbox.run_shell(f"{PEEKERS['shell']}; echo after; (exit 3)", session="s", timeout=60)
     assert first.exit_code == 3 and first.stdout.endswith("smuggled\nafter\n"), first
     second = await sandbox.run_shell("echo harness", session="s", timeout=60)

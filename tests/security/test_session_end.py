@@ -49,34 +49,39 @@ PEEKERS = {
 }
 
 
+# The backends besides crun that run the same session driver (no watch from the host there).
+OTHER_BACKENDS = [
+    pytest.param("gvisor", marks=pytest.mark.skipif(shutil.which("runsc") is None, reason="no runsc")),
+    pytest.param(
+        "microvm",
+        marks=[
+            pytest.mark.vm,
+            pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="no qemu"),
+        ],
+    ),
+]
+
+
+async def on_backend(make_sandbox: Sandboxes, backend: str) -> Sandbox:
+    """A sandbox on ``backend``: crun or gVisor (a container runtime), or a microVM."""
+    if backend != "microvm":
+        return await make_sandbox(runtime=backend)
+    sandbox = await make_sandbox.client.run_microvm(DSecMicroVMRunArgs(container_image=BASE))
+    make_sandbox.made.append(sandbox)
+    return sandbox
+
+
 async def _harness_after(sandbox: Sandbox, session: str) -> None:
     """The next command's result is exactly its own (a grader's, say)."""
     r = await sandbox.run_shell("echo harness; echo harness-err >&2", session=session, timeout=60)
     assert (r.exit_code, r.stdout, r.stderr) == (0, "harness\n", "harness-err\n"), r
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "crun",
-        pytest.param("gvisor", marks=pytest.mark.skipif(shutil.which("runsc") is None, reason="no runsc")),
-        pytest.param(
-            "microvm",
-            marks=[
-                pytest.mark.vm,
-                pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="no qemu"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["crun", *OTHER_BACKENDS])
 async def test_a_command_cannot_forge_its_own_end_marker(make_sandbox: Sandboxes, backend: str) -> None:
     """The nonce a command can read ($__dsec_n frames the command text) is not the end's: on
     every backend (microVMs and gVisor run the same driver, with no watch from the host)."""
-    if backend == "microvm":
-        sandbox = await make_sandbox.client.run_microvm(DSecMicroVMRunArgs(container_image=BASE))
-        make_sandbox.made.append(sandbox)
-    else:
-        sandbox = await make_sandbox(runtime=backend)
+    sandbox = await on_backend(make_sandbox, backend)
     forge = (
         "printf '\\0%s:0\\0' \"$__dsec_n\"; printf '\\0%s\\0' \"$__dsec_n\" >&2; "
         "echo smuggled; echo smuggled-err >&2; (exit 3)"
