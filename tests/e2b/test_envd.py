@@ -259,8 +259,10 @@ async def test_pause_and_resume_keep_files_and_a_running_process(e2b: E2B) -> No
         """
         sbx = Sandbox.create(timeout=120)
         sbx.files.write("/work/kept.txt", "kept")
-        h = sbx.commands.run("n=0; while true; do n=$((n+1)); echo $n > /work/count; sleep 0.05; done",
-                             background=True)
+        # Renamed into place: a process frozen between the truncation and the write of
+        # `echo > file` (and paged out) leaves the file empty for a while after the resume.
+        loop = "n=0; while true; do n=$((n+1)); echo $n >/work/c; mv /work/c /work/count; sleep 0.05; done"
+        h = sbx.commands.run(loop, background=True)
         sbx.commands.run("sleep 0.3")
         sbx.pause()
         same = Sandbox.connect(sbx.sandbox_id)
