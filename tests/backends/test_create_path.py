@@ -5,6 +5,7 @@ vfork, the cpuset parent clones its CPUs to children, no keyring per sandbox, no
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -141,3 +142,45 @@ def test_a_sandbox_made_before_buckets_keeps_its_cgroup() -> None:
         if made_parent:
             parent.rmdir()
     assert cgroups.rel(old.name) != f"{cgroups.PARENT}/{old.name}"
+
+
+async def test_an_init_that_never_answers_fails_the_start_and_says_so(
+    rootfs_helper: Path, tmp_path: Path
+) -> None:
+    # --own-root: the program succeeded, but nothing at fd 3 said it runs (crun's init would).
+    options, root = overlay(tmp_path)
+    with pytest.raises(InfraFailure, match="own mount namespace: the sandbox's init did not start") as exc:
+        await rootfs.run(rootfs_helper, options, root, ["sh", "-c", "exec 3>&-"], ENV, own_root=True)
+    assert exc.value.reason == "runtime"
+    assert await rootfs.run(rootfs_helper, options, root, ["sh", "-c", "exit 3"], ENV, own_root=True) == 3
+
+
+async def test_a_crun_sandboxs_mount_namespace_holds_its_own_mounts_only(made: Made) -> None:  # noqa: F811
+    # crun chroots in dsec-rootfs's namespace rather than pivot_root (whose walk over every task
+    # on the host grew each create with the node); the host's tree must then leave it.
+    _, h = await sandbox(made)
+    init = h["pid"]
+    script = "cat /proc/self/mountinfo; stat -c '%d %i' /; readlink /proc/1/exe; readlink /proc/1/fd/0"
+    entered = await asyncio.to_thread(
+        subprocess.run,
+        ["nsenter", f"--mount=/proc/{init}/ns/mnt", f"--pid=/proc/{init}/ns/pid", "--", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert entered.returncode == 0, entered.stderr
+    *mounts, root_id, exe, stdin = entered.stdout.splitlines()
+    points = {line.split()[4] for line in mounts}
+    kinds = {line.split()[4]: line.split(" - ")[1].split()[0] for line in mounts}
+    assert kinds["/"] == "overlay", mounts
+    expected = {"/", "/proc", "/dev", "/dev/pts", "/sys", "/.dsec"}
+    assert expected <= points, mounts
+    # Nothing of the host: every other mount masks or binds something in the sandbox's tree.
+    extra = points - expected - {"/etc/resolv.conf", *oci.MASKED_DIRS, *oci.MASKED_PATHS, *oci.READONLY_PATHS}
+    assert not extra, mounts
+    host_root = Path("/").stat()
+    assert root_id != f"{host_root.st_dev} {host_root.st_ino}"
+    # The init moved to the root every entering process gets: its binary and stdio are there.
+    inits_root = Path(f"/proc/{init}/root").stat()
+    assert root_id == f"{inits_root.st_dev} {inits_root.st_ino}"
+    assert (exe, stdin) == ("/.dsec/dsec-init", "/dev/null")

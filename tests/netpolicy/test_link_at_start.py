@@ -42,8 +42,9 @@ def _gvisor(tmp_path: Path) -> GVisor:
 
 def test_a_linked_gvisor_sandbox_runs_netstack_in_the_namespace_of_its_link(tmp_path: Path) -> None:
     gv = _gvisor(tmp_path)
-    namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
-    config = {"linux": {"namespaces": namespaces, "seccomp": {}}, "mounts": []}
+    namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts")]  # crun's: no mount namespace
+    process = {"args": ["/.dsec/dsec-init", "--new-root-on", "3"]}
+    config = {"process": process, "linux": {"namespaces": namespaces, "seccomp": {}}, "mounts": []}
     args = {
         "bundle": tmp_path,
         "log_file": tmp_path / "log",
@@ -53,7 +54,10 @@ def test_a_linked_gvisor_sandbox_runs_netstack_in_the_namespace_of_its_link(tmp_
 
     plain = gv.run_argv(**args, link=None)  # type: ignore[arg-type]
     assert "--network=none" in plain
-    assert gv.adapt_config(config, tmp_path, None)["linux"]["namespaces"] == namespaces
+    adapted = gv.adapt_config(config, tmp_path, None)
+    # runsc makes its own mount namespace, and its init gets no root over fd 3 (crun's does).
+    assert adapted["linux"]["namespaces"] == [*namespaces, {"type": "mount"}]
+    assert adapted["process"]["args"] == ["/.dsec/dsec-init"]
 
     made = tmp_path / "netns"  # stands for a namespace of its own (an nsfs file elsewhere)
     made.touch()
@@ -61,7 +65,7 @@ def test_a_linked_gvisor_sandbox_runs_netstack_in_the_namespace_of_its_link(tmp_
     assert "--network=sandbox" in gv.run_argv(**args, link=link)  # type: ignore[arg-type]
     linked = gv.adapt_config(config, tmp_path, link)["linux"]["namespaces"]
     assert {"type": "network", "path": str(made)} in linked
-    assert [n["type"] for n in linked] == [n["type"] for n in namespaces]
+    assert [n["type"] for n in linked] == [*(n["type"] for n in namespaces), "mount"]
 
 
 def test_netstack_is_never_started_in_the_nodes_own_namespace(tmp_path: Path) -> None:

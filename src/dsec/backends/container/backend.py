@@ -1,10 +1,11 @@
 """Container sandboxes: crun over an overlay of EROFS layers, mounted out of the host's sight.
 
-The overlay root is mounted in a throw-away mount namespace created between fork and exec of
-``crun run``; crun copies that namespace for the container, then the throw-away one dies. The
-host's mount table therefore never grows with sandboxes (a long table slows every later
-create and exec), and a sandbox's mounts vanish with its last process: nothing to unmount,
-nothing to leak if the edge crashes.
+The overlay root is mounted in a mount namespace of its own made by ``dsec-rootfs`` before it
+runs ``crun run``; crun mounts the sandbox's filesystems there and chroots, and the helper
+then takes the host's tree out of it, so the namespace becomes the container's (runsc copies
+it instead). The host's mount table therefore never grows with sandboxes (a long table slows
+every later create and exec), and a sandbox's mounts vanish with its last process: nothing
+to unmount, nothing to leak if the edge crashes.
 
 A sandbox with ``disk_limit_mb`` keeps its working directory in a btrfs subvolume with a
 qgroup limit, on one quota file system per node (:mod:`.diskquota`); the edge's path for it
@@ -234,6 +235,9 @@ class ContainerBackend:
                     # create), and sandboxes cannot use keyrings at all (keyctl, add_key and
                     # request_key fail under seccomp; dsec-enter's processes never had their own).
                     "--no-new-keyring",
+                    # fd 3: dsec-rootfs --own-root's socket, over which the init gets its root.
+                    "--preserve-fds",
+                    "1",
                     "--bundle",
                     str(bundle),
                 ),
@@ -249,7 +253,14 @@ class ContainerBackend:
         # A networked runsc must not see the host's net sysctls (gvisor.py: its root-netns test).
         hide = on_gvisor and ctx.link is not None
         rc = await rootfs.run(
-            self.rootfs_helper, options, root, run, _CRUN_ENV, new_core_cookie=cookie, hide_net_sysctls=hide
+            self.rootfs_helper,
+            options,
+            root,
+            run,
+            _CRUN_ENV,
+            new_core_cookie=cookie,
+            hide_net_sysctls=hide,
+            own_root=not on_gvisor,
         )
         if rc != 0:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""

@@ -38,6 +38,7 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import GuestLink
+from dsec.backends.container import oci
 from dsec.netpolicy import links
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
@@ -189,16 +190,17 @@ class GVisor:
     @staticmethod
     def adapt_config(config: dict[str, Any], rootfs: Path, link: GuestLink | None) -> dict[str, Any]:
         """crun's config for runsc: without seccomp (the sentry filters its own syscalls; runsc
-        applies an OCI profile only with --oci-seccomp), /tmp bound to the root's own /tmp,
+        applies an OCI profile only with --oci-seccomp), a mount namespace and the init's
+        plain arguments (dsec-rootfs only makes crun's namespace), /tmp bound to the root's own /tmp,
         since runsc mounts a tmpfs over an empty /tmp that is not a mount of the spec (and
         writes there would never reach the upper directory), and, with a ``link``, the
         network namespace that holds it."""
         linux = {k: v for k, v in config["linux"].items() if k != "seccomp"}
-        if link is not None:
-            linux["namespaces"] = [
-                {"type": "network", "path": link.netns} if ns["type"] == "network" else ns
-                for ns in linux["namespaces"]
-            ]
+        # runsc makes the sandbox's mount namespace itself (crun's config leaves it to dsec-rootfs).
+        linux["namespaces"] = [
+            {"type": "network", "path": link.netns} if ns["type"] == "network" and link is not None else ns
+            for ns in linux["namespaces"]
+        ] + [{"type": "mount"}]
         mounts = list(config["mounts"])
         mounts.append(
             {
@@ -208,7 +210,8 @@ class GVisor:
                 "options": ["rbind", "rw", "nosuid", "nodev"],
             }
         )
-        return {**config, "linux": linux, "mounts": mounts}
+        process = {**config["process"], "args": [oci.INIT]}  # runsc's init keeps the root it starts in
+        return {**config, "process": process, "linux": linux, "mounts": mounts}
 
     def handle_extra(self, sandbox_id: str) -> dict[str, Any]:
         """What the edge keeps beyond crun's handle: the gofer, whose root is the sandbox's."""

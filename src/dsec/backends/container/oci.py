@@ -1,8 +1,8 @@
 """OCI runtime-spec bundles for container sandboxes.
 
 The config is built, not templated: isolation choices are code that tests can read back. The
-rootfs is prepared by the backend (overlayfs over EROFS layers), so the runtime only pivots
-into it.
+rootfs is prepared by the backend (overlayfs over EROFS layers) in a mount namespace of its
+own, so the runtime only mounts the sandbox's filesystems under it and chroots.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [INIT],
+            # The root it keeps comes over fd 3 once dsec-rootfs has made it (init/dsec_init.c).
+            "args": [INIT, "--new-root-on", "3"],
             "env": [f"PATH={DEFAULT_PATH}"],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps, "inheritable": []},
@@ -149,7 +150,10 @@ def build_config(
             ),
         ],
         "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            # No mount namespace of crun's: dsec-rootfs --own-root makes its own namespace the
+            # container's, so crun chroots rather than pivot_root, whose walk over every host
+            # task grew each create with the node (rootfs/dsec_rootfs.c). runsc adds one.
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts")],
             "cgroupsPath": cgroup_path,
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],

@@ -36,21 +36,25 @@ async def run(
     *,
     new_core_cookie: bool = False,
     hide_net_sysctls: bool = False,
+    own_root: bool = False,
 ) -> int:
     """Run ``argv`` in a private mount namespace with the overlay mounted on ``rootfs`` (and,
     if asked, a fresh core scheduling cookie, and an empty ``/proc/sys/net``: see the helper);
-    its exit status. InfraFailure (storage) when the namespace, the mount or the cookie cannot
-    be made."""
+    its exit status. ``own_root``: the namespace becomes the container's, holding only the
+    tree under ``rootfs`` once ``argv`` has succeeded (crun's config has no mount namespace).
+    InfraFailure: storage when the namespace, the mount or the cookie cannot be made; runtime
+    when ``argv`` cannot start or the namespace cannot become the container's."""
     proc = await spawner.create_subprocess_exec(
         str(helper),
         *(["--new-core-cookie"] if new_core_cookie else []),
         *(["--hide-net-sysctls"] if hide_net_sysctls else []),
+        *(["--own-root"] if own_root else []),
         overlay_options,
         str(rootfs),
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
-        # The helper's own failures only: a successful exec puts the runtime's on /dev/null.
+        # The helper's own failures only: the runtime's stdio is /dev/null.
         stderr=asyncio.subprocess.PIPE,
         env=env,
     )
@@ -59,6 +63,9 @@ async def run(
     rc = await proc.wait()
     if said.startswith("exec "):
         raise InfraFailure(f"cannot start {argv[0]}: {said[-1500:]}", reason="runtime")
+    if said.startswith("own root: "):
+        msg = f"cannot give the sandbox its own mount namespace: {said.removeprefix('own root: ')[-1500:]}"
+        raise InfraFailure(msg, reason="runtime")
     if said:
         lower = overlay_options.split(",", 1)[0].removeprefix("lowerdir=")
         msg = f"cannot mount the sandbox root (overlay over {lower}): {said[-1500:]}"
