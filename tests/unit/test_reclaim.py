@@ -115,3 +115,26 @@ async def test_only_activity_that_changed_is_written_to_the_journal(
     assert written == [{sb.id for sb in boxes}, {boxes[1].id}]
     record = node.edge.journal.get(boxes[1].id)
     assert record is not None and record.last_active_at == node.edge._live[boxes[1].id].record.last_active_at
+
+
+async def test_a_pass_looks_only_at_sandboxes_whose_time_came(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pass over every sandbox each second was an edge's steady CPU at 8,000 held.
+    node = await nodes.start(reap_interval_s=3600, liveness_interval_s=3600)
+    edge = node.edge
+    async with DSecClient(node.url, node.api_key) as client:
+        plain = await client.run_containers(DSecContainerRunArgs(container_image=TINY), 4)
+        idle = await client.run_container(DSecContainerRunArgs(container_image=TINY, ttl_running_stop=0.2))
+        looked: list[str] = []
+        look_again = edge.look_again
+        monkeypatch.setattr(
+            edge, "look_again", lambda live: (looked.append(live.record.id), look_again(live))
+        )
+        edge._last_liveness = time.time()
+        assert await edge.reap_once() == []  # nothing is due yet: nobody is looked at
+        assert looked == []
+        await eventually(lambda: time.time() >= edge._live[idle.id].record.last_active_at + 0.2, "its ttl")
+        assert await edge.reap_once() == [idle.id]
+        assert idle.id not in edge._live and all(sb.id in edge._live for sb in plain)
+        assert plain[0].id not in looked

@@ -31,6 +31,7 @@ from dsec.edge.reclaim import Reclaimer
 from dsec.edge.tally import LiveSandboxes
 from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
+from dsec.edge.wakeups import Wakeups
 from dsec.executor.held import ProcessTable
 from dsec.executor.process import watch_children_with_pidfds
 from dsec.executor.session import Session
@@ -97,6 +98,13 @@ class _Live:
     processes: ProcessTable = field(default_factory=ProcessTable)  # started by start_process
     stopping: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
     busy: int = 0  # commands running now: a sandbox running a command is not idle
+    # Where activity is noted for the journal: the edge's LiveSandboxes.touched once admitted.
+    touched: set[str] = field(default_factory=set)
+
+    def touch(self) -> None:
+        """Used now: idleness counts from here (the reaper's next pass journals it)."""
+        self.record.last_active_at = time.time()
+        self.touched.add(self.record.id)
 
     @contextlib.contextmanager
     def working(self) -> Iterator[None]:
@@ -105,7 +113,7 @@ class _Live:
             yield
         finally:
             self.busy -= 1
-            self.record.last_active_at = time.time()
+            self.touch()
 
 
 class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
@@ -141,7 +149,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self._reaper: asyncio.Task[None] | None = None
         self._last_liveness = 0.0
         self._liveness_cursor = 0  # where the next liveness batch starts in _live's order
-        self._flushed_activity: dict[str, float] = {}  # last_active_at as the journal has it
+        self._wakeups = Wakeups()  # when the reaper next looks at each sandbox
 
     # -- lifecycle of the edge itself -------------------------------------------------------
 
@@ -211,7 +219,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                     await self.reapply_pause_state(rec)
                 except DSecError as exc:  # its cgroup vanished: the liveness check will reap it
                     log.warning("re-adopting %s: %s", rec.id, exc)
-                self._live.admit(_Live(rec, user))
+                self._admit(_Live(rec, user))
                 log.info("re-adopted %s (%s)", rec.id, rec.state.value)
                 continue
             reason = {
@@ -370,7 +378,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             rec.state = SandboxState.running
             rec.last_active_at = time.time()
             self.journal.update(rec)
-            self._live.admit(_Live(rec, user))
+            self._admit(_Live(rec, user))
             self.take_lease(spec)  # after it is live: a lease covering nothing is dropped
             return self._info(rec)
         except BaseException as exc:
@@ -476,6 +484,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 await self.backend_of(rec).destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
             except Exception as exc:
                 # Stays 'stopping': a later stop (or the reaper) tries again.
+                self.look_again(live)
                 log.exception("destroying %s failed", sandbox_id)
                 raise InfraFailure(f"stopping {sandbox_id} failed: {exc}", reason="runtime") from exc
             await self.egress.release(sandbox_id)
@@ -485,6 +494,10 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             self.journal.update(rec)
             self._live.release(sandbox_id)
             return self._info(rec)
+
+    def _admit(self, live: _Live) -> None:
+        self._live.admit(live)
+        self.look_again(live)
 
     def _info(self, rec: Record) -> SandboxInfo:
         return SandboxInfo(

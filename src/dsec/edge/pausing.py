@@ -22,17 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dsec.edge.journal import Lease
+from dsec.edge.tally import LeaseKey, lease_key
 from dsec.iam.base import in_subtree
 from dsec.protocol.errors import Conflict, InfraFailure, SandboxNotFound
 from dsec.protocol.ids import SandboxId
-from dsec.protocol.models import (
-    DEFAULT_PROJECT,
-    JOB_LABEL,
-    PROJECT_LABEL,
-    ContainerSpec,
-    SandboxInfo,
-    SandboxState,
-)
+from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
@@ -42,14 +36,6 @@ if TYPE_CHECKING:
     from dsec.edge.trajectory import Recorder
 
 log = logging.getLogger("dsec.edge")
-
-LeaseKey = tuple[str, str]  # (project, job)
-
-
-def lease_key(spec: ContainerSpec) -> LeaseKey | None:
-    if spec.lease_s is None:
-        return None
-    return spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT), spec.labels[JOB_LABEL]
 
 
 @dataclass
@@ -77,6 +63,7 @@ class Pausing:
 
         def _info(self, rec: Record) -> SandboxInfo: ...
         def backend_of(self, rec: Record) -> Backend: ...
+        def look_again(self, live: _Live) -> None: ...
 
     def _get_live(self, sandbox_id: str) -> _Live:
         """A sandbox that is running or paused; touching it counts as activity."""
@@ -84,7 +71,7 @@ class Pausing:
         live = self._live.get(sandbox_id)
         if live is None or live.record.state not in (SandboxState.running, SandboxState.paused):
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist or is no longer running")
-        live.record.last_active_at = time.time()
+        live.touch()
         return live
 
     async def _use(self, sandbox_id: str) -> _Live:
@@ -157,10 +144,11 @@ class Pausing:
             self._live.mark_paused(sandbox_id, False)
             rec.paused_at = None
             rec.pause_reason = None
-            rec.last_active_at = time.time()
+            live.touch()
             if rec.deadline_s is not None:  # only running time counts against a deadline
                 rec.deadline_at = rec.last_active_at + rec.deadline_s
             self.journal.update(rec)
+            self.look_again(live)  # a deadline that counts again
             totals = self.pause_totals
             totals.resumes += 1
             totals.prefetched_bytes += prefetched
@@ -198,24 +186,22 @@ class Pausing:
                 lease.expires_at = expires
                 self.journal.put_lease(lease)
                 renewed.add(key)
-        covered = sum(1 for live in self._live.values() if lease_key(live.record.spec) in renewed)
+        covered = sum(len(self._live.by_lease.get(key, ())) for key in renewed)
         return covered, expires
 
     def lease_actions(self, now: float) -> tuple[list[str], list[str]]:
         """(sandboxes to pause because their lease lapsed, sandboxes to stop after the grace);
-        forgets leases that no longer cover any sandbox."""
-        to_pause, to_stop, used = [], [], set()
-        for sid, live in self._live.items():
-            key = lease_key(live.record.spec)
-            lease = self.leases.get(key) if key is not None else None
-            if lease is None or key is None:
-                continue
-            used.add(key)
-            if now >= lease.expires_at + lease.grace_s:
-                to_stop.append(sid)
-            elif now >= lease.expires_at and live.record.state is SandboxState.running:
-                to_pause.append(sid)
-        for key in set(self.leases) - used:
-            del self.leases[key]
-            self.journal.drop_lease(*key)
+        forgets leases that no longer cover any sandbox. Looks at lapsed leases' sandboxes only."""
+        to_pause: list[str] = []
+        to_stop: list[str] = []
+        for key in list(self.leases):
+            lease = self.leases[key]
+            held = self._live.by_lease.get(key)
+            if not held:
+                del self.leases[key]
+                self.journal.drop_lease(*key)
+            elif now >= lease.expires_at + lease.grace_s:
+                to_stop.extend(held)
+            elif now >= lease.expires_at:
+                to_pause.extend(sid for sid in held if self._live[sid].record.state is SandboxState.running)
         return to_pause, to_stop

@@ -9,6 +9,9 @@ whose lease lapsed or whose deadline says pause and, while the node is short of 
 idlest (see :mod:`.admission`); retries stops that failed before, writes the activity times
 that changed to the journal in one batch and forgets finished sandboxes (and their
 trajectories) after ``keep_finished_s``.
+
+A pass looks only at the sandboxes whose time came (:mod:`.wakeups`), the liveness batch and
+those under lapsed leases: its cost follows what it does, not how many sandboxes the node holds.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from dsec.edge.journal import Journal, Record
     from dsec.edge.tally import LiveSandboxes
     from dsec.edge.trajectory import Recorder
+    from dsec.edge.wakeups import Wakeups
 
 log = logging.getLogger("dsec.edge")
 
@@ -41,7 +45,7 @@ class Reclaimer:
         _live: LiveSandboxes
         _last_liveness: float
         _liveness_cursor: int
-        _flushed_activity: dict[str, float]
+        _wakeups: Wakeups
         recorder: Recorder
 
         async def stop(
@@ -71,22 +75,39 @@ class Reclaimer:
         rec.deadline_s = timeout_s
         rec.on_deadline = None if timeout_s is None else on_timeout
         self.journal.update(rec)
+        self.look_again(self._live[sandbox_id])
         return self._info(rec)
+
+    @staticmethod
+    def _next_look(live: _Live, now: float) -> float | None:
+        """The earliest time one of the sandbox's time-based conditions could hold, as things
+        stand (activity only makes it later); None if it has none."""
+        rec, spec = live.record, live.record.spec
+        if rec.state is SandboxState.stopping:
+            return now  # a destroy that failed: the next pass tries again
+        idle_since = now if live.busy else rec.last_active_at
+        times = [
+            rec.created_at + spec.max_lifetime_s if spec.max_lifetime_s is not None else None,
+            rec.deadline_at if rec.state is SandboxState.running else None,
+            idle_since + spec.ttl_running_stop if spec.ttl_running_stop is not None else None,
+            idle_since + spec.pause_after_idle_s
+            if spec.pause_after_idle_s is not None and rec.state is SandboxState.running
+            else None,
+        ]
+        return min((t for t in times if t is not None), default=None)
+
+    def look_again(self, live: _Live) -> None:
+        """Have the reaper look at this sandbox when its next time-based condition could hold."""
+        when = self._next_look(live, time.time())
+        if when is not None:
+            self._wakeups.at(live.record.id, when)
 
     def _flush_activity(self) -> None:
         # Only what changed: rewriting every row each second was an edge's steady CPU at 8,000.
-        flushed = self._flushed_activity
-        changed = {
-            i: live.record.last_active_at
-            for i, live in self._live.items()
-            if flushed.get(i) != live.record.last_active_at
-        }
-        if changed:
-            self.journal.touch_many(changed)
-            flushed.update(changed)
-        if len(flushed) > len(self._live):
-            for gone in flushed.keys() - self._live.keys():
-                del flushed[gone]
+        live, touched = self._live, self._live.touched
+        if touched:
+            self.journal.touch_many({i: live[i].record.last_active_at for i in touched if i in live})
+            touched.clear()
 
     def _liveness_batch(self) -> set[str]:
         """The next ``liveness_batch`` sandboxes, round robin: each check reads /proc, so a
@@ -111,7 +132,11 @@ class Reclaimer:
         if now - self._last_liveness >= self.config.liveness_interval_s:
             self._last_liveness = now
             to_check = self._liveness_batch()
-        for sid, live in list(self._live.items()):
+        looked = {*self._wakeups.due(now), *to_check, *lapsed_set, *expired_set}
+        for sid in looked:
+            live = self._live.get(sid)
+            if live is None:
+                continue
             spec, rec = live.record.spec, live.record
             if rec.state is SandboxState.stopping:
                 due.append((sid, rec.stop_reason or "stopped"))  # a destroy that failed before
@@ -159,6 +184,9 @@ class Reclaimer:
         for (sid, why), res in zip(due, results, strict=True):
             if isinstance(res, BaseException):
                 log.warning("reclaiming %s (%s) failed: %s", sid, why, res)
+        for sid in looked:  # when to look next: later for the used, again for failed stops
+            if (live := self._live.get(sid)) is not None:
+                self.look_again(live)
         await self.relieve_pressure()
         self._flush_activity()
         self.recorder.log.forget(self.journal.forget_before(now - self.config.keep_finished_s))

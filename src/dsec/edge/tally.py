@@ -4,7 +4,9 @@ The placement watcher asks every edge for its load each second (:meth:`Edge.stat
 backend, project and label, and how many are paused. Counting them from scratch each time walked
 every sandbox (py-spy at 8,000 held: ~8% of the edge's CPU, taken from creates). Sandboxes
 enter and leave through :meth:`LiveSandboxes.admit` and :meth:`LiveSandboxes.release` only, and
-pausing says so through :meth:`LiveSandboxes.mark_paused`; reads are a plain dict's.
+pausing says so through :meth:`LiveSandboxes.mark_paused`; reads are a plain dict's. The same
+goes for what the reaper asks each pass: the sandboxes under each job lease (``by_lease``) and
+those used since the journal last heard (``touched``, filled by ``_Live.touch``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,25 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from dsec.protocol.models import DEFAULT_PROJECT, PROJECT_LABEL, RESERVED_LABEL_PREFIX, SandboxState
+from dsec.protocol.models import (
+    DEFAULT_PROJECT,
+    JOB_LABEL,
+    PROJECT_LABEL,
+    RESERVED_LABEL_PREFIX,
+    ContainerSpec,
+    SandboxState,
+)
 
 if TYPE_CHECKING:
     from dsec.edge.edge import _Live
+
+LeaseKey = tuple[str, str]  # (project, job)
+
+
+def lease_key(spec: ContainerSpec) -> LeaseKey | None:
+    if spec.lease_s is None:
+        return None
+    return spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT), spec.labels[JOB_LABEL]
 
 
 class LiveSandboxes(dict[str, "_Live"]):
@@ -25,19 +42,32 @@ class LiveSandboxes(dict[str, "_Live"]):
         self.by_project: Counter[str] = Counter()
         self.by_label: Counter[str] = Counter()  # "key=value", reserved keys left out
         self.paused: set[str] = set()
+        self.by_lease: dict[LeaseKey, set[str]] = {}
+        self.touched: set[str] = set()  # last_active_at changed since the journal was told
 
     def admit(self, live: _Live) -> None:
         rec = live.record
         self.release(rec.id)
         self[rec.id] = live
+        live.touched = self.touched
+        self.touched.add(rec.id)
         self._count(live, 1)
         self.mark_paused(rec.id, rec.state is SandboxState.paused)
+        key = lease_key(rec.spec)
+        if key is not None:
+            self.by_lease.setdefault(key, set()).add(rec.id)
 
     def release(self, sandbox_id: str) -> None:
         live = self.pop(sandbox_id, None)
         if live is not None:
             self._count(live, -1)
             self.paused.discard(sandbox_id)
+            self.touched.discard(sandbox_id)
+            key = lease_key(live.record.spec)
+            if key is not None and key in self.by_lease:
+                self.by_lease[key].discard(sandbox_id)
+                if not self.by_lease[key]:
+                    del self.by_lease[key]
 
     def mark_paused(self, sandbox_id: str, paused: bool) -> None:
         if paused:
