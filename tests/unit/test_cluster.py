@@ -195,6 +195,9 @@ async def test_a_job_is_stopped_across_the_cluster_in_one_call(cluster: Cluster)
     api = await cluster.api()
     await cluster.edge("e1")
     e2 = await cluster.edge("e2")
+    # Placement spreads over the edges its watcher has seen healthy: wait for both (a batch
+    # placed before the first heartbeat of e2 all went to e1 now and then).
+    await eventually(partial(knows, api, "e1", "e2"), "the watcher sees both edges")
     job = DSecContainerRunArgs(container_image=TINY, labels={"job": "j"})
     async with cluster.client(0) as admin:
         await admin.create_project("root", "team")
@@ -227,6 +230,7 @@ async def test_a_batch_is_created_whole_or_not_at_all(cluster: Cluster) -> None:
     api = await cluster.api()
     await cluster.edge("e1")
     await cluster.edge("e2")
+    await eventually(partial(knows, api, "e1", "e2"), "the watcher sees both edges")
     args = DSecContainerRunArgs(container_image=TINY, labels={"job": "batch"})
     async with cluster.client(0) as admin:
         made = await admin.run_containers(args, 12)
