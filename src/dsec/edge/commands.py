@@ -43,8 +43,9 @@ from dsec.protocol.models import (
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
-    from dsec.edge.edge import EdgeConfig, _Live
+    from dsec.edge.edge import EdgeConfig
     from dsec.edge.journal import Record
+    from dsec.edge.tally import _Live
     from dsec.edge.trajectory import Recorder
     from dsec.images.mounts import LayerMounts
     from dsec.images.store import LayerStore

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,13 +28,11 @@ from dsec.edge.networking import Networking
 from dsec.edge.pausing import PauseTotals, Pausing
 from dsec.edge.processes import Processes
 from dsec.edge.reclaim import Reclaimer
-from dsec.edge.tally import LiveSandboxes
+from dsec.edge.tally import LiveSandboxes, _Live
 from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
 from dsec.edge.wakeups import Wakeups
-from dsec.executor.held import ProcessTable
 from dsec.executor.process import watch_children_with_pidfds
-from dsec.executor.session import Session
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
@@ -88,32 +86,6 @@ class EdgeConfig:
     memory_reserve_mb: int = 512  # below this MemAvailable, the idlest sandboxes are paused
     pressure_min_idle_s: float = 30.0  # never paused for room sooner after their last use
     pressure_pauses_per_pass: int = 8
-
-
-@dataclass
-class _Live:
-    record: Record
-    user: User
-    sessions: dict[str, Session] = field(default_factory=dict)
-    processes: ProcessTable = field(default_factory=ProcessTable)  # started by start_process
-    stopping: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
-    busy: int = 0  # commands running now: a sandbox running a command is not idle
-    # Where activity is noted for the journal: the edge's LiveSandboxes.touched once admitted.
-    touched: set[str] = field(default_factory=set)
-
-    def touch(self) -> None:
-        """Used now: idleness counts from here (the reaper's next pass journals it)."""
-        self.record.last_active_at = time.time()
-        self.touched.add(self.record.id)
-
-    @contextlib.contextmanager
-    def working(self) -> Iterator[None]:
-        self.busy += 1
-        try:
-            yield
-        finally:
-            self.busy -= 1
-            self.touch()
 
 
 class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):

@@ -11,8 +11,8 @@ from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import ContainerSpec, SandboxInfo
 
 if TYPE_CHECKING:
-    from dsec.edge.edge import _Live
     from dsec.edge.journal import Journal, Record
+    from dsec.edge.tally import _Live
     from dsec.edge.trajectory import Recorder
     from dsec.netpolicy.policy import EgressPolicy
 

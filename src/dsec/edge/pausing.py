@@ -30,9 +30,8 @@ from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
-    from dsec.edge.edge import _Live
     from dsec.edge.journal import Journal, Record
-    from dsec.edge.tally import LiveSandboxes
+    from dsec.edge.tally import LiveSandboxes, _Live
     from dsec.edge.trajectory import Recorder
 
 log = logging.getLogger("dsec.edge")

@@ -35,8 +35,8 @@ from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, Pty
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
-    from dsec.edge.edge import _Live
     from dsec.edge.journal import Record
+    from dsec.edge.tally import _Live
     from dsec.edge.trajectory import Recorder
 
 PTY_TERM = "xterm-256color"

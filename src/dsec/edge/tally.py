@@ -11,9 +11,17 @@ those used since the journal last heard (``touched``, filled by ``_Live.touch``)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+from dsec.backends.base import User
+from dsec.edge.journal import Record
+from dsec.executor.held import ProcessTable
+from dsec.executor.session import Session
 from dsec.protocol.models import (
     DEFAULT_PROJECT,
     JOB_LABEL,
@@ -22,9 +30,6 @@ from dsec.protocol.models import (
     ContainerSpec,
     SandboxState,
 )
-
-if TYPE_CHECKING:
-    from dsec.edge.edge import _Live
 
 LeaseKey = tuple[str, str]  # (project, job)
 
@@ -35,7 +40,35 @@ def lease_key(spec: ContainerSpec) -> LeaseKey | None:
     return spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT), spec.labels[JOB_LABEL]
 
 
-class LiveSandboxes(dict[str, "_Live"]):
+@dataclass
+class _Live:
+    """A sandbox the edge holds: its record and what runs in it now."""
+
+    record: Record
+    user: User
+    sessions: dict[str, Session] = field(default_factory=dict)
+    processes: ProcessTable = field(default_factory=ProcessTable)  # started by start_process
+    stopping: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transition at a time
+    busy: int = 0  # commands running now: a sandbox running a command is not idle
+    # Where activity is noted for the journal: LiveSandboxes.touched once admitted.
+    touched: set[str] = field(default_factory=set)
+
+    def touch(self) -> None:
+        """Used now: idleness counts from here (the reaper's next pass journals it)."""
+        self.record.last_active_at = time.time()
+        self.touched.add(self.record.id)
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            self.touch()
+
+
+class LiveSandboxes(dict[str, _Live]):
     def __init__(self) -> None:
         super().__init__()
         self.by_backend: Counter[str] = Counter()
