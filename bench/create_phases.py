@@ -11,6 +11,8 @@ in this process, so its functions are wrapped):
 and, outside the edge, the kernel primitives a create uses, timed directly:
   - cpu: CPU time of the edge and its reaped children (crun, ...) per create and session;
   - cgroup: mkdir + rmdir of one cgroup in every v1 hierarchy under dsec/;
+  - quota: one write of cpu.cfs_quota_us to a fresh cpu cgroup under dsec/ (the kernel checks
+    every cpu cgroup of the node on each such write);
   - netns/ipcns/mntns/pidns: `unshare` of that namespace alone (fork + exec of true included);
   - tmpfs: mount + umount of a tmpfs in a private mount namespace.
 With --perf DIR, `perf record -a -g` runs during each step's probe (DIR/perf-<step>.data).
@@ -87,6 +89,14 @@ def primitives(reps: int) -> dict[str, float]:
         for c in hier:
             (c / "dsec" / f"probe-{i}").rmdir()
         out["cgroup"].append(time.perf_counter() - t)
+        quota = CGROUPS / "cpu" / "dsec" / f"probe-q{i}"
+        quota.mkdir()
+        try:
+            t = time.perf_counter()
+            (quota / "cpu.cfs_quota_us").write_text("100000")
+            out["quota"].append(time.perf_counter() - t)
+        finally:
+            quota.rmdir()
         for ns in ("net", "ipc", "mount", "pid"):
             t = time.perf_counter()
             subprocess.run(["unshare", f"--{ns}", "--fork", "true"], check=True)
