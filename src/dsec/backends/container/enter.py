@@ -265,7 +265,7 @@ async def spawn_session(
 ) -> SessionShell:
     """As :func:`spawn_entered`, for a session shell that idles between commands, at 2 of the
     edge's fds and 1 process (RLIMIT_NOFILE is 20,000 here and not raisable; each process on
-    the host lengthens every pivot_root's walk): stdout and stderr stay pipes the edge reads
+    the host lengthens the kernel's walks over every task): stdout and stderr stay pipes the edge reads
     (a socket would make ``> /dev/stdout`` fail with ENXIO); the shell keeps the write end of
     its own stdin at fd 9 (``--hold-stdin``), which the edge opens per command; the helper
     forks the shell as the edge's own child and exits, and no pidfd watches the shell while it

@@ -1,11 +1,12 @@
 """Starting the OCI runtime on a sandbox root mounted out of the host's sight: ``dsec-rootfs``.
 
-The overlay root is mounted in a throw-away mount namespace that the runtime then copies for
-the container (see backend.py). That used to happen in a ``preexec_fn``, and any preexec_fn
-makes Python fork() rather than vfork(): the child copies the page tables of the whole edge and
-the edge then takes copy-on-write faults, a cost that grows with the sandboxes the edge holds
-(perf at 3,000 held: about a third of the edge's CPU per create). ``rootfs/dsec_rootfs.c``
-does the unshare and mount after a plain vfork+exec instead.
+The overlay root is mounted in a mount namespace of the helper's own, which becomes crun's
+container's (``own_root``) or which runsc copies for its sandbox (see backend.py). That used to
+happen in a ``preexec_fn``, and any preexec_fn makes Python fork() rather than vfork(): the
+child copies the page tables of the whole edge and the edge then takes copy-on-write faults, a
+cost that grows with the sandboxes the edge holds (perf at 3,000 held: about a third of the
+edge's CPU per create). ``rootfs/dsec_rootfs.c`` does the unshare and mount after a plain
+vfork+exec instead.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@
  *   4. SCHED_IDLE if --idle; setns() into cgroup, ipc, uts, net, pid, time and last mnt (each
  *      only where it differs from ours; a different user namespace is refused). Joining the
  *      mount namespace sets root and cwd to that namespace's root, the container's rootfs
- *      after crun's pivot_root;
+ *      (dsec-rootfs --own-root made it the root of the namespace crun used);
  *   5. forks once (the pid namespace applies to children only). The parent (host pid
  *      namespace, invisible from the sandbox) closes its stdin and stdout (the command's
  *      alone), sets its oom_score_adj to -1000 (it is charged to the sandbox's memory cgroup:
@@ -77,8 +77,8 @@
  *                   holds no fd for it (it opens /proc/SHELL/fd/9 to write a command); the
  *                   child is forked with CLONE_PARENT, so it is the EDGE's child, and the
  *                   parent exits once it reported the PID: no helper process per session
- *                   (every process on the host lengthens the walk of each pivot_root, i.e.
- *                   of each create). The child's PR_SET_PDEATHSIG then follows the edge's
+ *                   (every process on the host lengthens the kernel's walks over every
+ *                   task). The child's PR_SET_PDEATHSIG then follows the edge's
  *                   thread: an edge killed outright leaves no shell waiting forever. The
  *                   edge lets the shell go by killing it alone (its children live on).
  *

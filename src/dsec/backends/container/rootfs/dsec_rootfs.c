@@ -3,7 +3,8 @@
  *
  * Unshares a mount namespace (private: nothing propagates back to the host), mounts overlayfs
  * with OPTIONS on ROOTFS and execs PROGRAM (found on PATH), which makes the container's
- * namespace from this one; the throw-away namespace dies with its last process. The edge used
+ * namespace from this one (runsc); the throw-away namespace dies with its last process. With
+ * --own-root it becomes the container's namespace itself (crun). The edge used
  * to do this in a preexec_fn, which forces Python to fork() (not vfork) and so to copy the page
  * tables of an edge that holds thousands of sandboxes: 10+ ms per create at 3,000.
  *
