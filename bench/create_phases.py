@@ -32,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from _perf import recording
 from _stats import pct
 from density import LABEL, MEM_FLOOR, fill, meminfo
 from dsec import DSecClient, DSecContainerRunArgs
@@ -165,18 +166,10 @@ async def main() -> None:
                     rate = await fill(client, step - len(made), a.batch, made)
                     print(f"filled to {len(made)} in {time.perf_counter() - t:.0f} s ({rate:.1f}/s)")
                 phases.clear()
-                perf = None
-                if a.perf:
-                    a.perf.mkdir(parents=True, exist_ok=True)
-                    perf = await asyncio.create_subprocess_exec(
-                        *["perf", "record", "-a", "-g", "-o", str(a.perf / f"perf-{step}.data")],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                    await asyncio.sleep(1)
-                cpu = os.times()
-                await probe(client, a.probe, made)
-                spent = os.times()
+                async with recording(a.perf, str(step)):
+                    cpu = os.times()
+                    await probe(client, a.probe, made)
+                    spent = os.times()
                 # CPU (edge + its reaped children: crun, dsec-enter) per create and session:
                 # steadier than wall time on a shared machine.
                 phases["cpu"] = [
@@ -184,9 +177,6 @@ async def main() -> None:
                     - (cpu.user + cpu.system + cpu.children_user + cpu.children_system)
                 ]
                 phases["cpu"][0] /= a.probe
-                if perf is not None:
-                    perf.send_signal(2)
-                    await perf.wait()
                 got = {k: pct(phases[k], 50) for k in order}
                 got.update(await asyncio.to_thread(primitives, 10))
                 base = base or got

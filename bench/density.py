@@ -1,6 +1,6 @@
 """How a node fills: sandboxes held at once, and what each costs, as the count grows.
 
-    .venv/bin/python bench/density.py [--steps 0,500,1000,2000] [--batch 50] [--probe 40]
+    .venv/bin/python bench/density.py [--steps 0,500,1000,2000] [--batch 50] [--probe 40] [--perf DIR]
 
 An embedded node (containers only, no swap) on a scratch data directory sharing `dsec up`'s
 layer store. The node is filled in batches (`run_containers`), and every sandbox gets an open
@@ -18,6 +18,8 @@ Before filling, on the empty node: the page cache grown by --sharing sandboxes r
 layer files (the node's clean page cache is dropped first, so the first read is real), and
 the memory returned when --reclaim idle sandboxes holding 32 MiB each are paused (memory
 pushed to the node's swap file).
+With --perf DIR, `perf record -a -g` runs during each step's probe (its creates, then their first
+commands): DIR/perf-<step>.data.
 The machine is shared and noisy: compare the ratios of one run.
 The LS/BE latency inflation (an LS task next to best-effort load at 50% of the node, with and
 without CPU classes) is bench/cpuclass.py's: `./setup.sh bench cpuclass`.
@@ -34,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _perf import recording
 from _rl.host import wait_until
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
@@ -185,6 +188,7 @@ async def main() -> None:
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     ap.add_argument("--sharing", type=int, default=20, help="sandboxes reading the same layer files")
     ap.add_argument("--reclaim", type=int, default=32, help="idle sandboxes whose memory is reclaimed")
+    ap.add_argument("--perf", type=Path, default=None, help="perf record -a -g each probe here")
     ap.add_argument("--mem-floor-gib", type=float, default=3.0, help="stop filling below this MemAvailable")
     a = ap.parse_args()
     global MEM_FLOOR
@@ -221,7 +225,8 @@ async def main() -> None:
                 try:
                     if step > len(made):
                         await fill(client, step - len(made) - a.probe, a.batch, made)
-                    rate = await fill(client, a.probe, a.batch, made)  # the probe: creates at this fill
+                    async with recording(a.perf, str(step)):  # the probe: creates at this fill
+                        rate = await fill(client, a.probe, a.batch, made)
                 except ShortOfMemory as exc:
                     print(f"stopped filling: {exc} (floor {a.mem_floor_gib} GiB)")
                     break
