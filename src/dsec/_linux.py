@@ -1,5 +1,6 @@
-"""Thin ctypes wrappers for the few Linux syscalls Python 3.11 lacks (mount, umount2, unshare),
-and reading a process's start time (how a PID is told apart from a later one that reuses it).
+"""Thin ctypes wrappers for the few Linux syscalls Python 3.11 lacks (mount, umount2, unshare,
+Landlock's version query), and reading a process's start time (how a PID is told apart from a
+later one that reuses it).
 
 They are safe to call between fork and exec (a ``preexec_fn``): no allocation beyond ctypes
 argument conversion, no locks. util-linux ``mount`` is never used: for an EROFS image file it
@@ -29,6 +30,9 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.umount2.restype = ctypes.c_int
 _libc.unshare.argtypes = [ctypes.c_int]
 _libc.unshare.restype = ctypes.c_int
+_libc.syscall.restype = ctypes.c_long
+_NR_LANDLOCK_CREATE_RULESET = {"x86_64": 444, "aarch64": 444}
+LANDLOCK_CREATE_RULESET_VERSION = 1
 
 PathArg = str | os.PathLike[str]
 
@@ -82,3 +86,14 @@ def proc_start_time(pid: int) -> int | None:
     # starttime field 22. A zombie is as good as gone.
     fields = stat.rsplit(")", 1)[1].split()
     return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where Landlock is missing or not among the LSMs."""
+    nr = _NR_LANDLOCK_CREATE_RULESET.get(os.uname().machine)
+    if nr is None:
+        return 0
+    abi = _libc.syscall(
+        ctypes.c_long(nr), None, ctypes.c_size_t(0), ctypes.c_uint(LANDLOCK_CREATE_RULESET_VERSION)
+    )
+    return max(0, int(abi))

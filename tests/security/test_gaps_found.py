@@ -7,20 +7,12 @@ lands, so whoever fixes it removes the marker and the test joins the suite for g
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 
 from dsec import Sandbox
 from tests.conftest import Sandboxes
+from tests.security.test_escape_entrances import ZERO_PRINTF, assert_a_later_command_is_out_of_reach
 from tests.security.test_session_end import OTHER_BACKENDS, PEEKERS, on_backend
-
-# Replaces printf, which the driver loop calls to print a command's end marker, so that every
-# later end marker of the session says exit code 0.
-ZERO_PRINTF = (
-    'printf() { if [ "$1" = \'\\0%s:%d\\0\' ]; then command printf "$1" "$2" 0; '
-    'else command printf "$@"; fi; }'
-)
 
 
 @pytest.mark.xfail(
@@ -39,28 +31,19 @@ async def test_a_command_cannot_rewrite_the_results_of_later_commands_in_its_ses
     assert (r.exit_code, r.stdout) == (3, "grading\n"), r
 
 
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
 @pytest.mark.xfail(
     strict=True,
-    reason="GAP: every session shell runs as the sandbox's user and is dumpable, so a process of "
-    "one session opens /proc/SHELL/fd/0 of another session's shell and writes commands into "
-    "its command pipe ahead of the edge's: the other session's next result is what it chose "
-    "(here exit code 0 through a shadowed printf). Closing it takes session shells whose fds "
-    "the sandbox cannot open (non-dumpable, or a user of their own)",
+    reason="GAP: under gVisor a process the agent left running opens the /proc fds of a grader's "
+    "later command (its stdout: it can write into the grader's output; gVisor itself limits "
+    "ptrace to descendants and /proc/PID/mem), in a microVM it also traces it and reads its "
+    "memory. crun sandboxes give each process the edge starts a Landlock domain of its own "
+    "(tests/security/test_escape_entrances.py)",
 )
-async def test_a_process_cannot_write_into_another_sessions_command_pipe(sandbox: Sandbox) -> None:
-    assert (await sandbox.run_shell("true", session="grader", timeout=60)).exit_code == 0
-    # Two lines of framing around the function, then the end nonce: what the edge writes.
-    payload = base64.b64encode(f"x\n{ZERO_PRINTF}\nx\ny\n".encode()).decode()
-    inject = (
-        "for p in /proc/[0-9]*; do "
-        '  [ "${p#/proc/}" != "$$" ] && grep -qa __dsec_n "$p/cmdline" 2>/dev/null && other=${p#/proc/}; '
-        "done; "
-        f"echo {payload} | base64 -d > /proc/$other/fd/0 && echo injected"
-    )
-    r = await sandbox.run_shell(inject, session="agent", timeout=60)
-    assert r.stdout == "injected\n", r
-    r = await sandbox.run_shell("echo grading; (exit 3)", session="grader", timeout=60)
-    assert (r.exit_code, r.stdout) == (3, "grading\n"), r
+async def test_a_process_left_behind_cannot_reach_a_later_command_on_other_backends(
+    make_sandbox: Sandboxes, backend: str
+) -> None:
+    await assert_a_later_command_is_out_of_reach(await on_backend(make_sandbox, backend))
 
 
 @pytest.mark.parametrize("backend", OTHER_BACKENDS)

@@ -483,6 +483,8 @@ class ContainerBackend:
             "fork_processes": False,
             "disk_quota": self._disk_quota_why is None,
             "gvisor": self.gvisor.available,  # runtime="gvisor": placement asks for this
+            # crun: each process the edge starts has a Landlock domain (enter.py)
+            "isolated_entrances": enter.entrances_isolated(),
             **coresched.capabilities(),  # core_scheduling (LS: an SMT core of its own) or why not
         }
         if not self.gvisor.available:

@@ -35,6 +35,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from dsec import _linux
 from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
 from dsec.backends.container.session_shell import SessionShell
@@ -166,7 +167,18 @@ def helper_argv(
         argv.append("--idle")
     if handle.get("core_cookie"):  # set at start (LS, node with core scheduling): join it
         argv.append("--share-core-cookie")
+    if entrances_isolated():
+        argv.append("--own-domain")
     return argv
+
+
+@functools.cache
+def entrances_isolated() -> bool:
+    """Whether each process the edge starts in a sandbox gets a Landlock domain of its own, so
+    that none can trace, or open the /proc fds of, one another started (dsec_enter.c,
+    --own-domain). Landlock ABI 2 (Linux 5.19) at least: under ABI 1 any domain denies
+    renames across directories."""
+    return _linux.landlock_abi() >= 2
 
 
 @functools.lru_cache(maxsize=16)

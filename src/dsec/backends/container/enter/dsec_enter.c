@@ -4,7 +4,8 @@
  *     dsec-enter --pid PID --start-time TICKS --cgroup dsec/SANDBOX_ID --spec-fd FD
  *                [--status-fd FD] [--uid UID] [--gid GID] [--cwd DIR] [--caps CAP_X,CAP_Y]
  *                [--seccomp-bpf FILE | --seccomp-rules RULES] [--nofile N] [--idle]
- *                [--share-core-cookie] [--tty] [--raise-signal] [--pid-fd FD] [--hold-stdin FD]
+ *                [--share-core-cookie] [--own-domain] [--tty] [--raise-signal] [--pid-fd FD]
+ *                [--hold-stdin FD]
  *     dsec-enter --dump-seccomp --seccomp-rules RULES   (the filter's BPF program on stdout)
  *
  * The cost of `crun exec` grows with the number of sandboxes on a node (measured in the design
@@ -37,8 +38,20 @@
  *      capability set to --caps, drops supplementary groups, setresgid/setresuid, leaves
  *      exactly --caps to uid 0 and nothing to any other user, umask 022, chdir(--cwd) with
  *      the final credentials, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG(SIGKILL) (a helper killed
- *      alone takes its command along), the seccomp filter, and execs argv with exactly the
- *      environment given, searching its PATH.
+ *      alone takes its command along), with --own-domain a Landlock domain of its own, the
+ *      seccomp filter, and execs argv with exactly the environment given, searching its PATH.
+ *
+ * --own-domain: every process a sandbox runs as the same user, so without it any of them may
+ * ptrace any other, open its /proc/PID/fd/N (the pipes of a session shell, or of a grader's
+ * command) or write its memory (process_vm_writev): a process the agent left running could
+ * rewrite what a later grader's command reports. Landlock lets a process in a domain trace
+ * only processes in the same domain or one nested in it (its ptrace check also guards /proc's
+ * fd, mem, environ and process_vm_*), so each process the edge starts (exec, held process,
+ * session shell) gets a domain of its own, shared by its descendants only. The domain
+ * restricts nothing else: it handles only LANDLOCK_ACCESS_FS_REFER (cross-directory rename
+ * and link, which any domain denies unless a rule grants it) and grants that beneath "/".
+ * Needs Landlock ABI >= 2 (Linux 5.19; before, any domain denies cross-directory renames);
+ * the edge passes the flag only where the kernel has it.
  *
  * The seccomp filter is the container's profile (backends/container/seccomp.py) compiled by
  * libseccomp as crun compiles it: --seccomp-rules takes the libseccomp calls crun makes for
@@ -101,6 +114,7 @@
 #include <poll.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/landlock.h>
 #include <linux/seccomp.h>
 #include <sched.h>
 #include <seccomp.h>
@@ -719,6 +733,7 @@ struct opts {
 	uid_t uid;
 	gid_t gid;
 	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd, hold_fd, share_cookie;
+	int own_domain;
 	pid_t edge;
 	struct rlimit nofile;
 	int have_nofile;
@@ -736,7 +751,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		{ "dump-seccomp", no_argument, NULL, 'D' },   { "seccomp-bpf", required_argument, NULL, 'B' },
 		{ "tty", no_argument, NULL, 'T' },            { "raise-signal", no_argument, NULL, 'R' },
 		{ "pid-fd", required_argument, NULL, 'P' },  { "hold-stdin", required_argument, NULL, 'H' },
-		{ "share-core-cookie", no_argument, NULL, 'K' },
+		{ "share-core-cookie", no_argument, NULL, 'K' }, { "own-domain", no_argument, NULL, 'L' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -769,6 +784,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 			break;
 		case 'i': o->idle = 1; break;
 		case 'K': o->share_cookie = 1; break;
+		case 'L': o->own_domain = 1; break;
 		case 'D': o->dump_seccomp = 1; break;
 		case 'T': o->tty = 1; break;
 		case 'R': o->raise_signal = 1; break;
@@ -784,6 +800,26 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 	if (o->pid < 0 || o->start_time < 0 || !o->cgroup || o->spec_fd < 0)
 		die(0, "--pid, --start-time, --cgroup and --spec-fd are required");
 	check_cgroup_rel(o->cgroup);
+}
+
+/* A Landlock domain that restricts nothing but tracing across domains (see the top). */
+static void enter_own_domain(void)
+{
+	struct landlock_ruleset_attr attr = { .handled_access_fs = LANDLOCK_ACCESS_FS_REFER };
+	struct landlock_path_beneath_attr beneath = { .allowed_access = LANDLOCK_ACCESS_FS_REFER };
+	int ruleset = (int)syscall(__NR_landlock_create_ruleset, &attr, sizeof attr, 0);
+
+	if (ruleset < 0)
+		die(errno, "create a Landlock ruleset (--own-domain needs Landlock ABI >= 2)");
+	beneath.parent_fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (beneath.parent_fd < 0)
+		die(errno, "open the sandbox's root");
+	if (syscall(__NR_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &beneath, 0) < 0)
+		die(errno, "grant renames beneath the sandbox's root");
+	if (syscall(__NR_landlock_restrict_self, ruleset, 0) < 0)
+		die(errno, "enter a Landlock domain of our own");
+	close(beneath.parent_fd);
+	close(ruleset);
 }
 
 static const int forwarded[] = { SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH };
@@ -899,6 +935,8 @@ static __attribute__((noreturn)) void child(const struct opts *o, uint64_t caps,
 	/* As the final user, inside the sandbox's root: permissions apply, symlinks stay inside. */
 	if (chdir(o->cwd) < 0)
 		command_failed(errno, "cannot enter the working directory", o->cwd);
+	if (o->own_domain) /* after no-new-privs, which an unprivileged user needs for it */
+		enter_own_domain();
 	if (prog->filter) {
 		if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, prog) < 0)
 			die(errno, "load the seccomp program");
