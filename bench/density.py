@@ -14,6 +14,9 @@ core count:
     and the edge's fds per held sandbox (RLIMIT_NOFILE caps the count: 20,000 here).
 Filling stops early, saying so, when MemAvailable falls under --mem-floor-gib (the machine is
 shared).
+At the end, every sandbox is destroyed at once: destroys/s, the MemAvailable that came back of
+what the held sandboxes took, and the memory cgroups the kernel still holds (a cgroup removed
+with pages still charged stays, dying, until memory runs short).
 Before filling, on the empty node: the page cache grown by --sharing sandboxes reading the same
 layer files (the node's clean page cache is dropped first, so the first read is real), and
 the memory returned when --reclaim idle sandboxes holding 32 MiB each are paused (memory
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -174,6 +178,34 @@ async def reclaim(client: DSecClient, n: int) -> None:
         await client.stop_all(labels)
 
 
+def memory_cgroups() -> int:
+    """Memory cgroups the kernel holds, dying ones included."""
+    for line in Path("/proc/cgroups").read_text().splitlines():
+        if line.startswith("memory\t"):
+            return int(line.split()[2])
+    return 0
+
+
+async def teardown(client: DSecClient, start: dict[str, int], n: int) -> None:
+    """Destroy every sandbox at once: the rate, and what the node got back."""
+    held, cgroups_held = snapshot(), memory_cgroups()
+    t = time.perf_counter()
+    await client.stop_all(LABEL)
+    took = time.perf_counter() - t
+    # The kernel frees removed cgroups in the background: the count settles within seconds
+    # (dying ones, kept by charged pages, never do: the count then says how many).
+    with contextlib.suppress(TimeoutError):
+        await wait_until(lambda: memory_cgroups() <= cgroups_held - n, "removed memory cgroups freed", 10)
+    after = snapshot()
+    taken = start["available"] - held["available"]
+    back = after["available"] - held["available"]
+    print(
+        f"destroyed {n} in {took:.1f} s ({n / took:.0f}/s): MemAvailable back {back / MiB:.0f} of"
+        f" {taken / MiB:.0f} MiB ({back / max(taken, 1):.0%}); memory cgroups {cgroups_held} held,"
+        f" {memory_cgroups()} after (dying ones count)"
+    )
+
+
 def node_limits() -> str:
     procs = sum(1 for p in os.listdir("/proc") if p.isdigit())
     fds = len(os.listdir("/proc/self/fd"))
@@ -249,7 +281,7 @@ async def main() -> None:
                     f" charged to its cgroup {per['charged']:5.2f}, kernel slab {per['slab']:5.2f},"
                     f" edge RSS {per['edge_rss']:5.2f} MiB, edge fds {fds:4.2f};  {node_limits()}"
                 )
-            await client.stop_all(LABEL)
+            await teardown(client, start, len(made))
     finally:
         await node.close(stop_sandboxes=True)
         shutil.rmtree(scratch, ignore_errors=True)

@@ -28,7 +28,17 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import CreateContext, Spawned, User
-from dsec.backends.container import cgroups, diskquota, enter, gvisor, gvisor_exec, init, oci, rootfs
+from dsec.backends.container import (
+    cgroups,
+    diskquota,
+    enter,
+    gvisor,
+    gvisor_exec,
+    init,
+    oci,
+    rootfs,
+    teardown,
+)
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import coresched, memory
 from dsec.executor import spawner
@@ -284,6 +294,13 @@ class ContainerBackend:
         if _on_gvisor(handle) or self.gvisor.knows(sandbox_id):  # an empty handle: runsc's state says
             await self.gvisor.delete(sandbox_id)
         else:
+            if await teardown.end_processes(handle):
+                # Nothing runs in it any more: its written pages go with its files, and what it
+                # still has charged is reclaimed, so its memory cgroup dies with it (teardown.py).
+                await self._remove_writable_layer(sandbox_id, workdir)
+                await asyncio.get_running_loop().run_in_executor(
+                    teardown.EXECUTOR, teardown.release_memory, cgroups.sandbox_dir("memory", sandbox_id)
+                )
             proc = await spawner.create_subprocess_exec(
                 *self._cmd("delete", "--force", sandbox_id),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -298,6 +315,12 @@ class ContainerBackend:
                 break
             cgroups.remove(sandbox_id)
             await asyncio.sleep(0.01)
+        await self._remove_writable_layer(sandbox_id, workdir)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(self.state_dir / sandbox_id)
+
+    async def _remove_writable_layer(self, sandbox_id: str, workdir: Path) -> None:
+        """Its work directory and, with a disk limit, its volume; nothing if already gone."""
         await asyncio.to_thread(_remove_workdir, workdir)
         try:
             if await asyncio.to_thread(self.disk_quota.destroy_volume, sandbox_id):
@@ -306,8 +329,6 @@ class ContainerBackend:
             raise InfraFailure(
                 f"cannot remove the disk volume of {sandbox_id}: {exc}", reason="storage"
             ) from exc
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(self.state_dir / sandbox_id)
 
     async def spawn(
         self,

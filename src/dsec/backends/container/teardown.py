@@ -1,0 +1,104 @@
+"""Ending a crun sandbox so that its memory cgroup dies with it.
+
+A memory cgroup that is removed while page cache is still charged to it does not go away: the
+kernel keeps it, "dying", until memory pressure reclaims those pages, and with it every
+per-cgroup structure (per-cpu statistics, and the per-shrinker state that grows with every
+filesystem instance on the node: ~0.7 MiB each here at 1,000 sandboxes). A sandbox is charged
+for the pages it was first to read (of layer files, of the host file system's blocks), and
+almost every one still had one or two when it ended: 1,000 created and destroyed kept ~1,000
+dying memory cgroups and ~1 GiB of MemAvailable, which admission reads, until the kernel ran
+short (``echo 3 > /proc/sys/vm/drop_caches`` freed them all at once).
+
+So the edge ends a sandbox in this order: SIGKILL its init (the kernel kills the rest of its
+pid namespace, and the sandbox's mount namespace, with its overlay, goes with the last of
+them), remove its writable layer (its written pages are then freed, never written back),
+reclaim what is still charged (layer pages it read first: :func:`release_memory`), and only
+then have crun remove the cgroups. The reclaim may evict a layer page that other sandboxes map
+too; they fault it back in from the page cache of the layer's image, or from disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dsec import _linux
+from dsec.density import memory
+
+INIT_EXIT_TIMEOUT_S = 5.0  # its pid namespace waits for zombies whose parents are outside
+# force_empty mostly waits (for kernel workers on every CPU): its own threads, so that a mass
+# destroy does not hold the event loop's default ones, which file operations use.
+EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsec-teardown")
+_LRU = ("inactive_anon", "active_anon", "inactive_file", "active_file", "unevictable")
+
+
+async def end_processes(handle: dict[str, Any]) -> bool:
+    """SIGKILL the sandbox's init, found by PID *and* start time, and wait until it has exited
+    (then every process of its pid namespace has). False if it could not be told to have ended
+    (no init in the handle, or it outlived the timeout); True if it is gone."""
+    pid = int(handle.get("pid") or 0)
+    if pid <= 0:
+        return False
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        # Through the pidfd, the PID cannot be reused behind our back: check it is the init.
+        if _linux.proc_start_time(pid) != handle.get("start_time"):
+            return True  # the init ended long ago; this PID is another process now
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return await _exited(pidfd)
+    finally:
+        os.close(pidfd)
+
+
+async def _exited(pidfd: int) -> bool:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(pidfd, _settle, done)
+    try:
+        async with asyncio.timeout(INIT_EXIT_TIMEOUT_S):
+            await done
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
+
+
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+def lru_bytes(cgroup: Path) -> int:
+    """Pages on the memory cgroup's own LRU lists (what keeps it from dying), in bytes; 0 when
+    it is gone. Kernel objects do not count: the kernel hands them to the parent at removal."""
+    try:
+        text = (cgroup / "memory.stat").read_text()
+    except OSError:
+        return 0
+    stat = dict(line.split() for line in text.splitlines() if line.count(" ") == 1)
+    return sum(int(stat.get(name, 0)) for name in _LRU)
+
+
+def release_memory(cgroup: Path) -> int:
+    """Reclaim what the dead sandbox's memory cgroup still holds on its LRU lists, so that it
+    dies once removed; the bytes it no longer charges (0, and no reclaim, if it had none).
+    Blocking: run it in :data:`EXECUTOR`.
+
+    ``memory.force_empty``, though it costs more than the page or two it usually finds: it
+    drains every CPU's page batches, then, kernel objects still charged, retries a full reclaim
+    16 times. A limit of 0, which reclaims until nothing more goes, left that last page in 98
+    of 100 dead sandboxes (after a drain too). 1,000 concurrent destroys here: 143-162/s
+    without it, 96-111/s with it; CPU 11-13 s without, 17-19 s with (~5.5 ms per destroy)."""
+    if not lru_bytes(cgroup):
+        return 0
+    return memory.page_out(cgroup)

@@ -1,0 +1,79 @@
+"""A destroyed container sandbox takes its memory cgroup with it (teardown.py): the layer pages
+it was first to read are reclaimed before its cgroups go, so no memory cgroup stays behind
+"dying" with the kernel's per-cgroup state until memory runs short."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dsec.backends.container import cgroups, teardown
+from dsec.backends.container.backend import ContainerBackend
+from tests.backends.conformance import Made
+from tests.support import eventually
+
+from .test_enter import backend, helper, layer_dirs, made, probe, run_entered, sandbox  # noqa: F401
+
+pytestmark = pytest.mark.slow
+MiB = 1 << 20
+COUNT = 6
+
+
+def memory_cgroups() -> int:
+    """Memory cgroups the kernel holds, the dying ones included (/proc/cgroups)."""
+    for line in Path("/proc/cgroups").read_text().splitlines():
+        fields = line.split()
+        if fields[0] == "memory":
+            return int(fields[2])
+    raise AssertionError("no memory controller")
+
+
+def uncached_files(layer: Path) -> list[str]:
+    """A file per sandbox in a layer, none of its pages in the page cache: whoever reads one
+    first is charged for it."""
+    names = []
+    for i in range(COUNT):
+        path = layer / f"data-{i}"
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(MiB))
+            fh.flush()
+            os.fsync(fh.fileno())
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        names.append(f"/{path.name}")
+    return names
+
+
+async def test_a_destroyed_sandbox_leaves_no_dying_memory_cgroup(
+    backend: ContainerBackend,  # noqa: F811
+    made: Made,  # noqa: F811
+    helper: Path,  # noqa: F811
+    layer_dirs: list[Path],  # noqa: F811
+) -> None:
+    files = uncached_files(layer_dirs[-1])
+    before = memory_cgroups()
+    made_here = [await sandbox(made) for _ in files]
+    for (ctx, handle), name in zip(made_here, files, strict=True):
+        out, err, code = await run_entered(helper, ctx, handle, ["cat", name])
+        assert code == 0 and len(out) == MiB, err
+        # Charged to it: without the reclaim at destroy, this keeps its cgroup alive.
+        assert teardown.lru_bytes(cgroups.sandbox_dir("memory", ctx.sandbox_id)) >= MiB // 2
+    assert memory_cgroups() >= before + COUNT
+    for ctx, handle in made_here:
+        await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
+        assert cgroups.sandbox_dirs(ctx.sandbox_id) == []
+    # The kernel frees a removed cgroup in the background; a page still in a CPU's batch when
+    # the sandbox ended can keep one alive a while longer.
+    await eventually(lambda: memory_cgroups() <= before + 1, "the sandboxes' memory cgroups to be freed")
+
+
+async def test_a_sandbox_whose_init_is_gone_is_still_destroyed(
+    backend: ContainerBackend,  # noqa: F811
+    made: Made,  # noqa: F811
+) -> None:
+    ctx, handle = await sandbox(made)
+    os.kill(int(handle["pid"]), 9)
+    await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
+    assert cgroups.sandbox_dirs(ctx.sandbox_id) == [] and not ctx.workdir.exists()
+    assert ctx.sandbox_id not in await backend.leftovers()
