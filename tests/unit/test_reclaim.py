@@ -138,3 +138,41 @@ async def test_a_pass_looks_only_at_sandboxes_whose_time_came(
         assert await edge.reap_once() == [idle.id]
         assert idle.id not in edge._live and all(sb.id in edge._live for sb in plain)
         assert plain[0].id not in looked
+
+
+async def test_a_sandbox_pausing_is_not_taken_for_dead(
+    client: DSecClient, node: EmbeddedNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A microVM's QEMU ends while it pauses, before its handle names the snapshot: a liveness
+    # check in that window saw no process and stopped a sandbox that was being paused.
+    sandbox = await client.run_container(DSecContainerRunArgs(container_image=TINY))
+    backend = fake(node)
+    paging, release, checked = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def page_out(sandbox_id: str, handle: dict[str, object]) -> int:
+        paging.set()
+        await release.wait()
+        return 0
+
+    async def alive(sandbox_id: str, handle: dict[str, object]) -> bool:
+        if paging.is_set() and not release.is_set():
+            checked.set()
+            return False
+        return True
+
+    monkeypatch.setattr(backend, "page_out", page_out)
+    monkeypatch.setattr(backend, "alive", alive)
+    node.edge.config.liveness_interval_s = 0
+    node.edge.config.liveness_batch = 100
+    pausing = asyncio.create_task(sandbox.pause())
+    await paging.wait()
+    reaping = asyncio.create_task(node.edge.reap_once())
+    looked = asyncio.create_task(checked.wait())
+    # A pass that left it alone returns at once; one that took it for dead waits on the pause.
+    await asyncio.wait({reaping, looked}, return_when=asyncio.FIRST_COMPLETED)
+    release.set()
+    reaped = await reaping
+    looked.cancel()
+    assert reaped == [] and not checked.is_set(), reaped
+    assert (await pausing).state is SandboxState.paused
+    assert (await sandbox.run_shell("echo back")).stdout == "back\n"

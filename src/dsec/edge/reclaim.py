@@ -140,7 +140,13 @@ class Reclaimer:
             spec, rec = live.record.spec, live.record
             if rec.state is SandboxState.stopping:
                 due.append((sid, rec.stop_reason or "stopped"))  # a destroy that failed before
-            elif sid in to_check and not await self.backend_of(rec).alive(sid, rec.handle):
+            # Not while it pauses, resumes or stops (its lock held): a microVM's QEMU has ended
+            # before its handle names the snapshot it left, and would look dead.
+            elif (
+                sid in to_check
+                and not live.stopping.locked()
+                and not await self.backend_of(rec).alive(sid, rec.handle)
+            ):
                 due.append((sid, "sandbox exited unexpectedly"))
                 dead.add(sid)
             elif spec.max_lifetime_s is not None and now - rec.created_at >= spec.max_lifetime_s:
