@@ -67,12 +67,17 @@ class ShellView:
         """A view of ``proc``'s shell, to :meth:`calibrate`; None where it cannot be watched
         (a shell that waits otherwise, another architecture, a shell already gone)."""
         pid = proc.shell_pid()
-        if _READ is None or pid is None:
+        if _READ is None:
+            return None
+        if pid is None:
+            log.warning("a session shell ended before it could be watched")
             return None
         try:
             exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
             pipes = tuple(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in range(3))
-        except OSError:
+        except OSError as exc:
+            # Unexpected: its commands now end at the end marker's nonce alone.
+            log.warning("session shell %d cannot be watched: %s", pid, exc)
             return None
         if exe not in _SHELLS or not all(p.startswith("pipe:") for p in pipes):
             return None
