@@ -62,6 +62,10 @@ async def run(s: Session, command: str, timeout: float = 60) -> CommandResult:
 
 
 async def test_a_watched_shell_ends_a_command_at_its_own_marker(bash: Session) -> None:
+    assert (await run(bash, "true")).exit_code == 0
+    # Unwatched, the forgery below succeeds by design: tell that apart from a watch it fooled
+    # (this test failed twice in CI that way, never alone).
+    assert bash._view is not None, "the host bash is not watched"
     r = await run(bash, f"{PEEKERS['python']}; echo after; (exit 3)")
     assert (r.exit_code, r.stdout.endswith(":0\0smuggled\nafter\n")) == (3, True), r
     assert (await run(bash, "echo next")).stdout == "next\n"
