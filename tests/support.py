@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import inspect
+import mmap
 import os
 import shutil
 import subprocess
@@ -138,3 +141,53 @@ class RestartedNode:
         if not self._running:
             await self._start()
         await self.node.close(stop_sandboxes=True)
+
+
+# ---------------------------------------------------------------- page-cache residency
+# mincore(2) on a mapping that is never touched: unlike a read (even RWF_NOWAIT, which starts
+# readahead on a miss), looking does not bring the pages in.
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        try:
+            vec = ctypes.create_string_buffer((size + page - 1) // page)
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            return sum(b & 1 for b in vec.raw) * page
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def evict(path: Path) -> None:
+    """Drop the file's pages from the page cache (written back first: dirty ones stay)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -15,7 +15,7 @@ import pytest
 from dsec.backends.container import cgroups, teardown
 from dsec.backends.container.backend import ContainerBackend
 from tests.backends.conformance import Made
-from tests.support import eventually
+from tests.support import eventually, evict, resident_bytes
 
 from .test_enter import backend, helper, layer_dirs, made, probe, run_entered, sandbox  # noqa: F401
 
@@ -33,33 +33,14 @@ def memory_cgroups() -> int:
     raise AssertionError("no memory controller")
 
 
-def cached_pages(path: Path) -> int:
-    """How many of the file's pages are in the page cache (a read that may not wait for I/O)."""
-    cached, page = 0, bytearray(4096)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        for offset in range(0, os.fstat(fd).st_size, len(page)):
-            try:
-                os.preadv(fd, [page], offset, os.RWF_NOWAIT)
-                cached += 1
-            except BlockingIOError:
-                pass
-    finally:
-        os.close(fd)
-    return cached
-
-
 def uncached_files(layer: Path) -> list[str]:
     """A file per sandbox in a layer, none of its pages in the page cache: whoever reads one
     first is charged for it."""
     names = []
     for i in range(COUNT):
         path = layer / f"data-{i}"
-        with open(path, "wb") as fh:
-            fh.write(os.urandom(MiB))
-            fh.flush()
-            os.fsync(fh.fileno())
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        path.write_bytes(os.urandom(MiB))
+        evict(path)
         names.append(f"/{path.name}")
     return names
 
@@ -79,12 +60,12 @@ async def test_a_destroyed_sandbox_leaves_no_dying_memory_cgroup(
         assert code == 0 and len(out) == MiB, err
         # Charged to it: without the reclaim at destroy, this keeps its cgroup alive.
         assert teardown.lru_bytes(cgroups.sandbox_dir("memory", ctx.sandbox_id)) >= MiB // 2
-        assert cached_pages(layer / name.lstrip("/")) >= MiB // 4096 // 2
+        assert resident_bytes(layer / name.lstrip("/")) >= MiB // 2
     for ctx, handle in made_here:
         await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
         assert cgroups.sandbox_dirs(ctx.sandbox_id) == []
     # What it was charged for is no longer cached: nothing keeps its memory cgroup.
-    assert [cached_pages(layer / name.lstrip("/")) for name in files] == [0] * COUNT
+    assert [resident_bytes(layer / name.lstrip("/")) for name in files] == [0] * COUNT
     # And the kernel freed them (in the background: moments), as many as there were, or more.
     await eventually(lambda: memory_cgroups() <= before + 1, "the sandboxes' memory cgroups to be freed")
 

@@ -9,9 +9,6 @@ it was read (after evicting it with POSIX_FADV_DONTNEED).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
 import os
 import stat
 import time
@@ -35,6 +32,7 @@ from dsec.images.ondemand import (
     verify_blob,
 )
 from dsec.protocol.errors import InfraFailure, InvalidRequest
+from tests.support import evict, resident_bytes
 
 from .conftest import make_tree
 
@@ -96,53 +94,6 @@ def _same_tree(a_root: Path, b_root: Path) -> int:
         for key in keys:
             assert os.getxattr(a, key, follow_symlinks=False) == os.getxattr(b, key, follow_symlinks=False)
     return len(a_names)
-
-
-# ---------------------------------------------------------------- page-cache residency
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def _resident_bytes(path: Path) -> int:
-    """Bytes of ``path`` in the page cache (mincore on a fresh read-only mapping)."""
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    page = mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        try:
-            vec = ctypes.create_string_buffer((size + page - 1) // page)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            return sum(b & 1 for b in vec.raw) * page
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- build
@@ -239,34 +190,34 @@ def test_split_mount_reads_back_what_a_plain_layer_does(
 
 def test_reading_one_small_file_reads_a_small_part_of_the_blob(tmp_path: Path, big_src: Path) -> None:
     img = build_split(big_src, tmp_path / "m", tmp_path / "b")
-    _evict(img.blob)
-    if _resident_bytes(img.blob) > MIB:
+    evict(img.blob)
+    if resident_bytes(img.blob) > MIB:
         pytest.skip("the blob's filesystem keeps pages resident (tmpfs?): cannot observe reads")
     with _mounted(tmp_path / "mnt") as mnt:
         mount_split(img.meta, img.blob, mnt)
         os.listdir(mnt / "data")  # metadata only: nothing from the blob
-        assert _resident_bytes(img.blob) == 0
+        assert resident_bytes(img.blob) == 0
         want = (big_src / "data/small-07.txt").read_bytes()
         assert (mnt / "data/small-07.txt").read_bytes() == want
-        touched = _resident_bytes(img.blob)
+        touched = resident_bytes(img.blob)
         assert 0 < touched <= 256 * 1024, touched  # one block plus readahead, of ~24 MiB
         # a whole big file: the blob pages behind it, and not much more
         assert (mnt / "data/weights.bin").read_bytes() == (big_src / "data/weights.bin").read_bytes()
         weights = (big_src / "data/weights.bin").stat().st_size
-        assert weights <= _resident_bytes(img.blob) <= weights + 2 * MIB
+        assert weights <= resident_bytes(img.blob) <= weights + 2 * MIB
         unmount_split(mnt)
 
 
 def test_directio_leaves_the_blob_uncached(tmp_path: Path, big_src: Path) -> None:
     """With ``directio`` the blob's filesystem keeps no second copy of what EROFS caches."""
     img = build_split(big_src, tmp_path / "m", tmp_path / "b")
-    _evict(img.blob)
-    if _resident_bytes(img.blob) > MIB:
+    evict(img.blob)
+    if resident_bytes(img.blob) > MIB:
         pytest.skip("the blob's filesystem keeps pages resident (tmpfs?): cannot observe reads")
     with _mounted(tmp_path / "mnt") as mnt:
         mount_split(img.meta, img.blob, mnt, directio=True)
         assert (mnt / "data/weights.bin").read_bytes() == (big_src / "data/weights.bin").read_bytes()
-        assert _resident_bytes(img.blob) == 0
+        assert resident_bytes(img.blob) == 0
         unmount_split(mnt)
 
 
