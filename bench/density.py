@@ -6,7 +6,11 @@ An embedded node (containers only, no swap) on a scratch data directory sharing 
 layer store. The node is filled in batches (`run_containers`), and every sandbox gets an open
 shell session (`run_shell("true")`), as a trainer's would. At each step it prints, with the
 core count:
-  - creations/s of a probe of --probe creates at that fill, and the ratio to the empty node;
+  - creations/s of a probe of --probe creates at that fill, and the ratio to the empty node
+    (fresh cgroups: the spares destroyed sandboxes leave, backends/container/spares.py, are
+    dropped first);
+  - churn: --probe held sandboxes destroyed, then as many created in their place (the RL steady
+    state: their cgroups are the destroyed ones'), creations/s and the ratio to the empty node's;
   - run_shell("true") p50/p99 on --probe sandboxes, and the ratio to the empty node;
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
@@ -45,7 +49,8 @@ from _rl.host import wait_until
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
-from dsec.backends.container import cgroups
+from dsec.backends.container import cgroups, spares
+from dsec.backends.container.backend import ContainerBackend
 from dsec.density.swap import SwapConfig
 from dsec.sdk.client import Sandbox
 
@@ -113,6 +118,14 @@ async def fill(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> f
     for i in range(0, len(fresh), 64):
         await asyncio.gather(*(sb.run_shell("true") for sb in fresh[i : i + 64]))
     return rate
+
+
+async def churn(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> float:
+    """Destroy ``n`` held sandboxes, then create ``n`` in their place; their creations per second."""
+    gone = random.sample(made, min(n, len(made)))
+    made[:] = [sb for sb in made if sb not in gone]
+    await asyncio.gather(*(sb.stop() for sb in gone))
+    return await fill(client, len(gone), batch, made)
 
 
 async def exec_latency(made: list[Sandbox], probe: int) -> list[float]:
@@ -192,17 +205,19 @@ async def teardown(client: DSecClient, start: dict[str, int], n: int) -> None:
     t = time.perf_counter()
     await client.stop_all(LABEL)
     took = time.perf_counter() - t
+    kept = len(spares.spare_dirs()) // len(cgroups.v1_controllers())  # live, until the node closes
     # The kernel frees removed cgroups in the background: the count settles within seconds
     # (dying ones, kept by charged pages, never do: the count then says how many).
     with contextlib.suppress(TimeoutError):
-        await wait_until(lambda: memory_cgroups() <= cgroups_held - n, "removed memory cgroups freed", 10)
+        settled = cgroups_held - n + kept
+        await wait_until(lambda: memory_cgroups() <= settled, "removed memory cgroups freed", 10)
     after = snapshot()
     taken = start["available"] - held["available"]
     back = after["available"] - held["available"]
     print(
         f"destroyed {n} in {took:.1f} s ({n / took:.0f}/s): MemAvailable back {back / MiB:.0f} of"
         f" {taken / MiB:.0f} MiB ({back / max(taken, 1):.0%}); memory cgroups {cgroups_held} held,"
-        f" {memory_cgroups()} after (dying ones count)"
+        f" {memory_cgroups()} after (dying ones count, and {kept} spares)"
     )
 
 
@@ -244,7 +259,9 @@ async def main() -> None:
     await node.start()
     print(f"cores {os.cpu_count()}  steps {steps}  probe {a.probe}")
     made: list[Sandbox] = []
-    base_rate = base_exec = 0.0
+    base_rate = base_exec = base_churn = 0.0
+    container = node.backend
+    assert isinstance(container, ContainerBackend)
     try:
         async with DSecClient(node.url, node.api_key) as client:
             await fill(client, 1, 1, made)  # warm: the layer mounted
@@ -257,13 +274,16 @@ async def main() -> None:
                 try:
                     if step > len(made):
                         await fill(client, step - len(made) - a.probe, a.batch, made)
+                    container.spares.clear()  # fresh cgroups: the churn probe has the spares
                     async with recording(a.perf, str(step)):  # the probe: creates at this fill
                         rate = await fill(client, a.probe, a.batch, made)
+                    replaced = await churn(client, a.probe, a.batch, made)
                 except ShortOfMemory as exc:
                     print(f"stopped filling: {exc} (floor {a.mem_floor_gib} GiB)")
                     break
                 lat = await exec_latency(made, a.probe)
                 base_rate, base_exec = base_rate or rate, base_exec or pct(lat, 50)
+                base_churn = base_churn or replaced
                 now, n = snapshot(), len(made) - 1
                 per = {
                     k: (start[k] - now[k] if k == "available" else now[k] - start[k]) / max(n, 1) / MiB
@@ -275,6 +295,7 @@ async def main() -> None:
                     f"{len(made):6d} held  creates {rate:6.1f}/s ({rate / base_rate:4.2f}x empty)"
                     f"  run_shell p50 {pct(lat, 50) * 1e3:6.2f} ms p99 {pct(lat, 99) * 1e3:6.2f} ms"
                     f" ({pct(lat, 50) / base_exec:4.2f}x empty)"
+                    f"  churn {replaced:6.1f}/s ({replaced / base_churn:4.2f}x empty)"
                 )
                 print(
                     f"        per sandbox: MemAvailable {-per['available']:+6.2f} MiB; of which (overlapping)"

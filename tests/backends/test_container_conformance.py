@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from dsec.backends.base import Backend, CreateContext, sandbox_env
-from dsec.backends.container import cgroups
+from dsec.backends.container import cgroups, spares
 from dsec.backends.container.backend import ContainerBackend
 from dsec.images.mount import mounts_under
 from dsec.protocol.errors import DSecError
@@ -64,7 +64,9 @@ async def backend(tmp_path: Path) -> AsyncIterator[ContainerBackend]:
     left = await ct.leftovers()
     for sid in left:  # clean up first, complain after
         await ct.destroy(sid, {}, tmp_path / "sandboxes" / sid)
+    await ct.detach()  # the spare cgroups destroyed sandboxes left
     assert left == [], "a test left containers behind"
+    assert spares.spare_dirs() == []
     assert not mounts_under(tmp_path), "a sandbox mount leaked into the host's mount namespace"
 
 

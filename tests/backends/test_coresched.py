@@ -111,6 +111,7 @@ async def backend(tmp_path: Path) -> AsyncIterator[ContainerBackend]:
     left = await ct.leftovers()
     for sid in left:
         await ct.destroy(sid, {}, tmp_path / "sandboxes" / sid)
+    await ct.detach()  # the spare cgroups destroyed sandboxes left
     assert left == [], "a test left containers behind"
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from dsec.backends.base import CreateContext, User, sandbox_env
-from dsec.backends.container import cgroups, enter
+from dsec.backends.container import cgroups, enter, spares
 from dsec.backends.container.backend import ContainerBackend
 from dsec.executor.process import descendants, kill_tree, run_streaming
 from dsec.protocol.errors import InfraFailure, InvalidRequest
@@ -156,7 +156,9 @@ async def backend(tmp_path: Path) -> AsyncIterator[ContainerBackend]:
     left = await ct.leftovers()
     for sid in left:
         await ct.destroy(sid, {}, tmp_path / "sandboxes" / sid)
+    await ct.detach()  # the spare cgroups destroyed sandboxes left
     assert left == [], "a test left containers behind"
+    assert spares.spare_dirs() == []
 
 
 @pytest.fixture

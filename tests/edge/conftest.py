@@ -105,6 +105,7 @@ async def ct_edge(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Edg
         left = await backend.leftovers()
         for sid in left:
             await backend.destroy(sid, {}, tmp / "unknown")
+        await backend.detach()
         mounts.unmount_all()
         store.close()
         unmount_tree(tmp)

@@ -37,6 +37,7 @@ from dsec.backends.container import (
     init,
     oci,
     rootfs,
+    spares,
     teardown,
 )
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
@@ -90,7 +91,14 @@ def _remove_workdir(workdir: Path) -> None:
 class ContainerBackend:
     name = "container"
 
-    def __init__(self, data_dir: Path, *, runtime: str = "crun", disk_quota_mb: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        runtime: str = "crun",
+        disk_quota_mb: int | None = None,
+        spare_cgroups: int = spares.PER_BUCKET,
+    ) -> None:
         self.data_dir = data_dir
         self.runtime = shutil.which(runtime) or runtime
         self.state_dir = data_dir / "run" / runtime
@@ -109,6 +117,8 @@ class ContainerBackend:
         self._disk_commit_stop = asyncio.Event()
         # runtime="gvisor" sandboxes (gvisor.py): runsc, when the node has a working one.
         self.gvisor = gvisor.GVisor(data_dir)
+        # Destroyed sandboxes' cgroups, kept for the next creates (spares.py); 0: none kept.
+        self.spares = spares.SpareCgroups(spare_cgroups)
 
     def _cmd(self, *args: str) -> list[str]:
         return [self.runtime, "--root", str(self.state_dir), *args]
@@ -140,6 +150,7 @@ class ContainerBackend:
         cgroups.fix_hybrid_layout()
         cgroups.prepare_cpuset_parent()
         cgroups.prepare_buckets()
+        self.spares.clear()  # an earlier edge's: a cache, never adopted
         _raise_nofile_limit()
         _raise_pid_max()
         self.enter_helper = enter.build_helper(self.data_dir / "bin")  # gcc once per source version
@@ -207,6 +218,8 @@ class ContainerBackend:
         upper, work, root, bundle = wd / "upper", wd / "work", wd / "rootfs", wd / "bundle"
         for d in (upper, work, root, bundle):
             d.mkdir(parents=True, exist_ok=True)
+        # A destroyed sandbox's cgroups, if its bucket has some: crun then makes none.
+        kept_quota = None if on_gvisor else self.spares.take(ctx.sandbox_id)
         config = oci.build_config(
             sandbox_id=ctx.sandbox_id,
             spec=ctx.spec,
@@ -216,6 +229,7 @@ class ContainerBackend:
             cgroup_path=f"/{cgroups.rel(ctx.sandbox_id)}",
             nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
             resolv_conf=self._resolv_conf(ctx.nameserver),
+            cpu_quota_set=kept_quota == oci.cpu_quota(ctx.spec),
         )
         if on_gvisor:
             config = self.gvisor.adapt_config(config, root, ctx.link)
@@ -301,6 +315,7 @@ class ContainerBackend:
                 await asyncio.get_running_loop().run_in_executor(
                     teardown.EXECUTOR, teardown.release_memory, cgroups.sandbox_dir("memory", sandbox_id)
                 )
+                self.spares.give(sandbox_id)  # then crun finds none to remove
             proc = await spawner.create_subprocess_exec(
                 *self._cmd("delete", "--force", sandbox_id),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -513,9 +528,12 @@ class ContainerBackend:
         return caps
 
     async def detach(self) -> None:
-        return None  # the edge holds no connection to a container: its pipes are the sessions'
+        # The edge holds no connection to a container (its pipes are the sessions'); spare
+        # cgroups are a cache of this edge's.
+        await asyncio.to_thread(self.spares.clear)
 
     async def release_node(self) -> None:
+        await asyncio.to_thread(self.spares.clear)
         cgroups.remove_parents()
         if self._disk_commit is not None:
             self._disk_commit_stop.set()  # the kernel drops what is left at its own pace

@@ -72,6 +72,15 @@ def _empty_bind(destination: str, runtime_dir: str) -> dict[str, Any]:
 
 # cgroup v1 weights: best-effort gets the minimum, so under contention it yields ~500:1.
 CPU_SHARES = {"ls": 1024, "be": 2}
+# The kernel's default CFS period: not written, because every write of cpu.cfs_period_us or
+# cpu.cfs_quota_us walks every cpu cgroup on the node (tg_set_cfs_bandwidth checks the whole
+# tree): perf at 3,000 held sandboxes, ~1 ms per write. Only the quota is set.
+CPU_PERIOD_US = 100_000
+
+
+def cpu_quota(spec: ContainerSpec) -> int:
+    """The sandbox's ``cpu.cfs_quota_us`` (microseconds of CPU per period)."""
+    return max(1000, int(spec.cpu_cores_limit * CPU_PERIOD_US))
 
 
 def build_config(
@@ -84,11 +93,10 @@ def build_config(
     cgroup_path: str,
     nofile: int = 65536,
     resolv_conf: str | None = None,
+    cpu_quota_set: bool = False,
 ) -> dict[str, Any]:
-    # The kernel's default CFS period: not written, because every write of cpu.cfs_period_us or
-    # cpu.cfs_quota_us walks every cpu cgroup on the node (tg_set_cfs_bandwidth checks the whole
-    # tree): perf at 3,000 held sandboxes, ~1 ms per write. Only the quota is set.
-    quota_period = 100_000
+    """``cpu_quota_set``: the sandbox's cgroups are a spare's that has its quota already
+    (spares.py), so crun is not told to write it."""
     memory = spec.memory_limit_mb * 1024 * 1024
     caps = list(CAPABILITIES)
     return {
@@ -160,7 +168,7 @@ def build_config(
                 # swap == limit: with swap present, memory.limit_in_bytes alone caps only RAM.
                 "memory": {"limit": memory, "swap": memory},
                 "cpu": {
-                    "quota": max(1000, int(spec.cpu_cores_limit * quota_period)),
+                    **({} if cpu_quota_set else {"quota": cpu_quota(spec)}),
                     "shares": CPU_SHARES[spec.cpu_class],
                 },
                 "pids": {"limit": spec.pids_limit},
