@@ -277,11 +277,11 @@ async def main() -> None:
                     container.spares.clear()  # fresh cgroups: the churn probe has the spares
                     async with recording(a.perf, str(step)):  # the probe: creates at this fill
                         rate = await fill(client, a.probe, a.batch, made)
+                    lat = await exec_latency(made, a.probe)
                     replaced = await churn(client, a.probe, a.batch, made)
                 except ShortOfMemory as exc:
                     print(f"stopped filling: {exc} (floor {a.mem_floor_gib} GiB)")
                     break
-                lat = await exec_latency(made, a.probe)
                 base_rate, base_exec = base_rate or rate, base_exec or pct(lat, 50)
                 base_churn = base_churn or replaced
                 now, n = snapshot(), len(made) - 1

@@ -50,6 +50,7 @@ async def test_the_next_sandbox_in_a_bucket_runs_in_the_cgroups_of_a_destroyed_o
     helper: Path,  # noqa: F811
 ) -> None:
     first, handle = await made.create(made.ctx(cpu_cores_limit=0.5, memory_limit_mb=128))
+    assert len(backend.spares) == 0
     out, err, code = await run_entered(
         helper, first, handle, ["sh", "-c", "head -c 8000000 /dev/zero >/tmp/x"]
     )
@@ -71,7 +72,7 @@ async def test_the_next_sandbox_in_a_bucket_runs_in_the_cgroups_of_a_destroyed_o
     init = str(handle["pid"])
     for h in cgroups.hierarchies():  # in every hierarchy, the new init and nothing else
         assert (h / cgroups.rel(second.sandbox_id) / "cgroup.procs").read_text().split() == [init], h
-    out, err, code = await run_entered(helper, second, handle, ["cat", "/proc/self/cgroup"])
+    out, _, code = await run_entered(helper, second, handle, ["cat", "/proc/self/cgroup"])
     assert code == 0 and f"memory:/{cgroups.rel(second.sandbox_id)}\n" in out.decode(), out
 
     # Another quota: crun writes it.
@@ -128,3 +129,31 @@ async def test_spares_an_earlier_edge_left_are_removed_when_the_node_is_prepared
     again = ContainerBackend(backend.data_dir)  # the edge restarted, after a crash
     await again.prepare_node()
     assert spares.spare_dirs() == [] and len(again.spares) == 0
+
+
+async def test_a_create_takes_another_buckets_spare_and_a_restarted_edge_finds_it_there(
+    backend: ContainerBackend,  # noqa: F811
+    made: Made,  # noqa: F811
+    helper: Path,  # noqa: F811
+) -> None:
+    first, handle = await made.create()
+    inode = os.stat(cgroups.sandbox_dir("memory", first.sandbox_id)).st_ino
+    await backend.destroy(first.sandbox_id, handle, first.workdir)
+    ctx = made.ctx()
+    while bucket(ctx) == bucket(first):
+        ctx = made.ctx()
+    elsewhere = bucket(ctx)
+    second, handle = await made.create(ctx)
+    assert bucket(second) == bucket(first) != elsewhere  # placed where the spare was
+    assert os.stat(cgroups.sandbox_dir("memory", second.sandbox_id)).st_ino == inode
+    out, _, code = await run_entered(helper, second, handle, ["cat", "/proc/self/cgroup"])
+    assert code == 0 and f"memory:/{bucket(first)}/{second.sandbox_id}\n" in out.decode(), out
+
+    cgroups.forget(second.sandbox_id)  # a new edge process knows nothing of it...
+    assert bucket(second) == elsewhere
+    again = ContainerBackend(backend.data_dir)
+    await again.prepare_node()  # ... until it looks
+    assert bucket(second) == bucket(first) and await again.alive(second.sandbox_id, handle)
+    await again.destroy(second.sandbox_id, handle, second.workdir)
+    assert cgroups.sandbox_dirs(second.sandbox_id) == [] and not second.workdir.exists()
+    assert not [p for h in cgroups.hierarchies() for p in h.glob(f"*/*/{second.sandbox_id}")]

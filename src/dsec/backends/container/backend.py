@@ -151,6 +151,7 @@ class ContainerBackend:
         cgroups.prepare_cpuset_parent()
         cgroups.prepare_buckets()
         self.spares.clear()  # an earlier edge's: a cache, never adopted
+        cgroups.adopt()  # its sandboxes that run in another bucket's spares
         _raise_nofile_limit()
         _raise_pid_max()
         self.enter_helper = enter.build_helper(self.data_dir / "bin")  # gcc once per source version
@@ -333,6 +334,7 @@ class ContainerBackend:
         await self._remove_writable_layer(sandbox_id, workdir)
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(self.state_dir / sandbox_id)
+        cgroups.forget(sandbox_id)
 
     async def _remove_writable_layer(self, sandbox_id: str, workdir: Path) -> None:
         """Its work directory and, with a disk limit, its volume; nothing if already gone."""

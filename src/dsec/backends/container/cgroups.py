@@ -25,13 +25,56 @@ PARENT = "dsec"
 BUCKETS = 64
 
 
+# Sandboxes whose cgroups are not in their ID's bucket: they took a destroyed sandbox's spare
+# cgroups from another (spares.py). Found again by a scan when an edge starts (:func:`adopt`).
+_placed: dict[str, str] = {}
+
+
 def rel(sandbox_id: str) -> str:
-    """The sandbox's cgroup path below every hierarchy's root (``dsec/<bucket>/<id>``); a
-    sandbox made before buckets (``dsec/<id>``, still running after an edge upgrade) keeps its."""
+    """The sandbox's cgroup path below every hierarchy's root (``dsec/<bucket>/<id>``: the
+    bucket its ID hashes to, unless it was placed in another); a sandbox made before buckets
+    (``dsec/<id>``, still running after an edge upgrade) keeps its."""
+    bucket = _placed.get(sandbox_id)
+    if bucket is not None:
+        return f"{bucket}/{sandbox_id}"
     if (CGROUP_ROOT / "memory" / PARENT / sandbox_id).is_dir():
         return f"{PARENT}/{sandbox_id}"
+    return f"{hashed_bucket(sandbox_id)}/{sandbox_id}"
+
+
+def hashed_bucket(sandbox_id: str) -> str:
+    """``dsec/<bucket>`` of the sandbox's ID."""
     bucket = int.from_bytes(hashlib.sha256(sandbox_id.encode()).digest()[:4], "big") % BUCKETS
-    return f"{PARENT}/{bucket:02x}/{sandbox_id}"
+    return f"{PARENT}/{bucket:02x}"
+
+
+def place(sandbox_id: str, bucket: str) -> None:
+    """Have the sandbox's cgroups be in ``bucket`` (``dsec/<bucket>``) rather than its ID's."""
+    if bucket == hashed_bucket(sandbox_id):
+        _placed.pop(sandbox_id, None)
+    else:
+        _placed[sandbox_id] = bucket
+
+
+def forget(sandbox_id: str) -> None:
+    """The sandbox is gone: its placement too."""
+    _placed.pop(sandbox_id, None)
+
+
+def adopt() -> int:
+    """Find the sandboxes an earlier edge placed outside their ID's bucket (one listing of
+    each bucket of the memory hierarchy); how many."""
+    found = 0
+    with contextlib.suppress(OSError):
+        for bucket in (CGROUP_ROOT / "memory" / PARENT).iterdir():
+            if not bucket.is_dir() or len(bucket.name) != 2:
+                continue
+            for d in bucket.iterdir():
+                where = f"{PARENT}/{bucket.name}"
+                if d.is_dir() and where != hashed_bucket(d.name):
+                    _placed[d.name] = where
+                    found += 1
+    return found
 
 
 def sandbox_dir(controller: str, sandbox_id: str) -> Path:

@@ -18,7 +18,9 @@ What a spare carries over is the kernel's accounting, not the sandbox's: counter
 command) and at most :data:`MAX_LEFT_CHARGED` of kernel objects still charged. Sandboxes never
 see their cgroup files (``/sys`` is an empty directory inside), so nothing they could write
 there reaches the next one. Spares are only a cache: the edge removes them when it starts and
-when it closes, and keeps at most ``per_bucket`` in each of the 64 buckets.
+when it closes, and keeps at most ``per_bucket`` in each of the 64 buckets. A create takes its
+ID's bucket's spare, or else any bucket's (placing the sandbox there: cgroup v1 renames only
+within a parent, and IDs fall in buckets at random, so a bucket's own would rarely be there).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import secrets
 from collections import defaultdict
 from pathlib import Path
 
@@ -45,30 +48,36 @@ class SpareCgroups:
     def __init__(self, per_bucket: int = PER_BUCKET) -> None:
         self.per_bucket = per_bucket
         self._free: dict[str, list[str]] = defaultdict(list)
-        self._names = itertools.count()
+        # Names no other edge's spares have (tests run several nodes on one host).
+        self._names = (f"{PREFIX}{secrets.token_hex(4)}-{i}" for i in itertools.count())
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._free.values())
 
     def take(self, sandbox_id: str) -> int | None:
-        """Rename a spare set of the sandbox's bucket to the sandbox's cgroups; the CPU quota
-        (microseconds per period) it keeps, or None when there was no spare (or it could not
-        be taken whole: what was renamed is the sandbox's, crun makes the rest)."""
-        where = _split(cgroups.rel(sandbox_id))
-        if where is None or not self._free.get(where[0]):
-            return None
-        bucket, name = where
+        """Give the new sandbox a spare set of cgroups, its ID's bucket's if it has one, else
+        another bucket's (it is then placed there: :func:`cgroups.place`); the CPU quota
+        (microseconds per period) the spare keeps. None when there was no spare, or it could not
+        be taken whole (what was renamed is the sandbox's then, crun makes the rest)."""
+        bucket = cgroups.hashed_bucket(sandbox_id)
+        if not self._free.get(bucket):
+            bucket = max(self._free, key=lambda b: len(self._free[b]), default=bucket)
+            if not self._free.get(bucket):
+                return None
         spare = self._free[bucket].pop()
+        cgroups.place(sandbox_id, bucket)
         hierarchies = cgroups.v1_controllers()
         for i, h in enumerate(hierarchies):
             try:
-                (h / bucket / spare).rename(h / bucket / name)
+                (h / bucket / spare).rename(h / bucket / sandbox_id)
             except OSError as exc:
                 log.warning("spare cgroups %s of %s: %s; dropped", spare, bucket, exc)
                 _remove(hierarchies[i:], f"{bucket}/{spare}")
+                if i == 0:
+                    cgroups.forget(sandbox_id)  # none of it is the sandbox's
                 return None
         try:
-            return int((cgroups.CGROUP_ROOT / "cpu" / bucket / name / "cpu.cfs_quota_us").read_text())
+            return int((cgroups.CGROUP_ROOT / "cpu" / bucket / sandbox_id / "cpu.cfs_quota_us").read_text())
         except (OSError, ValueError):
             return None
 
@@ -81,7 +90,7 @@ class SpareCgroups:
         if where is None or len(self._free[where[0]]) >= self.per_bucket or not _fit(rel):
             return False
         bucket, name = where
-        spare = f"{PREFIX}{next(self._names)}"
+        spare = next(self._names)
         done: list[Path] = []
         for h in cgroups.v1_controllers():
             try:
