@@ -9,8 +9,10 @@ core count:
   - creations/s of a probe of --probe creates at that fill, and the ratio to the empty node
     (fresh cgroups: the spares destroyed sandboxes leave, backends/container/spares.py, are
     dropped first);
-  - churn: --probe held sandboxes destroyed, then as many created in their place (the RL steady
-    state: their cgroups are the destroyed ones'), creations/s and the ratio to the empty node's;
+  - replacements/s (the RL steady state): --probe/2 held sandboxes destroyed, then as many
+    created in their place, timed together; with spare cgroups (the new ones run in the
+    destroyed ones' cgroups) and without, twice each (with, without, without, with: means), each
+    with its ratio to the empty node's;
   - run_shell("true") p50/p99 on --probe sandboxes, and the ratio to the empty node;
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
@@ -40,8 +42,10 @@ import contextlib
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from _perf import recording
@@ -51,6 +55,7 @@ from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.container import cgroups, spares
 from dsec.backends.container.backend import ContainerBackend
+from dsec.backends.container.spares import PER_BUCKET
 from dsec.density.swap import SwapConfig
 from dsec.sdk.client import Sandbox
 
@@ -120,12 +125,21 @@ async def fill(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> f
     return rate
 
 
-async def churn(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> float:
-    """Destroy ``n`` held sandboxes, then create ``n`` in their place; their creations per second."""
+async def churn(
+    client: DSecClient, n: int, batch: int, made: list[Sandbox], container: ContainerBackend, per_bucket: int
+) -> float:
+    """Replace ``n`` held sandboxes, keeping up to ``per_bucket`` spare cgroup sets per bucket:
+    destroy ``n``, then create ``n`` (each with a session); replacements per second, the
+    destroys and the creates timed."""
+    container.spares.clear()
+    container.spares.per_bucket = per_bucket
     gone = random.sample(made, min(n, len(made)))
     made[:] = [sb for sb in made if sb not in gone]
+    t = time.perf_counter()
     await asyncio.gather(*(sb.stop() for sb in gone))
-    return await fill(client, len(gone), batch, made)
+    took = time.perf_counter() - t
+    rate = await fill(client, len(gone), batch, made)
+    return len(gone) / (took + len(gone) / rate)
 
 
 async def exec_latency(made: list[Sandbox], probe: int) -> list[float]:
@@ -259,7 +273,7 @@ async def main() -> None:
     await node.start()
     print(f"cores {os.cpu_count()}  steps {steps}  probe {a.probe}")
     made: list[Sandbox] = []
-    base_rate = base_exec = base_churn = 0.0
+    base_rate = base_exec = base_churn = base_fresh = 0.0
     container = node.backend
     assert isinstance(container, ContainerBackend)
     try:
@@ -278,12 +292,19 @@ async def main() -> None:
                     async with recording(a.perf, str(step)):  # the probe: creates at this fill
                         rate = await fill(client, a.probe, a.batch, made)
                     lat = await exec_latency(made, a.probe)
-                    replaced = await churn(client, a.probe, a.batch, made)
+                    # With, without, without, with: neither has the other's aftermath alone.
+                    taken, runs = container.spares.taken, defaultdict(list)
+                    for per_bucket in (PER_BUCKET, 0, 0, PER_BUCKET):
+                        r = await churn(client, a.probe // 2, a.batch, made, container, per_bucket)
+                        runs[per_bucket].append(r)
+                    container.spares.per_bucket = PER_BUCKET
+                    taken = container.spares.taken - taken
+                    replaced, fresh = statistics.mean(runs[PER_BUCKET]), statistics.mean(runs[0])
                 except ShortOfMemory as exc:
                     print(f"stopped filling: {exc} (floor {a.mem_floor_gib} GiB)")
                     break
                 base_rate, base_exec = base_rate or rate, base_exec or pct(lat, 50)
-                base_churn = base_churn or replaced
+                base_churn, base_fresh = base_churn or replaced, base_fresh or fresh
                 now, n = snapshot(), len(made) - 1
                 per = {
                     k: (start[k] - now[k] if k == "available" else now[k] - start[k]) / max(n, 1) / MiB
@@ -295,7 +316,11 @@ async def main() -> None:
                     f"{len(made):6d} held  creates {rate:6.1f}/s ({rate / base_rate:4.2f}x empty)"
                     f"  run_shell p50 {pct(lat, 50) * 1e3:6.2f} ms p99 {pct(lat, 99) * 1e3:6.2f} ms"
                     f" ({pct(lat, 50) / base_exec:4.2f}x empty)"
-                    f"  churn {replaced:6.1f}/s ({replaced / base_churn:4.2f}x empty)"
+                )
+                print(
+                    f"        replacements (destroy, then create): {replaced:6.1f}/s with spare cgroups"
+                    f" ({replaced / base_churn:4.2f}x empty; {taken} of {a.probe} creates in spares),"
+                    f" {fresh:6.1f}/s without ({fresh / base_fresh:4.2f}x empty; {replaced / fresh:4.2f}x)"
                 )
                 print(
                     f"        per sandbox: MemAvailable {-per['available']:+6.2f} MiB; of which (overlapping)"

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import logging
 import secrets
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from dsec.backends.container import cgroups
@@ -50,6 +50,8 @@ class SpareCgroups:
         self._free: dict[str, list[str]] = defaultdict(list)
         # Names no other edge's spares have (tests run several nodes on one host).
         self._names = (f"{PREFIX}{secrets.token_hex(4)}-{i}" for i in itertools.count())
+        self.taken = self.missed = self.kept = 0  # creates that had a spare, that had none; kept
+        self.unfit: Counter[str] = Counter()  # destroyed sandboxes' cgroups not kept, by why
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._free.values())
@@ -63,8 +65,10 @@ class SpareCgroups:
         if not self._free.get(bucket):
             bucket = max(self._free, key=lambda b: len(self._free[b]), default=bucket)
             if not self._free.get(bucket):
+                self.missed += 1
                 return None
         spare = self._free[bucket].pop()
+        self.taken += 1
         cgroups.place(sandbox_id, bucket)
         hierarchies = cgroups.v1_controllers()
         for i, h in enumerate(hierarchies):
@@ -87,7 +91,11 @@ class SpareCgroups:
         whatever is not kept, the caller removes as before."""
         rel = cgroups.rel(sandbox_id)
         where = _split(rel)
-        if where is None or len(self._free[where[0]]) >= self.per_bucket or not _fit(rel):
+        if where is None or len(self._free[where[0]]) >= self.per_bucket:
+            return False
+        unfit = _unfit(rel)
+        if unfit is not None:
+            self.unfit[unfit] += 1
             return False
         bucket, name = where
         spare = next(self._names)
@@ -100,6 +108,7 @@ class SpareCgroups:
                 return False
             done.append(h)
         self._free[bucket].append(spare)
+        self.kept += 1
         return True
 
     def clear(self) -> int:
@@ -129,21 +138,22 @@ def _split(rel: str) -> tuple[str, str] | None:
     return (parent, name) if parent.count("/") == 1 else None
 
 
-def _fit(rel: str) -> bool:
+def _unfit(rel: str) -> str | None:
+    """Why the cgroups cannot serve another sandbox; None if they can (then made ready to)."""
     mem = cgroups.CGROUP_ROOT / "memory" / rel
     try:
         if (mem / "cgroup.procs").read_text().strip():
-            return False
+            return "processes"
         if (cgroups.CGROUP_ROOT / "freezer" / rel / "freezer.state").read_text().strip() != "THAWED":
-            return False
+            return "frozen"
     except OSError:
-        return False
+        return "gone"
     if memory.usage_bytes(mem) > MAX_LEFT_CHARGED:
-        return False
+        return "charged"
     for counter in ("memory.max_usage_in_bytes", "memory.memsw.max_usage_in_bytes", "memory.failcnt"):
         with contextlib.suppress(OSError):
             (mem / counter).write_text("0")  # the next sandbox's peaks and failures, not these
-    return True
+    return None
 
 
 def _remove(hierarchies: list[Path], rel: str) -> None:
