@@ -21,10 +21,10 @@ from dsec.images.mounts import LayerMounts, mount_stored_layer
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import LayerInfo
-from tests.support import flip_byte
+from tests.support import evict, flip_byte, resident_bytes
 
 from .conftest import make_tree
-from .test_ondemand import MIB, _big_tree, _evict, _resident_bytes, _same_tree
+from .test_ondemand import MIB, _big_tree, _same_tree
 
 
 @pytest.fixture
@@ -96,15 +96,15 @@ def test_reading_one_small_file_of_a_large_split_layer_reads_a_few_pages(
     info = shared.import_path(src, "big:1")
     assert info.data_digest is not None
     data = shared.blob_path(info.data_digest)
-    _evict(data)
-    if _resident_bytes(data) > MIB:
+    evict(data)
+    if resident_bytes(data) > MIB:
         pytest.skip("the store's filesystem keeps pages resident (tmpfs?): cannot observe reads")
     mnt = node_mounts.acquire_layer(shared, info.digest)
     os.listdir(mnt / "data")
     (mnt / "etc/hostname").stat()
-    assert _resident_bytes(data) == 0  # mounting and metadata: nothing from the data blob
+    assert resident_bytes(data) == 0  # mounting and metadata: nothing from the data blob
     assert (mnt / "data/small-07.txt").read_bytes() == (src / "data/small-07.txt").read_bytes()
-    touched = _resident_bytes(data)
+    touched = resident_bytes(data)
     print(
         f"\none small file ({(src / 'data/small-07.txt').stat().st_size} B) of a {data.stat().st_size} B "
         f"data blob: {touched} B of the blob read"

@@ -219,7 +219,7 @@ class ContainerBackend:
         upper, work, root, bundle = wd / "upper", wd / "work", wd / "rootfs", wd / "bundle"
         for d in (upper, work, root, bundle):
             d.mkdir(parents=True, exist_ok=True)
-        # A destroyed sandbox's cgroups, if its bucket has some: crun then makes none.
+        # A destroyed sandbox's cgroups, if the node keeps some (spares.py): crun then makes none.
         kept_quota = None if on_gvisor else self.spares.take(ctx.sandbox_id)
         config = oci.build_config(
             sandbox_id=ctx.sandbox_id,

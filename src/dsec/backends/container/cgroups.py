@@ -69,8 +69,8 @@ def adopt() -> int:
         for bucket in (CGROUP_ROOT / "memory" / PARENT).iterdir():
             if not bucket.is_dir() or len(bucket.name) != 2:
                 continue
+            where = f"{PARENT}/{bucket.name}"
             for d in bucket.iterdir():
-                where = f"{PARENT}/{bucket.name}"
                 if d.is_dir() and where != hashed_bucket(d.name):
                     _placed[d.name] = where
                     found += 1
