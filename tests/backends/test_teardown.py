@@ -14,7 +14,7 @@ import pytest
 
 from dsec.backends.container import cgroups, teardown
 from dsec.backends.container.backend import ContainerBackend
-from tests.backends.conformance import Made
+from tests.backends.conformance import Made, run
 from tests.support import eventually, evict, resident_bytes
 
 from .test_enter import backend, helper, layer_dirs, made, probe, run_entered, sandbox  # noqa: F401
@@ -80,3 +80,30 @@ async def test_a_sandbox_whose_init_is_gone_is_still_destroyed(
     await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
     assert cgroups.sandbox_dirs(ctx.sandbox_id) == [] and not ctx.workdir.exists()
     assert ctx.sandbox_id not in await backend.leftovers()
+
+
+@pytest.fixture
+def gvisor_made(made: Made) -> Made:  # noqa: F811
+    if not made.backend.gvisor.available:
+        pytest.skip(f"runtime='gvisor' needs a working runsc: {made.backend.gvisor.why_not}")
+    return made
+
+
+async def test_a_destroyed_gvisor_sandbox_leaves_no_dying_memory_cgroup(
+    backend: ContainerBackend,  # noqa: F811
+    gvisor_made: Made,
+    layer_dirs: list[Path],  # noqa: F811
+) -> None:
+    layer = layer_dirs[-1]
+    files = uncached_files(layer)
+    made_here = [await gvisor_made.create(gvisor_made.ctx(runtime="gvisor")) for _ in files]
+    for (ctx, handle), name in zip(made_here, files, strict=True):
+        out, err, code = await run(backend, ctx, handle, ["cat", name])
+        assert code == 0 and len(out) == MiB, err
+        # The gofer read it for the sentry: charged to the sandbox's memory cgroup.
+        assert resident_bytes(layer / name.lstrip("/")) >= MiB // 2
+        assert teardown.lru_bytes(cgroups.sandbox_dir("memory", ctx.sandbox_id)) >= MiB // 2
+    for ctx, handle in made_here:
+        await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
+        assert cgroups.sandbox_dirs(ctx.sandbox_id) == []
+    assert [resident_bytes(layer / name.lstrip("/")) for name in files] == [0] * COUNT

@@ -306,16 +306,20 @@ class ContainerBackend:
         return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
 
     async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+        memcg = cgroups.sandbox_dir("memory", sandbox_id)
         if _on_gvisor(handle) or self.gvisor.knows(sandbox_id):  # an empty handle: runsc's state says
+            if _on_gvisor(handle) and await teardown.end_gvisor(handle, memcg):
+                # As below: what its gofer read and wrote for it goes before runsc removes the
+                # cgroups (else they stay dying).
+                await self._remove_writable_layer(sandbox_id, workdir)
+                await teardown.release(memcg)
             await self.gvisor.delete(sandbox_id)
         else:
             if await teardown.end_processes(handle):
                 # Nothing runs in it any more: its written pages go with its files, and what it
                 # still has charged is reclaimed, so its memory cgroup dies with it (teardown.py).
                 await self._remove_writable_layer(sandbox_id, workdir)
-                await asyncio.get_running_loop().run_in_executor(
-                    teardown.EXECUTOR, teardown.release_memory, cgroups.sandbox_dir("memory", sandbox_id)
-                )
+                await teardown.release(memcg)
                 self.spares.give(sandbox_id)  # then crun finds none to remove
             proc = await spawner.create_subprocess_exec(
                 *self._cmd("delete", "--force", sandbox_id),

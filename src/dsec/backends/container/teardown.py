@@ -13,14 +13,17 @@ So the edge ends a sandbox in this order: SIGKILL its init (the kernel kills the
 pid namespace, and the sandbox's mount namespace, with its overlay, goes with the last of
 them), remove its writable layer (its written pages are then freed, never written back),
 reclaim what is still charged (layer pages it read first: :func:`release_memory`), and only
-then have crun remove the cgroups. The reclaim may evict a layer page that other sandboxes map
-too; they fault it back in from the page cache of the layer's image, or from disk.
+then have crun remove the cgroups. On gVisor: SIGKILL its sentry and gofer, wait until its
+cgroup has no process, the same, then runsc delete. The reclaim may evict a layer page that
+other sandboxes map too; they fault it back in from the page cache of the layer's image, or
+from disk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +44,34 @@ async def end_processes(handle: dict[str, Any]) -> bool:
     """SIGKILL the sandbox's init, found by PID *and* start time, and wait until it has exited
     (then every process of its pid namespace has). False if it could not be told to have ended
     (no init in the handle, or it outlived the timeout); True if it is gone."""
-    pid = int(handle.get("pid") or 0)
+    return await _end(int(handle.get("pid") or 0), handle.get("start_time"))
+
+
+async def end_gvisor(handle: dict[str, Any], cgroup: Path) -> bool:
+    """:func:`end_processes` for a gVisor sandbox: its sentry (the handle's init) and its gofer,
+    then wait until the memory cgroup has no process left (the sentry's stubs end with it).
+    True once so; False if that could not be told within the timeout."""
+    ended = await asyncio.gather(
+        _end(int(handle.get("pid") or 0), handle.get("start_time")),
+        _end(int(handle.get("gofer_pid") or 0), handle.get("gofer_start_time")),
+    )
+    if not all(ended):
+        return False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + INIT_EXIT_TIMEOUT_S
+    for delay in itertools.chain(itertools.repeat(0.001, 10), itertools.repeat(0.02)):
+        try:
+            if not (cgroup / "cgroup.procs").read_text().strip():
+                return True
+        except OSError:
+            return False
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(delay)  # no event says a cgroup emptied (v1): a short poll
+    return False  # pragma: no cover - the delays never end
+
+
+async def _end(pid: int, start_time: Any) -> bool:
     if pid <= 0:
         return False
     try:
@@ -49,9 +79,9 @@ async def end_processes(handle: dict[str, Any]) -> bool:
     except ProcessLookupError:
         return True
     try:
-        # Through the pidfd, the PID cannot be reused behind our back: check it is the init.
-        if _linux.proc_start_time(pid) != handle.get("start_time"):
-            return True  # the init ended long ago; this PID is another process now
+        # Through the pidfd, the PID cannot be reused behind our back: check it is the process.
+        if _linux.proc_start_time(pid) != start_time:
+            return True  # it ended long ago; this PID is another process now
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         return await _exited(pidfd)
@@ -87,6 +117,11 @@ def lru_bytes(cgroup: Path) -> int:
         return 0
     stat = dict(line.split() for line in text.splitlines() if line.count(" ") == 1)
     return sum(int(stat.get(name, 0)) for name in _LRU)
+
+
+async def release(cgroup: Path) -> int:
+    """:func:`release_memory` in the teardown's own threads."""
+    return await asyncio.get_running_loop().run_in_executor(EXECUTOR, release_memory, cgroup)
 
 
 def release_memory(cgroup: Path) -> int:
