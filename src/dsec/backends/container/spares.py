@@ -1,4 +1,4 @@
-"""The cgroups a destroyed sandbox leaves to the next create in its bucket (cgroup v1).
+"""The cgroups a destroyed sandbox leaves to the next create (cgroup v1).
 
 Making a sandbox's cgroups costs the kernel more the fuller the node is: a new memory cgroup
 allocates per-shrinker state for every filesystem instance on the host (5 per sandbox), the
@@ -9,7 +9,7 @@ the next starts. So, when a destroyed sandbox's cgroups are fit (nothing runs in
 memory cgroup charges almost nothing once reclaimed, its freezer is thawed), they are renamed
 to a spare name in their bucket (cgroup v1 renames a cgroup within its parent; cgroup2 does
 not, so the hybrid host's unified directory, which has no controllers, is made afresh), and
-the next create whose ID falls in that bucket renames them to its own ID before crun runs.
+the next create renames them to its own ID before crun runs.
 crun finds them made and writes the new sandbox's limits into them; its CPU quota only when it
 differs from the one the spare kept (the config then leaves it out: no walk).
 
@@ -37,7 +37,7 @@ from dsec.density import memory
 
 log = logging.getLogger("dsec.backends.container")
 
-PER_BUCKET = 4  # x 64 buckets: at most 256 spare sets (a memory cgroup each, ~0.4 MiB at 8,000)
+PER_BUCKET = 4  # x 64 buckets: at most 256 spare sets, each an empty cgroup per hierarchy
 PREFIX = "spare-"  # sandbox IDs never start so (protocol.ids: "sb-...")
 MAX_LEFT_CHARGED = 1 << 20  # bytes of kernel objects a spare's memory cgroup may still be charged
 
