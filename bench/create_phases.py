@@ -13,6 +13,9 @@ and, outside the edge, the kernel primitives a create uses, timed directly:
   - cgroup: mkdir + rmdir of one cgroup in every v1 hierarchy under dsec/;
   - quota: one write of cpu.cfs_quota_us to a fresh cpu cgroup under dsec/ (the kernel checks
     every cpu cgroup of the node on each such write);
+  - exec: fork + exec of `true` from this process, which is the edge's: its file table grows
+    with the held sessions (2 fds each), and the child closes them all; the edge's own spawns go
+    through a spawner with a small one (executor/spawner.py), so read what follows against it;
   - netns/ipcns/mntns/pidns: `unshare` of that namespace alone (fork + exec of true included);
   - tmpfs: mount + umount of a tmpfs in a private mount namespace.
 With --perf DIR, `perf record -a -g` runs during each step's probe (DIR/perf-<step>.data).
@@ -37,7 +40,7 @@ from _stats import pct
 from density import LABEL, MEM_FLOOR, fill, meminfo
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
-from dsec.backends.container import backend as container_backend
+from dsec.executor import spawner
 from dsec.sdk.client import Sandbox
 
 GiB = 1 << 30
@@ -59,13 +62,14 @@ def wrap(owner: Any, name: str, phase: str) -> None:
 
 
 def time_crun() -> None:
-    """`crun run` from fork to exit: wraps create_subprocess_exec as the backend module sees it."""
-    real = asyncio.create_subprocess_exec
+    """`crun run` from fork to exit (through dsec-rootfs): wraps the spawner's
+    create_subprocess_exec, which the backend starts it with."""
+    real = spawner.create_subprocess_exec
 
     async def exec_timed(*argv: Any, **kwargs: Any) -> asyncio.subprocess.Process:
         t = time.perf_counter()
         proc = await real(*argv, **kwargs)
-        if "run" not in argv:
+        if "run" not in argv or "--detach" not in argv:
             return proc
         wait = proc.wait
 
@@ -77,7 +81,7 @@ def time_crun() -> None:
         proc.wait = timed_wait  # type: ignore[method-assign]
         return proc
 
-    container_backend.asyncio.create_subprocess_exec = exec_timed  # type: ignore[attr-defined]
+    spawner.create_subprocess_exec = exec_timed
 
 
 def primitives(reps: int) -> dict[str, float]:
@@ -98,6 +102,9 @@ def primitives(reps: int) -> dict[str, float]:
             out["quota"].append(time.perf_counter() - t)
         finally:
             quota.rmdir()
+        t = time.perf_counter()
+        subprocess.run(["true"], check=True)
+        out["exec"].append(time.perf_counter() - t)
         for ns in ("net", "ipc", "mount", "pid"):
             t = time.perf_counter()
             subprocess.run(["unshare", f"--{ns}", "--fork", "true"], check=True)
