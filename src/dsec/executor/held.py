@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Literal
 
 from dsec.backends.base import Spawned
+from dsec.executor.fdwait import fd_ready
 from dsec.executor.process import descendants, kill_process_tree
 from dsec.executor.watch import WatchBudget
 from dsec.protocol.errors import (
@@ -160,7 +161,7 @@ class HeldProcess:
             try:
                 chunk = os.read(fd, OUT_CHUNK)
             except BlockingIOError:
-                await _ready(fd, write=False)
+                await fd_ready(fd)
                 continue
             except OSError as exc:
                 if exc.errno == errno.EIO:  # every holder of the slave closed it
@@ -290,28 +291,13 @@ def set_size(master: int, size: PtySize) -> None:
     fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
 
 
-async def _ready(fd: int, *, write: bool) -> None:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    (loop.add_writer if write else loop.add_reader)(fd, ready)
-    try:
-        await fut
-    finally:
-        (loop.remove_writer if write else loop.remove_reader)(fd)
-
-
 async def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         try:
             view = view[os.write(fd, view) :]
         except BlockingIOError:
-            await _ready(fd, write=True)
+            await fd_ready(fd, write=True)
         except OSError as exc:
             if exc.errno == errno.EIO:
                 raise Conflict("the terminal was closed") from exc

@@ -21,13 +21,14 @@ marker's secret nonce alone (:mod:`dsec.executor.session`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import platform
 from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
+
+from dsec.executor.fdwait import fd_ready
 
 log = logging.getLogger("dsec.executor")
 
@@ -163,22 +164,6 @@ async def _send(pid: int, fd: int, pipe: str, data: bytes) -> bool:
                 os.write(out, data)
                 return True
             except BlockingIOError:
-                await _writable(out)  # full: the edge's readers are emptying it
+                await fd_ready(out, write=True)  # full: the edge's readers are emptying it
     finally:
         os.close(out)
-
-
-async def _writable(fd: int) -> None:
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def settle() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_writer(fd, settle)
-    try:
-        await ready
-    finally:
-        with contextlib.suppress(ValueError):
-            loop.remove_writer(fd)

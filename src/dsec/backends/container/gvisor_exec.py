@@ -26,6 +26,7 @@ from dsec.backends.container import oci
 from dsec.backends.container.gvisor import ENV, GVisor, run_quietly
 from dsec.backends.container.session_shell import SESSION_STDIN_FD, HeldStdin
 from dsec.executor import spawner
+from dsec.executor.fdwait import fd_ready
 from dsec.executor.process import ProcessStdin, RestingChild, watch_child
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
@@ -241,14 +242,10 @@ async def _pid_or_exit(fd: int, exit_: Awaitable[Any]) -> int | None:
 
 async def _exit_of(pid: int) -> None:
     """Until the child ``pid`` exits, through a pidfd of our own (not reaped: its watcher will)."""
-    loop = asyncio.get_running_loop()
     pidfd = os.pidfd_open(pid)
-    done: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(pidfd, _settle, done)
     try:
-        await done
+        await fd_ready(pidfd)
     finally:
-        loop.remove_reader(pidfd)
         os.close(pidfd)
 
 
@@ -276,11 +273,6 @@ class _RestingExec(RestingChild):
         self.stdout = stdout
         self.stderr = stderr
         stdin.ended = lambda: self.returncode is not None
-
-
-def _settle(ready: asyncio.Future[None]) -> None:
-    if not ready.done():
-        ready.set_result(None)
 
 
 class GVisorProcess:

@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import Callable
 
+from dsec.executor.fdwait import fd_ready
 from dsec.executor.process import RestingChild, kill_tree, watch_child
 
 SESSION_STDIN_FD = 9  # where a session shell keeps the write end of its stdin (dsec_enter.c)
@@ -93,22 +94,9 @@ class HeldStdin:
 
 
 async def _write_all(fd: int, data: bytes) -> None:
-    loop = asyncio.get_running_loop()
     view = memoryview(data)
     while view:
         try:
             view = view[os.write(fd, view) :]
-            continue
         except BlockingIOError:
-            pass
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_writer(fd, _settle, ready)
-        try:
-            await ready
-        finally:
-            loop.remove_writer(fd)
-
-
-def _settle(ready: asyncio.Future[None]) -> None:
-    if not ready.done():
-        ready.set_result(None)
+            await fd_ready(fd, write=True)

@@ -32,6 +32,7 @@ from typing import Any
 
 from dsec import _linux
 from dsec.density import memory
+from dsec.executor.fdwait import fd_ready
 
 INIT_EXIT_TIMEOUT_S = 5.0  # its pid namespace waits for zombies whose parents are outside
 # force_empty mostly waits (for kernel workers on every CPU): its own threads, so that a mass
@@ -90,22 +91,12 @@ async def _end(pid: int, start_time: Any) -> bool:
 
 
 async def _exited(pidfd: int) -> bool:
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(pidfd, _settle, done)
     try:
         async with asyncio.timeout(INIT_EXIT_TIMEOUT_S):
-            await done
+            await fd_ready(pidfd)  # a pidfd is readable once its process has exited
         return True
     except TimeoutError:
         return False
-    finally:
-        loop.remove_reader(pidfd)
-
-
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)
 
 
 def lru_bytes(cgroup: Path) -> int:
