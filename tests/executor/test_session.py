@@ -8,13 +8,14 @@ asyncio process stands for one it cannot see (a microVM's, gVisor's).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 
 import pytest
 from tests.security.test_session_end import PEEKERS
 
 from dsec.executor.process import SandboxProcess
-from dsec.executor.session import DRIVER, Session
+from dsec.executor.session import DRIVER, Session, _drained, _Stream
 from dsec.protocol.models import CommandResult
 
 
@@ -64,11 +65,33 @@ async def run(s: Session, command: str, timeout: float = 60) -> CommandResult:
 async def test_a_watched_shell_ends_a_command_at_its_own_marker(bash: Session) -> None:
     assert (await run(bash, "true")).exit_code == 0
     # Unwatched, the forgery below succeeds by design: tell that apart from a watch it fooled
-    # (this test failed twice in CI that way, never alone).
+    # (it failed in CI while watched: bytes in flight between pipe and reader, now counted).
     assert bash._view is not None, "the host bash is not watched"
     r = await run(bash, f"{PEEKERS['python']}; echo after; (exit 3)")
     assert (r.exit_code, r.stdout.endswith(":0\0smuggled\nafter\n")) == (3, True), r
     assert (await run(bash, "echo next")).stdout == "next\n"
+
+
+async def test_output_read_off_a_pipe_but_not_yet_delivered_is_unread() -> None:
+    """asyncio's subprocess transport delivers what it read a loop turn later: a command's own
+    end marker in flight then must not let the edge take a forged one for the last (CI saw it)."""
+    loop = asyncio.get_running_loop()
+    r, w = os.pipe()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb", buffering=0)
+    )
+    try:
+        stream = _Stream(reader, 1 << 20, b"end", b"", asyncio.Event(), with_code=True)
+        assert await _drained((stream,))
+        loop.call_soon(reader.feed_data, b"\0end:3\0")  # out of the pipe, not in the reader
+        assert not await _drained((stream,))
+        await reader.read(100)
+        os.write(w, b"x")  # still in the pipe
+        assert not await _drained((stream,))
+    finally:
+        transport.close()
+        os.close(w)
 
 
 async def test_output_after_a_commands_end_is_the_next_commands(bash: Session) -> None:
