@@ -8,17 +8,16 @@ every later create and exec), and a sandbox's mounts vanish with its last proces
 to unmount, nothing to leak if the edge crashes.
 
 A sandbox with ``disk_limit_mb`` keeps its working directory in a btrfs subvolume with a
-qgroup limit, on one quota file system per node (:mod:`.diskquota`); the edge's path for it
-is then a symlink there. Everything else about such a sandbox is the same.
+qgroup limit, on one quota file system per node (:mod:`.diskquota`, used through
+:mod:`.volumes`); the edge's path for it is then a symlink there. Everything else about such
+a sandbox is the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
-import logging
 import resource
 import shutil
 from collections.abc import AsyncIterator
@@ -39,6 +38,7 @@ from dsec.backends.container import (
     rootfs,
     spares,
     teardown,
+    volumes,
 )
 from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import coresched, memory
@@ -46,12 +46,10 @@ from dsec.executor import spawner
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import SandboxProcess
-from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import ContainerSpec
 
-log = logging.getLogger("dsec.backends.container")
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-_DISK_COMMIT_INTERVAL_S = 2.0  # at most this often, a commit that frees destroyed volumes now
 
 
 def _raise_nofile_limit() -> None:
@@ -107,14 +105,7 @@ class ContainerBackend:
         self.enter_helper = enter.helper_path(data_dir / "bin")
         self.rootfs_helper = data_dir / "bin" / rootfs.NAME  # built by prepare_node
         self.spawn_helper = data_dir / "bin" / spawner.NAME  # built by prepare_node
-        # Made and mounted by the first create with disk_limit_mb (a node whose sandboxes never
-        # ask for one carries no extra mount); re-used by prepare_node after a restart.
-        self.disk_quota = diskquota.QuotaFs(data_dir / "disk-quota", size_mb=disk_quota_mb)
-        self._disk_quota_ready = False
-        self._disk_quota_lock = asyncio.Lock()
-        self._disk_commit: asyncio.Task[None] | None = None
-        self._disk_commit_again = False
-        self._disk_commit_stop = asyncio.Event()
+        self.volumes = volumes.DiskVolumes(data_dir / "disk-quota", size_mb=disk_quota_mb)
         # runtime="gvisor" sandboxes (gvisor.py): runsc, when the node has a working one.
         self.gvisor = gvisor.GVisor(data_dir)
         # Destroyed sandboxes' cgroups, kept for the next creates (spares.py); 0: none kept.
@@ -158,45 +149,12 @@ class ContainerBackend:
         init.install_init(self.data_dir / "bin", self.runtime_dir)  # PID 1 of every sandbox
         self.rootfs_helper = rootfs.build_helper(self.data_dir / "bin")
         self.spawn_helper = spawner.build_helper(self.data_dir / "bin")
-        if self.disk_quota.image.exists():
-            # Sandboxes of an earlier run may live there (still mounted after an edge restart,
-            # to mount again after a reboot, so their leftovers can be destroyed).
-            try:
-                self.disk_quota.ensure()
-                self._disk_quota_ready = True
-            except OSError as exc:
-                log.error("disk quotas: cannot mount %s: %s", self.disk_quota.image, exc)
+        self.volumes.remount()
 
-    @functools.cached_property
-    def _disk_quota_why(self) -> str | None:
-        """Why this node cannot enforce disk_limit_mb (None: it can); asked once."""
-        return diskquota.QuotaFs.unsupported()
-
-    async def _quota_volume(self, ctx: CreateContext, limit_mb: int) -> Path:
-        """The sandbox's working directory in a subvolume limited to ``limit_mb``; the edge's
-        workdir path becomes a symlink to it."""
-        async with self._disk_quota_lock:
-            if not self._disk_quota_ready:
-                why = await asyncio.to_thread(lambda: self._disk_quota_why)
-                if why is not None:
-                    raise CapacityExhausted(f"this node cannot enforce disk_limit_mb: {why}")
-                try:
-                    await asyncio.to_thread(self.disk_quota.ensure)
-                except OSError as exc:
-                    raise InfraFailure(f"disk quota file system: {exc}", reason="storage") from exc
-                self._disk_quota_ready = True
-        size_mb = await asyncio.to_thread(self.disk_quota.size_bytes) >> 20
-        if limit_mb > size_mb:
-            raise CapacityExhausted(
-                f"disk_limit_mb={limit_mb} exceeds this node's quota file system ({size_mb} MiB)"
-            )
-        try:
-            real = await asyncio.to_thread(self.disk_quota.create_volume, ctx.sandbox_id, limit_mb << 20)
-        except OSError as exc:
-            raise InfraFailure(f"cannot make the sandbox's disk volume: {exc}", reason="storage") from exc
-        ctx.workdir.parent.mkdir(parents=True, exist_ok=True)
-        ctx.workdir.symlink_to(real, target_is_directory=True)
-        return real
+    @property
+    def disk_quota(self) -> diskquota.QuotaFs:
+        """The node's quota file system (disk_limit_mb), made on first use."""
+        return self.volumes.fs
 
     async def create(self, ctx: CreateContext) -> dict[str, Any]:
         try:
@@ -215,7 +173,7 @@ class ContainerBackend:
         wd = ctx.workdir
         limit_mb = ctx.spec.disk_limit_mb
         if limit_mb is not None:
-            wd = await self._quota_volume(ctx, limit_mb)
+            wd = await self.volumes.create(ctx.sandbox_id, ctx.workdir, limit_mb)
         upper, work, root, bundle = wd / "upper", wd / "work", wd / "rootfs", wd / "bundle"
         for d in (upper, work, root, bundle):
             d.mkdir(parents=True, exist_ok=True)
@@ -343,13 +301,7 @@ class ContainerBackend:
     async def _remove_writable_layer(self, sandbox_id: str, workdir: Path) -> None:
         """Its work directory and, with a disk limit, its volume; nothing if already gone."""
         await asyncio.to_thread(_remove_workdir, workdir)
-        try:
-            if await asyncio.to_thread(self.disk_quota.destroy_volume, sandbox_id):
-                self._free_destroyed_volumes()
-        except OSError as exc:
-            raise InfraFailure(
-                f"cannot remove the disk volume of {sandbox_id}: {exc}", reason="storage"
-            ) from exc
+        await self.volumes.destroy(sandbox_id)
 
     async def spawn(
         self,
@@ -434,7 +386,7 @@ class ContainerBackend:
             if handle.get("disk_limit_mb"):
                 # A pack copies the directories of a possibly full volume into the same volume
                 # (hard links cannot cross volumes): lifted while frozen, restored by thaw.
-                await self._set_disk_limit(sandbox_id, None)
+                await self.volumes.set_limit(sandbox_id, None)
             yield workdir / "upper"
         finally:
             await self.thaw(sandbox_id, handle)
@@ -447,34 +399,8 @@ class ContainerBackend:
         if limit_mb:
             # Always (re)applied before the sandbox runs again: also after an edge that died
             # in the middle of a pack, whose restart thaws every running sandbox.
-            await self._set_disk_limit(sandbox_id, int(limit_mb) << 20)
+            await self.volumes.set_limit(sandbox_id, int(limit_mb) << 20)
         await cgroups.set_frozen(sandbox_id, False)
-
-    async def _set_disk_limit(self, sandbox_id: str, limit_bytes: int | None) -> None:
-        try:
-            await asyncio.to_thread(self.disk_quota.set_limit, sandbox_id, limit_bytes)
-        except OSError as exc:
-            raise InfraFailure(f"disk limit of {sandbox_id}: {exc}", reason="storage") from exc
-
-    def _free_destroyed_volumes(self) -> None:
-        """Have the kernel drop destroyed volumes soon (their space and qgroups come back)
-        rather than after its next periodic commit (up to 30 s): one commit at a time, at most
-        one per interval however many sandboxes stop (a commit flushes every volume's dirty
-        data)."""
-        self._disk_commit_again = True
-        if self._disk_commit is None or self._disk_commit.done():
-            self._disk_commit_stop.clear()
-            self._disk_commit = asyncio.create_task(self._commit_volumes())
-
-    async def _commit_volumes(self) -> None:
-        while self._disk_commit_again and not self._disk_commit_stop.is_set():
-            self._disk_commit_again = False
-            try:
-                await asyncio.to_thread(self.disk_quota.commit)
-            except OSError as exc:
-                log.warning("disk quotas: commit failed: %s", exc)
-            with contextlib.suppress(TimeoutError):  # stops that come meanwhile wait for the next
-                await asyncio.wait_for(self._disk_commit_stop.wait(), _DISK_COMMIT_INTERVAL_S)
 
     async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
         return await asyncio.to_thread(memory.page_out, cgroups.memory_dir(sandbox_id))
@@ -523,7 +449,7 @@ class ContainerBackend:
         caps: dict[str, Any] = {
             "pause": True,
             "fork_processes": False,
-            "disk_quota": self._disk_quota_why is None,
+            "disk_quota": self.volumes.why_not is None,
             "gvisor": self.gvisor.available,  # runtime="gvisor": placement asks for this
             # crun: each process the edge starts has a Landlock domain (enter.py)
             "isolated_entrances": enter.entrances_isolated(),
@@ -541,15 +467,10 @@ class ContainerBackend:
     async def release_node(self) -> None:
         await asyncio.to_thread(self.spares.clear)
         cgroups.remove_parents()
-        if self._disk_commit is not None:
-            self._disk_commit_stop.set()  # the kernel drops what is left at its own pace
-            await self._disk_commit
-        async with self._disk_quota_lock:
-            if await asyncio.to_thread(self.disk_quota.release):
-                self._disk_quota_ready = False
+        await self.volumes.release()
 
     async def leftovers(self) -> list[str]:
-        known = set(await asyncio.to_thread(self.disk_quota.volumes))
+        known = set(await self.volumes.volumes())
         if self.state_dir.is_dir():
             known.update(p.name for p in self.state_dir.iterdir() if p.is_dir())
         known.update(self.gvisor.known())
