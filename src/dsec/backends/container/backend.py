@@ -278,16 +278,21 @@ class ContainerBackend:
                 # still has charged is reclaimed, so its memory cgroup dies with it (teardown.py).
                 await self._remove_writable_layer(sandbox_id, workdir)
                 await teardown.release(memcg)
-                self.spares.give(sandbox_id)  # then crun finds none to remove
-            proc = await spawner.create_subprocess_exec(
-                *self._cmd("delete", "--force", sandbox_id),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-                env=_CRUN_ENV,
-            )
-            await proc.wait()
-        # crun removes the cgroups it made, unless it crashed or was never told about them.
+                self.spares.give(sandbox_id)
+                # What `crun delete` would still do is below: remove the cgroups no spare
+                # took, and crun's state directory (status, config, seccomp filter). One
+                # process fewer per destroy.
+            else:  # no init known, or it outlived the timeout: crun kills and removes it
+                proc = await spawner.create_subprocess_exec(
+                    *self._cmd("delete", "--force", sandbox_id),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL,
+                    env=_CRUN_ENV,
+                )
+                await proc.wait()
+        # The cgroups no spare took (`crun delete` removes its own, unless it crashed or was
+        # never told about them).
         for _ in range(100):
             if not cgroups.sandbox_dirs(sandbox_id):
                 break
