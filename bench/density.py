@@ -12,7 +12,8 @@ core count:
   - replacements/s (the RL steady state): --probe/2 held sandboxes destroyed, then as many
     created in their place, timed together; with spare cgroups (the new ones run in the
     destroyed ones' cgroups) and without, twice each (with, without, without, with: means), each
-    with its ratio to the empty node's;
+    with its ratio to the empty node's; and the creates of those with spares alone (what a
+    full node's creates run at: it creates as it destroys);
   - run_shell("true") p50/p99 on --probe sandboxes, and the ratio to the empty node;
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
@@ -127,10 +128,11 @@ async def fill(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> f
 
 async def churn(
     client: DSecClient, n: int, batch: int, made: list[Sandbox], container: ContainerBackend, per_bucket: int
-) -> float:
+) -> tuple[float, float]:
     """Replace ``n`` held sandboxes, keeping up to ``per_bucket`` spare cgroup sets per bucket:
-    destroy ``n``, then create ``n`` (each with a session); replacements per second, the
-    destroys and the creates timed."""
+    destroy ``n``, then create ``n`` (each with a session). Returns replacements per second
+    (the destroys and the creates timed) and creates per second (the creates alone: what a
+    full node's creates run at)."""
     container.spares.clear()
     container.spares.per_bucket = per_bucket
     gone = random.sample(made, min(n, len(made)))
@@ -139,7 +141,7 @@ async def churn(
     await asyncio.gather(*(sb.stop() for sb in gone))
     took = time.perf_counter() - t
     rate = await fill(client, len(gone), batch, made)
-    return len(gone) / (took + len(gone) / rate)
+    return len(gone) / (took + len(gone) / rate), rate
 
 
 async def exec_latency(made: list[Sandbox], probe: int) -> list[float]:
@@ -273,7 +275,7 @@ async def main() -> None:
     await node.start()
     print(f"cores {os.cpu_count()}  steps {steps}  probe {a.probe}")
     made: list[Sandbox] = []
-    base_rate = base_exec = base_churn = base_fresh = 0.0
+    base_rate = base_exec = base_churn = base_fresh = base_spared = 0.0
     container = node.backend
     assert isinstance(container, ContainerBackend)
     try:
@@ -299,12 +301,14 @@ async def main() -> None:
                         runs[per_bucket].append(r)
                     container.spares.per_bucket = PER_BUCKET
                     taken = container.spares.taken - taken
-                    replaced, fresh = statistics.mean(runs[PER_BUCKET]), statistics.mean(runs[0])
+                    replaced, fresh = (statistics.mean(r for r, _ in runs[k]) for k in (PER_BUCKET, 0))
+                    in_spares = statistics.mean(c for _, c in runs[PER_BUCKET])
                 except ShortOfMemory as exc:
                     print(f"stopped filling: {exc} (floor {a.mem_floor_gib} GiB)")
                     break
                 base_rate, base_exec = base_rate or rate, base_exec or pct(lat, 50)
                 base_churn, base_fresh = base_churn or replaced, base_fresh or fresh
+                base_spared = base_spared or in_spares
                 now, n = snapshot(), len(made) - 1
                 per = {
                     k: (start[k] - now[k] if k == "available" else now[k] - start[k]) / max(n, 1) / MiB
@@ -320,7 +324,8 @@ async def main() -> None:
                 print(
                     f"        replacements (destroy, then create): {replaced:6.1f}/s with spare cgroups"
                     f" ({replaced / base_churn:4.2f}x empty; {taken} of {a.probe} creates in spares),"
-                    f" {fresh:6.1f}/s without ({fresh / base_fresh:4.2f}x empty; {replaced / fresh:4.2f}x)"
+                    f" {fresh:6.1f}/s without ({fresh / base_fresh:4.2f}x empty; {replaced / fresh:4.2f}x);"
+                    f" their creates alone {in_spares:6.1f}/s ({in_spares / base_spared:4.2f}x empty)"
                 )
                 print(
                     f"        per sandbox: MemAvailable {-per['available']:+6.2f} MiB; of which (overlapping)"
