@@ -18,6 +18,7 @@ from dsec.protocol.errors import InfraFailure
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNIFIED = CGROUP_ROOT / "unified"
+_CPUSET = CGROUP_ROOT / "cpuset"
 PARENT = "dsec"
 # A sandbox's cgroup is dsec/<bucket>/<id>, not dsec/<id>: creating a cpuset walks every sibling
 # (cpuset_css_online with clone_children; crun's own cpus write walks them too, and rebuilds the
@@ -196,14 +197,26 @@ def oom_kills(sandbox_id: str) -> int:
 
 
 def remove(sandbox_id: str) -> None:
-    """Kill whatever is left in the sandbox's cgroups and remove them (after a crash of crun)."""
+    """Kill whatever is left in the sandbox's cgroups (after a crash of crun) and remove them."""
     for d in sandbox_dirs(sandbox_id):
         with contextlib.suppress(OSError):
             for pid in (d / "cgroup.procs").read_text().split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), 9)
         with contextlib.suppress(OSError):
-            d.rmdir()
+            rmdir(d)
+
+
+def rmdir(d: Path) -> None:
+    """Remove the cgroup directory ``d`` (no processes left in it). A cpuset's CPUs are emptied
+    first: the kernel rebuilds the scheduler domains when a v1 cpuset that has CPUs and
+    balances load goes offline, and the rebuild walks every cpuset on the node (perf of 8,000
+    destroyed at once: 14% of all samples). 320 of 8,000 cpusets in 64 buckets: ~1 ms of machine
+    CPU each removed as they were, ~0.15 ms emptied first (/tmp script, 3 runs)."""
+    if d.is_relative_to(_CPUSET):
+        with contextlib.suppress(OSError):  # ENOSPC while a task is in it: rmdir says EBUSY
+            (d / "cpuset.cpus").write_text("\n")
+    d.rmdir()
 
 
 def remove_parents() -> None:
@@ -215,6 +228,6 @@ def remove_parents() -> None:
             for bucket in (c / PARENT).iterdir():
                 if bucket.is_dir() and len(bucket.name) == 2:
                     with contextlib.suppress(OSError):
-                        bucket.rmdir()
+                        rmdir(bucket)
         with contextlib.suppress(OSError):
             (c / PARENT).rmdir()

@@ -121,7 +121,7 @@ class SpareCgroups:
                     with contextlib.suppress(OSError):
                         for d in bucket.glob(f"{PREFIX}*"):
                             with contextlib.suppress(OSError):
-                                d.rmdir()
+                                cgroups.rmdir(d)
                                 removed += 1
         return removed
 
@@ -159,4 +159,4 @@ def _unfit(rel: str) -> str | None:
 def _remove(hierarchies: list[Path], rel: str) -> None:
     for h in hierarchies:
         with contextlib.suppress(OSError):
-            (h / rel).rmdir()
+            cgroups.rmdir(h / rel)
