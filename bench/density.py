@@ -29,7 +29,8 @@ layer files (the node's clean page cache is dropped first, so the first read is 
 the memory returned when --reclaim idle sandboxes holding 32 MiB each are paused (memory
 pushed to the node's swap file).
 With --perf DIR, `perf record -a -g` runs during each step's probe (its creates, then their first
-commands): DIR/perf-<step>.data.
+commands): DIR/perf-<step>.data, and during each replacement run:
+DIR/perf-<step>-replace-{with,without}-<i>.data.
 The machine is shared and noisy: compare the ratios of one run.
 The LS/BE latency inflation (an LS task next to best-effort load at 50% of the node, with and
 without CPU classes) is bench/cpuclass.py's: `./setup.sh bench cpuclass`.
@@ -296,8 +297,10 @@ async def main() -> None:
                     lat = await exec_latency(made, a.probe)
                     # With, without, without, with: neither has the other's aftermath alone.
                     taken, runs = container.spares.taken, defaultdict(list)
-                    for per_bucket in (PER_BUCKET, 0, 0, PER_BUCKET):
-                        r = await churn(client, a.probe // 2, a.batch, made, container, per_bucket)
+                    for i, per_bucket in enumerate((PER_BUCKET, 0, 0, PER_BUCKET)):
+                        with_or_not = "with" if per_bucket else "without"
+                        async with recording(a.perf, f"{step}-replace-{with_or_not}-{i}"):
+                            r = await churn(client, a.probe // 2, a.batch, made, container, per_bucket)
                         runs[per_bucket].append(r)
                     container.spares.per_bucket = PER_BUCKET
                     taken = container.spares.taken - taken
