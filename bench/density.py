@@ -130,11 +130,10 @@ async def fill(client: DSecClient, n: int, batch: int, made: list[Sandbox]) -> f
 async def churn(
     client: DSecClient, n: int, batch: int, made: list[Sandbox], container: ContainerBackend, per_bucket: int
 ) -> tuple[float, float]:
-    """Replace ``n`` held sandboxes, keeping up to ``per_bucket`` spare cgroup sets per bucket:
-    destroy ``n``, then create ``n`` (each with a session). Returns replacements per second
+    """Replace ``n`` held sandboxes, keeping up to ``per_bucket`` spare cgroup sets per bucket
+    (the caller cleared the node's spares): destroy ``n``, then create ``n`` (each with a session). Returns replacements per second
     (the destroys and the creates timed) and creates per second (the creates alone: what a
     full node's creates run at)."""
-    container.spares.clear()
     container.spares.per_bucket = per_bucket
     gone = random.sample(made, min(n, len(made)))
     made[:] = [sb for sb in made if sb not in gone]
@@ -299,6 +298,7 @@ async def main() -> None:
                     taken, runs = container.spares.taken, defaultdict(list)
                     for i, per_bucket in enumerate((PER_BUCKET, 0, 0, PER_BUCKET)):
                         with_or_not = "with" if per_bucket else "without"
+                        container.spares.clear()  # (a listing of every bucket: not recorded)
                         async with recording(a.perf, f"{step}-replace-{with_or_not}-{i}"):
                             r = await churn(client, a.probe // 2, a.batch, made, container, per_bucket)
                         runs[per_bucket].append(r)
