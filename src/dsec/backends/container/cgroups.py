@@ -211,8 +211,8 @@ def rmdir(d: Path) -> None:
     """Remove the cgroup directory ``d`` (no processes left in it). A cpuset's CPUs are emptied
     first: the kernel rebuilds the scheduler domains when a v1 cpuset that has CPUs and
     balances load goes offline, and the rebuild walks every cpuset on the node (perf of 8,000
-    destroyed at once: 14% of all samples). 320 of 8,000 cpusets in 64 buckets: ~1 ms of machine
-    CPU each removed as they were, ~0.15 ms emptied first (/tmp script, 3 runs)."""
+    destroyed at once: 14% of all samples). 320 of 8,000 cpusets in 64 buckets removed: ~1 ms
+    of machine CPU each as they were, ~0.15 ms emptied first (docs/decisions.md)."""
     if d.is_relative_to(_CPUSET):
         with contextlib.suppress(OSError):  # ENOSPC while a task is in it: rmdir says EBUSY
             (d / "cpuset.cpus").write_text("\n")
