@@ -131,9 +131,9 @@ async def churn(
     client: DSecClient, n: int, batch: int, made: list[Sandbox], container: ContainerBackend, per_bucket: int
 ) -> tuple[float, float]:
     """Replace ``n`` held sandboxes, keeping up to ``per_bucket`` spare cgroup sets per bucket
-    (the caller cleared the node's spares): destroy ``n``, then create ``n`` (each with a session). Returns replacements per second
-    (the destroys and the creates timed) and creates per second (the creates alone: what a
-    full node's creates run at)."""
+    (the caller cleared the node's spares): destroy ``n``, then create ``n`` (each with a
+    session). Returns replacements per second (the destroys and the creates timed) and creates
+    per second (the creates alone: what a full node's creates run at)."""
     container.spares.per_bucket = per_bucket
     gone = random.sample(made, min(n, len(made)))
     made[:] = [sb for sb in made if sb not in gone]
