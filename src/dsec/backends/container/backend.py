@@ -265,11 +265,13 @@ class ContainerBackend:
 
     async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
         memcg = cgroups.sandbox_dir("memory", sandbox_id)
+        layer_gone = False
         if _on_gvisor(handle) or self.gvisor.knows(sandbox_id):  # an empty handle: runsc's state says
             if _on_gvisor(handle) and await teardown.end_gvisor(handle, memcg):
                 # As below: what its gofer read and wrote for it goes before runsc removes the
                 # cgroups (else they stay dying).
                 await self._remove_writable_layer(sandbox_id, workdir)
+                layer_gone = True
                 await teardown.release(memcg)
             await self.gvisor.delete(sandbox_id)
         else:
@@ -277,6 +279,7 @@ class ContainerBackend:
                 # Nothing runs in it any more: its written pages go with its files, and what it
                 # still has charged is reclaimed, so its memory cgroup dies with it (teardown.py).
                 await self._remove_writable_layer(sandbox_id, workdir)
+                layer_gone = True
                 await teardown.release(memcg)
                 self.spares.give(sandbox_id)
                 # What `crun delete` would still do is below: remove the cgroups no spare
@@ -298,7 +301,8 @@ class ContainerBackend:
                 break
             cgroups.remove(sandbox_id)
             await asyncio.sleep(0.01)
-        await self._remove_writable_layer(sandbox_id, workdir)
+        if not layer_gone:
+            await self._remove_writable_layer(sandbox_id, workdir)
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(self.state_dir / sandbox_id)
         cgroups.forget(sandbox_id)

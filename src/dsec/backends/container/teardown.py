@@ -13,8 +13,9 @@ So the edge ends a sandbox in this order: SIGKILL its init (the kernel kills the
 pid namespace, and the sandbox's mount namespace, with its overlay, goes with the last of
 them), remove its writable layer (its written pages are then freed, never written back),
 reclaim what is still charged (layer pages it read first: :func:`release_memory`), and only
-then have crun remove the cgroups. On gVisor: SIGKILL its sentry and gofer, wait until its
-cgroup has no process, the same, then runsc delete. The reclaim may evict a layer page that
+then remove its cgroups or keep them as spares (spares.py; crun runs only for a sandbox whose
+init could not be ended). On gVisor: SIGKILL its sentry and gofer, wait until its cgroup has
+no process, the same, then runsc delete. The reclaim may evict a layer page that
 other sandboxes map too; they fault it back in from the page cache of the layer's image, or
 from disk.
 """
