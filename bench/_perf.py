@@ -21,7 +21,7 @@ def _enable(control: Path, ack: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def recording(out: Path | None, name: str) -> AsyncIterator[None]:
+async def recording(out: Path | None, name: str, events: tuple[str, ...] = ()) -> AsyncIterator[None]:
     """Record the whole machine into ``out/perf-<name>.data`` while the block runs; nothing
     when ``out`` is None. perf starts disabled and only FORK/COMM of existing tasks are read
     from /proc (``--synth=task``: at 8,000 sandboxes, reading every task's maps took longer
@@ -38,6 +38,7 @@ async def recording(out: Path | None, name: str) -> AsyncIterator[None]:
         os.mkfifo(fifo)
     perf = await asyncio.create_subprocess_exec(
         *["perf", "record", "-a", "-g", "--synth=task", "-D", "-1"],
+        *[arg for event in events for arg in ("-e", event)],
         *["--control", f"fifo:{control},{ack}", "-o", str(out / f"perf-{name}.data")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -14,6 +14,10 @@ core count:
     destroyed ones' cgroups) and without, twice each (with, without, without, with: means), each
     with its ratio to the empty node's; and the creates of those with spares alone (what a
     full node's creates run at: it creates as it destroys);
+  - the machine's CPU per probe create (with its first command), and the part of it the
+    host's PID 1 took: not DSec's, but on the VMs this was measured on an agent whose cost
+    grows with the node's network namespaces (docs/decisions.md); the rest, and its ratio to
+    the empty node's, is what the creates themselves grew by;
   - run_shell("true") p50/p99 on --probe sandboxes, and the ratio to the empty node;
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
@@ -95,6 +99,17 @@ def charged() -> int:
         return int(Path("/sys/fs/cgroup/memory/dsec/memory.usage_in_bytes").read_text())
     except OSError:
         return 0
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU time the whole machine has spent busy, and the part of it the host's PID 1 spent
+    (not DSec's: on these VMs an agent whose cost grows with the node's network namespaces)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    pid1 = Path("/proc/1/stat").read_text().rsplit(")", 1)[1].split()
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICK, (int(pid1[11]) + int(pid1[12])) / TICK
 
 
 def snapshot() -> dict[str, int]:
@@ -275,7 +290,7 @@ async def main() -> None:
     await node.start()
     print(f"cores {os.cpu_count()}  steps {steps}  probe {a.probe}")
     made: list[Sandbox] = []
-    base_rate = base_exec = base_churn = base_fresh = base_spared = 0.0
+    base_rate = base_exec = base_churn = base_fresh = base_spared = base_ours = 0.0
     container = node.backend
     assert isinstance(container, ContainerBackend)
     try:
@@ -291,8 +306,11 @@ async def main() -> None:
                     if step > len(made):
                         await fill(client, step - len(made) - a.probe, a.batch, made)
                     container.spares.clear()  # fresh cgroups: the churn probe has the spares
+                    busy0, init0 = cpu_seconds()
                     async with recording(a.perf, str(step)):  # the probe: creates at this fill
                         rate = await fill(client, a.probe, a.batch, made)
+                    busy1, init1 = cpu_seconds()
+                    cpu, host_init = (busy1 - busy0) / a.probe * 1e3, (init1 - init0) / a.probe * 1e3
                     lat = await exec_latency(made, a.probe)
                     # With, without, without, with: neither has the other's aftermath alone.
                     taken, runs = container.spares.taken, defaultdict(list)
@@ -312,6 +330,7 @@ async def main() -> None:
                 base_rate, base_exec = base_rate or rate, base_exec or pct(lat, 50)
                 base_churn, base_fresh = base_churn or replaced, base_fresh or fresh
                 base_spared = base_spared or in_spares
+                base_ours = base_ours or cpu - host_init
                 now, n = snapshot(), len(made) - 1
                 per = {
                     k: (start[k] - now[k] if k == "available" else now[k] - start[k]) / max(n, 1) / MiB
@@ -323,6 +342,11 @@ async def main() -> None:
                     f"{len(made):6d} held  creates {rate:6.1f}/s ({rate / base_rate:4.2f}x empty)"
                     f"  run_shell p50 {pct(lat, 50) * 1e3:6.2f} ms p99 {pct(lat, 99) * 1e3:6.2f} ms"
                     f" ({pct(lat, 50) / base_exec:4.2f}x empty)"
+                )
+                print(
+                    f"        machine CPU per create (with its first command): {cpu:5.1f} ms, of which the"
+                    f" host's PID 1 {host_init:5.1f} ms; the rest {cpu - host_init:5.1f} ms"
+                    f" ({(cpu - host_init) / base_ours:4.2f}x empty)"
                 )
                 print(
                     f"        replacements (destroy, then create): {replaced:6.1f}/s with spare cgroups"

@@ -3,15 +3,19 @@
 The edge relies on: pipes, exit codes, the environment and cwd given, the fds passed (and no
 other fd of the edge), a new session when asked, errors raised as Popen raises them, and the
 process being the edge's own child (it waits for it, its PR_SET_PDEATHSIG follows the edge).
+An adopted child is the spawner's instead: its exit code still comes back, and what it leaves
+behind is reaped by the spawner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 
 import pytest
+from tests.support import eventually
 
 from dsec.executor import spawner
 from dsec.executor.process import watch_children_with_pidfds
@@ -109,3 +113,71 @@ def test_a_fork_of_the_edge_does_not_use_its_spawner() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert spawner._running() is not None
+
+
+def _adopted(script: str, out: int | None = None) -> spawner.Adopted:
+    fds = {0: 0, 1: out if out is not None else 1, 2: 2}
+    child = spawner.spawn_adopted("/bin/sh", ["sh", "-c", script], ENV, fds)
+    assert child is not None
+    return child
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def test_an_adopted_child_is_the_spawners_and_its_exit_code_comes_back() -> None:
+    r, w = os.pipe()
+    try:
+        child = _adopted("echo $PPID; exit 7", w)
+    finally:
+        os.close(w)
+    assert await child.wait() == 7
+    with os.fdopen(r) as said:
+        assert int(said.read()) == spawner._spawner._proc.pid  # type: ignore[union-attr]
+    killed = _adopted("sleep 600")
+    killed.kill()
+    assert await killed.wait() == -9
+
+
+async def test_what_an_adopted_child_leaves_behind_is_reaped_by_the_spawner() -> None:
+    # crun run --detach leaves the sandbox's init (and an intermediate of its own): they go to
+    # the spawner, a child subreaper, not to the host's init, and the spawner reaps them.
+    r, w = os.pipe()
+    try:
+        child = _adopted("sleep 600 >/dev/null 2>&1 & echo $!", w)
+    finally:
+        os.close(w)
+    assert await child.wait() == 0
+    with os.fdopen(r) as said:
+        left = int(said.read())
+    pidfd = os.pidfd_open(left)
+    try:
+        assert _ppid(left) == spawner._spawner._proc.pid  # type: ignore[union-attr]
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+    await eventually(lambda: not Path(f"/proc/{left}").exists(), "the left-behind process reaped, no zombie")
+
+
+async def test_an_adopted_program_that_cannot_start_raises_as_popen_does(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError) as missing:
+        spawner.spawn_adopted(str(tmp_path / "absent"), ["absent"], ENV, {})
+    assert missing.value.filename == str(tmp_path / "absent")
+
+
+async def test_an_adopted_childs_wait_fails_clearly_when_the_spawner_dies_first() -> None:
+    child = _adopted("sleep 600")
+    orphan = os.pidfd_open(child.pid)  # it outlives the spawner (reparented): end it after
+    try:
+        running = spawner._spawner
+        assert running is not None
+        running._proc.kill()
+        running._proc.wait()
+        with pytest.raises(OSError, match="before reporting"):
+            await child.wait()
+    finally:
+        signal.pidfd_send_signal(orphan, signal.SIGKILL)
+        os.close(orphan)
+        child.close()
+    assert await sh("echo again") == (0, "again\n", "")  # a new spawner

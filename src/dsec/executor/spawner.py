@@ -22,8 +22,10 @@ import array
 import asyncio
 import atexit
 import contextlib
+import errno
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.container.init import build_static
+from dsec.executor.fdwait import fd_ready
 
 SOURCE = Path(__file__).parent / "spawner" / "dsec_spawn.c"
 NAME = "dsec-spawn"
@@ -71,8 +74,45 @@ class Spawner:
     ) -> int:
         """Start ``exe`` with ``argv`` and exactly ``env``; ``fds`` maps fd numbers in the child
         to the edge's fds. The child's PID, the edge's to reap; OSError as Popen raises it."""
+        pid, err, stage, _ = self._request(1 if setsid else 0, exe, argv, env, cwd, fds, None)
+        if err:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # it exits 127 at once
+            raise _spawn_error(err, stage, exe, cwd)
+        return pid
+
+    def spawn_adopted(
+        self, exe: str, argv: list[str], env: dict[str, str], fds: dict[int, int], setsid: bool
+    ) -> Adopted:
+        """:meth:`spawn`, but the child is the helper's (see :class:`Adopted`)."""
+        status_r, status_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            flags = 2 | (1 if setsid else 0)  # 2: adopt
+            pid, err, stage, pidfd = self._request(flags, exe, argv, env, None, fds, status_w)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+        if err or pidfd is None:
+            os.close(status_r)
+            if pidfd is not None:
+                os.close(pidfd)
+            raise _spawn_error(err or errno.EPROTO, stage, exe, None)
+        return Adopted(pid, pidfd, status_r)
+
+    def _request(
+        self,
+        flags: int,
+        exe: str,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str | None,
+        fds: dict[int, int],
+        status_fd: int | None,
+    ) -> tuple[int, int, int, int | None]:
         fields = [
-            "1" if setsid else "0",
+            str(flags),
             cwd or "",
             exe,
             str(len(argv)),
@@ -85,25 +125,68 @@ class Spawner:
         if any("\0" in f for f in fields):
             raise ValueError("embedded null byte")
         body = b"".join(os.fsencode(f) + b"\0" for f in fields)
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds.values()))] if fds else []
+        sent = [*fds.values(), *([] if status_fd is None else [status_fd])]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent))] if sent else []
         with self._lock:
             self._sock.sendmsg([body], rights)
-            answer = self._sock.recv(64)
+            answer, got, _, _ = socket.recv_fds(self._sock, 64, 1)
         if not answer:
             raise OSError(f"{NAME} exited")
         pid, err, stage = (int(x) for x in answer.split())
         if pid < 0:
+            for fd in got:
+                os.close(fd)
             raise OSError(err, f"{NAME}: {os.strerror(err)}")
-        if err:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)  # it exits 127 at once
-            filename = cwd if stage == 1 else exe
-            raise OSError(err, f"{os.strerror(err)} ({_STAGES.get(stage, 'spawn')})", filename)
-        return pid
+        return pid, err, stage, got[0] if got else None
 
     def close(self) -> None:
         self._sock.close()  # it exits at EOF
         self._proc.wait()
+
+
+def _spawn_error(err: int, stage: int, exe: str, cwd: str | None) -> OSError:
+    return OSError(err, f"{os.strerror(err)} ({_STAGES.get(stage, 'spawn')})", cwd if stage == 1 else exe)
+
+
+class Adopted:
+    """A child of the spawner's rather than of the edge: what it leaves behind when it exits
+    (crun's and runsc's detached sandbox processes) is reparented to the spawner, a child
+    subreaper, which reaps it. The spawner reports the child's own exit to :meth:`wait`;
+    :attr:`pidfd` stays this process's until then (it cannot be reaped and its PID reused
+    unnoticed)."""
+
+    def __init__(self, pid: int, pidfd: int, status_fd: int) -> None:
+        self.pid, self.pidfd, self._status = pid, pidfd, status_fd
+        self.returncode: int | None = None
+
+    async def wait(self) -> int:
+        """Its exit code as Popen gives it (-N: killed by signal N). OSError when the spawner
+        died before it could say."""
+        if self.returncode is None:
+            said = b""
+            while not said.endswith(b"\n"):
+                await fd_ready(self._status)
+                try:
+                    chunk = os.read(self._status, 64)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    raise OSError(errno.ECHILD, f"{NAME} exited before reporting process {self.pid}")
+                said += chunk
+            self.returncode = os.waitstatus_to_exitcode(int(said))
+            self.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self._status):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.pidfd = self._status = -1
 
 
 _spawner: Spawner | None = None
@@ -140,6 +223,15 @@ def _running() -> Spawner | None:
     if _spawner._proc.poll() is not None:
         start(_spawner.helper)
     return _spawner
+
+
+def spawn_adopted(
+    exe: str, argv: list[str], env: dict[str, str], fds: dict[int, int], *, setsid: bool = False
+) -> Adopted | None:
+    """Start ``exe`` (an absolute path) as the spawner's child: :class:`Adopted`. None when
+    no spawner runs."""
+    spawner = _running()
+    return None if spawner is None else spawner.spawn_adopted(exe, argv, env, fds, setsid)
 
 
 def spawn_unwatched(

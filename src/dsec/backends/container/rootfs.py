@@ -12,10 +12,13 @@ vfork+exec instead.
 from __future__ import annotations
 
 import asyncio
+import os
+from asyncio.subprocess import DEVNULL
 from pathlib import Path
 
 from dsec.backends.container import init
 from dsec.executor import spawner
+from dsec.executor.fdwait import fd_ready
 from dsec.protocol.errors import InfraFailure
 
 SOURCE = Path(__file__).parent / "rootfs" / "dsec_rootfs.c"
@@ -45,23 +48,15 @@ async def run(
     tree under ``rootfs`` once ``argv`` has succeeded (crun's config has no mount namespace).
     InfraFailure: storage when the namespace, the mount or the cookie cannot be made; runtime
     when ``argv`` cannot start or the namespace cannot become the container's."""
-    proc = await spawner.create_subprocess_exec(
-        str(helper),
+    args = [
         *(["--new-core-cookie"] if new_core_cookie else []),
         *(["--hide-net-sysctls"] if hide_net_sysctls else []),
         *(["--own-root"] if own_root else []),
         overlay_options,
         str(rootfs),
         *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        # The helper's own failures only: the runtime's stdio is /dev/null.
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    assert proc.stderr is not None
-    said = (await proc.stderr.read()).decode(errors="replace").strip()
-    rc = await proc.wait()
+    ]
+    said, rc = await _launch(helper, args, env)
     if said.startswith("exec "):
         raise InfraFailure(f"cannot start {argv[0]}: {said[-1500:]}", reason="runtime")
     if said.startswith("own root: "):
@@ -72,3 +67,47 @@ async def run(
         msg = f"cannot mount the sandbox root (overlay over {lower}): {said[-1500:]}"
         raise InfraFailure(msg, reason="storage")
     return rc
+
+
+async def _launch(helper: Path, args: list[str], env: dict[str, str]) -> tuple[str, int]:
+    """Run the helper; what it said on stderr (its own failures only: the runtime's stdio is
+    /dev/null) and its exit code. The spawner's adopted child where a spawner runs: the
+    runtime's detached processes (the sandbox's init, crun's intermediate) are then reaped by
+    the spawner, not by the host's init (spawner.Adopted)."""
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        child = spawner.spawn_adopted(str(helper), [str(helper), *args], env, {0: null, 1: null, 2: err_w})
+    except BaseException:
+        os.close(err_r)
+        raise
+    finally:
+        os.close(err_w)
+        os.close(null)
+    if child is None:
+        os.close(err_r)
+        proc = await spawner.create_subprocess_exec(
+            str(helper), *args, stdin=DEVNULL, stdout=DEVNULL, stderr=asyncio.subprocess.PIPE, env=env
+        )
+        assert proc.stderr is not None
+        told = await proc.stderr.read()
+        return told.decode(errors="replace").strip(), await proc.wait()
+    try:
+        os.set_blocking(err_r, False)
+        said = bytearray()
+        while True:
+            await fd_ready(err_r)
+            try:
+                chunk = os.read(err_r, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            said += chunk
+        return said.decode(errors="replace").strip(), await child.wait()
+    except BaseException:
+        child.kill()
+        raise
+    finally:
+        os.close(err_r)
+        child.close()

@@ -19,7 +19,17 @@
  * failure), ERRNO 0 once the child has exec'd, else errno of the failed STAGE (1 chdir, 2
  * exec, 3 setting up fds or the session), after which the child exits 127.
  *
- * The helper dies with the edge (PR_SET_PDEATHSIG) and exits when the socket is closed.
+ * FLAGS 2 (adopt): the child is this helper's, not the edge's. The message then carries one
+ * more descriptor after the NFDS ones, a pipe's write end, and the reply carries the child's
+ * pidfd (SCM_RIGHTS): once the child has exited, its raw wait status is written to the pipe
+ * ("STATUS\n") and the pipe closed. For launchers that leave processes behind (crun and runsc
+ * run --detach leave the sandbox's init and their own intermediates): this helper is a child
+ * subreaper, so what they leave is reparented here and reaped here, not by the host's init
+ * (whose cost per child is the host's: one such init was seen spending half a CPU on 2,000
+ * children), and not by the edge, whose waits are all for its own children.
+ *
+ * The helper dies with the edge (PR_SET_PDEATHSIG) and exits when the socket is closed; what it
+ * adopted then goes to the host's init, as before.
  * Build (Debian 12): gcc -static -O2 -Wall -Wextra -Werror -o dsec-spawn dsec_spawn.c
  */
 #define _GNU_SOURCE
@@ -31,8 +41,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/prctl.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -40,7 +53,17 @@
 #define MAX_FDS 64
 #define MAX_ARGS 8192
 
+#define ADOPT 2
+
 static char msg[MAX_MSG + 1];
+static sigset_t unblocked; /* the mask children get back before exec */
+
+/* Adopted launches not yet reaped: their pid and the pipe their status goes to. */
+static struct launch {
+	pid_t pid;
+	int status_fd;
+} *launches;
+static size_t nlaunches, cap_launches;
 static char *argv_buf[MAX_ARGS + 1];
 static char *envp_buf[MAX_ARGS + 1];
 
@@ -89,9 +112,11 @@ static int strings(size_t len, size_t *pos, char **out) {
 static int parse(size_t len, struct request *r) {
 	size_t pos = 0;
 	long v;
-	if (number(len, &pos, 1, &v) < 0)
+	if (number(len, &pos, 3, &v) < 0)
 		return -1;
 	r->flags = (int)v;
+	if ((r->flags & ADOPT) && r->nfds-- < 1)
+		return -1; /* the status pipe is missing */
 	if (!(r->cwd = field(len, &pos)) || !(r->exe = field(len, &pos)) || r->exe[0] != '/')
 		return -1;
 	r->argv = argv_buf;
@@ -144,17 +169,72 @@ static void child(const struct request *r, int errfd) {
 		child_fail(errfd, 3);
 	if ((r->flags & 1) && setsid() < 0)
 		child_fail(errfd, 3);
+	if (sigprocmask(SIG_SETMASK, &unblocked, NULL) < 0 || signal(SIGPIPE, SIG_DFL) == SIG_ERR)
+		child_fail(errfd, 3);
 	if (r->cwd[0] && chdir(r->cwd) < 0)
 		child_fail(errfd, 1);
 	execve(r->exe, r->argv, r->envp);
 	child_fail(errfd, 2);
 }
 
-static void reply(int sock, long pid, int err, int stage) {
+static void reply_fd(int sock, long pid, int err, int stage, int fd) {
 	char out[64];
 	int n = snprintf(out, sizeof out, "%ld %d %d", pid, err, stage);
-	if (send(sock, out, (size_t)n, MSG_NOSIGNAL) < 0)
+	struct iovec iov = { out, (size_t)n };
+	union {
+		char buf[CMSG_SPACE(sizeof(int))];
+		struct cmsghdr align;
+	} control;
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+	if (fd >= 0) {
+		mh.msg_control = control.buf;
+		mh.msg_controllen = sizeof control.buf;
+		struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(c), &fd, sizeof(int));
+	}
+	if (sendmsg(sock, &mh, MSG_NOSIGNAL) < 0)
 		_exit(1);
+}
+
+static void reply(int sock, long pid, int err, int stage) {
+	reply_fd(sock, pid, err, stage, -1);
+}
+
+/* Remember an adopted launch: its status goes to a copy of status_fd once it is reaped. */
+static int remember(pid_t pid, int status_fd) {
+	if (nlaunches == cap_launches) {
+		size_t cap = cap_launches ? 2 * cap_launches : 64;
+		struct launch *grown = realloc(launches, cap * sizeof *grown);
+		if (!grown)
+			return -1;
+		launches = grown;
+		cap_launches = cap;
+	}
+	int fd = fcntl(status_fd, F_DUPFD_CLOEXEC, 3);
+	if (fd < 0)
+		return -1;
+	launches[nlaunches++] = (struct launch){ pid, fd };
+	return 0;
+}
+
+/* Reap every exited child: adopted launches report their status, the rest (what launchers
+ * left behind and this helper adopted) just go. */
+static void reap(void) {
+	int status;
+	pid_t pid;
+	while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+		for (size_t i = 0; i < nlaunches; i++) {
+			if (launches[i].pid != pid)
+				continue;
+			dprintf(launches[i].status_fd, "%d\n", status); /* a pipe: room for one line */
+			close(launches[i].status_fd);
+			launches[i] = launches[--nlaunches];
+			break;
+		}
+	}
 }
 
 static void serve(int sock, size_t len, int *fds, int nfds) {
@@ -169,8 +249,10 @@ static void serve(int sock, size_t len, int *fds, int nfds) {
 		reply(sock, -1, errno, 0);
 		return;
 	}
-	/* fork, but the child's parent is ours (the edge): it reaps it and gets its SIGCHLD. */
-	long pid = syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, NULL, NULL, 0);
+	/* fork, but the child's parent is ours (the edge): it reaps it and gets its SIGCHLD.
+	 * Adopted launches are this helper's own children. */
+	int adopt = r.flags & ADOPT;
+	long pid = syscall(SYS_clone, (adopt ? 0 : CLONE_PARENT) | SIGCHLD, 0, NULL, NULL, 0);
 	if (pid == 0) {
 		close(pipefd[0]);
 		child(&r, pipefd[1]);
@@ -188,10 +270,23 @@ static void serve(int sock, size_t len, int *fds, int nfds) {
 		got = read(pipefd[0], e, sizeof e); /* EOF: the exec closed the child's end */
 	while (got < 0 && errno == EINTR);
 	close(pipefd[0]);
-	if (got == (ssize_t)sizeof e)
-		reply(sock, pid, e[1] ? e[1] : EIO, e[0]);
-	else
-		reply(sock, pid, 0, 0);
+	int err = got == (ssize_t)sizeof e ? (e[1] ? e[1] : EIO) : 0, stage = err ? e[0] : 0;
+	if (!adopt) {
+		reply(sock, pid, err, stage);
+		return;
+	}
+	/* Not reaped before reap() runs, so the pidfd is this child's (it may be a zombie). */
+	int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+	if (pidfd < 0 || remember((pid_t)pid, fds[nfds - 1]) < 0) {
+		int saved_err = errno;
+		kill((pid_t)pid, SIGKILL);
+		if (pidfd >= 0)
+			close(pidfd);
+		reply(sock, -1, saved_err, 0); /* reaped by reap(), unreported */
+		return;
+	}
+	reply_fd(sock, pid, err, stage, pidfd);
+	close(pidfd);
 }
 
 int main(int argc, char **argv) {
@@ -203,7 +298,29 @@ int main(int argc, char **argv) {
 	pid_t edge = getppid();
 	if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != edge)
 		return 1; /* the edge is already gone */
+	/* A status pipe whose reader is gone must not end the helper (children get SIG_DFL back). */
+	if (prctl(PR_SET_CHILD_SUBREAPER, 1) < 0 || signal(SIGPIPE, SIG_IGN) == SIG_ERR)
+		return 1;
+	sigset_t chld;
+	sigemptyset(&chld);
+	sigaddset(&chld, SIGCHLD);
+	if (sigprocmask(SIG_BLOCK, &chld, &unblocked) < 0)
+		return 1;
+	int sfd = signalfd(-1, &chld, SFD_CLOEXEC);
+	if (sfd < 0)
+		return 1;
 	for (;;) {
+		struct pollfd ready[2] = { { sock, POLLIN, 0 }, { sfd, POLLIN, 0 } };
+		if (poll(ready, 2, -1) < 0 && errno != EINTR)
+			return 1;
+		if (ready[1].revents & POLLIN) {
+			struct signalfd_siginfo info;
+			while (read(sfd, &info, sizeof info) < 0 && errno == EINTR)
+				;
+			reap(); /* signals merge: one read, then every exited child */
+		}
+		if (!(ready[0].revents & (POLLIN | POLLHUP | POLLERR)))
+			continue;
 		union {
 			char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
 			struct cmsghdr align;
