@@ -15,9 +15,10 @@ core count:
     with its ratio to the empty node's; and the creates of those with spares alone (what a
     full node's creates run at: it creates as it destroys);
   - the machine's CPU per probe create (with its first command), and the part of it the
-    host's PID 1 took: not DSec's, but on the VMs this was measured on an agent whose cost
-    grows with the node's network namespaces (docs/decisions.md); the rest, and its ratio to
-    the empty node's, is what the creates themselves grew by;
+    host's own agents took: not DSec's, but on the VMs this was measured on, PID 1 is an agent
+    whose cost grows with the node's network namespaces, and DAMON walks the layer pages every
+    sandbox maps (docs/decisions.md); the rest, and its ratio to the empty node's, is what the
+    creates themselves grew by;
   - run_shell("true") p50/p99 on --probe sandboxes, and the ratio to the empty node;
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
@@ -104,12 +105,30 @@ def charged() -> int:
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _ticks(pid: str) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
 def cpu_seconds() -> tuple[float, float]:
-    """CPU time the whole machine has spent busy, and the part of it the host's PID 1 spent
-    (not DSec's: on these VMs an agent whose cost grows with the node's network namespaces)."""
+    """CPU time the whole machine has spent busy, and the part of it the host's own agents
+    spent, which are not DSec's: its PID 1 (on the VMs this was measured on, an agent whose cost
+    grows with the node's network namespaces) and DAMON's kdamond threads (rmap walks over the
+    layer pages every sandbox maps)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    pid1 = Path("/proc/1/stat").read_text().rsplit(")", 1)[1].split()
-    return (sum(ticks) - ticks[3] - ticks[4]) / TICK, (int(pid1[11]) + int(pid1[12])) / TICK
+    kdamonds = [p for p in os.listdir("/proc") if p.isdigit() and _comm(p).startswith("kdamond")]
+    host = sum(_ticks(p) for p in ["1", *kdamonds])
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICK, host / TICK
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text()
+    except OSError:
+        return ""
 
 
 def snapshot() -> dict[str, int]:
@@ -306,7 +325,7 @@ async def main() -> None:
                     if step > len(made):
                         await fill(client, step - len(made) - a.probe, a.batch, made)
                     container.spares.clear()  # fresh cgroups: the churn probe has the spares
-                    busy0, init0 = cpu_seconds()
+                    busy0, init0 = cpu_seconds()  # (a listing of /proc: before and after the probe)
                     async with recording(a.perf, str(step)):  # the probe: creates at this fill
                         rate = await fill(client, a.probe, a.batch, made)
                     busy1, init1 = cpu_seconds()
@@ -345,7 +364,7 @@ async def main() -> None:
                 )
                 print(
                     f"        machine CPU per create (with its first command): {cpu:5.1f} ms, of which the"
-                    f" host's PID 1 {host_init:5.1f} ms; the rest {cpu - host_init:5.1f} ms"
+                    f" host's PID 1 and kdamond {host_init:5.1f} ms; the rest {cpu - host_init:5.1f} ms"
                     f" ({(cpu - host_init) / base_ours:4.2f}x empty)"
                 )
                 print(
