@@ -122,19 +122,24 @@ def _adopted(script: str, out: int | None = None) -> spawner.Adopted:
     return child
 
 
+async def _adopted_output(script: str) -> tuple[int, str]:
+    r, w = os.pipe()
+    try:
+        child = _adopted(script, w)
+    finally:
+        os.close(w)
+    code = await child.wait()
+    with os.fdopen(r) as said:
+        return code, said.read()
+
+
 def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 async def test_an_adopted_child_is_the_spawners_and_its_exit_code_comes_back() -> None:
-    r, w = os.pipe()
-    try:
-        child = _adopted("echo $PPID; exit 7", w)
-    finally:
-        os.close(w)
-    assert await child.wait() == 7
-    with os.fdopen(r) as said:
-        assert int(said.read()) == spawner._spawner._proc.pid  # type: ignore[union-attr]
+    code, ppid = await _adopted_output("echo $PPID; exit 7")
+    assert (code, int(ppid)) == (7, spawner._spawner._proc.pid)  # type: ignore[union-attr]
     killed = _adopted("sleep 600")
     killed.kill()
     assert await killed.wait() == -9
@@ -143,14 +148,9 @@ async def test_an_adopted_child_is_the_spawners_and_its_exit_code_comes_back() -
 async def test_what_an_adopted_child_leaves_behind_is_reaped_by_the_spawner() -> None:
     # crun run --detach leaves the sandbox's init (and an intermediate of its own): they go to
     # the spawner, a child subreaper, not to the host's init, and the spawner reaps them.
-    r, w = os.pipe()
-    try:
-        child = _adopted("sleep 600 >/dev/null 2>&1 & echo $!", w)
-    finally:
-        os.close(w)
-    assert await child.wait() == 0
-    with os.fdopen(r) as said:
-        left = int(said.read())
+    code, out = await _adopted_output("sleep 600 >/dev/null 2>&1 & echo $!")
+    assert code == 0
+    left = int(out)
     pidfd = os.pidfd_open(left)
     try:
         assert _ppid(left) == spawner._spawner._proc.pid  # type: ignore[union-attr]

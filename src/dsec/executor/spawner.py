@@ -9,6 +9,10 @@ and the child's fds over a SOCK_SEQPACKET socket and forks with CLONE_PARENT, so
 still the edge's child: asyncio's child watcher waits for it, PR_SET_PDEATHSIG in it follows
 the edge, and nothing else about the process changes.
 
+:func:`spawn_adopted` is the exception, for launchers that leave processes behind (``crun run
+--detach`` leaves the sandbox's init): the child is the spawner's own, and the spawner, a child
+subreaper, reaps what it leaves; the host's init no longer adopts every sandbox's init.
+
 :func:`create_subprocess_exec` is a drop-in for :func:`asyncio.create_subprocess_exec` (stdin,
 stdout, stderr, env, cwd, pass_fds, start_new_session). It reuses asyncio's own subprocess
 transport and only replaces the fork (Popen's ``_execute_child``), so pipes, waiting and
