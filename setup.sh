@@ -10,7 +10,7 @@ cd "$(dirname "$0")"
 repo=$(pwd)
 
 apt_packages=(python3 crun skopeo umoci zstd erofs-utils debootstrap busybox-static python3-venv python3-dev iproute2 util-linux ca-certificates
-  qemu-system-x86 e2fsprogs kmod gcc libc6-dev  # the second line: microVMs (QEMU, their disks, the guest kit)
+  qemu-system-x86 qemu-utils e2fsprogs kmod gcc libc6-dev  # the second line: microVMs (QEMU, qemu-img for their disks, the guest kit)
   btrfs-progs  # the third: the node's file system for per-sandbox disk quotas (disk_limit_mb)
   libseccomp-dev  # the fourth: dsec-enter, the containers' exec helper (with gcc, libc6-dev)
   nftables  # the fifth: egress allowlists (network permissions)
