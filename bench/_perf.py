@@ -1,4 +1,7 @@
-"""`perf record -a -g` around one part of a benchmark (the benches' --perf DIR)."""
+"""`perf record -a -g` around one part of a benchmark (the benches' --perf DIR).
+
+On the VMs this project is measured on, perf records nothing of PID 1 (the platform's agent):
+its CPU shows as idle time. Read it from /proc/1/stat instead (bench/density.py does)."""
 
 from __future__ import annotations
 
