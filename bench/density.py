@@ -58,7 +58,7 @@ from pathlib import Path
 from _perf import recording
 from _rl.host import wait_until
 from _stats import pct
-from dsec import DSecClient, DSecContainerRunArgs
+from dsec import DSecClient, DSecContainerRunArgs, _linux
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.container import cgroups, spares
 from dsec.backends.container.backend import ContainerBackend
@@ -106,11 +106,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _ticks(pid: str) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
+    fields = _linux.stat_fields(pid)
+    return 0 if fields is None else int(fields[11]) + int(fields[12])
 
 
 def cpu_seconds() -> tuple[float, float]:

@@ -75,17 +75,21 @@ def private_mount_namespace() -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)
 
 
-def proc_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot; None if gone or a zombie."""
+def stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat`` from its third field on (after the parenthesised command name, which
+    may hold spaces): [0] state, [1] ppid, [11] utime, [12] stime, [19] starttime; None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
+            return fh.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    # Fields after the parenthesised command name (which may hold spaces): state is field 3,
-    # starttime field 22. A zombie is as good as gone.
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None if gone or a zombie."""
+    fields = stat_fields(pid)
+    # A zombie is as good as gone.
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def landlock_abi() -> int:

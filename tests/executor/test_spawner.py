@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from tests.support import eventually
 
+from dsec import _linux
 from dsec.executor import spawner
 from dsec.executor.process import watch_children_with_pidfds
 
@@ -133,10 +134,6 @@ async def _adopted_output(script: str) -> tuple[int, str]:
         return code, said.read()
 
 
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 async def test_an_adopted_child_is_the_spawners_and_its_exit_code_comes_back() -> None:
     code, ppid = await _adopted_output("echo $PPID; exit 7")
     assert (code, int(ppid)) == (7, spawner._spawner._proc.pid)  # type: ignore[union-attr]
@@ -153,7 +150,7 @@ async def test_what_an_adopted_child_leaves_behind_is_reaped_by_the_spawner() ->
     left = int(out)
     pidfd = os.pidfd_open(left)
     try:
-        assert _ppid(left) == spawner._spawner._proc.pid  # type: ignore[union-attr]
+        assert _linux.stat_fields(left)[1] == str(spawner._spawner._proc.pid)  # type: ignore[index,union-attr]
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     finally:
         os.close(pidfd)

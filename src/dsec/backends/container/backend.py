@@ -197,7 +197,7 @@ class ContainerBackend:
         lower = ":".join(str(p) for p in reversed(ctx.layer_dirs))
         # Not volatile, although its unmount (the init's exit) then syncs the upper's whole host
         # file system: that sync is what lets the sandbox's memory cgroup die at destroy
-        # (docs/decisions.md, "The host's init was paying...").
+        # (docs/decisions.md: "The root overlay stays not `volatile`").
         options = f"lowerdir={lower},upperdir={upper},workdir={work}"
 
         # LS on an SMT node with core scheduling: a fresh cookie before crun execs, so crun and
