@@ -6,8 +6,10 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
+
 from dsec.apiserver.embedded import EmbeddedNode
-from dsec.backends.container.backend import PID_MAX_WANTED
+from dsec.backends.container.backend import CHILD_SOCKET_TABLES, PID_MAX_WANTED
 from tests.conftest import Sandboxes
 
 
@@ -27,6 +29,15 @@ async def test_held_sessions_cost_no_thread_each(node: EmbeddedNode, make_sandbo
 
 def test_the_node_raised_pid_max(node: EmbeddedNode) -> None:
     assert int(Path("/proc/sys/kernel/pid_max").read_text()) >= PID_MAX_WANTED
+
+
+async def test_a_sandbox_has_socket_tables_of_its_own(make_sandbox: Sandboxes) -> None:
+    if not all(knob.exists() for knob in CHILD_SOCKET_TABLES):
+        pytest.skip("kernel before 6.2: no per-namespace TCP/UDP hash tables")
+    sb = await make_sandbox(memory_limit_mb=64)
+    out = await sb.run_shell("cat /proc/sys/net/ipv4/tcp_ehash_entries /proc/sys/net/ipv4/udp_hash_entries")
+    # Negative when the namespace shares the host's table, whose size the host reports.
+    assert [int(n) for n in out.stdout.split()] == list(CHILD_SOCKET_TABLES.values())
 
 
 async def test_a_held_session_costs_the_edge_two_fds(node: EmbeddedNode, make_sandbox: Sandboxes) -> None:
