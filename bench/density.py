@@ -23,7 +23,10 @@ core count:
   - host memory per sandbox since the start: MemAvailable drop / count, and (overlapping
     views of it) what the sandboxes' cgroups are charged, kernel slab, the edge's own RSS;
   - processes, threads and file descriptors the node holds (the per-node limits that bind),
-    and the edge's fds per held sandbox (RLIMIT_NOFILE caps the count: 20,000 here).
+    and the edge's fds per held sandbox (RLIMIT_NOFILE caps the count: 20,000 here);
+  - the Python objects the garbage collector tracks per held sandbox (this process's: the
+    edge's, and the bench client's handles, a few per sandbox) and how long one full
+    collection holds the event loop (what the edge's gen-2 collections cost at this fill).
 Filling stops early, saying so, when MemAvailable falls under --mem-floor-gib (the machine is
 shared).
 At the end, every sandbox is destroyed at once: destroys/s, the MemAvailable that came back of
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import random
 import shutil
@@ -268,6 +272,13 @@ async def teardown(client: DSecClient, start: dict[str, int], n: int) -> None:
     )
 
 
+def full_collection() -> tuple[int, float]:
+    """Objects the collector tracks, and one full collection's time (the loop is held as long)."""
+    t = time.perf_counter()
+    gc.collect()
+    return len(gc.get_objects()), time.perf_counter() - t
+
+
 def node_limits() -> str:
     procs = sum(1 for p in os.listdir("/proc") if p.isdigit())
     fds = len(os.listdir("/proc/self/fd"))
@@ -306,7 +317,7 @@ async def main() -> None:
     await node.start()
     print(f"cores {os.cpu_count()}  steps {steps}  probe {a.probe}")
     made: list[Sandbox] = []
-    base_rate = base_exec = base_churn = base_fresh = base_spared = base_ours = 0.0
+    base_rate = base_exec = base_churn = base_fresh = base_spared = base_ours = base_gc = 0.0
     container = node.backend
     assert isinstance(container, ContainerBackend)
     try:
@@ -317,6 +328,7 @@ async def main() -> None:
             if a.reclaim:
                 await reclaim(client, a.reclaim)
             start = snapshot()
+            start_objects, _ = full_collection()
             for step in steps:
                 try:
                     if step > len(made):
@@ -347,6 +359,8 @@ async def main() -> None:
                 base_churn, base_fresh = base_churn or replaced, base_fresh or fresh
                 base_spared = base_spared or in_spares
                 base_ours = base_ours or cpu - host_init
+                objects, pause = full_collection()
+                base_gc = base_gc or pause
                 now, n = snapshot(), len(made) - 1
                 per = {
                     k: (start[k] - now[k] if k == "available" else now[k] - start[k]) / max(n, 1) / MiB
@@ -374,6 +388,11 @@ async def main() -> None:
                     f"        per sandbox: MemAvailable {-per['available']:+6.2f} MiB; of which (overlapping)"
                     f" charged to its cgroup {per['charged']:5.2f}, kernel slab {per['slab']:5.2f},"
                     f" edge RSS {per['edge_rss']:5.2f} MiB, edge fds {fds:4.2f};  {node_limits()}"
+                )
+                per_box = (objects - start_objects) / max(n, 1)
+                print(
+                    f"        Python objects tracked {objects} ({per_box:5.1f} per sandbox);"
+                    f" a full collection {pause * 1e3:6.1f} ms ({pause / base_gc:5.2f}x empty)"
                 )
             await teardown(client, start, len(made))
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -103,25 +104,26 @@ class Commands:
         out = await self.recorder.call(sandbox_id, "shell", req.idempotency_key, request, run, brief=_brief)
         return CommandResult.model_validate(out)
 
+    async def _spawn_session_shell(self, sandbox_id: str, live: _Live) -> SandboxProcess:
+        rec = live.record
+        shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
+        backend = self.backend_of(rec)
+        start = backend.spawn_session if isinstance(backend, HoldsSessions) else backend.spawn
+        return await start(
+            sandbox_id,
+            rec.handle,
+            [shell, "-c", DRIVER],
+            env=sandbox_env(rec.spec, live.user),
+            cwd=live.user.home,
+            user=live.user,
+        )
+
     async def _run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         live = await self._use(sandbox_id)
         session = live.sessions.get(req.session)
         if session is None:
-            rec = live.record
-
-            async def spawn() -> SandboxProcess:
-                shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
-                backend = self.backend_of(rec)
-                start = backend.spawn_session if isinstance(backend, HoldsSessions) else backend.spawn
-                return await start(
-                    sandbox_id,
-                    rec.handle,
-                    [shell, "-c", DRIVER],
-                    env=sandbox_env(rec.spec, live.user),
-                    cwd=live.user.home,
-                    user=live.user,
-                )
-
+            # A partial, not a closure: one object per session, thousands held (decisions.md).
+            spawn = functools.partial(self._spawn_session_shell, sandbox_id, live)
             session = live.sessions[req.session] = Session(req.session, spawn)
         timeout = req.timeout or self.config.default_shell_timeout_s
         cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes

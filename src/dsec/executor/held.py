@@ -27,7 +27,7 @@ from typing import Literal
 
 from dsec.backends.base import Spawned
 from dsec.executor.fdwait import fd_ready
-from dsec.executor.process import descendants, kill_process_tree
+from dsec.executor.process import ByteStream, descendants, kill_process_tree
 from dsec.executor.watch import WatchBudget
 from dsec.protocol.errors import (
     Conflict,
@@ -150,7 +150,7 @@ class HeldProcess:
         finally:
             self._blocked -= 1
 
-    async def _pump_pipe(self, stream: asyncio.StreamReader | None, kind: Literal["out", "err"]) -> None:
+    async def _pump_pipe(self, stream: ByteStream | None, kind: Literal["out", "err"]) -> None:
         if stream is None:
             return
         while chunk := await stream.read(OUT_CHUNK):

@@ -51,6 +51,13 @@ class ProcessStdin(Protocol):
     def close(self) -> None: ...
 
 
+class ByteStream(Protocol):
+    """A process's output as the edge reads it: :class:`asyncio.StreamReader`, or a session
+    shell's :class:`dsec.executor.fdwait.PipeReader`. b"" at its end."""
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+
 class SandboxProcess(Protocol):
     """A process in a sandbox as the edge drives it: :class:`asyncio.subprocess.Process` for a
     container, :class:`dsec.backends.microvm.channel.VmProcess` for a microVM. A process that
@@ -60,10 +67,10 @@ class SandboxProcess(Protocol):
     def stdin(self) -> ProcessStdin | None: ...
 
     @property
-    def stdout(self) -> asyncio.StreamReader | None: ...
+    def stdout(self) -> ByteStream | None: ...
 
     @property
-    def stderr(self) -> asyncio.StreamReader | None: ...
+    def stderr(self) -> ByteStream | None: ...
 
     @property
     def pid(self) -> int: ...
@@ -133,9 +140,7 @@ async def run_streaming(
     out, err = CappedBuffer(max_output), CappedBuffer(max_output)
     queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue(maxsize=64)
 
-    async def pump(
-        stream: asyncio.StreamReader | None, buf: CappedBuffer, kind: Literal["out", "err"]
-    ) -> None:
+    async def pump(stream: ByteStream | None, buf: CappedBuffer, kind: Literal["out", "err"]) -> None:
         assert stream is not None
         # 32 KiB reads keep each NDJSON event line (base64) well under HTTP line limits.
         while chunk := await stream.read(CHUNK // 2):
@@ -221,7 +226,7 @@ class RestingChild:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._code: int | None = None
-        self._ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._ended: asyncio.Future[int] | None = None  # made by the first wait(), few ever do
         watcher = asyncio.get_child_watcher()
         if isinstance(watcher, _PidfdWatcher):
             watcher.add_resting(pid, self._exited)
@@ -230,7 +235,7 @@ class RestingChild:
 
     def _exited(self, pid: int, code: int) -> None:
         self._code = code
-        if not self._ended.done():
+        if self._ended is not None and not self._ended.done():
             self._ended.set_result(code)
 
     @property
@@ -242,6 +247,10 @@ class RestingChild:
         return self._code
 
     async def wait(self) -> int:
+        if self._code is not None:
+            return self._code
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
         watch_child(self.pid)
         return await asyncio.shield(self._ended)
 

@@ -34,8 +34,16 @@ import termios
 import time
 from collections.abc import Awaitable, Callable
 
+from dsec.executor.fdwait import PipeReader
 from dsec.executor.idle import HasShellPid, ShellView, backoff
-from dsec.executor.process import CHUNK, CappedBuffer, SandboxProcess, kill_process_tree, shell_exit_code
+from dsec.executor.process import (
+    CHUNK,
+    ByteStream,
+    CappedBuffer,
+    SandboxProcess,
+    kill_process_tree,
+    shell_exit_code,
+)
 from dsec.protocol.models import CommandResult
 
 # POSIX sh, so images without bash still get sessions (through /bin/sh). The second read of
@@ -72,7 +80,7 @@ class _Stream:
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
+        reader: ByteStream,
         cap: int,
         end: bytes,
         carried: bytes,
@@ -345,6 +353,8 @@ class Session:
         """Let the shell go without killing anything: on EOF it exits, its children live on."""
         if self._proc is not None and self._proc.stdin is not None:
             self._proc.stdin.close()
+        if self._proc is not None:
+            _close_pipes(self._proc)  # as the edge's end would: nothing reads them after
         self._proc = None
 
     async def kill(self) -> None:
@@ -374,6 +384,8 @@ async def _drained(streams: tuple[_Stream, ...]) -> bool:
 
 def _unread(stream: _Stream) -> int | None:
     """Bytes in the pipe under ``stream``'s reader; None where the edge cannot see one."""
+    if isinstance(stream.reader, PipeReader):  # a container's session shell
+        return stream.reader.unread()
     # Private attributes of StreamReader; only get_extra_info is public.
     transport = getattr(stream.reader, "_transport", None)
     pipe = transport.get_extra_info("pipe") if transport is not None else None
@@ -393,7 +405,7 @@ async def _reap(
     What it still wrote goes into ``out``/``err`` when given (a shell that exited mid-command).
     """
 
-    async def drain(stream: asyncio.StreamReader | None, buf: CappedBuffer | None) -> None:
+    async def drain(stream: ByteStream | None, buf: CappedBuffer | None) -> None:
         # asyncio's wait() returns only once every pipe reached EOF; a pipe whose reader
         # stopped (full buffer, transport paused) never does unless someone reads it.
         try:
@@ -407,5 +419,14 @@ async def _reap(
         async with asyncio.timeout(10):
             await asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
             await proc.wait()
+    _close_pipes(proc)  # a descendant the kill missed may hold them open: no reading on
     code = proc.returncode
     return None if code is None else shell_exit_code(code)
+
+
+def _close_pipes(proc: SandboxProcess) -> None:
+    """Close the pipes the edge reads on demand (a container's session shell); asyncio's
+    transports close their own at EOF."""
+    for stream in (proc.stdout, proc.stderr):
+        if isinstance(stream, PipeReader):
+            stream.close()

@@ -40,6 +40,7 @@ from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
 from dsec.backends.container.session_shell import SessionShell
 from dsec.executor import spawner
+from dsec.executor.fdwait import PipeReader
 from dsec.executor.process import kill_tree
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
@@ -283,6 +284,10 @@ async def spawn_session(
     forks the shell as the edge's own child and exits, and no pidfd watches the shell while it
     idles (:class:`dsec.executor.process.RestingChild`)."""
     stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+    # stdout and stderr: plain pipes the edge reads on demand (PipeReader), not asyncio's
+    # transports, which would stay registered and hold ~14 objects a pipe while the shell idles.
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
         pipe = os.fstat(stdin_w).st_ino
         helper_proc, pids = await _enter(
@@ -294,17 +299,25 @@ async def spawn_session(
             user=user,
             helper=helper,
             flags=[],
-            stdio=(stdin_r, *_PIPES),
+            stdio=(stdin_r, out_w, err_w),
             hold_stdin=stdin_w,
         )
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
     finally:
-        os.close(stdin_r)
-        os.close(stdin_w)
+        for fd in (stdin_r, stdin_w, out_w, err_w):
+            os.close(fd)
+    stdout, stderr = PipeReader(out_r), PipeReader(err_r)
     shell = pids.get("host") if pids else None
     if shell is None:  # pragma: no cover - the helper writes it right after the fork
         kill_tree(helper_proc.pid)
+        stdout.close()
+        stderr.close()
         raise InfraFailure(f"{NAME} did not report the PID of the session shell", reason="runtime")
-    return SessionShell(helper_proc, shell, pipe)
+    await helper_proc.wait()  # it exits right after reporting the fork
+    return SessionShell(shell, helper_proc.pid, pipe, stdout, stderr)
 
 
 _PIPES = (asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)

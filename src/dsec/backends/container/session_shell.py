@@ -1,17 +1,17 @@
 """A session shell in a container sandbox, as the edge holds it: the edge's own child (forked
 for it by ``dsec-enter --hold-stdin``, see :func:`dsec.backends.container.enter.spawn_session`),
-whose stdout and stderr are pipes the edge reads and whose stdin's write end the shell itself
-keeps at fd 9, opened by the edge through /proc for each command."""
+whose stdout and stderr are pipes the edge reads when it waits for a command's output, and
+whose stdin's write end the shell itself keeps at fd 9, opened by the edge through /proc for
+each command."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
 from collections.abc import Callable
 
-from dsec.executor.fdwait import fd_ready
+from dsec.executor.fdwait import PipeReader, fd_ready
 from dsec.executor.process import RestingChild, kill_tree, watch_child
 
 SESSION_STDIN_FD = 9  # where a session shell keeps the write end of its stdin (dsec_enter.c)
@@ -19,22 +19,15 @@ SESSION_STDIN_FD = 9  # where a session shell keeps the write end of its stdin (
 
 class SessionShell(RestingChild):
     """A session shell started by :func:`spawn_session`, as a :class:`SandboxProcess`: the
-    edge's child, which the edge reaps itself; output through the helper's pipes."""
+    edge's child, which the edge reaps itself; its output pipes read on demand."""
 
-    def __init__(self, helper: asyncio.subprocess.Process, pid: int, pipe: int) -> None:
+    def __init__(self, pid: int, group: int, pipe: int, stdout: PipeReader, stderr: PipeReader) -> None:
         super().__init__(pid)
-        self._helper = helper  # exited (or about to): its transport carries stdout and stderr
+        self._group = group  # the process group the helper made, the shell's (the helper's PID)
+        self.stdout, self.stderr = stdout, stderr
         self.stdin = HeldStdin(f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
         self.stdin.ended = lambda: self.returncode is not None
         self.stdin.let_go = self.let_go
-
-    @property
-    def stdout(self) -> asyncio.StreamReader | None:
-        return self._helper.stdout
-
-    @property
-    def stderr(self) -> asyncio.StreamReader | None:
-        return self._helper.stderr
 
     def shell_pid(self) -> int | None:
         """The shell's host PID while it runs (unreaped: the PID names no other process)."""
@@ -49,7 +42,7 @@ class SessionShell(RestingChild):
         """The shell, what it started and the helper's process group (the shell's)."""
         if self._code is None:  # unreaped, so the group (the helper's PID) is still the shell's
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._helper.pid, signal.SIGKILL)
+                os.killpg(self._group, signal.SIGKILL)
             kill_tree(self.pid)
 
     def let_go(self) -> None:

@@ -73,8 +73,13 @@ class Worker:
     async def _drain_stderr(self) -> None:
         # Read, or a chatty runner would block on a full pipe; kept in the edge's log.
         assert self.proc.stderr is not None
-        async for line in self.proc.stderr:
-            log.warning("fncall runner %s: %s", self.sandbox_id, line.decode(errors="replace").rstrip())
+        rest = b""
+        while chunk := await self.proc.stderr.read(1 << 16):
+            *lines, rest = (rest + chunk).split(b"\n")
+            for line in lines:
+                log.warning("fncall runner %s: %s", self.sandbox_id, line.decode(errors="replace").rstrip())
+        if rest:
+            log.warning("fncall runner %s: %s", self.sandbox_id, rest.decode(errors="replace").rstrip())
 
     async def ready(self) -> FnRunnerReady:
         line = await self._line(_READY_TIMEOUT_S)
