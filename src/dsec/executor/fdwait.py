@@ -90,5 +90,6 @@ class PipeReader:
         os.close(fd)
 
     def __del__(self) -> None:
-        if self._fd >= 0:  # not read to EOF nor closed: never leak the fd
-            os.close(self._fd)
+        fd = getattr(self, "_fd", -1)  # -1 also when __init__ failed (not a pipe fd)
+        if fd >= 0:  # not read to EOF nor closed: never leak the fd
+            os.close(fd)
