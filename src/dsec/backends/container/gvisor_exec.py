@@ -26,8 +26,8 @@ from dsec.backends.container import oci
 from dsec.backends.container.gvisor import ENV, GVisor, run_quietly
 from dsec.backends.container.session_shell import SESSION_STDIN_FD, HeldStdin
 from dsec.executor import spawner
-from dsec.executor.fdwait import fd_ready
-from dsec.executor.process import ProcessStdin, RestingChild, watch_child
+from dsec.executor.fdwait import PipeReader, fd_ready
+from dsec.executor.process import ByteStream, ProcessStdin, RestingChild, watch_child
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 EXEC_NOT_STARTED = 127  # runsc could not start the command (missing program, bad cwd): a shell's 127
@@ -103,8 +103,8 @@ async def spawn_session(
                 ours.discard(fd)
             inner = await _pid_or_exit(pid_r, _exit_of(pid))
         held = HeldStdin(f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
-        ours -= {out_r, err_r}  # the readers' transports own them now
-        runsc_exec = _RestingExec(pid, held, await _reader(out_r), await _reader(err_r))
+        ours -= {out_r, err_r}  # the readers own them now (read on demand, as crun sessions')
+        runsc_exec = _RestingExec(pid, held, PipeReader(out_r), PipeReader(err_r))
         proc = GVisorProcess(gv, sandbox_id, runsc_exec, inner, raise_signal=False)
         held.let_go = proc.let_go
         return proc
@@ -249,25 +249,11 @@ async def _exit_of(pid: int) -> None:
         os.close(pidfd)
 
 
-async def _reader(fd: int) -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(loop=loop)
-    pipe = os.fdopen(fd, "rb", buffering=0)
-    try:
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe)
-    except BaseException:
-        pipe.close()
-        raise
-    return reader
-
-
 class _RestingExec(RestingChild):
     """A session's ``runsc exec``: the edge's child by the spawner, reaped by the edge itself
     with no pidfd while the shell idles."""
 
-    def __init__(
-        self, pid: int, stdin: HeldStdin, stdout: asyncio.StreamReader, stderr: asyncio.StreamReader
-    ) -> None:
+    def __init__(self, pid: int, stdin: HeldStdin, stdout: PipeReader, stderr: PipeReader) -> None:
         super().__init__(pid)
         self.stdin = stdin
         self.stdout = stdout
@@ -300,11 +286,11 @@ class GVisorProcess:
         return self._proc.stdin
 
     @property
-    def stdout(self) -> asyncio.StreamReader | None:
+    def stdout(self) -> ByteStream | None:
         return self._proc.stdout
 
     @property
-    def stderr(self) -> asyncio.StreamReader | None:
+    def stderr(self) -> ByteStream | None:
         return self._proc.stderr
 
     @property
