@@ -24,6 +24,7 @@ from dsec import (
 from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.microvm.backend import MicroVMBackend
 from dsec.backends.microvm.templates import TemplateKey
+from dsec.executor import spawner
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, node_config
 from tests.support import RestartedNode, eventually
@@ -52,6 +53,8 @@ async def test_a_microvm_runs_commands_and_files_through_the_same_sdk(
     sb = await client.run_microvm(args)
     pid = qemu_of(node, sb.id)
     assert running(pid)
+    # The daemon's parent is the spawner (a child subreaper that reaps it), not the host's init.
+    assert (_linux.stat_fields(pid) or ["", "gone"])[1] == str(spawner._spawner._proc.pid)  # type: ignore[union-attr]
     workdir = node.config.data_dir / "sandboxes" / sb.id
     try:
         assert sb.info.backend == "microvm" and sb.info.state is SandboxState.running

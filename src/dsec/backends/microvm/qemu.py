@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure
 
 QEMU = "qemu-system-x86_64"
@@ -215,22 +216,43 @@ def kvm_present() -> bool:
 
 
 async def start_daemon(config: MicroVMConfig, pidfile: Path, logfile: Path) -> int:
-    """Start QEMU daemonized (it outlives the edge, reparented to init); returns its pid once
-    the VM is set up (QEMU's parent exits only then)."""
+    """Start QEMU daemonized (it outlives the edge); returns its pid once the VM is set up
+    (QEMU's parent exits only then). Where a spawner runs, QEMU's parent is the spawner's
+    child, so the daemon is reparented to the spawner (a child subreaper) and reaped there,
+    not by the host's init; to the host's init only once the edge (and its spawner) ends."""
     argv = [*microvm_argv(config), "-daemonize", "-pidfile", str(pidfile)]
     if config.idle:
         argv = ["chrt", "--idle", "0", *argv]
     log = await asyncio.to_thread(open, logfile, "ab")
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-        )
-        code = await proc.wait()
+        code = await _run_adopted(argv, log.fileno())
+        if code is None:  # no spawner (a bare backend): a plain child, the daemon init's
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            )
+            code = await proc.wait()
     finally:
         log.close()
     if code != 0:
         raise InfraFailure(f"qemu failed to start (exit {code}): {_tail(logfile)}", reason="runtime")
     return int((await asyncio.to_thread(pidfile.read_text)).strip())
+
+
+async def _run_adopted(argv: list[str], log: int) -> int | None:
+    """Run ``argv`` as the spawner's child (stdout and stderr to ``log``) to its exit code;
+    None when no spawner runs."""
+    exe = shutil.which(argv[0]) or argv[0]
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        child = spawner.spawn_adopted(exe, argv, dict(os.environ), {0: null, 1: log, 2: log}, setsid=True)
+    finally:
+        os.close(null)
+    if child is None:
+        return None
+    try:
+        return await child.wait()
+    finally:
+        child.close()  # (cancelled: QEMU goes on as it did as asyncio's child; the caller cleans up)
 
 
 def _tail(path: Path, limit: int = 1000) -> str:
