@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dsec.backends.container import init
 from dsec.executor import spawner
-from dsec.executor.fdwait import fd_ready
+from dsec.executor.fdwait import PipeReader
 from dsec.protocol.errors import InfraFailure
 
 SOURCE = Path(__file__).parent / "rootfs" / "dsec_rootfs.c"
@@ -92,22 +92,15 @@ async def _launch(helper: Path, args: list[str], env: dict[str, str]) -> tuple[s
         assert proc.stderr is not None
         told = await proc.stderr.read()
         return told.decode(errors="replace").strip(), await proc.wait()
+    err = PipeReader(err_r)
     try:
-        os.set_blocking(err_r, False)
         said = bytearray()
-        while True:
-            await fd_ready(err_r)
-            try:
-                chunk = os.read(err_r, 65536)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                break
+        while chunk := await err.read():
             said += chunk
         return said.decode(errors="replace").strip(), await child.wait()
     except BaseException:
         child.kill()
         raise
     finally:
-        os.close(err_r)
+        err.close()
         child.close()
