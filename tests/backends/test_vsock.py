@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -374,30 +373,6 @@ def test_init_starts_the_agent_on_the_hosts_port_and_the_kit_ships_the_vsock_mod
         assert {"vsock", "vmw_vsock_virtio_transport", "vmw_vsock_virtio_transport_common"} <= names
 
 
-@pytest.fixture
-async def agent(tmp_path: Path) -> AsyncIterator[Path]:
-    """The guest agent built as the kit builds it, listening on a unix socket on this host
-    (the vsock mode's connection handling), as PID 1 of a PID namespace of its own: its
-    fatal() powers off, which there only ends the namespace."""
-    if shutil.which("gcc") is None or shutil.which("unshare") is None:
-        pytest.skip("gcc and unshare are needed to run the agent here")
-    binary = tmp_path / "agent"
-    await asyncio.to_thread(kit._compile_agent, binary)
-    sock = host.SOCKET_ROOT / f"test-agent-{os.getpid()}-{tmp_path.name[-12:]}.sock"
-    sock.parent.mkdir(parents=True, exist_ok=True)
-    sock.unlink(missing_ok=True)
-    proc = await asyncio.create_subprocess_exec(
-        "unshare", "--pid", "--fork", "--kill-child", str(binary), f"unix:{sock}", "/",
-        stdin=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield sock
-    finally:
-        proc.kill()
-        await proc.wait()
-        sock.unlink(missing_ok=True)
-
-
 async def _run(channel: AgentChannel, argv: list[str], stdin: bytes = b"") -> tuple[int, bytes]:
     proc = await channel.spawn(argv, env={"PATH": host.GUEST_PATH}, cwd="/", uid=0, gid=0)
     assert proc.stdin is not None and proc.stdout is not None
@@ -418,6 +393,7 @@ async def test_the_agent_greets_each_connection_and_serves_one_after_another(age
 
     # The next host: READY again (skipped: it waits for its PONG), the old shell forgotten.
     second = await AgentChannel.connect(agent, 10.0, booting=False, forget=True)
+    assert second.version == first.version  # told in its PONG: what the agent can do
     assert await _run(second, ["cat"], stdin=b"through stdin") == (0, b"through stdin")
     assert shell.stdin is not None  # (its stdin was closed by the forget: it ends)
 

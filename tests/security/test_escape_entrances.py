@@ -19,8 +19,10 @@ import pytest
 from dsec import CommandResult, Sandbox
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.enter import entrances_isolated
+from tests.conftest import Sandboxes
 from tests.security.conftest import PRELUDE, collect
 from tests.security.test_escape_process import PTRACE
+from tests.security.test_session_end import MICROVM, on_backend
 
 pytestmark = pytest.mark.skipif(
     not entrances_isolated(), reason="the kernel has no Landlock ABI >= 2 (Linux 5.19, lsm=landlock)"
@@ -116,6 +118,15 @@ async def test_a_session_cannot_write_into_another_sessions_shell(sandbox: Sandb
 
 async def test_a_process_left_behind_cannot_reach_a_later_command(sandbox: Sandbox) -> None:
     await assert_a_later_command_is_out_of_reach(sandbox)
+
+
+@pytest.mark.parametrize("backend", [MICROVM])
+async def test_a_process_left_behind_cannot_reach_a_later_command_in_a_microvm(
+    make_sandbox: Sandboxes, backend: str
+) -> None:
+    """The guest agent gives each process it spawns a Landlock domain of its own (the guest
+    kernel has Landlock among its LSMs)."""
+    await assert_a_later_command_is_out_of_reach(await on_backend(make_sandbox, backend))
 
 
 async def assert_a_later_command_is_out_of_reach(sandbox: Sandbox) -> None:

@@ -49,17 +49,17 @@ PEEKERS = {
 }
 
 
-# The backends besides crun that run the same session driver (no watch from the host there).
-OTHER_BACKENDS = [
-    pytest.param("gvisor", marks=pytest.mark.skipif(shutil.which("runsc") is None, reason="no runsc")),
-    pytest.param(
-        "microvm",
-        marks=[
-            pytest.mark.vm,
-            pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="no qemu"),
-        ],
-    ),
-]
+# The backends besides crun that run the same session driver: gVisor's shells are watched by
+# nothing (its sentry's processes are not the host's), a microVM's by its guest agent.
+GVISOR = pytest.param("gvisor", marks=pytest.mark.skipif(shutil.which("runsc") is None, reason="no runsc"))
+MICROVM = pytest.param(
+    "microvm",
+    marks=[
+        pytest.mark.vm,
+        pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="no qemu"),
+    ],
+)
+OTHER_BACKENDS = [GVISOR, MICROVM]
 
 
 async def on_backend(make_sandbox: Sandboxes, backend: str) -> Sandbox:
@@ -113,6 +113,25 @@ async def test_a_command_that_reads_its_end_nonce_off_the_command_pipe_cannot_en
     await _harness_after(sandbox, "s")
     recorded = (await sandbox.trajectory())[-2].result
     assert recorded is not None and recorded["exit_code"] == 3, recorded
+
+
+async def assert_a_nonce_reader_cannot_end_early(sandbox: Sandbox) -> None:
+    """A command that reads its end nonce off its shell's command pipe and prints both end
+    markers with it (exit code 0), then more: its own result has all of it and its own exit
+    code, the next command's only the next command's output."""
+    first = await sandbox.run_shell(f"{PEEKERS['shell']}; echo after; (exit 3)", session="s", timeout=60)
+    assert first.exit_code == 3 and first.stdout.endswith("smuggled\nafter\n"), first
+    second = await sandbox.run_shell("echo harness", session="s", timeout=60)
+    assert second.stdout == "harness\n", second
+
+
+@pytest.mark.parametrize("backend", [MICROVM])
+async def test_a_command_that_reads_its_end_nonce_cannot_end_early_in_a_microvm(
+    make_sandbox: Sandboxes, backend: str
+) -> None:
+    """The guest agent watches the session shell from the guest's /proc as the edge watches a
+    container's from the host's (tests/backends/test_guest_agent_watch.py has every attack)."""
+    await assert_a_nonce_reader_cannot_end_early(await on_backend(make_sandbox, backend))
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,9 @@ addresses, unless it is built to map its stack and code at the recorded ones (wh
 other takeovers of a session still achieve is in docs/decisions.md).
 
 Only shells known to wait that way are watched (busybox ash polls before it reads); the
-others, and every process not on this host (microVMs, gVisor's sentry), are ended by the end
-marker's secret nonce alone (:mod:`dsec.executor.session`).
+others, and gVisor's (its sentry's processes are not the host's), are ended by the end
+marker's secret nonce alone (:mod:`dsec.executor.session`). A microVM's guest agent watches its
+shells the same way from the guest's /proc (:class:`ShellWatch`, PROTOCOL.md's WATCH).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import itertools
 import logging
 import os
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 from dsec.executor.fdwait import fd_ready
@@ -45,6 +46,45 @@ class HasShellPid(Protocol):
         """The shell's host PID while it runs, None once it is gone; never another process's
         (the shell is an unreaped child of the edge, so its PID is not reused meanwhile)."""
         ...
+
+
+class ShellWatch(Protocol):
+    """Where a session shell waits for its commands, as something outside the shell sees it."""
+
+    async def calibrate(self) -> bool:
+        """Record where the shell waits, right after a no-op command; False: not watched."""
+        ...
+
+    async def idle(self) -> bool | None:
+        """The shell waits where it was recorded (True), does anything else (False), is gone (None)."""
+        ...
+
+    async def mark_end(self, token: bytes) -> tuple[bool, bool]:
+        """``token`` behind all the shell wrote, on stdout and on stderr: whether each was sent."""
+        ...
+
+
+@runtime_checkable
+class HasShellWatch(Protocol):
+    """A session process watched by something other than this host's /proc (a guest agent)."""
+
+    def shell_watch(self) -> ShellWatch | None:
+        """Its watch, or None where it has none (an older agent)."""
+        ...
+
+
+async def until_waiting(probe: Callable[[], Awaitable[bool | None]]) -> bool:
+    """Calibration's wait: ``probe`` until it finds the shell waiting (True), finds it cannot be
+    watched or gone (None: False), or :data:`CALIBRATE_S` passed (False)."""
+    deadline = asyncio.get_running_loop().time() + CALIBRATE_S
+    for delay in backoff():
+        found = await probe()
+        if found is not False:
+            return bool(found)
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(delay)
+    return False  # pragma: no cover - backoff() never ends
 
 
 def backoff() -> Iterator[float]:
@@ -93,20 +133,20 @@ class ShellView:
         pid = self._pid_of()
         if pid is None:
             return False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CALIBRATE_S
-        for delay in backoff():
+
+        async def waiting() -> bool | None:
             line = _blocked(pid)
             if line is not None and line[0] == _READ and self._fd_is(pid, line[1], 0):
                 self._waiting = line
                 return True
-            if loop.time() > deadline or self._pid_of() is None:
-                log.warning("session shell %d never waited for a command: no idle checks", pid)
-                return False
-            await asyncio.sleep(delay)
-        return False  # pragma: no cover - backoff() never ends
+            return None if self._pid_of() is None else False
 
-    def idle(self) -> bool | None:
+        if await until_waiting(waiting):
+            return True
+        log.warning("session shell %d never waited for a command: no idle checks", pid)
+        return False
+
+    async def idle(self) -> bool | None:
         """True if the shell waits for its next command exactly where its driver loop does;
         False if it does anything else; None if it is gone (nothing more can come from it)."""
         pid = self._pid = self._pid_of()

@@ -9,10 +9,11 @@ Where a command ends is decided by what the command cannot fake:
 - the end markers (``\0E:RC\0`` on stdout, ``\0E\0`` on stderr) carry a fresh nonce E that the
   edge sends behind the command but the shell reads only after ``eval`` returned: the command
   never has it in a variable, and printing a marker takes reading the command pipe itself;
-- a container's shell is also watched from the host (:mod:`dsec.executor.idle`): a marker
-  counts only once the shell waits for its next command where its loop does. The edge then
-  writes a token of its own into both output pipes, behind everything the shell wrote, and the
-  last marker before it is the shell's: output after an earlier (forged) one is output.
+- a container's shell is also watched from the host (:mod:`dsec.executor.idle`), a microVM's
+  by its guest agent: a marker counts only once the shell waits for its next command where its
+  loop does. The edge (or the agent) then puts a token of its own into both output streams,
+  behind everything the shell wrote, and the last marker before it is the shell's: output
+  after an earlier (forged) one is output.
 
 Output read past a command's end (a background job's) is the next command's, as it is when
 it arrives later. What a command can still do to later commands of its session (it shares
@@ -35,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dsec.executor.fdwait import PipeReader
-from dsec.executor.idle import HasShellPid, ShellView, backoff
+from dsec.executor.idle import HasShellPid, HasShellWatch, ShellView, ShellWatch, backoff
 from dsec.executor.process import (
     CHUNK,
     ByteStream,
@@ -227,7 +228,7 @@ class Session:
         self._spawner = spawner
         self._proc: SandboxProcess | None = None
         self._fresh = False  # a shell that has not been given a command yet
-        self._view: ShellView | None = None
+        self._view: ShellWatch | None = None
         self._carried = (b"", b"")  # stdout and stderr read past the last command's end
         self.lock = asyncio.Lock()
 
@@ -284,11 +285,16 @@ class Session:
                 duration_s=time.monotonic() - started,
             )
 
-    async def _watch(self, proc: SandboxProcess) -> ShellView | None:
-        """A view of a fresh shell from the host, if it can have one, calibrated after a no-op
-        command: the shell then waits for the next one where its loop does, moments after the
-        no-op's markers (no polling through its start), and no caller's command ran in it."""
-        view = ShellView.of(proc) if isinstance(proc, HasShellPid) else None
+    async def _watch(self, proc: SandboxProcess) -> ShellWatch | None:
+        """A view of a fresh shell from outside it (the host's /proc, a guest agent's), if it
+        can have one, calibrated after a no-op command: the shell then waits for the next one
+        where its loop does, moments after the no-op's markers (no polling through its
+        start), and no caller's command ran in it."""
+        view: ShellWatch | None = None
+        if isinstance(proc, HasShellWatch):
+            view = proc.shell_watch()
+        elif isinstance(proc, HasShellPid):
+            view = ShellView.of(proc)
         if view is None:
             return None
         noop = _Exchange(proc, _CARRIED, (b"", b""))
@@ -319,7 +325,7 @@ class Session:
         idle: bool | None = False
         for delay in backoff():
             ex.changed.clear()
-            idle = view.idle()
+            idle = await view.idle()
             if idle is not False:
                 break
             if not delay:  # about to be back, usually: a few loop turns

@@ -114,6 +114,8 @@ class MicroVMBackend(VmForks):
             "fork_processes": True,  # fork copies memory and processes too
             "vhost_vsock": self.vhost_vsock,  # the host kernel offers /dev/vhost-vsock
             "agent_channel": self.channel,  # how new VMs reach their agent: vsock or serial
+            # Each process the guest agent starts has a Landlock domain of its own.
+            "isolated_entrances": bool(self.kit and self.kit.landlock),
         }
 
     async def detach(self) -> None:

@@ -22,6 +22,8 @@ from collections.abc import AsyncGenerator, AsyncIterable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from dsec.backends.microvm import shell_watch
+from dsec.backends.microvm.shell_watch import GuestShellView
 from dsec.backends.microvm.vsock import VsockAddr
 from dsec.protocol.errors import InfraFailure
 
@@ -32,9 +34,9 @@ STAT = struct.Struct("<IIIQq")  # mode, uid, gid, size, mtime_ns
 # Frame types (PROTOCOL.md)
 # guest -> host
 READY, STARTED, STDOUT, STDERR, FRES, DATA, EXIT, OOM = range(0x80, 0x88)
-PONG, ERROR = 0x88, 0x8F
+PONG, WATCHED, ERROR = 0x88, 0x89, 0x8F
 # host -> guest
-SPAWN, STDIN, KILL, FOP, WDATA, COMMIT, ABORT, PING = range(1, 9)
+SPAWN, STDIN, KILL, FOP, WDATA, COMMIT, ABORT, PING, WATCH = range(1, 10)
 OP_STAT, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE, OP_RENAME = 1, 2, 3, 4, 5, 6, 7
 
 Handler = Callable[[int, bytes], None]
@@ -252,8 +254,13 @@ async def _open(
             await writer.drain()
         while True:
             kind, _chan, payload = await _read_frame(reader)
-            if kind == want and (not nonce or payload == nonce):
-                return reader, writer, payload.decode(errors="replace") if booting else ""
+            if kind != want:
+                continue
+            if booting:  # READY: the version, NUL-terminated
+                return reader, writer, payload.rstrip(b"\0").decode(errors="replace")
+            # PONG: the nonce echoed; an agent since version 2 adds NUL and its version.
+            if payload == nonce or payload.startswith(nonce + b"\0"):
+                return reader, writer, payload[len(nonce) + 1 :].rstrip(b"\0").decode(errors="replace")
 
 
 # What connecting to a guest's vsock port says while the guest boots: no such CID yet (QEMU
@@ -337,6 +344,7 @@ class VmProcess:
         self._started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._exited = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._watched: asyncio.Future[bytes] | None = None  # a WATCH's answer, while one waits
 
     def background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -355,6 +363,9 @@ class VmProcess:
             self.stdout.feed_data(payload)
         elif kind == STDERR:
             self.stderr.feed_data(payload)
+        elif kind == WATCHED:
+            if self._watched is not None and not self._watched.done():
+                self._watched.set_result(payload + b"\0")
         elif kind == EXIT:
             (status,) = struct.unpack_from("<i", payload)
             # As asyncio reports it: the exit code, or minus the signal that killed it.
@@ -378,7 +389,29 @@ class VmProcess:
         self.stdout.feed_eof()
         self.stderr.feed_eof()
         self._exited.set()
+        if self._watched is not None and not self._watched.done():
+            self._watched.set_result(bytes([shell_watch.UNWATCHED, 0]))
         self.channel.close_chan(self.chan)
+
+    def shell_watch(self) -> GuestShellView | None:
+        """The agent's watch of this process as a session shell; None from an agent before
+        WATCH (a microVM an older edge started, readopted)."""
+        number = self.channel.version.rpartition(" ")[2]
+        return GuestShellView(self._watch) if number.isdigit() and int(number) >= 2 else None
+
+    async def _watch(self, request: bytes) -> bytes:
+        """One WATCH round trip: the WATCHED payload (UNWATCHED once the process is gone)."""
+        gone = bytes([shell_watch.UNWATCHED, 0])
+        if self.returncode is not None or self.channel.closed:
+            return gone
+        self._watched = asyncio.get_running_loop().create_future()
+        try:
+            await self.channel.send(WATCH, self.chan, request)
+            return await self._watched
+        except InfraFailure:  # the channel closed meanwhile: the shell is out of reach
+            return gone
+        finally:
+            self._watched = None
 
     async def wait(self) -> int:
         await self._exited.wait()

@@ -58,6 +58,9 @@ class GuestKit:
     kernel: Path  # vmlinuz
     initramfs: Path
     kernel_version: str
+    # Its config has Landlock (ABI >= 2) among the LSMs: the agent gives each process it
+    # spawns a domain of its own (guest/agent.c own_domain).
+    landlock: bool = False
 
     @property
     def key(self) -> str:
@@ -229,4 +232,25 @@ def ensure_kit(kit_dir: Path, flavour: str = "cloud") -> GuestKit:
                 part = Path(tmp) / "initramfs.img"
                 part.write_bytes(data)
                 os.replace(part, initramfs)
-        return GuestKit(kernel=kernel, initramfs=initramfs, kernel_version=version)
+        return GuestKit(
+            kernel=kernel, initramfs=initramfs, kernel_version=version, landlock=has_landlock(kroot, version)
+        )
+
+
+def has_landlock(kroot: Path, version: str) -> bool:
+    """Whether the kernel unpacked at ``kroot`` enables Landlock with ABI >= 2 (Linux 5.19:
+    renames across directories) by default: built in and in its default list of LSMs."""
+    try:
+        config = (kroot / "boot" / f"config-{version}").read_text()
+    except OSError:
+        return False
+    lsm = next(
+        (line.split("=", 1)[1].strip('"') for line in config.splitlines() if line.startswith("CONFIG_LSM=")),
+        "",
+    )
+    numbers = tuple(int(n) for n in version.split("-")[0].split(".")[:2] if n.isdigit())
+    return (
+        "CONFIG_SECURITY_LANDLOCK=y" in config.splitlines()
+        and "landlock" in lsm.split(",")
+        and numbers >= (5, 19)
+    )

@@ -19,6 +19,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <linux/landlock.h>
 #include <linux/openat2.h>
 #include <linux/vm_sockets.h>
 #include <poll.h>
@@ -28,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/reboot.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -39,15 +41,17 @@
 #include <time.h>
 #include <unistd.h>
 
-#define VERSION "dsec-agent 1"
+#define VERSION "dsec-agent 2"
 #define MAX_PAYLOAD (1u << 20) /* largest payload of a frame, either direction */
 #define HDR 9                  /* u32 len, u8 type, u32 chan */
 #define CHUNK 65536            /* pipe and file reads are forwarded in pieces of this size */
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-enum { T_SPAWN = 1, T_STDIN, T_KILL, T_FOP, T_DATA, T_COMMIT, T_ABORT, T_PING };
+enum { T_SPAWN = 1, T_STDIN, T_KILL, T_FOP, T_DATA, T_COMMIT, T_ABORT, T_PING, T_WATCH };
 enum { R_READY = 0x80, R_STARTED, R_STDOUT, R_STDERR, R_FRES, R_DATA, R_EXIT, R_OOM,
-       R_PONG = 0x88, R_ERROR = 0x8f };
+       R_PONG = 0x88, R_WATCHED, R_ERROR = 0x8f };
+enum { W_CALIBRATE = 1, W_CHECK, W_MARK };           /* WATCH's ops */
+enum { W_NO = 0, W_YES, W_UNWATCHED };               /* WATCHED's answers */
 enum { OP_STAT = 1, OP_LIST, OP_MKDIR, OP_REMOVE, OP_READ, OP_WRITE, OP_RENAME };
 
 /* A spawned process, from SPAWN until its EXIT frame is sent. */
@@ -61,6 +65,8 @@ struct proc {
 	unsigned char *q;       /* STDIN bytes the pipe did not take yet: q[qoff..qlen) */
 	size_t qlen, qoff;
 	int close_in;           /* an empty STDIN came: close stdin once q is drained */
+	char rest[160];         /* a watched shell's /proc/PID/syscall while it waits for a
+				 * command (WATCH CALIBRATE); empty if not watched */
 };
 
 /* A READ being streamed: one CHUNK per loop iteration, so a big file does not starve the rest. */
@@ -94,6 +100,7 @@ static struct wr *writes;
 static unsigned char rx[HDR + MAX_PAYLOAD + CHUNK];
 static size_t rx_len;
 static unsigned char tx[HDR + MAX_PAYLOAD];
+static int landlock_abi; /* the kernel's Landlock ABI version, 0 without Landlock */
 
 static void logmsg(const char *fmt, ...)
 {
@@ -351,10 +358,12 @@ static void reap(void)
 	}
 }
 
+static unsigned char pipe_buf[CHUNK]; /* not tx: an OOM frame may go out first */
+
 /* Forwards one read of a stdout/stderr pipe; EOF (or an error) closes it. */
 static void pump(struct proc *p, int *fd, int type)
 {
-	static unsigned char buf[CHUNK]; /* not tx: an OOM frame may go out first */
+	unsigned char *buf = pipe_buf;
 	ssize_t n = read(*fd, buf, CHUNK);
 	if (n > 0) {
 		oom_report(0);
@@ -414,13 +423,125 @@ static void do_stdin(uint32_t chan, const unsigned char *data, size_t n)
 	stdin_flush(p);
 }
 
+/*
+ * WATCH: where a session command ends, told by what the command cannot fake (the host's
+ * executor/idle.py does the same from the host's /proc for a container's shell). A bash or
+ * dash driver loop waits for its next command in read(2) of its command pipe (stdin), at one
+ * point of its loop: the same /proc/PID/syscall line (number, fd, buffer, count, stack and
+ * instruction pointers) every time. CALIBRATE records it once, right after a no-op command;
+ * CHECK tells whether the shell waits exactly there again; MARK forwards what its stdout and
+ * stderr pipes hold and then the host's token on each, as if written into the pipe behind
+ * everything the shell wrote, so the last end marker before the token is the shell's.
+ */
+static int blocked_in(pid_t pid, char *line, size_t size, int *fd)
+{
+	char path[64], buf[256], *f[9], *save = NULL;
+	ssize_t n;
+	int sfd, k = 0;
+
+	snprintf(path, sizeof path, "/proc/%d/syscall", (int)pid);
+	if ((sfd = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+		return 0;
+	n = read(sfd, buf, sizeof buf - 1);
+	close(sfd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	for (char *t = strtok_r(buf, " \n", &save); t && k < 9; t = strtok_r(NULL, " \n", &save))
+		f[k++] = t;
+	if (k != 9) /* "running", or "-1 SP PC": not blocked in a call */
+		return 0;
+	*fd = (int)strtol(f[1], NULL, 16);
+	return snprintf(line, size, "%s %s %s %s %s %s", f[0], f[1], f[2], f[3], f[7], f[8]) <
+	       (int)size;
+}
+
+/* Whether pid's fd is the pipe whose other end is ours. */
+static int fd_is(pid_t pid, int fd, int ours)
+{
+	char path[64];
+	struct stat a, b;
+
+	snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)pid, fd);
+	return ours >= 0 && stat(path, &a) == 0 && fstat(ours, &b) == 0 && a.st_dev == b.st_dev &&
+	       a.st_ino == b.st_ino;
+}
+
+/* Whether p waits for its next command in read(2) of its stdin pipe (where: into line). */
+static int waits_for_input(struct proc *p, char *line, size_t size)
+{
+	int fd;
+	return blocked_in(p->pid, line, size, &fd) && atoi(line) == __NR_read &&
+	       fd_is(p->pid, fd, p->in);
+}
+
+/* A shell known to wait that way (busybox ash polls first), with our pipes as fds 0-2. */
+static int watchable(struct proc *p)
+{
+	char path[64], exe[PATH_MAX];
+	const char *base;
+	ssize_t n;
+
+	snprintf(path, sizeof path, "/proc/%d/exe", (int)p->pid);
+	if ((n = readlink(path, exe, sizeof exe - 1)) < 0)
+		return 0;
+	exe[n] = 0;
+	base = strrchr(exe, '/') ? strrchr(exe, '/') + 1 : exe;
+	return (!strcmp(base, "bash") || !strcmp(base, "dash")) && fd_is(p->pid, 0, p->in) &&
+	       fd_is(p->pid, 1, p->out) && fd_is(p->pid, 2, p->err);
+}
+
+/* Forwards what pipe *fd holds now (not what is written meanwhile), then the token. */
+static int mark(struct proc *p, int *fd, int which, int type, const unsigned char *tok, size_t n)
+{
+	int left = 0;
+
+	if (!fd_is(p->pid, which, *fd) || ioctl(*fd, FIONREAD, &left) < 0)
+		return 0; /* its fd went elsewhere (exec >file): nothing more of it comes here */
+	while (left > 0 && *fd >= 0) {
+		ssize_t got = read(*fd, pipe_buf, (size_t)left < CHUNK ? (size_t)left : CHUNK);
+		if (got <= 0)
+			break;
+		oom_report(0);
+		send_frame(type, p->chan, pipe_buf, (size_t)got);
+		left -= (int)got;
+	}
+	send_frame(type, p->chan, tok, n);
+	return 1;
+}
+
+static void do_watch(uint32_t chan, const unsigned char *p, size_t n)
+{
+	struct proc *pr = find_chan(chan);
+	unsigned char res[2] = { W_UNWATCHED, 0 };
+	char line[sizeof pr->rest];
+
+	if (n < 1 || p[0] < W_CALIBRATE || p[0] > W_MARK || (p[0] == W_MARK && n < 2)) {
+		send_error(chan, EPROTO, "malformed WATCH");
+		return;
+	}
+	if (pr && !pr->reaped && p[0] == W_CALIBRATE && watchable(pr)) {
+		res[0] = waits_for_input(pr, line, sizeof line) ? W_YES : W_NO;
+		if (res[0] == W_YES)
+			memcpy(pr->rest, line, sizeof line);
+	} else if (pr && !pr->reaped && pr->rest[0] && p[0] == W_CHECK) {
+		res[0] = waits_for_input(pr, line, sizeof line) && !strcmp(line, pr->rest);
+	} else if (pr && !pr->reaped && pr->rest[0] && p[0] == W_MARK) {
+		res[0] = mark(pr, &pr->out, 1, R_STDOUT, p + 1, n - 1);
+		res[1] = mark(pr, &pr->err, 2, R_STDERR, p + 1, n - 1);
+	} else if (p[0] == W_MARK) {
+		res[0] = 0; /* neither token sent */
+	}
+	send_frame(R_WATCHED, chan, res, p[0] == W_MARK ? 2 : 1);
+}
+
 /* What a child that could not exec reports through its status pipe. */
 struct child_err {
 	int err, stage;
 };
-enum { ST_CHROOT, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DUP, ST_EXEC };
-static const char *const stage_name[] = { "chroot", "setgroups", "setgid", "setuid", "chdir",
-					  "dup2", "exec" };
+enum { ST_CHROOT, ST_DOMAIN, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DUP, ST_EXEC };
+static const char *const stage_name[] = { "chroot", "enter a Landlock domain", "setgroups",
+					  "setgid", "setuid", "chdir", "dup2", "exec" };
 
 static __attribute__((noreturn)) void child_fail(int fd, int stage)
 {
@@ -478,6 +599,35 @@ static void exec_path(char *const argv[], char *const envp[])
 	errno = eacces ? EACCES : ENOENT;
 }
 
+/*
+ * A Landlock domain of its own for a spawned process, shared by its descendants only. Every
+ * process of a sandbox runs as the same user, so without one any of them could ptrace any
+ * other, open its /proc/PID/fd/N (a session shell's pipes, a grader's command's) or write its
+ * memory: a process the agent left running could rewrite what a later grader's command
+ * reports. A process in a domain may trace only processes in the same domain or one nested
+ * in it (that check also guards /proc's fd, mem and environ, and process_vm_*). The domain
+ * restricts nothing else: it handles only LANDLOCK_ACCESS_FS_REFER (cross-directory renames
+ * and links, which any domain denies unless granted) and grants that beneath the root. The
+ * same as a container's dsec-enter --own-domain; ABI >= 2 (Linux 5.19) has REFER.
+ */
+static int own_domain(void)
+{
+	struct landlock_ruleset_attr attr = { .handled_access_fs = LANDLOCK_ACCESS_FS_REFER };
+	struct landlock_path_beneath_attr beneath = { .allowed_access = LANDLOCK_ACCESS_FS_REFER };
+	int ruleset = (int)syscall(__NR_landlock_create_ruleset, &attr, sizeof attr, 0);
+
+	if (ruleset < 0)
+		return -1;
+	beneath.parent_fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (beneath.parent_fd < 0 ||
+	    syscall(__NR_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &beneath, 0) < 0 ||
+	    syscall(__NR_landlock_restrict_self, ruleset, 0) < 0)
+		return -1; /* (the child's fds are closed before it execs) */
+	close(beneath.parent_fd);
+	close(ruleset);
+	return 0;
+}
+
 /* The forked child: never returns. On failure it reports errno through fd st (CLOEXEC, so a
  * successful exec closes it and the parent reads EOF). */
 static __attribute__((noreturn)) void child(int in, int out, int err, int st, const char *cwd,
@@ -497,6 +647,8 @@ static __attribute__((noreturn)) void child(int in, int out, int err, int st, co
 
 	if (chroot(root_path) < 0 || chdir("/") < 0)
 		child_fail(st, ST_CHROOT);
+	if (landlock_abi >= 2 && own_domain() < 0) /* while root: no no_new_privs needed */
+		child_fail(st, ST_DOMAIN);
 	if (setgroups(0, NULL) < 0)
 		child_fail(st, ST_SETGROUPS);
 	if (setgid(gid) < 0)
@@ -1192,6 +1344,7 @@ malformed:
 
 static void handle_frame(int type, uint32_t chan, const unsigned char *p, size_t n)
 {
+	unsigned char pong[256];
 	struct wr **pp;
 
 	switch (type) {
@@ -1199,6 +1352,7 @@ static void handle_frame(int type, uint32_t chan, const unsigned char *p, size_t
 	case T_STDIN: do_stdin(chan, p, n); break;
 	case T_KILL: do_kill(chan, p, n); break;
 	case T_FOP: do_fop(chan, p, n); break;
+	case T_WATCH: do_watch(chan, p, n); break;
 	case T_DATA: do_data(chan, p, n); break;
 	case T_COMMIT:
 	case T_ABORT:
@@ -1213,7 +1367,16 @@ static void handle_frame(int type, uint32_t chan, const unsigned char *p, size_t
 		if (n >= 7 && memcmp(p, "forget:", 7) == 0)
 			for (struct proc *q = procs; q; q = q->next)
 				close_stdin(q);
-		send_frame(R_PONG, chan, p, n);
+		/* The payload echoed, then NUL and the version: a host that reconnects learns it
+		 * too (a longer payload is only echoed). */
+		if (n <= sizeof pong - 1 - sizeof VERSION) {
+			memcpy(pong, p, n);
+			pong[n] = 0;
+			memcpy(pong + n + 1, VERSION, sizeof VERSION);
+			send_frame(R_PONG, chan, pong, n + 1 + sizeof VERSION);
+		} else {
+			send_frame(R_PONG, chan, p, n);
+		}
 		oom_report(1); /* a (re)connected host starts from the current count */
 		break;
 	default: send_error(chan, EPROTO, "unknown frame type 0x%02x", type);
@@ -1291,6 +1454,10 @@ int main(int argc, char **argv)
 	if ((root_fd = open(root_path, O_PATH | O_DIRECTORY | O_CLOEXEC)) < 0)
 		fatal(root_path);
 	vmstat_fd = open("/proc/vmstat", O_RDONLY | O_CLOEXEC);
+	landlock_abi = (int)syscall(__NR_landlock_create_ruleset, NULL, 0,
+				    LANDLOCK_CREATE_RULESET_VERSION);
+	if (landlock_abi < 0)
+		landlock_abi = 0;
 	if (strncmp(argv[1], "unix:", 5) == 0) {
 		/* The vsock mode's connection handling on a unix socket: how the tests run it on
 		 * a host without vhost-vsock (in a PID namespace of its own, so fatal()'s power
