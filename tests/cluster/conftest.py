@@ -40,18 +40,24 @@ def _workdirs(data_dir: Path) -> list[str]:
     return [str(w) for w in found]
 
 
+def _mounts_at(path: str | Path) -> int:
+    """How many mounts are stacked at ``path`` (mount point: /proc/self/mountinfo's field 5)."""
+    with open("/proc/self/mountinfo") as f:
+        return sum(1 for line in f if line.split()[4] == str(path))
+
+
 @pytest.fixture
 def no_host_leaks(tmp_path: Path) -> Iterator[None]:
     """Nothing of the cluster may be left on the host: what is provably ours first (named),
     then tests/leaks.py's host-wide snapshot, as the other real-runtime tests check it."""
-    netns_dir_was_mounted = os.path.ismount(netns.NETNS_DIR)
+    # (os.path.ismount cannot tell: `ip netns` bind-mounts the directory onto itself.)
+    netns_dir_mounts = _mounts_at(netns.NETNS_DIR)
     before = leaks.snapshot(tmp_path)
     mounts, procs = hostscan.mount_table(), hostscan.sandbox_processes()
     yield
     after = leaks.snapshot(tmp_path)
-    if not netns_dir_was_mounted and os.path.ismount(netns.NETNS_DIR):
-        # `ip netns add` makes /run/netns a mount point of its own once per boot, for good.
-        after["mounts"] = int(str(after["mounts"])) - 1
+    # `ip netns add` makes /run/netns a mount point of its own once per boot, for good.
+    after["mounts"] = int(str(after["mounts"])) - (_mounts_at(netns.NETNS_DIR) - netns_dir_mounts)
     edge_dirs = sorted((tmp_path / "edges").glob("*"))
     ours = {
         "mounts under the test's directory": [m.mount_point for m in mounts_under(tmp_path)],

@@ -96,17 +96,16 @@ async def test_a_full_vm_boots_its_disk_runs_the_sdk_and_shows_what_it_draws(
         assert set(rows[50]) == {0xFF} and rows[150].count(0xFF) < len(rows[150]) // 10
 
         # A key pressed on the host arrives on the guest's keyboard as input events.
-        wait_key = (
-            "dd if=/dev/input/event0 bs=24 count=2 of=/root/keys 2>/dev/null & echo $! > /root/pid; wait"
-        )
+        # The device is opened before the file is made: once it is there, dd holds it open.
+        # (Its /proc/PID/fd is not this test's to look at: each session has a Landlock domain.)
+        wait_key = "{ : >/root/opened; dd bs=24 count=2 of=/root/keys 2>/dev/null; } </dev/input/event0"
         reader = asyncio.ensure_future(vm.run_shell(wait_key, session="keys", timeout=60))
 
         async def reading() -> bool:
             if reader.done():  # it should be waiting for the key: surface why it is not
                 raise AssertionError(f"the key reader ended early: {reader.result()}")
-            # Once dd holds the device open (a key pressed before that is nobody's).
-            opened = "ls -l /proc/$(cat /root/pid)/fd 2>/dev/null | grep -q event0 && echo yes"
-            return (await vm.run_shell(opened)).stdout == "yes\n"
+            # Once the device is open (a key pressed before that is nobody's).
+            return (await vm.run_shell("test -e /root/opened && echo yes")).stdout == "yes\n"
 
         await eventually(reading, "the guest to wait for a key", 30)
         assert await vm.press("a") > 0
@@ -117,16 +116,14 @@ async def test_a_full_vm_boots_its_disk_runs_the_sdk_and_shows_what_it_draws(
         find = "grep -A4 'Virtio Tablet' /proc/bus/input/devices | grep -o 'event[0-9]*'"
         tablet = (await vm.run_shell(find)).stdout.strip()
         assert tablet.startswith("event"), tablet
-        wait_point = (
-            f"dd if=/dev/input/{tablet} bs=24 count=3 of=/root/point 2>/dev/null & echo $! >/root/pid2; wait"
-        )
+        wait_point = "{ : >/root/opened2; dd bs=24 count=3 of=/root/point 2>/dev/null; } "
+        wait_point += f"</dev/input/{tablet}"
         pointer = asyncio.ensure_future(vm.run_shell(wait_point, session="point", timeout=60))
 
         async def pointing() -> bool:
             if pointer.done():
                 raise AssertionError(f"the pointer reader ended early: {pointer.result()}")
-            opened = f"ls -l /proc/$(cat /root/pid2)/fd 2>/dev/null | grep -q {tablet} && echo yes"
-            return (await vm.run_shell(opened)).stdout == "yes\n"
+            return (await vm.run_shell("test -e /root/opened2 && echo yes")).stdout == "yes\n"
 
         await eventually(pointing, "the guest to wait for the pointer", 30)
         await vm.point(512, 384)
