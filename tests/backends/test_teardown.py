@@ -67,8 +67,13 @@ async def test_a_destroyed_sandbox_leaves_no_dying_memory_cgroup(
     await backend.detach()  # the spares some left (spares.py) are removed, to die too
     # What it was charged for is no longer cached: nothing keeps its memory cgroup.
     assert [resident_bytes(layer / name.lstrip("/")) for name in files] == [0] * COUNT
-    # And the kernel freed them (in the background: moments), as many as there were, or more.
-    await eventually(lambda: memory_cgroups() <= before + 1, "the sandboxes' memory cgroups to be freed")
+    # And the kernel freed them (in the background: moments, but once, in a full CI run on
+    # this shared machine, more than 10 s), as many as there were, or more.
+    await eventually(
+        lambda: memory_cgroups() <= before + 1,
+        f"the sandboxes' memory cgroups to be freed (the kernel held {before} before)",
+        60,
+    )
 
 
 async def test_a_sandbox_whose_init_is_gone_is_still_destroyed(
