@@ -365,6 +365,7 @@ class VmProcess:
             self.stderr.feed_data(payload)
         elif kind == WATCHED:
             if self._watched is not None and not self._watched.done():
+                # CALIBRATE and CHECK answer one byte, MARK two: padded, every answer has two.
                 self._watched.set_result(payload + b"\0")
         elif kind == EXIT:
             (status,) = struct.unpack_from("<i", payload)

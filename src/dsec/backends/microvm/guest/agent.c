@@ -363,11 +363,10 @@ static unsigned char pipe_buf[CHUNK]; /* not tx: an OOM frame may go out first *
 /* Forwards one read of a stdout/stderr pipe; EOF (or an error) closes it. */
 static void pump(struct proc *p, int *fd, int type)
 {
-	unsigned char *buf = pipe_buf;
-	ssize_t n = read(*fd, buf, CHUNK);
+	ssize_t n = read(*fd, pipe_buf, CHUNK);
 	if (n > 0) {
 		oom_report(0);
-		send_frame(type, p->chan, buf, (size_t)n);
+		send_frame(type, p->chan, pipe_buf, (size_t)n);
 		return;
 	}
 	if (n < 0 && (errno == EAGAIN || errno == EINTR))
