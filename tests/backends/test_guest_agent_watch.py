@@ -187,3 +187,25 @@ def test_the_node_reports_whether_its_guest_kernel_keeps_processes_apart(tmp_pat
     for root in sorted((DATA_DIR / "node" / "guest-kit" / "kernel").glob("linux-image-*")):
         version = next((root / "lib" / "modules").iterdir()).name
         assert kit.has_landlock(root, version), root  # Debian 12's kernels, both flavours
+
+
+CAPS = 'grep -E "^Cap(Eff|Bnd)" /proc/self/status'
+# linux/capability.h: the capabilities that let guest root change the guest kernel (and its agent).
+KERNEL_CAPS = {"CAP_SYS_RAWIO": 17, "CAP_SYS_ADMIN": 21, "CAP_SYS_BOOT": 22, "CAP_SYS_MODULE": 16}
+KERNEL_CAPS |= {"CAP_PERFMON": 38, "CAP_BPF": 39}
+KEPT_CAPS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_KILL": 5, "CAP_SETUID": 7}
+KEPT_CAPS |= {"CAP_NET_ADMIN": 12, "CAP_SYS_CHROOT": 18, "CAP_SYS_PTRACE": 19, "CAP_SYS_NICE": 23}
+
+
+async def test_a_spawned_process_has_no_capability_that_changes_the_kernel(channel: AgentChannel) -> None:
+    """Root in the guest keeps what a root user expects, and nothing that loads kernel code,
+    reads raw memory or I/O ports, or runs BPF and perf programs: not even through a
+    setuid-root program (the bounding set)."""
+    proc = await channel.spawn(["sh", "-c", CAPS], env=ENV, cwd="/", uid=0, gid=0)
+    assert proc.stdout is not None
+    out = (await proc.stdout.read()).decode()
+    assert await proc.wait() == 0, out
+    sets = {line.split(":")[0]: int(line.split()[1], 16) for line in out.splitlines()}
+    for name, mask in sets.items():
+        assert [cap for cap, bit in KERNEL_CAPS.items() if mask >> bit & 1] == [], (name, out)
+        assert [cap for cap, bit in KEPT_CAPS.items() if not mask >> bit & 1] == [], (name, out)

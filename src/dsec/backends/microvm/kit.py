@@ -47,6 +47,11 @@ MODULES = (
     # pulls in vsock and the common virtio part through modules.dep.
     "vsock", "vmw_vsock_virtio_transport",
 )  # fmt: skip
+# The kernel's command line (qemu.py adds what varies per VM). Part of the kit's key, as init
+# is: a template saved by a guest booted with another line would be restored as it was.
+# nohibernate: /dev/snapshot (opened by root without any capability) would otherwise read the
+# guest's memory and restore an image of the guest's choosing over its kernel and agent.
+CMDLINE = "console=ttyS0 quiet panic=-1 loglevel=3 random.trust_cpu=on nohibernate"
 _APPLETS = (
     "sh", "mount", "umount", "mkdir", "modprobe", "insmod", "cat", "ls", "sleep", "poweroff", "echo",
     "ip", "rm",
@@ -213,6 +218,7 @@ def _inputs_hash(version: str) -> str:
         h.update((GUEST_DIR / name).read_bytes())
     h.update(BUSYBOX.read_bytes())
     h.update(repr(MODULES).encode())
+    h.update(CMDLINE.encode())
     return h.hexdigest()[:16]
 
 

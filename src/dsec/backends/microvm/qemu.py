@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dsec.backends.microvm.kit import CMDLINE
 from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure
 
@@ -32,7 +33,6 @@ QEMU = "qemu-system-x86_64"
 Accel = Literal["kvm", "tcg"]
 # TCG only: pin the TSC frequency so the guest skips calibration (which hung some TCG boots).
 _TCG_CMDLINE = "tsc_early_khz=2000000 tsc=reliable"
-_CMDLINE = "console=ttyS0 quiet panic=-1 loglevel=3 random.trust_cpu=on"
 
 
 @dataclass
@@ -70,7 +70,7 @@ class MicroVMConfig:
 
 def microvm_argv(c: MicroVMConfig) -> list[str]:
     full = c.machine == "q35"
-    cmdline = _CMDLINE + ("" if c.accel == "kvm" else " " + _TCG_CMDLINE)
+    cmdline = CMDLINE + ("" if c.accel == "kvm" else " " + _TCG_CMDLINE)
     # vga=791: 1024x768 at 16 bits through the VESA BIOS, the framebuffer the kernel keeps.
     cmdline += " vga=791" if full else ""
     cmdline += f" dsec.net={c.guest_net}" if c.guest_net else ""

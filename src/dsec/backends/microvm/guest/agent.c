@@ -19,6 +19,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <linux/capability.h>
 #include <linux/landlock.h>
 #include <linux/openat2.h>
 #include <linux/vm_sockets.h>
@@ -30,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <sys/reboot.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -41,7 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define VERSION "dsec-agent 2"
+#define VERSION "dsec-agent 3"
 #define MAX_PAYLOAD (1u << 20) /* largest payload of a frame, either direction */
 #define HDR 9                  /* u32 len, u8 type, u32 chan */
 #define CHUNK 65536            /* pipe and file reads are forwarded in pieces of this size */
@@ -538,9 +540,11 @@ static void do_watch(uint32_t chan, const unsigned char *p, size_t n)
 struct child_err {
 	int err, stage;
 };
-enum { ST_CHROOT, ST_DOMAIN, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DUP, ST_EXEC };
-static const char *const stage_name[] = { "chroot", "enter a Landlock domain", "setgroups",
-					  "setgid", "setuid", "chdir", "dup2", "exec" };
+enum { ST_CHROOT, ST_DOMAIN, ST_CAPS, ST_SETGROUPS, ST_SETGID, ST_SETUID, ST_CHDIR, ST_DUP,
+       ST_EXEC };
+static const char *const stage_name[] = { "chroot", "enter a Landlock domain",
+					  "drop capabilities", "setgroups", "setgid", "setuid",
+					  "chdir", "dup2", "exec" };
 
 static __attribute__((noreturn)) void child_fail(int fd, int stage)
 {
@@ -627,6 +631,29 @@ static int own_domain(void)
 	return 0;
 }
 
+/*
+ * The capabilities no process the agent starts keeps (dropped from its bounding set, so not
+ * even a setuid-root program gets them back): each lets guest root change the guest kernel,
+ * and through it the agent that reports every result to the host. Loading code (modules;
+ * kexec, which also needs the sysctl init turns off), raw memory and I/O ports (/dev/mem over
+ * the virtio devices' MMIO, iopl), and BPF/perf programs (a kprobe running
+ * bpf_probe_write_user in the agent's context); CAP_SYS_ADMIN grants the last too, with swapon,
+ * /dev/snapshot and more. Mount, which it also grants, the Landlock domain denies already.
+ * Everything else a root user expects (chown, ptrace of its own processes, network
+ * configuration, nice, chroot) stays. The guest's /init makes the kernel's own knobs
+ * read-only (docs/decisions.md: "A microVM's guest root cannot reach its agent").
+ */
+static const int dropped_caps[] = { CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_ADMIN, CAP_SYS_BOOT,
+				    CAP_PERFMON, CAP_BPF };
+
+static int drop_caps(void)
+{
+	for (size_t i = 0; i < sizeof dropped_caps / sizeof *dropped_caps; i++)
+		if (prctl(PR_CAPBSET_DROP, dropped_caps[i], 0, 0, 0) < 0 && errno != EINVAL)
+			return -1; /* (EINVAL: a kernel that does not know this capability) */
+	return 0;
+}
+
 /* The forked child: never returns. On failure it reports errno through fd st (CLOEXEC, so a
  * successful exec closes it and the parent reads EOF). */
 static __attribute__((noreturn)) void child(int in, int out, int err, int st, const char *cwd,
@@ -648,6 +675,9 @@ static __attribute__((noreturn)) void child(int in, int out, int err, int st, co
 		child_fail(st, ST_CHROOT);
 	if (landlock_abi >= 2 && own_domain() < 0) /* while root: no no_new_privs needed */
 		child_fail(st, ST_DOMAIN);
+	/* Root's permitted and effective sets after exec are its bounding set: dropped there. */
+	if (drop_caps() < 0)
+		child_fail(st, ST_CAPS);
 	if (setgroups(0, NULL) < 0)
 		child_fail(st, ST_SETGROUPS);
 	if (setgid(gid) < 0)
@@ -1440,6 +1470,10 @@ int main(int argc, char **argv)
 	while (fcntl(2, F_GETFD) < 0 && open("/dev/null", O_RDWR) >= 0)
 		;
 	umask(0); /* FOP modes are applied exactly; children get 022 back */
+	/* Not dumpable: tracing us, or opening our /proc/1/{mem,fd,environ}, takes CAP_SYS_PTRACE,
+	 * which a kernel helper that runs as root outside the sandbox's Landlock domains (init
+	 * leaves them no capabilities) does not have. Children are dumpable again after exec. */
+	prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 	/* Each process takes 3 fds: the kernel's default 1024 for init would cap us near 300. */
 	getrlimit(RLIMIT_NOFILE, &nofile);
 	setrlimit(RLIMIT_NOFILE, &(struct rlimit){ 65536, 65536 });
