@@ -3,7 +3,7 @@
 #   ./setup.sh up     install everything (Debian packages, the Python package, the base layer)
 #                     and run the embedded single-node DSec in the foreground
 #   ./setup.sh test   install what the tests need, then run ruff, mypy and the whole test suite
-#   ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass [options]   install what the benchmark needs, run it
+#   ./setup.sh bench NAME [options]   install what the benchmark needs, run bench/NAME.py (usage below)
 # Both are idempotent: a second run installs nothing and starts at once.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -109,7 +109,7 @@ case "$cmd" in
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|exec|density|e2b|gvisor" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|exec|density|e2b|gvisor|ksm|seccomp|socket_tables|create_phases" >&2
     exit 2
     ;;
 esac

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.density.ksm import KSM
 from dsec.density.swap import SwapConfig, active_swaps
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
@@ -42,6 +43,17 @@ def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
         vm=True,
         microvm_accel="tcg",
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ksmd_as_found() -> Iterator[None]:
+    """Every edge starts the kernel's ksmd if it is stopped, and stops it when it closes with no
+    sandbox left; whatever a failed or killed test left, the run ends with ksmd as it began."""
+    run = KSM / "run"
+    before = run.read_text().strip() if run.exists() else None
+    yield
+    if before is not None and run.read_text().strip() != before:
+        run.write_text(before)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import pytest
 
 from dsec import DSecClient
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.backends.container import cgroups
 from dsec.backends.fncall.pool import POOL_LABEL, PoolConfig
 from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.store import LayerStore
@@ -226,3 +227,32 @@ async def test_sandboxfusion_clients_only_change_their_url(fn_node: EmbeddedNode
             {"code": "print(1)", "language": "python"}, url=f"{fn_node.url}/sandboxfusion/nope"
         )
         assert status == 401
+
+
+def runner_pids(sandbox_id: str) -> list[int]:
+    """The pool runner of a sandbox and its zygote (a fork of it: the same command line)."""
+    procs = (cgroups.sandbox_dir("memory", sandbox_id) / "cgroup.procs").read_text().split()
+    return [int(p) for p in procs if b"runner.py" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def ksm_merging_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/ksm_stat").read_text().splitlines():
+        if line.startswith("ksm_merging_pages"):
+            return int(line.split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+async def test_the_runners_of_a_pool_are_merged_by_ksm(fn_node: EmbeddedNode) -> None:
+    # The edge started ksmd (or found it running), so every runner came up --mergeable, laid out
+    # as the others of its pool: their identical pages are kept once.
+    assert fn_node.edge.stats()["ksm"]["running"]
+    workers = list(fn_node.edge.pools["default"]._workers)
+    pids = [pid for sid in workers for pid in runner_pids(sid)]
+    assert len(pids) == 2 * POOL_SIZE, pids
+
+    def merged() -> list[int] | None:
+        each = [ksm_merging_bytes(pid) for pid in pids]
+        return each if min(each) >= 4 << 20 else None
+
+    await eventually(merged, "KSM to merge the pool's runners", timeout=180)
+    assert fn_node.edge.stats()["ksm"]["saved_bytes"] >= 4 << 20

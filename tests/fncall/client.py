@@ -58,11 +58,15 @@ class Runner:
         *,
         non_root_uid: int | None = None,
         runner_path: Path = RUNNER_PATH,
+        mergeable: int | None = None,
     ) -> None:
-        """As root with a fresh call uid; or, with ``non_root_uid``, the whole runner as that uid."""
+        """As root with a fresh call uid; or, with ``non_root_uid``, the whole runner as that uid.
+        ``mergeable``: the pool's hash seed, as an edge running ksmd passes it."""
         self.workdir = workdir
         self.uid = fresh_uid() if non_root_uid is None else non_root_uid
         argv = [SYSTEM_PYTHON, str(runner_path), "--workdir", str(workdir), "--preload", preload]
+        if mergeable is not None:
+            argv += ["--mergeable", str(mergeable)]
         if non_root_uid is None:
             argv += ["--uid", str(self.uid), "--gid", str(self.uid)]
         else:

@@ -21,6 +21,15 @@ SwapOption = Annotated[
 ]
 
 
+KsmOption = Annotated[
+    bool,
+    typer.Option(
+        help="start the kernel's ksmd if it is stopped, so identical pages of what sandboxes mark"
+        " mergeable (VM RAM, FnCall runners) are kept once; stopped again when the node closes empty"
+    ),
+]
+
+
 MicroVMOption = Annotated[
     bool, typer.Option(help="also run microVM sandboxes (QEMU; builds the guest kit on first start)")
 ]

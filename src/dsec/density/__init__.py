@@ -1,1 +1,2 @@
-"""Density: swap the edge manages, and pushing paused sandboxes' memory out of RAM and back."""
+"""Density: swap the edge manages, pushing paused sandboxes' memory out of RAM and back, KSM,
+and CPU classes."""

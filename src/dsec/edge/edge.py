@@ -19,6 +19,7 @@ from typing import Any
 
 from dsec.backends.base import Backend, CollectsUnused, CreateContext, Forkable, User
 from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
+from dsec.density.ksm import Ksm
 from dsec.density.swap import Swap, SwapConfig, free_swap_bytes
 from dsec.edge import hardware
 from dsec.edge.admission import Admission
@@ -79,6 +80,7 @@ class EdgeConfig:
     node_labels: dict[str, str] = field(default_factory=dict)  # what Hardware.node_labels matches
     fncall_pools: list[PoolConfig] = field(default_factory=list)
     swap: SwapConfig = field(default_factory=SwapConfig)  # where paused sandboxes' memory goes
+    ksm: bool = True  # run ksmd for what sandboxes mark mergeable (VM RAM, FnCall runners)
     egress: EgressConfig = field(default_factory=EgressConfig)  # what network permissions open
     # Admission (edge/admission.py): caps on the limits of running sandboxes, in node units.
     memory_overcommit: float | None = None
@@ -112,6 +114,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self.hardware = hardware.detect(config.node_labels)
         self.pools = {c.name: FnPool(self, c) for c in config.fncall_pools}
         self.swap = Swap(config.swap, config.data_dir)
+        self.ksm = Ksm(config.ksm, self.journal)
         self.recorder = Recorder(TrajectoryLog(config.data_dir / "edge" / "trajectory.sqlite"))
         self.leases = {(lease.project, lease.job): lease for lease in self.journal.leases()}
         self.egress = EgressPolicy(config.egress, config.node, self.journal, config.data_dir / "edge")
@@ -143,6 +146,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         for each in self.backends.values():
             await each.prepare_node()
         await asyncio.to_thread(self.swap.ensure)
+        self.ksm.ensure()  # before the pools start: their runners mark memory only for a ksmd
         await self._reconcile()
         await self.egress.start({sid: live.record.spec.network_rules for sid, live in self._live.items()})
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -169,6 +173,8 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         if not any(live.record.state is SandboxState.paused for live in self._live.values()):
             # Swapping off pulls pages back into RAM: never while something is paused.
             await asyncio.to_thread(self.swap.release)
+        if not self._live:
+            self.ksm.release()  # VMs live on across an edge restart, and merge on meanwhile
         await self.egress.close()
         self.journal.close()
         self.recorder.log.close()
@@ -260,6 +266,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             "fncall": {name: pool.stats() for name, pool in self.pools.items()},
             "pause": dataclasses.asdict(self.pause_totals),
             "swap_free_bytes": free_swap_bytes(),
+            "ksm": self.ksm.stats(),
             "capabilities": {name: b.capabilities() for name, b in self.backends.items()},
         }
 

@@ -188,4 +188,6 @@ class FnRunnerReady(_Model):
     preloaded: list[str] = Field(default_factory=list)
     private_net: bool = Field(default=False, description="each call gets its own network namespace")
     call_uid: int | None = None
+    mergeable_bytes: int = Field(default=0, description="memory marked for KSM (runner --mergeable)")
+    fixed_layout: bool = Field(default=False, description="laid out as the pool's other runners")
     error: str | None = None

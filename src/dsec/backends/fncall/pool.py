@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -143,6 +144,9 @@ class FnPool:
         self.closed = False
         self.recycled = 0
         self.error = ""
+        # One per pool: its runners then build the same heap page for page, which KSM keeps once
+        # (runner.py --mergeable). Every call of a sandbox shares its zygote's seed anyway.
+        self._hash_seed = secrets.randbelow(1 << 32)
 
     # -- filling ------------------------------------------------------------------------------
 
@@ -183,6 +187,8 @@ class FnPool:
             argv = ["python3", RUNNER_IN_SANDBOX, "--workdir", "/tmp/fncall"]
             if self.config.preload:
                 argv += ["--preload", ",".join(self.config.preload)]
+            if self.edge.ksm.running:
+                argv += ["--mergeable", str(self._hash_seed)]
             proc = await self.edge.spawn_service(info.id, argv)
             worker = Worker(info.id, proc)
             await worker.ready()

@@ -1,0 +1,108 @@
+"""A runner started ``--mergeable`` (as an edge running ksmd starts them): it lays its memory out
+as every other runner of its pool does and marks it for KSM, while the programs its calls
+exec get address randomization back. On the host, as the other runner tests."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.backends.fncall import RUNNER_PATH
+from tests.fncall.client import SYSTEM_PYTHON, Runner, kill_leftovers
+
+# What a call sees of its own layout: its personality (0x40000 is ADDR_NO_RANDOMIZE: what it
+# execs would not be randomized), where a preloaded module's object lives, and a string's hash.
+LAYOUT = (
+    "import ctypes, json\n"
+    "print(hex(ctypes.CDLL(None).personality(0xFFFFFFFF)), hex(id(json)), hash('dsec'))\n"
+)
+PERSONALITY_C = (
+    "#include <stdio.h>\n#include <sys/personality.h>\n"
+    'int main(void){ printf("%#x\\n", personality(0xffffffff)); return 0; }\n'
+)
+
+
+@pytest.fixture
+def runners(tmp_path: Path) -> Iterator[list[Runner]]:
+    made: list[Runner] = []
+    try:
+        yield made
+    finally:
+        for r in made:
+            rc = r.close()
+            assert kill_leftovers(r.uid) == []
+            assert rc == 0
+
+
+def start(runners: list[Runner], tmp_path: Path, **kw: object) -> Runner:
+    r = Runner(tmp_path / f"w{len(runners)}", **kw)  # type: ignore[arg-type]
+    runners.append(r)
+    return r
+
+
+def vm_flags(pid: int, mapping: str) -> set[str]:
+    """The VmFlags of ``pid``'s mapping named ``mapping`` (``[heap]``)."""
+    found = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if not line[:1].isupper():  # a mapping's first line: its range, then its name
+            found = line.split()[-1] == mapping
+        elif found and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"{pid} has no {mapping} mapping")
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_mergeable_runner_marks_what_its_preloads_built(runners: list[Runner], tmp_path: Path) -> None:
+    r = start(runners, tmp_path, mergeable=7)
+    assert r.ready.fixed_layout and r.ready.mergeable_bytes > 1 << 20, r.ready
+    zygotes = children(r.proc.pid)
+    assert len(zygotes) == 1
+    assert "mg" in vm_flags(r.proc.pid, "[heap]")  # madvise(MADV_MERGEABLE): ksmd scans it
+    assert "mg" in vm_flags(zygotes[0], "[heap]")  # forked after the mark: calls come from it
+
+
+def test_runners_of_one_pool_lay_out_their_memory_alike(runners: list[Runner], tmp_path: Path) -> None:
+    a, b = (start(runners, tmp_path, mergeable=7) for _ in range(2))
+    other = start(runners, tmp_path, mergeable=8)
+    plain = start(runners, tmp_path)
+    seen = [r.call(language="python", code=LAYOUT).stdout.split() for r in (a, b, other, plain)]
+    assert seen[0] == seen[1], seen  # same addresses, same hashes: the same pages
+    assert seen[2][2] != seen[0][2]  # another pool's seed
+    assert not plain.ready.fixed_layout and plain.ready.mergeable_bytes == 0
+    assert seen[3][1:] != seen[0][1:]  # randomized as ever
+    # The call's own process keeps the zygote's layout, but what it would exec is randomized.
+    assert [s[0] for s in seen] == ["0x0"] * 4
+
+
+def test_programs_a_call_execs_get_address_randomization_back(runners: list[Runner], tmp_path: Path) -> None:
+    r = start(runners, tmp_path, mergeable=7)
+    assert r.call(language="bash", code="cat /proc/self/personality").stdout == "00000000\n"
+    c = r.call(language="c", code=PERSONALITY_C)
+    assert (c.status, c.stdout) == ("ok", "0\n"), c
+    # A Python call runs in the warm process (the pool's layout); what it starts is randomized.
+    code = (
+        "import subprocess as s\nprint(s.run(['cat', '/proc/self/personality'], capture_output=True).stdout)"
+    )
+    assert r.call(language="python", code=code).stdout == "b'00000000\\n'\n"
+
+
+def test_an_operators_persona_is_left_as_it_is(tmp_path: Path) -> None:
+    # Under `setarch -R` the runner starts without randomization already: it does not re-exec,
+    # and what its calls exec keeps the operator's choice.
+    argv = ["setarch", "-R", SYSTEM_PYTHON, str(RUNNER_PATH), "--workdir", str(tmp_path / "w")]
+    argv += ["--uid", "3999777", "--gid", "3999777", "--mergeable", "7"]
+    task = b'{"language": "bash", "code": "cat /proc/self/personality"}\n'
+    done = subprocess.run(argv, input=task, capture_output=True, timeout=60, check=True)
+    ready, result = (line for line in done.stdout.decode().splitlines())
+    assert '"fixed_layout": false' in ready and '"mergeable_bytes": 0' not in ready
+    assert '"stdout": "00040000\\n"' in result
+    assert ctypes.CDLL(None).personality(0xFFFFFFFF) == 0  # this process was never touched
+    assert os.listdir(tmp_path / "w") == []
