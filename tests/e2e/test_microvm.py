@@ -41,6 +41,20 @@ def qemu_of(node: EmbeddedNode, sandbox_id: str) -> int:
     return int(record.handle["pid"])
 
 
+def guest_ram_flags(pid: int, size: int) -> set[str]:
+    """The VmFlags of ``pid``'s mapping of ``size`` bytes (a QEMU's guest RAM)."""
+    flags: set[str] | None = None
+    is_ram = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if not line[:1].isupper():  # a mapping's first line: its range
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            is_ram = end - start == size
+        elif is_ram and line.startswith("VmFlags:"):
+            flags = set(line.split()[1:])
+    assert flags is not None, f"QEMU {pid} maps no {size} bytes"
+    return flags
+
+
 def running(pid: int) -> bool:
     # A zombie waiting for init to reap it is gone: its memory and files are released.
     return _linux.proc_start_time(pid) is not None
@@ -55,6 +69,8 @@ async def test_a_microvm_runs_commands_and_files_through_the_same_sdk(
     assert running(pid)
     # The daemon's parent is the spawner (a child subreaper that reaps it), not the host's init.
     assert (_linux.stat_fields(pid) or ["", "gone"])[1] == str(spawner._spawner._proc.pid)  # type: ignore[union-attr]
+    # Its guest RAM is marked for the ksmd the node runs: identical pages of VMs are kept once.
+    assert node.edge.ksm.running and guest_ram_flags(pid, 384 << 20) >= {"mg"}
     workdir = node.config.data_dir / "sandboxes" / sb.id
     try:
         assert sb.info.backend == "microvm" and sb.info.state is SandboxState.running
