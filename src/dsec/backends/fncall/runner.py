@@ -10,7 +10,8 @@ once per sandbox, as root, through a pipe:
                       [--mergeable SEED]
 
 and speaks newline-delimited JSON (the shapes of ``dsec.protocol.fncall``). First line out:
-``{"ready": true, "preloaded": [...], "private_net": bool, "call_uid": int}``, or
+``{"ready": true, "preloaded": [...], "private_net": bool, "call_uid": int, "mergeable_bytes":
+int, "fixed_layout": bool}``, or
 ``{"ready": false, "error": "..."}`` and exit status 2. Then one FnTask per line in, one
 FnResult per line out, in order; EOF on stdin ends the runner.
 
