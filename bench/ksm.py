@@ -28,9 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from _node import scratch_node
+from _rl.host import memory_stat
 from _stats import pct
-from dsec import DSecClient
-from dsec.backends.container import cgroups
+from _vm.host import ksm_counter
+from dsec import DSecClient, _linux
 from dsec.backends.fncall.pool import PoolConfig
 from dsec.density.ksm import KSM
 from dsec.density.swap import SwapConfig
@@ -42,28 +43,13 @@ MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def ksm_value(name: str) -> int:
-    return int((KSM / name).read_text())
-
-
 def ksmd_cpu_s() -> float:
     """CPU seconds the ksmd kernel thread has used (utime + stime)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for comm in Path("/proc").glob("[0-9]*/comm"):
         with contextlib.suppress(OSError):
-            text = stat.read_text()
-            if text.split(" (", 1)[1].startswith("ksmd)"):
-                fields = text.rsplit(")", 1)[1].split()
+            if comm.read_text() == "ksmd\n" and (fields := _linux.stat_fields(comm.parent.name)):
                 return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return 0.0
-
-
-def charged_rss(sandbox_id: str) -> int:
-    """Anonymous memory the sandbox's memory cgroup is charged (cgroup v1 memory.stat ``rss``)."""
-    for line in (cgroups.sandbox_dir("memory", sandbox_id) / "memory.stat").read_text().splitlines():
-        key, value = line.split()
-        if key == "rss":
-            return int(value)
-    return 0
 
 
 @contextlib.contextmanager
@@ -78,11 +64,11 @@ def ksm_run_restored() -> Iterator[str]:
 async def settle(timeout: float) -> tuple[float, float]:
     """Wait until pages_sharing has not changed over two full scans; (seconds, ksmd CPU s)."""
     t0, cpu0 = time.monotonic(), ksmd_cpu_s()
-    last, since = ksm_value("pages_sharing"), ksm_value("full_scans")
+    last, since = ksm_counter("pages_sharing"), ksm_counter("full_scans")
     first = since
     while time.monotonic() - t0 < timeout:
         await asyncio.sleep(0.5)  # a benchmark's sampling interval, not a test's synchronisation
-        now, scans = ksm_value("pages_sharing"), ksm_value("full_scans")
+        now, scans = ksm_counter("pages_sharing"), ksm_counter("full_scans")
         if now != last:
             last, since = now, scans
         elif scans >= since + 2 and (now > 0 or scans >= first + 4):
@@ -94,12 +80,12 @@ async def measure(node_ksm: bool, a: argparse.Namespace) -> dict[str, object]:
     pool = PoolConfig(size=a.pool_size, image=TOOLCHAIN_REF, max_calls=100_000, preload=a.preload.split(","))
     edge = {"fncall_pools": [pool], "swap": SwapConfig("none"), "ksm": node_ksm}
     async with scratch_node("ksm", a.layers, lambda scratch: edge) as node:
-        out: dict[str, object] = {"ksm_running": node.edge.ksm.running}
+        out: dict[str, object] = {}
         if node_ksm:
             out["settle_s"], out["ksmd_cpu_s"] = await settle(a.settle_timeout)
         sandboxes = list(node.edge.pools["default"]._workers)
-        out["rss"] = [charged_rss(sid) for sid in sandboxes]
-        out["saved"] = ksm_value("pages_sharing") * PAGE if node_ksm else 0
+        out["rss"] = [memory_stat(sid)["rss"] for sid in sandboxes]  # a page KSM merged: charged once
+        out["saved"] = ksm_counter("pages_sharing") * PAGE if node_ksm else 0
         async with DSecClient(node.url, node.api_key) as client:
             lat = []
             for _ in range(a.calls):
@@ -125,7 +111,7 @@ async def main() -> None:
     a = ap.parse_args()
     if not (KSM / "run").exists():
         raise SystemExit("this kernel has no KSM (CONFIG_KSM)")
-    scan = f"pages_to_scan {ksm_value('pages_to_scan')}, sleep_millisecs {ksm_value('sleep_millisecs')}"
+    scan = f"pages_to_scan {ksm_counter('pages_to_scan')}, sleep_millisecs {ksm_counter('sleep_millisecs')}"
     print(f"cores {os.cpu_count()}  pool of {a.pool_size} on {TOOLCHAIN_REF}  preload {a.preload}")
     with ksm_run_restored() as before:
         print(f"ksmd found run={before}; kernel scan settings: {scan}")

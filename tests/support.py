@@ -191,3 +191,17 @@ def evict(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def mapping_flags(pid: int, pick: Callable[[str], bool]) -> set[str]:
+    """The VmFlags of the last of ``pid``'s mappings whose first smaps line (its range,
+    permissions... and name) ``pick`` accepts."""
+    flags: set[str] | None = None
+    picked = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if not line[:1].isupper():  # a mapping's first line; its fields start with capitals
+            picked = pick(line)
+        elif picked and line.startswith("VmFlags:"):
+            flags = set(line.split()[1:])
+    assert flags is not None, f"process {pid} has no such mapping"
+    return flags

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec import _linux
+from dsec.density.ksm import KSM
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
-KSM = Path("/sys/kernel/mm/ksm")
 _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+)\s+(\S+)\s+\S+\s+\S+\s+\S+\s*(.*)$")
 
 

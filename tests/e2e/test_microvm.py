@@ -8,6 +8,7 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from dsec.backends.microvm.templates import TemplateKey
 from dsec.executor import spawner
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, node_config
-from tests.support import RestartedNode, eventually
+from tests.support import RestartedNode, eventually, mapping_flags
 
 pytestmark = [
     pytest.mark.vm,
@@ -41,18 +42,14 @@ def qemu_of(node: EmbeddedNode, sandbox_id: str) -> int:
     return int(record.handle["pid"])
 
 
-def guest_ram_flags(pid: int, size: int) -> set[str]:
-    """The VmFlags of ``pid``'s mapping of ``size`` bytes (a QEMU's guest RAM)."""
-    flags: set[str] | None = None
-    is_ram = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        if not line[:1].isupper():  # a mapping's first line: its range
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            is_ram = end - start == size
-        elif is_ram and line.startswith("VmFlags:"):
-            flags = set(line.split()[1:])
-    assert flags is not None, f"QEMU {pid} maps no {size} bytes"
-    return flags
+def spans(size: int) -> Callable[[str], bool]:
+    """Picks the mapping of ``size`` bytes (a QEMU's guest RAM) from its smaps line."""
+
+    def pick(line: str) -> bool:
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        return end - start == size
+
+    return pick
 
 
 def running(pid: int) -> bool:
@@ -70,7 +67,7 @@ async def test_a_microvm_runs_commands_and_files_through_the_same_sdk(
     # The daemon's parent is the spawner (a child subreaper that reaps it), not the host's init.
     assert (_linux.stat_fields(pid) or ["", "gone"])[1] == str(spawner._spawner._proc.pid)  # type: ignore[union-attr]
     # Its guest RAM is marked for the ksmd the node runs: identical pages of VMs are kept once.
-    assert node.edge.ksm.running and guest_ram_flags(pid, 384 << 20) >= {"mg"}
+    assert node.edge.ksm.running and mapping_flags(pid, spans(384 << 20)) >= {"mg"}
     workdir = node.config.data_dir / "sandboxes" / sb.id
     try:
         assert sb.info.backend == "microvm" and sb.info.state is SandboxState.running

@@ -14,6 +14,7 @@ import pytest
 
 from dsec.backends.fncall import RUNNER_PATH
 from tests.fncall.client import SYSTEM_PYTHON, Runner, kill_leftovers
+from tests.support import mapping_flags
 
 # What a call sees of its own layout: its personality (0x40000 is ADDR_NO_RANDOMIZE: what it
 # execs would not be randomized), where a preloaded module's object lives, and a string's hash.
@@ -45,15 +46,8 @@ def start(runners: list[Runner], tmp_path: Path, **kw: object) -> Runner:
     return r
 
 
-def vm_flags(pid: int, mapping: str) -> set[str]:
-    """The VmFlags of ``pid``'s mapping named ``mapping`` (``[heap]``)."""
-    found = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        if not line[:1].isupper():  # a mapping's first line: its range, then its name
-            found = line.split()[-1] == mapping
-        elif found and line.startswith("VmFlags:"):
-            return set(line.split()[1:])
-    raise AssertionError(f"{pid} has no {mapping} mapping")
+def heap(line: str) -> bool:
+    return line.split()[-1] == "[heap]"
 
 
 def children(pid: int) -> list[int]:
@@ -65,8 +59,8 @@ def test_a_mergeable_runner_marks_what_its_preloads_built(runners: list[Runner],
     assert r.ready.fixed_layout and r.ready.mergeable_bytes > 1 << 20, r.ready
     zygotes = children(r.proc.pid)
     assert len(zygotes) == 1
-    assert "mg" in vm_flags(r.proc.pid, "[heap]")  # madvise(MADV_MERGEABLE): ksmd scans it
-    assert "mg" in vm_flags(zygotes[0], "[heap]")  # forked after the mark: calls come from it
+    assert "mg" in mapping_flags(r.proc.pid, heap)  # madvise(MADV_MERGEABLE): ksmd scans it
+    assert "mg" in mapping_flags(zygotes[0], heap)  # forked after the mark: calls come from it
 
 
 def test_runners_of_one_pool_lay_out_their_memory_alike(runners: list[Runner], tmp_path: Path) -> None:
