@@ -34,7 +34,7 @@ install_debian() {
 }
 
 install_services_quietly() {
-  # Packages that ship a system service (sshd, PostgreSQL): the project starts its own
+  # Packages that ship a system service (sshd, PostgreSQL, HAProxy): the project starts its own
   # throwaway instances, so installing must neither start nor enable a system-wide one.
   local missing=()
   for p in "$@"; do
@@ -51,7 +51,7 @@ install_services_quietly() {
   [ $had_guard = 1 ] || rm -f "$guard"
   [ $rc = 0 ] || { echo "setup.sh: installing ${missing[*]} failed" >&2; exit $rc; }
   if command -v systemctl >/dev/null; then
-    systemctl disable --now ssh postgresql >/dev/null 2>&1 || true
+    systemctl disable --now ssh postgresql haproxy >/dev/null 2>&1 || true
   fi
 }
 
@@ -85,11 +85,12 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   up)
-    need_root; install_debian; install_python base
+    # HAProxy: the edge's name check (TLS server name, HTTP Host) for permissions naming domains.
+    need_root; install_debian; install_services_quietly haproxy; install_python base
     exec .venv/bin/dsec up "$@"
     ;;
   test)
-    need_root; install_debian; install_services_quietly postgresql; install_python test; install_e2b_sdks
+    need_root; install_debian; install_services_quietly postgresql haproxy; install_python test; install_e2b_sdks
     .venv/bin/dsec base --data-dir "${DSEC_TEST_DATA_DIR:-/var/lib/dsec-test}"
     .venv/bin/ruff check src tests bench
     .venv/bin/ruff format --check src tests bench
@@ -105,11 +106,11 @@ case "$cmd" in
       install_python base
       exec .venv/bin/python bench/controlplane.py "$@"
     fi
-    need_root; install_debian; install_services_quietly openssh-server openssh-client sshfs; install_python test
+    need_root; install_debian; install_services_quietly openssh-server openssh-client sshfs haproxy; install_python test
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|exec|density|e2b|gvisor|ksm|seccomp|socket_tables|create_phases" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|egress_names|exec|density|e2b|gvisor|ksm|seccomp|socket_tables|create_phases" >&2
     exit 2
     ;;
 esac

@@ -16,7 +16,7 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, InvalidRequest
 from dsec.apiserver.embedded import EmbeddedNode
-from dsec.netpolicy import links
+from dsec.netpolicy import links, sniproxy
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes, node_config
 from tests.netpolicy import mirror
@@ -123,10 +123,12 @@ async def test_a_port_scan_from_inside_finds_only_what_was_allowed(
 ) -> None:
     sb = await make_sandbox(runtime=runtime, network_rules={"mirror": True})
     api_port = int(node.url.rsplit(":", 1)[1])
-    ports = sorted({*range(1, 1025), 3141, 5432, 8080, 8081, 8642, 8643, api_port})
+    proxy = [sniproxy.TLS_PORT, sniproxy.HTTP_PORT]  # reached only through the edge's redirect
+    ports = sorted({*range(1, 1025), 3141, 5432, 8080, 8081, 8642, 8643, api_port, *proxy})
     hosts = [mirror.ADDRESS, mirror.HOST_SIDE, GATEWAY, "127.0.0.1", "192.0.2.10"]
     out = await probe(sb, connect=[[h, p] for h in hosts for p in ports])
-    assert out["open"] == [[mirror.ADDRESS, mirror.PORT]]
+    # The grant, and the node's name server (DNS over TCP), nothing else.
+    assert out["open"] == [[mirror.ADDRESS, mirror.PORT], [GATEWAY, 53]]
 
 
 async def test_rules_change_live(the_mirror: None, make_sandbox: Sandboxes, runtime: str) -> None:

@@ -1,21 +1,41 @@
 """A package mirror in a network namespace of its own (what a permission opens in the tests):
-two HTTP servers on one address, one named by a permission, one not."""
+two HTTP servers on one address, one named by a permission, one not; and an upstream name
+server there (:mod:`tests.netpolicy.fake_dns`) for the permissions that name domains."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dsec.netpolicy.config import EgressConfig, Endpoint
+from dsec.netpolicy.config import EgressConfig, Endpoint, Rule
 
 ADDRESS = "10.231.0.2"
 HOST_SIDE = "10.231.0.1"
 PORT, OTHER_PORT = 8080, 8081
+HTTPS_PORT, HTTP_PORT = 443, 80  # the ports the edge checks by name (TLS server name, HTTP Host)
 NAME, OTHER_NAME = "mirror.test", "other.test"
 BODY = "served by the mirror\n"
+
+# The upstream zone: names below dns.test are what the "mirror-dns" permission allows.
+DNS_NAME, DNS_ALIAS, DNS_REBIND, DNS_OUTSIDE = (
+    "web.dns.test",
+    "alias.dns.test",
+    "rebind.dns.test",
+    "web.other-zone.test",
+)
+DNS_TTL = 5  # the shortest a forwarded answer lives (the forwarder's floor)
+ZONE = {
+    DNS_NAME: [("A", ADDRESS, DNS_TTL)],
+    DNS_ALIAS: [("CNAME", DNS_NAME, 300)],
+    DNS_REBIND: [("A", "127.0.0.1", 300)],
+    DNS_OUTSIDE: [("A", ADDRESS, 300)],
+    "tunnel.dns.test": [("TXT", "secret", 300)],
+}
 
 
 # Concurrent test runs (each with its own DSEC_TEST_DATA_DIR) need pools of their own.
@@ -32,7 +52,16 @@ def egress_config(pool: str = POOL) -> EgressConfig:
             "other": [Endpoint(address=ADDRESS, ports=[OTHER_PORT], names=[OTHER_NAME])],  # type: ignore[arg-type]
             "pypi": [Endpoint(address="192.0.2.10", ports=[3141], names=["pypi.test"])],  # type: ignore[arg-type]
             "npm": [Endpoint(address="192.0.2.11", ports=[4873], names=["npm.test"])],  # type: ignore[arg-type]
+            # By name, resolved by the mirror's name server; its answers point at a private
+            # address, which the rule names as one its domains may resolve to.
+            "mirror-dns": [
+                Rule(
+                    domains=["*.dns.test"], resolves_to=[f"{ADDRESS}/32"], ports=[PORT, HTTPS_PORT, HTTP_PORT]
+                )  # type: ignore[list-item]
+            ],
         },
+        upstream=[ADDRESS],  # type: ignore[list-item]
+        grace_s=0,  # an answer's addresses go with its TTL: the expiry test waits for that alone
     )
 
 
@@ -54,7 +83,7 @@ def mirror(root: Path) -> Iterator[None]:
         for cmd in ("link set lo up", f"addr add {ADDRESS}/24 dev eth0", "link set eth0 up"):
             _ip("-n", ns, *cmd.split())
         _ip("-n", ns, "route", "add", "default", "via", HOST_SIDE)
-        for port in (PORT, OTHER_PORT):
+        for port in (PORT, OTHER_PORT, HTTP_PORT):
             argv = ["ip", "netns", "exec", ns, "/usr/bin/python3", "-u", "-m", "http.server"]
             proc = subprocess.Popen(
                 [*argv, str(port), "--bind", ADDRESS, "--directory", str(root)],
@@ -65,6 +94,33 @@ def mirror(root: Path) -> Iterator[None]:
             assert proc.stdout is not None
             # http.server says "Serving HTTP on ..." once it listens.
             assert b"Serving HTTP" in proc.stdout.readline(), f"mirror server on {port} did not start"
+        repo = Path(__file__).resolve().parents[2]
+        cert, key = root / "cert.pem", root / "key.pem"
+        req = [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={DNS_NAME}",
+        ]
+        subprocess.run([*req, "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+        tls_argv = [sys.executable, "-m", "tests.netpolicy.tls_server", ADDRESS, str(HTTPS_PORT), str(root)]
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, *tls_argv, str(cert), str(key)], stdout=subprocess.PIPE, cwd=repo
+        )
+        servers.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n", "the mirror's HTTPS server did not start"
+        dns_argv = [sys.executable, "-m", "tests.netpolicy.fake_dns", ADDRESS, "53", json.dumps(ZONE)]
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *dns_argv], stdout=subprocess.PIPE, cwd=repo)
+        servers.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n", "the mirror's name server did not start"
         yield
     finally:
         for proc in servers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -69,11 +70,52 @@ def test_the_ruleset_and_grants_are_valid_nftables() -> None:
     """``nft -c`` checks a script against the kernel without applying it."""
     links = {"dsvaaaaaaaaaaaa": "10.250.0.2"}
     elems = [("dsvaaaaaaaaaaaa", "10.0.0.5", "tcp", 443), ("dsvaaaaaaaaaaaa", "10.0.0.53", "udp", 53)]
+    ranges = [("dsvaaaaaaaaaaaa", "10.9.0.0/16", "tcp", 443)]
     for script in (
         nft.ruleset("dsec_check", "10.250.0.1", "10.250.0.0/24", links, elems),
         nft.ruleset("dsec_check", "10.250.0.1", "10.250.0.0/24", {}, []),
+        nft.ruleset(
+            "dsec_check",
+            "10.250.0.1",
+            "10.250.0.0/24",
+            links,
+            elems + ranges,
+            list(links),
+            {443: 16443, 80: 16080},
+        ),
     ):
         subprocess.run(["nft", "-c", "-f", "-"], input=script.encode(), check=True, capture_output=True)
+
+
+def test_learned_addresses_and_grants_apply_to_a_real_table(tmp_path: Path) -> None:
+    """In a network namespace of the test's own: the table, a grant with a range and the
+    public set, an address learned for a while, re-learned with a new timeout, forgotten."""
+    ns = f"dsec-nftcheck-{os.getpid()}"
+    link = ("dsvx", "10.250.0.2")
+    learned = ("dsvx", "198.51.100.7", "tcp", 443)
+
+    def run(script: str) -> None:
+        subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script.encode(), check=True)
+
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        run(nft.ruleset("t", "10.250.0.1", "10.250.0.0/24", {}, [], [], {443: 16443}))
+        run(nft.grant("t", *link, (), {("dsvx", "10.9.0.0/16", "tcp", 443)}, (False, True)))
+        run(nft.learn("t", [(learned, 300)]))
+        run(nft.learn("t", [(learned, 600)], refresh=[learned]))
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "t"], capture_output=True, text=True
+        ).stdout
+        assert '"dsvx" . 198.51.100.7 . tcp . 443 timeout 10m' in out, out
+        assert '"dsvx" . 10.9.0.0/16 . tcp . 443' in out and 'elements = { "dsvx" }' in out
+        run(nft.unlearn("t", [learned]))
+        run(nft.forget("t", *link, {("dsvx", "10.9.0.0/16", "tcp", 443)}, public=True))
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "t"], capture_output=True, text=True
+        ).stdout
+        assert "198.51.100.7" not in out and "10.9.0.0" not in out and "dsvx" not in out
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=True)
 
 
 def test_a_grant_update_only_touches_what_changed() -> None:

@@ -51,6 +51,8 @@ def test_base_argument_supplies_or_overrides_from() -> None:
         ("FROM a:1\nCOPY onlyone\n", "COPY needs"),
         ("FROM a:1\nENV =x\n", "NAME=value"),
         ('FROM a:1\nRUN ["unterminated\n', "JSON form"),
+        ("FROM a:1\nRUN --network=host true\n", "none or default"),
+        ("FROM a:1\nRUN --mount=type=cache,target=/x true\n", "--mount is not supported"),
     ],
 )
 def test_bad_dockerfiles_are_rejected_with_their_line(text: str, message: str) -> None:
@@ -76,3 +78,12 @@ def test_scrub_removes_residue_only_inside_the_upper_dir(tmp_path: Path) -> None
     assert not (upper / "home" / "u" / ".cache").exists()
     with pytest.raises(InvalidRequest):
         scrub(upper, ["../outside/*"])
+
+
+def test_run_network_flags_choose_the_build_s_grants_or_none() -> None:
+    plan = parse("FROM a:1\nRUN apt-get update\nRUN --network=none make test\nRUN --network=default true\n")
+    assert [(s.args[0], s.network) for s in plan.steps] == [
+        ("apt-get update", "default"),
+        ("make test", "none"),
+        ("true", "default"),
+    ]

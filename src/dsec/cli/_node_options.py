@@ -47,8 +47,9 @@ AgentChannelOption = Annotated[
 EgressOption = Annotated[
     Path | None,
     typer.Option(
-        help="JSON or TOML file naming the network permissions sandboxes may ask for (permission"
-        " -> endpoints with address, ports, DNS names); without it sandboxes reach nothing"
+        help="JSON or TOML file of network permissions sandboxes may ask for (permission -> rules:"
+        " domains, addresses or CIDR ranges, ports), over DSec's catalogue (pypi, npm, debian, github,"
+        " huggingface, crates, go, internet); 'catalogue = false' in it drops the catalogue"
     ),
 ]
 
@@ -61,6 +62,19 @@ AdmissionOption = Annotated[
         " RATIO x the node), comma-separated; e.g. reserve=1024,memory=8"
     ),
 ]
+
+
+DefaultDiskOption = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        max=1 << 20,
+        help="disk_limit_mb (MiB) of container sandboxes that ask for none, so that no sandbox grows"
+        " the node's disk without bound; 0: none (needs btrfs and loop devices to be enforced, else"
+        " sandboxes write unbounded)",
+    ),
+]
+DEFAULT_DISK_LIMIT_MB = 10 * 1024  # a roomy workspace; past it writes fail inside with EDQUOT
 
 
 def _admission(text: str) -> dict[str, Any]:
@@ -88,6 +102,8 @@ def _swap(text: str) -> SwapConfig:
 
 def _egress(path: Path | None) -> EgressConfig:
     try:
-        return EgressConfig() if path is None else EgressConfig.load(path)
+        # A node starts from DSec's catalogue of permissions (the file may add, replace or
+        # say catalogue = false).
+        return EgressConfig.load(path, catalogue=True)
     except DSecError as exc:
         raise _fail(exc) from None

@@ -60,6 +60,12 @@ def layer_build(
     file: Annotated[Path | None, typer.Option("-f", "--file", help="default: CONTEXT/Dockerfile")] = None,
     exclude: Annotated[list[str] | None, typer.Option(help="more paths to scrub (glob per part)")] = None,
     verbose: Annotated[bool, typer.Option("-v", help="show the steps' output")] = False,
+    network: Annotated[
+        str,
+        typer.Option(
+            help="network permissions of the build, comma-separated (e.g. pypi,debian); none by default"
+        ),
+    ] = "",
 ) -> None:
     """Build a layer from a Dockerfile subset (FROM, RUN, COPY, ENV, WORKDIR)."""
     from dsec.sdk.build import BuildEvent
@@ -80,7 +86,12 @@ def layer_build(
         )
         console.print(f"[bold cyan]{escape(f'[{where}]')}[/bold cyan] {escape(event.description)}")
 
-    info = _client_call(lambda c: c.build_layer(dockerfile, context, name, exclude=exclude, progress=show))
+    rules = {p.strip(): True for p in network.split(",") if p.strip()}
+    info = _client_call(
+        lambda c: c.build_layer(
+            dockerfile, context, name, exclude=exclude, progress=show, network_rules=rules
+        )
+    )
     console.print_json(json.dumps(info.model_dump(mode="json")))
 
 
@@ -92,6 +103,13 @@ def layer_tag(
     """Point NAME:VERSION at a layer (the only way a tag ever moves)."""
     layers = _client_call(lambda c: c.retag(ref, target))
     console.print(f"{ref} -> {', '.join(x.digest[:19] for x in layers)}")
+
+
+@layer_app.command("public")
+def layer_public(ref: Annotated[str, typer.Argument(help="a layer or image reference")]) -> None:
+    """Let every project use a layer or image (admin keys; otherwise only its owner's subtree)."""
+    layers = _client_call(lambda c: c.mark_public(ref))
+    console.print(f"{ref} is public: {', '.join(x.digest[:19] for x in layers)}")
 
 
 @layer_app.command("rm")

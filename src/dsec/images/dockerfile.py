@@ -3,6 +3,8 @@
 A build runs its steps in a build sandbox on top of the FROM layers; the new layer is what the
 steps changed (the sandbox's upper directory), not the whole image. ENV and WORKDIR shape the
 build's own steps; they are not stored in the layer (a sandbox's environment is its `env`).
+``RUN --network=none|default`` (BuildKit's flag) takes a step off the network the build was
+granted, or keeps it on (the default); no other RUN flag is understood.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Step:
     kind: Kind
     args: tuple[str, ...]
     line: int  # where it stands in the Dockerfile, for error messages
+    network: Literal["default", "none"] = "default"  # RUN only: the build's grants, or none
 
     def describe(self) -> str:
         return f"{self.kind} {' '.join(self.args)}"[:200]
@@ -83,6 +86,7 @@ def parse(text: str, *, base: list[str] | None = None) -> BuildPlan:
             if base is None:
                 plan.base = refs
         elif kind == "RUN":
+            network, rest = _run_flags(rest, line)
             if rest.startswith("["):
                 try:
                     argv = json.loads(rest)
@@ -91,7 +95,7 @@ def parse(text: str, *, base: list[str] | None = None) -> BuildPlan:
                 rest = shlex.join(str(a) for a in argv)
             if not rest:
                 raise InvalidRequest(f"Dockerfile line {line}: RUN needs a command")
-            plan.steps.append(Step("RUN", (rest,), line))
+            plan.steps.append(Step("RUN", (rest,), line, network))
         elif kind == "COPY":
             parts = [p for p in shlex.split(rest) if not p.startswith("--")]
             if len(parts) < 2:
@@ -112,6 +116,24 @@ def parse(text: str, *, base: list[str] | None = None) -> BuildPlan:
     if not plan.base:
         raise InvalidRequest("the build has no base: add a FROM line or pass base layers")
     return plan
+
+
+def _run_flags(rest: str, line: int) -> tuple[Literal["default", "none"], str]:
+    """RUN's leading ``--flag=value`` words: ``--network`` (none or default) and nothing else."""
+    network: Literal["default", "none"] = "default"
+    while rest.startswith("--"):
+        flag, _, rest = rest.partition(" ")
+        rest = rest.strip()
+        name, _, value = flag.partition("=")
+        if name != "--network":
+            raise InvalidRequest(f"Dockerfile line {line}: RUN {name} is not supported (--network is)")
+        if value not in ("none", "default"):
+            raise InvalidRequest(
+                f"Dockerfile line {line}: RUN --network={value!r}: none or default (the build's own"
+                " network permissions; there is no host network)"
+            )
+        network = "none" if value == "none" else "default"
+    return network, rest
 
 
 def resolve_workdir(current: str, new: str) -> str:

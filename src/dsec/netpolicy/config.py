@@ -1,12 +1,29 @@
-"""What an operator allows sandboxes to reach: permission names mapped to endpoints.
+"""What an operator allows sandboxes to reach: permission names mapped to rules.
 
-A sandbox asks for permissions by name (``network_rules={"pypi": True}``); only the operator's
+A sandbox asks for permissions by name (``network_rules={"pypi": True}``); only the node's
 configuration says what a name opens, so an agent cannot widen its own reach by guessing
-addresses. Loaded from JSON or TOML::
+addresses. A permission is a list of rules, each one of:
 
-    pool = "10.200.0.0/16"          # addresses of sandbox links (one /32 each)
-    [[permissions.pypi]]
-    names = ["pypi.mirror.internal"] # what the sandbox's resolver answers for
+- a :class:`Rule` naming ``domains`` (exact, or ``*.suffix`` for every name below it),
+  resolved upstream by the edge's name server when a sandbox asks, each answer's addresses
+  admitted for that sandbox for the answer's TTL; and/or fixed ``addresses`` (an address or a
+  CIDR range); or ``public = true``: every public address (never private, loopback,
+  link-local, multicast or the node's own);
+- an :class:`Endpoint`: one fixed address with the names the resolver answers for it (a lab
+  mirror; no upstream lookup).
+
+``dsec up`` and ``dsec edge`` start from the catalogue that ships with DSec
+(:mod:`.catalogue`: pypi, npm, debian, github, huggingface, crates, go, internet); the
+operator's file (JSON or TOML) adds permissions or replaces one by name, and
+``catalogue = false`` leaves the catalogue out::
+
+    pool = "10.200.0.0/16"            # addresses of sandbox links (one /32 each)
+    upstream = ["192.0.2.53"]         # resolvers for domain rules (default: /etc/resolv.conf)
+    [[permissions.corp]]
+    domains = ["git.corp.example", "*.pkg.corp.example"]
+    ports = [443]
+    [[permissions.pypi]]              # replaces the catalogue's pypi: a mirror of our own
+    names = ["pypi.mirror.internal"]  # what the sandbox's resolver answers for
     address = "10.0.0.5"
     ports = [3141]
 """
@@ -39,11 +56,8 @@ class Endpoint(BaseModel):
 
     @field_validator("ports")
     @classmethod
-    def _ports(cls, v: list[int]) -> list[int]:
-        bad = [p for p in v if not 1 <= p <= 65535]
-        if bad:
-            raise ValueError(f"ports must be 1-65535, not {bad}")
-        return sorted(set(v))
+    def _check_ports(cls, v: list[int]) -> list[int]:
+        return _ports(v)
 
     @field_validator("names")
     @classmethod
@@ -55,15 +69,91 @@ class Endpoint(BaseModel):
         return out
 
 
+def _ports(v: list[int]) -> list[int]:
+    bad = [p for p in v if not 1 <= p <= 65535]
+    if bad:
+        raise ValueError(f"ports must be 1-65535, not {bad}")
+    return sorted(set(v))
+
+
+def domain_matches(pattern: str, name: str) -> bool:
+    """``*.example.org`` matches every name below example.org (not example.org itself), as
+    Cilium's ``matchPattern`` does; anything else matches only itself."""
+    if pattern.startswith("*."):
+        return name.endswith(pattern[1:]) and len(name) > len(pattern) - 1
+    return name == pattern
+
+
+class Rule(BaseModel):
+    """Reach by name, by range, or to the public internet (see the module's docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    domains: list[str] = Field(default_factory=list, max_length=256)
+    addresses: list[ipaddress.IPv4Network] = Field(default_factory=list, max_length=256)
+    public: bool = Field(default=False, description="every public address, on every port")
+    resolves_to: list[ipaddress.IPv4Network] = Field(
+        default_factory=list,
+        max_length=64,
+        description="non-public ranges the domains may resolve to (an internal registry); without"
+        " it such an answer is dropped as DNS rebinding. Not reachable by address alone",
+    )
+    ports: list[int] = Field(default_factory=lambda: [443], min_length=1, max_length=64)
+    protocol: Literal["tcp", "udp"] = "tcp"
+
+    @field_validator("ports")
+    @classmethod
+    def _check_ports(cls, v: list[int]) -> list[int]:
+        return _ports(v)
+
+    @field_validator("domains")
+    @classmethod
+    def _domains(cls, v: list[str]) -> list[str]:
+        out = [d.lower().rstrip(".") for d in v]
+        bad = [d for d in out if not _HOST.match(d.removeprefix("*."))]
+        if bad:
+            raise ValueError(f"not DNS names or *.wildcards: {bad}")
+        return out
+
+    @model_validator(mode="after")
+    def _something(self) -> Rule:
+        if not (self.domains or self.addresses or self.public):
+            raise ValueError("a rule names domains, addresses or public = true")
+        if self.domains and self.protocol == "udp" and 443 in self.ports:
+            # QUIC carries its server name encrypted: the edge cannot check it by name.
+            raise ValueError("UDP 443 (QUIC) cannot be opened by name; clients fall back to TCP")
+        return self
+
+    def matches(self, name: str) -> bool:
+        return any(domain_matches(d, name) for d in self.domains)
+
+    def covers(self, address: ipaddress.IPv4Address) -> bool:
+        """The rule names this address (so an answer pointing there is not rebinding)."""
+        return any(address in net for net in (*self.addresses, *self.resolves_to))
+
+
+Permission = list[Endpoint | Rule]
+
+
 class EgressConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    permissions: dict[str, list[Endpoint]] = Field(default_factory=dict)
+    permissions: dict[str, Permission] = Field(default_factory=dict)
     pool: ipaddress.IPv4Network = ipaddress.IPv4Network("10.200.0.0/16")
+    catalogue: bool = Field(
+        default=False,
+        description="start from DSec's catalogue (dsec up/edge set it; a file may say false)",
+    )
+    upstream: list[ipaddress.IPv4Address] = Field(
+        default_factory=list, max_length=8, description="resolvers for domain rules (default: resolv.conf)"
+    )
+    grace_s: int = Field(
+        default=60, ge=0, le=3600, description="seconds an answer's addresses stay admitted past its TTL"
+    )
 
     @field_validator("permissions")
     @classmethod
-    def _permission_names(cls, v: dict[str, list[Endpoint]]) -> dict[str, list[Endpoint]]:
+    def _permission_names(cls, v: dict[str, Permission]) -> dict[str, Permission]:
         bad = [n for n in v if not _NAME.match(n)]
         if bad:
             raise ValueError(f"permission names must be short words ([A-Za-z0-9_.-]): {bad}")
@@ -73,6 +163,12 @@ class EgressConfig(BaseModel):
     def _pool(self) -> EgressConfig:
         if self.pool.prefixlen > 28:
             raise ValueError("the pool must hold at least 16 addresses (a /28 or larger)")
+        if self.catalogue:
+            from dsec.netpolicy.catalogue import CATALOGUE
+
+            # The operator's permission of the same name replaces the catalogue's whole (and
+            # merging again, as a re-validation does, changes nothing).
+            self.permissions = {**CATALOGUE, **self.permissions}
         return self
 
     @property
@@ -97,14 +193,21 @@ class EgressConfig(BaseModel):
             known = ", ".join(sorted(self.permissions)) or "none"
             raise InvalidRequest(f"unknown network permission(s) {unknown}; this node offers: {known}")
 
-    def endpoints(self, rules: dict[str, bool]) -> list[Endpoint]:
+    def endpoints(self, rules: dict[str, bool]) -> list[Endpoint | Rule]:
         return [e for name, on in sorted(rules.items()) if on for e in self.permissions.get(name, [])]
 
     @classmethod
-    def load(cls, path: Path) -> EgressConfig:
+    def load(cls, path: Path | None, *, catalogue: bool = False) -> EgressConfig:
+        """The operator's file (None: none), over the shipped catalogue if ``catalogue`` and
+        the file does not say ``catalogue = false``."""
         try:
-            text = path.read_text()
-            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+            raw: dict[str, object] = {}
+            if path is not None:
+                text = path.read_text()
+                raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+                if not isinstance(raw, dict):
+                    raise ValueError("the file must hold a table (an object)")
+            raw.setdefault("catalogue", catalogue)
             return cls.model_validate(raw)
         except (OSError, ValueError, ValidationError) as exc:
             raise InvalidRequest(f"egress configuration {path}: {exc}") from exc

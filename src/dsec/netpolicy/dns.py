@@ -1,11 +1,12 @@
 """The sandboxes' name server: it answers only for names their permissions allow.
 
-One UDP socket on the gateway address serves every link. Which sandbox asks is read from the
-interface the query arrived on (``IP_PKTINFO``), not from its source address, so a sandbox
-that spoofs a neighbour's address learns nothing more (the firewall also drops spoofed
-sources). Nothing is forwarded upstream: an allowed name resolves to the address the operator
-configured, any other name does not exist. Queries over TCP are not served (answers are a
-few addresses, far below the 512-byte UDP limit).
+One UDP socket and one TCP listener on the gateway address serve every link. Which sandbox
+asks is read from the interface a datagram arrived on (``IP_PKTINFO``), not from its source
+address, so a sandbox that spoofs a neighbour's address learns nothing more; a TCP peer is
+known by its address, which the firewall guarantees is its link's own. What to answer is the
+link's responder's business (:meth:`dsec.netpolicy.policy.EgressPolicy`): a name of a fixed
+endpoint resolves to the address the operator configured (:func:`answer`), a name of a domain
+rule is resolved upstream (:func:`forwarded`), any other name does not exist.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import ipaddress
 import logging
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+
+import dns.exception
+import dns.flags
+import dns.message
+import dns.name
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +39,47 @@ RCODE_FORMERR, RCODE_NXDOMAIN, RCODE_NOTIMP, RCODE_REFUSED = 1, 3, 4, 5
 TTL_S = 30
 
 Lookup = Callable[[str], list[str] | None]  # name -> addresses, None: no such name here
+Responder = Callable[[bytes], Awaitable[bytes | None]]  # one link's answers to its queries
+MAX_TCP_MESSAGE = 4096  # a question is a few dozen bytes; nothing longer is a query of ours
+_MAX_INFLIGHT = 256  # queries being answered at once, across links (upstream waits included)
+
+
+def question(query: bytes) -> tuple[str, int] | None:
+    """(name, qtype) of a well-formed standard query for class IN, else None."""
+    if len(query) < 12:
+        return None
+    _, flags, qdcount = struct.unpack_from("!HHH", query)
+    if flags & 0x8000 or (flags >> 11) & 0xF or qdcount != 1:
+        return None
+    q = _question(query)
+    if q is None or q[2] != 1:
+        return None
+    return q[0], q[1]
+
+
+def forwarded(
+    query: bytes, rcode: int, chain: list[tuple[str, str]], addresses: list[str], ttl: int
+) -> bytes:
+    """The answer to ``query`` (already known to be a well-formed A question): the CNAME chain
+    and the addresses at its end, nothing else of what upstream said."""
+    try:
+        msg = dns.message.from_wire(query)
+        reply = dns.message.make_response(msg, recursion_available=True)
+    except dns.exception.DNSException:
+        return answer(query, lambda _name: None) or b""
+    reply.set_rcode(dns.rcode.Rcode(rcode))
+    owner = msg.question[0].name
+    for name, target in chain:
+        rr = dns.rrset.from_text(
+            dns.name.from_text(name), ttl, dns.rdataclass.IN, dns.rdatatype.CNAME, target + "."
+        )
+        reply.answer.append(rr)
+        owner = dns.name.from_text(target)
+    if addresses:
+        reply.answer.append(
+            dns.rrset.from_text_list(owner, ttl, dns.rdataclass.IN, dns.rdatatype.A, addresses)
+        )
+    return reply.to_wire()
 
 
 def _question(msg: bytes) -> tuple[str, int, int, int] | None:
@@ -85,23 +136,42 @@ def answer(query: bytes, lookup: Lookup) -> bytes | None:
 
 
 class NameServer:
-    """Serves ``lookup(ifindex)`` (the names of the sandbox behind that interface) on
-    ``address``:``port`` from the running event loop."""
+    """Serves each link's queries on ``address``:``port`` (UDP and TCP) from the running event
+    loop: ``by_ifindex`` and ``by_address`` give the responder of the link a query came from,
+    None for anything that is not a link of ours (never answered)."""
 
-    def __init__(self, address: str, lookup: Callable[[int], Lookup | None], *, port: int = 53) -> None:
+    def __init__(
+        self,
+        address: str,
+        by_ifindex: Callable[[int], Responder | None],
+        by_address: Callable[[str], Responder | None],
+        *,
+        port: int = 53,
+    ) -> None:
         self.address, self.port = address, port
-        self._lookup = lookup
+        self._by_ifindex, self._by_address = by_ifindex, by_address
         self._sock: socket.socket | None = None
+        self._tcp: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self) -> None:
+    async def start(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+            for s in (sock, listener):
+                s.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+            # TCP only: a restarted edge rebinds past TIME_WAIT. On UDP the same option would
+            # let a second edge share the port and take some of the first one's queries.
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_IP, IP_PKTINFO, 1)
             sock.bind((self.address, self.port))
             sock.setblocking(False)
+            listener.bind((self.address, self.port))
+            listener.setblocking(False)
+            self._tcp = await asyncio.start_server(self._serve_tcp, sock=listener, limit=MAX_TCP_MESSAGE + 2)
         except OSError:
             sock.close()
+            listener.close()
             raise
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
@@ -124,15 +194,52 @@ class NameServer:
                 ),
                 None,
             )
-            names = self._lookup(ifindex) if ifindex is not None else None
-            if names is None:
-                continue  # not from a link of ours: say nothing
-            response = answer(data, names)
-            if response is not None:
-                try:
-                    self._sock.sendto(response, peer)
-                except OSError as exc:
-                    log.debug("name server reply to %s: %s", peer, exc)
+            respond = self._by_ifindex(ifindex) if ifindex is not None else None
+            if respond is None or len(self._tasks) >= _MAX_INFLIGHT:
+                continue  # not from a link of ours (say nothing), or too busy (the client retries)
+            self._spawn(self._answer_udp(respond, data, peer))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer_udp(self, respond: Responder, data: bytes, peer: tuple[str, int]) -> None:
+        try:
+            response = await respond(data)
+        except Exception:
+            log.exception("name server: answering a query")
+            return
+        if response is None or self._sock is None:
+            return
+        if len(response) > 512:
+            response = _truncated(response)  # the client asks again over TCP
+        try:
+            self._sock.sendto(response, peer)
+        except OSError as exc:
+            log.debug("name server reply to %s: %s", peer, exc)
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        respond = self._by_address(peer[0]) if peer else None
+        try:
+            if respond is None:
+                return
+            for _ in range(16):  # a few queries per connection, then the client reconnects
+                head = await asyncio.wait_for(reader.readexactly(2), 10)
+                (size,) = struct.unpack("!H", head)
+                if not 12 <= size <= MAX_TCP_MESSAGE:
+                    return
+                data = await asyncio.wait_for(reader.readexactly(size), 10)
+                response = await respond(data)
+                if response is None:
+                    return
+                writer.write(struct.pack("!H", len(response)) + response)
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            return
+        finally:
+            writer.close()
 
     def close(self) -> None:
         if self._sock is not None:
@@ -140,3 +247,15 @@ class NameServer:
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
+        if self._tcp is not None:
+            self._tcp.close()
+            self._tcp = None
+        for task in self._tasks:
+            task.cancel()
+
+
+def _truncated(response: bytes) -> bytes:
+    msg = dns.message.from_wire(response)
+    msg.answer, msg.authority, msg.additional = [], [], []
+    msg.flags |= dns.flags.TC
+    return msg.to_wire()

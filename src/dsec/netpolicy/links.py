@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -132,3 +133,15 @@ def ifindex(ifname: str) -> int | None:
         return int(Path("/sys/class/net", ifname, "ifindex").read_text())
     except (OSError, ValueError):
         return None
+
+
+async def host_addresses() -> list[str]:
+    """The node's own IPv4 addresses (a name pointing at one of them is rebinding)."""
+    proc = await spawner.create_subprocess_exec(
+        "ip", "-j", "-4", "addr", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+    out, _ = await proc.communicate()
+    try:
+        return sorted({a["local"] for link in json.loads(out or b"[]") for a in link.get("addr_info", [])})
+    except (ValueError, KeyError, TypeError):
+        return []

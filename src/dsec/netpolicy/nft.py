@@ -5,11 +5,19 @@ one host, or a host firewall of its own, are left alone. What a sandbox may reac
 ``interface . address . protocol . port`` elements: granting and revoking is one atomic
 element update, with no rule per sandbox to rewrite.
 
+What a link may reach is the union of four sets: ``allowed`` (fixed endpoints), ``ranges``
+(CIDR ranges, an interval set), ``learned`` (addresses the name server admitted from an
+upstream answer, each element expiring with the answer's TTL plus a grace) and ``public``
+(links granted every public address: anything not in ``nonpublic``).
+
 Base chains (``inet``: IPv4 and IPv6 alike):
-- input: from a link, only DNS to the gateway; the node itself is otherwise unreachable;
+- input: from a link, only DNS (UDP and TCP) to the gateway; the node itself is otherwise
+  unreachable;
 - forward: a link's packets must carry its own source address, then only allowed endpoints;
   nothing is forwarded into a link but replies;
 - output: the node opens nothing towards a sandbox but DNS replies;
+- prerouting: connections to learned addresses on 443 and 80 go to the name-checking proxy
+  (:mod:`.sniproxy`), which the input chain lets them reach only through that redirect;
 - postrouting: sandbox traffic leaves with the node's address (endpoints need no route back).
 
 Rejects answer at once (a TCP reset; ICMP ``admin-prohibited`` for the rest), so a blocked
@@ -27,7 +35,23 @@ from collections.abc import Iterable
 from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure
 
-Element = tuple[str, str, str, int]  # interface, address, protocol, port
+Element = tuple[str, str, str, int]  # interface, address (or a CIDR range), protocol, port
+
+# Never "public": this network, private, shared (CGNAT), loopback, link-local, IETF protocol
+# assignments, benchmarking, multicast and reserved (224/3 holds 255.255.255.255 too). The
+# node's own addresses are never forwarded to at all (the input chain answers for them).
+NONPUBLIC = (
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+    "224.0.0.0/3",
+)
 
 _TABLE = re.compile(r"[^A-Za-z0-9_]")
 
@@ -49,14 +73,44 @@ def _allowed(e: Element) -> str:
     return f'"{e[0]}" . {e[1]} . {e[2]} . {e[3]}'
 
 
-def ruleset(table: str, gateway: str, pool: str, links: dict[str, str], allowed: Iterable[Element]) -> str:
+def _is_range(e: Element) -> bool:
+    return "/" in e[1]
+
+
+def _init(items: list[str]) -> str:
+    return f"elements = {{ {_elements(items)} }}" if items else ""
+
+
+def ruleset(
+    table: str,
+    gateway: str,
+    pool: str,
+    links: dict[str, str],
+    allowed: Iterable[Element],
+    public: Iterable[str] = (),
+    checked: dict[int, int] | None = None,
+) -> str:
     """The whole table (replacing any earlier one atomically): ``links`` maps interface ->
-    sandbox address."""
+    sandbox address; ``public`` lists the interfaces granted every public address; ``checked``
+    maps a port to the name-checking proxy's port on the gateway (:mod:`.sniproxy`), for
+    connections to learned addresses."""
+    checked = checked or {}
+    learned = "iifname @ifaces iifname . ip daddr . meta l4proto . th dport @learned"
+    redirects = "\n    ".join(
+        f"{learned} tcp dport {port} redirect to :{to}" for port, to in sorted(checked.items())
+    )
+    proxy_ports = ", ".join(str(to) for to in sorted(checked.values()))
+    proxy_in = (
+        f"iifname @ifaces ip daddr {gateway} tcp dport {{ {proxy_ports} }} ct status dnat accept"
+        if checked
+        else ""
+    )
     allowed = list(allowed)
-    names = _elements(f'"{i}"' for i in links)
-    ifaces = f"elements = {{ {names} }}" if links else ""
-    pairs = f"elements = {{ {_elements(_link(i, a) for i, a in links.items())} }}" if links else ""
-    grants = f"elements = {{ {_elements(_allowed(e) for e in allowed)} }}" if allowed else ""
+    ifaces = _init([f'"{i}"' for i in links])
+    pairs = _init([_link(i, a) for i, a in links.items()])
+    grants = _init([_allowed(e) for e in allowed if not _is_range(e)])
+    ranges = _init([_allowed(e) for e in allowed if _is_range(e)])
+    publics = _init([f'"{i}"' for i in public])
     return f"""table inet {table}
 delete table inet {table}
 table inet {table} {{
@@ -72,10 +126,29 @@ table inet {table} {{
     type ifname . ipv4_addr . inet_proto . inet_service
     {grants}
   }}
+  set ranges {{
+    type ifname . ipv4_addr . inet_proto . inet_service
+    flags interval
+    {ranges}
+  }}
+  set learned {{
+    type ifname . ipv4_addr . inet_proto . inet_service
+    flags timeout
+  }}
+  set public {{
+    type ifname
+    {publics}
+  }}
+  set nonpublic {{
+    type ipv4_addr
+    flags interval
+    elements = {{ {_elements(NONPUBLIC)} }}
+  }}
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname @ifaces iifname . ip saddr != @links drop
-    iifname @ifaces ip daddr {gateway} udp dport 53 accept
+    iifname @ifaces ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport 53 accept
+    {proxy_in}
     iifname @ifaces meta l4proto tcp reject with tcp reset
     iifname @ifaces reject with icmpx admin-prohibited
   }}
@@ -85,6 +158,9 @@ table inet {table} {{
     oifname @ifaces drop
     iifname @ifaces iifname . ip saddr != @links drop
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @allowed accept
+    iifname @ifaces iifname . ip daddr . meta l4proto . th dport @ranges accept
+    iifname @ifaces iifname . ip daddr . meta l4proto . th dport @learned accept
+    iifname @public ip daddr != @nonpublic accept
     iifname @ifaces meta l4proto tcp reject with tcp reset
     iifname @ifaces reject with icmpx admin-prohibited
   }}
@@ -92,6 +168,11 @@ table inet {table} {{
     type filter hook output priority filter; policy accept;
     oifname @ifaces ct state established,related accept
     oifname @ifaces drop
+  }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname @ifaces iifname . ip daddr . meta l4proto . th dport @allowed return
+    {redirects}
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -101,28 +182,63 @@ table inet {table} {{
 """
 
 
-def grant(table: str, ifname: str, address: str, old: Iterable[Element], new: Iterable[Element]) -> str:
-    """One atomic update: the link's interface known, its old grants replaced by ``new``."""
+def _set_updates(table: str, verb: str, elements: Iterable[Element]) -> list[str]:
+    lines = []
+    for name, chosen in (
+        ("allowed", sorted(e for e in elements if not _is_range(e))),
+        ("ranges", sorted(e for e in elements if _is_range(e))),
+    ):
+        if chosen:
+            lines.append(f"{verb} element inet {table} {name} {{ {_elements(map(_allowed, chosen))} }}")
+    return lines
+
+
+def grant(
+    table: str,
+    ifname: str,
+    address: str,
+    old: Iterable[Element],
+    new: Iterable[Element],
+    public: tuple[bool, bool] = (False, False),
+) -> str:
+    """One atomic update: the link's interface known, its old grants replaced by ``new``
+    (and its ``public`` grant changed from ``public[0]`` to ``public[1]``)."""
     lines = [
         f'add element inet {table} ifaces {{ "{ifname}" }}',
         f"add element inet {table} links {{ {_link(ifname, address)} }}",
     ]
     old, new = set(old), set(new)
-    for verb, elements in (("delete", sorted(old - new)), ("add", sorted(new - old))):
-        if elements:
-            lines.append(f"{verb} element inet {table} allowed {{ {_elements(map(_allowed, elements))} }}")
+    lines += _set_updates(table, "delete", old - new)
+    lines += _set_updates(table, "add", new - old)
+    if public[0] != public[1]:
+        lines.append(f'{"add" if public[1] else "delete"} element inet {table} public {{ "{ifname}" }}')
     return "\n".join(lines) + "\n"
 
 
-def forget(table: str, ifname: str, address: str, old: Iterable[Element]) -> str:
-    old = sorted(set(old))
+def forget(table: str, ifname: str, address: str, old: Iterable[Element], public: bool = False) -> str:
     lines = [
         f'delete element inet {table} ifaces {{ "{ifname}" }}',
         f"delete element inet {table} links {{ {_link(ifname, address)} }}",
+        *_set_updates(table, "delete", set(old)),
     ]
-    if old:
-        lines.append(f"delete element inet {table} allowed {{ {_elements(map(_allowed, old))} }}")
+    if public:
+        lines.append(f'delete element inet {table} public {{ "{ifname}" }}')
     return "\n".join(lines) + "\n"
+
+
+def learn(table: str, elements: Iterable[tuple[Element, int]], refresh: Iterable[Element] = ()) -> str:
+    """Admit addresses an upstream answer gave, each for ``seconds`` (the kernel drops the
+    element then). An element still in the set is deleted and added again: ``add`` alone would
+    keep its old timeout."""
+    lines = [f"delete element inet {table} learned {{ {_allowed(e)} }}" for e in refresh]
+    for e, seconds in elements:
+        lines.append(f"add element inet {table} learned {{ {_allowed(e)} timeout {max(1, seconds)}s }}")
+    return "\n".join(lines) + "\n"
+
+
+def unlearn(table: str, elements: Iterable[Element]) -> str:
+    """Take admitted addresses back (a revoked grant or a stopped sandbox)."""
+    return "".join(f"delete element inet {table} learned {{ {_allowed(e)} }}\n" for e in elements)
 
 
 def drop_table(table: str) -> str:

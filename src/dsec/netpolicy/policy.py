@@ -9,7 +9,12 @@ element update. Sandboxes that never ask for the network cost nothing here: no v
 route, no set element (at thousands per node that matters).
 
 Links are journaled (sandbox -> index), and the kernel's table outlives the edge process, so
-an edge restart re-learns its links and keeps every sandbox's reach as it was.
+an edge restart re-learns its links and keeps every sandbox's reach as it was (addresses
+learned from answers excepted: the table is rebuilt, and a sandbox asks its name server
+again).
+
+Domain rules are answered by :mod:`.names`: the link's responder resolves an allowed name
+upstream and admits the answer's addresses for that link only, for the answer's TTL.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from pathlib import Path
 from typing import Protocol
 
 from dsec.netpolicy import links, nft
-from dsec.netpolicy.config import EgressConfig
-from dsec.netpolicy.dns import Lookup, NameServer
+from dsec.netpolicy.config import EgressConfig, Endpoint
+from dsec.netpolicy.dns import NameServer, Responder
+from dsec.netpolicy.names import Admissions, DomainGrant, LinkNames
+from dsec.netpolicy.sniproxy import CHECKED, SniProxy, keys
+from dsec.netpolicy.upstream import Upstream, resolv_conf
 from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,11 @@ class _Link:
     address: str
     grants: set[nft.Element] = field(default_factory=set)
     names: dict[str, list[str]] = field(default_factory=dict)
+    domains: DomainGrant = field(default_factory=DomainGrant)
+    public: bool = False
+    rules: dict[str, bool] = field(default_factory=dict)
+    answers: LinkNames | None = None
+    checked_names: set[str] = field(default_factory=set)  # the proxy's keys for this link
 
 
 class EgressPolicy:
@@ -59,6 +72,13 @@ class EgressPolicy:
         self._dns: NameServer | None = None
         self._netns: dict[str, int] = {}  # sandbox -> its namespace's fd, until it runs in it
         self._forward_marker = state_dir / "ip_forward.set-by-dsec"
+        self.upstream = Upstream([str(a) for a in config.upstream] or resolv_conf())
+        self.admissions = Admissions(self.table, nft.apply)
+        self._node_addresses: frozenset[str] = frozenset()
+        # The name check runs only where some permission names domains (no HAProxy otherwise).
+        self.proxy: SniProxy | None = None
+        if any(getattr(r, "domains", None) for perm in config.permissions.values() for r in perm):
+            self.proxy = SniProxy(state_dir, config.gateway)
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +96,7 @@ class EgressPolicy:
     async def start(self, live_rules: dict[str, dict[str, bool]]) -> None:
         """Re-learn the links of sandboxes still live (``live_rules``: ID -> their rules),
         forget the rest, and (re)install the table and the name server."""
+        self._node_addresses = frozenset(await links.host_addresses())
         journaled = self._store.links()
         for sid, index in journaled.items():
             ifname = links.link_name(sid)
@@ -99,12 +120,21 @@ class EgressPolicy:
                 str(self.config.pool),
                 {link.ifname: link.address for link in self._links.values()},
                 allowed,
+                [link.ifname for link in self._links.values() if link.public],
+                CHECKED if self.proxy is not None else None,
             )
         )
+        if self.proxy is not None:
+            try:
+                await self.proxy.start({k for link in self._links.values() for k in link.checked_names})
+            except InfraFailure as exc:
+                # Fail closed: learned addresses on the checked ports are redirected to a port
+                # nothing listens on, while everything else keeps working.
+                log.error("the name check (HAProxy) did not start; TLS/HTTP by name is refused: %s", exc)
         self._reindex()
-        self._dns = NameServer(self.config.gateway, self._names_behind)
+        self._dns = NameServer(self.config.gateway, self._responder_of_index, self._responder_of_address)
         try:
-            self._dns.start()
+            await self._dns.start()
         except OSError as exc:
             self._dns = None
             raise InfraFailure(
@@ -124,13 +154,24 @@ class EgressPolicy:
                 if pid is None:
                     raise InvalidRequest("network permissions are not available for this backend yet")
                 link = await self._new_link(sandbox_id, pid)
-            old = set(link.grants)
+            old, old_public, old_rules, old_names = (
+                set(link.grants),
+                link.public,
+                link.rules,
+                link.checked_names,
+            )
             self._grant_locally(link, rules)
             try:
-                await nft.apply(nft.grant(self.table, link.ifname, link.address, old, link.grants))
+                script = nft.grant(
+                    self.table, link.ifname, link.address, old, link.grants, (old_public, link.public)
+                )
+                await nft.apply(script)
+                if self.proxy is not None:
+                    await self.proxy.update(old_names, link.checked_names)
             except BaseException:
-                link.grants = old
+                self._grant_locally(link, old_rules)
                 raise
+            await self.admissions.revoke(link.ifname, lambda perm: bool(rules.get(perm)))
 
     async def open_tap(self, sandbox_id: str) -> tuple[str, str]:
         """A tap link for a VM about to start (QEMU needs it on its command line), known to
@@ -171,8 +212,14 @@ class EgressPolicy:
             if link is None:
                 return
             await links.remove(link.ifname)
+            self.admissions.forget(link.ifname)
+            if self.proxy is not None:
+                try:
+                    await self.proxy.update(link.checked_names, set())
+                except InfraFailure as exc:  # its next start writes the map from the links
+                    log.warning("forgetting %s's names in the proxy: %s", sandbox_id, exc)
             try:
-                await nft.apply(nft.forget(self.table, link.ifname, link.address, link.grants))
+                await nft.apply(nft.forget(self.table, link.ifname, link.address, link.grants, link.public))
             except InfraFailure as exc:  # the next start rebuilds the table from the journal
                 log.warning("forgetting %s's link: %s", sandbox_id, exc)
             self._store.drop_link(sandbox_id)
@@ -186,6 +233,8 @@ class EgressPolicy:
             self._dns = None
         if self.enabled and not self._links:
             await self._drop_table()
+            if self.proxy is not None:
+                await self.proxy.close()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -227,13 +276,38 @@ class EgressPolicy:
     def _grant_locally(self, link: _Link, rules: dict[str, bool]) -> None:
         grants: set[nft.Element] = set()
         names: dict[str, list[str]] = {}
-        for endpoint in self.config.endpoints(rules):
-            address = str(endpoint.address)
-            grants.update((link.ifname, address, endpoint.protocol, port) for port in endpoint.ports)
-            for name in endpoint.names:
-                if address not in names.setdefault(name, []):
-                    names[name].append(address)
-        link.grants, link.names = grants, names
+        domains = DomainGrant()
+        public = False
+        for perm, on in sorted(rules.items()):
+            for rule in self.config.permissions.get(perm, []) if on else []:
+                if isinstance(rule, Endpoint):
+                    address = str(rule.address)
+                    grants.update((link.ifname, address, rule.protocol, port) for port in rule.ports)
+                    for name in rule.names:
+                        if address not in names.setdefault(name, []):
+                            names[name].append(address)
+                    continue
+                public = public or rule.public
+                for net in rule.addresses:
+                    target = str(net.network_address) if net.prefixlen == 32 else str(net)
+                    grants.update((link.ifname, target, rule.protocol, port) for port in rule.ports)
+                if rule.domains:
+                    domains.rules.append((perm, rule))
+        link.grants, link.names, link.domains, link.public, link.rules = grants, names, domains, public, rules
+        checked_ports = set(CHECKED)
+        link.checked_names = keys(
+            (d for _, rule in domains.rules if checked_ports & set(rule.ports) for d in rule.domains),
+            link.address,
+        )
+        link.answers = LinkNames(
+            link.ifname,
+            names,
+            domains,
+            self.upstream,
+            self.admissions,
+            self._node_addresses,
+            self.config.grace_s,
+        )
 
     def _reindex(self) -> None:
         by_index = {}
@@ -243,9 +317,15 @@ class EgressPolicy:
                 by_index[index] = link
         self._by_ifindex = by_index
 
-    def _names_behind(self, ifindex: int) -> Lookup | None:
+    def _responder_of_index(self, ifindex: int) -> Responder | None:
         link = self._by_ifindex.get(ifindex)
-        return None if link is None else link.names.get
+        return None if link is None or link.answers is None else link.answers.respond
+
+    def _responder_of_address(self, address: str) -> Responder | None:
+        # The firewall drops a link's packets that do not carry its own address: a TCP peer's
+        # address names its link.
+        link = next((lk for lk in self._links.values() if lk.address == address), None)
+        return None if link is None or link.answers is None else link.answers.respond
 
     def _enable_forwarding(self) -> None:
         if _IP_FORWARD.read_text().strip() != "1":

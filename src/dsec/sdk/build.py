@@ -82,13 +82,17 @@ class Builder:
         self.step_timeout = step_timeout
         self.env: dict[str, str] = {}
         self.workdir = "/"
+        self.granted: dict[str, bool] = {}
+        self.network_on = True
 
     async def run(self, ref: str, args: DSecContainerRunArgs, exclude: list[str]) -> LayerInfo:
         total = len(self.plan.steps)
         self.progress(BuildEvent(0, total, f"build sandbox on {' + '.join(self.plan.base)}"))
+        self.granted = dict(args.network_rules)
         sandbox = await self.client.run_container(
             args.model_copy(update={"layers": self.plan.base, "container_image": None})
         )
+        self.network_on = True
         try:
             for number, step in enumerate(self.plan.steps, 1):
                 self.progress(BuildEvent(number, total, step.describe()))
@@ -105,9 +109,18 @@ class Builder:
             self.workdir = resolve_workdir(self.workdir, step.args[0])
             await sandbox.mkdir(self.workdir)
         elif step.kind == "RUN":
+            await self._network(sandbox, on=step.network == "default")
             await self._run(sandbox, number, total, step, ["/bin/sh", "-c", step.args[0]])
         else:
             await self._copy(sandbox, number, total, step)
+
+    async def _network(self, sandbox: Sandbox, *, on: bool) -> None:
+        """The build's grants for this step, or none (``RUN --network=none``): changed live, and
+        only when a step needs it otherwise than the one before."""
+        if on == self.network_on or not any(self.granted.values()):
+            return
+        await sandbox.set_network_rules(self.granted if on else dict.fromkeys(self.granted, False))
+        self.network_on = on
 
     async def _run(self, sandbox: Sandbox, number: int, total: int, step: Step, argv: list[str]) -> None:
         tail = bytearray()

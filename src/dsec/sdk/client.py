@@ -354,13 +354,16 @@ class DSecClient(ProjectCalls, FnCalls, JobCalls, LayerCalls):
         cpu_cores_limit: float = 2,
         step_timeout: float = 3600,
         progress: Callable[[BuildEvent], None] | None = None,
+        network_rules: dict[str, bool] | None = None,
     ) -> LayerInfo:
         """Build layer ``ref`` from a Dockerfile subset (FROM, RUN, COPY, ENV, WORKDIR).
 
         ``dockerfile`` is its text, or a path to it; COPY reads from the ``context``
         directory. Steps run in a build sandbox on the FROM layers (or ``base``); the layer is
         what they changed, with caches, histories and ``exclude`` paths scrubbed. A failing
-        step raises :class:`BuildFailed` with its output.
+        step raises :class:`BuildFailed` with its output. ``network_rules`` are the build
+        sandbox's network permissions (as at create; ``RUN --network=none`` steps run without
+        them); none by default.
         """
         text = (
             await asyncio.to_thread(Path(dockerfile).read_text)
@@ -368,7 +371,10 @@ class DSecClient(ProjectCalls, FnCalls, JobCalls, LayerCalls):
             else dockerfile
         )
         args = DSecContainerRunArgs(
-            layers=["placeholder"], memory_limit_mb=memory_limit_mb, cpu_cores_limit=cpu_cores_limit
+            layers=["placeholder"],
+            memory_limit_mb=memory_limit_mb,
+            cpu_cores_limit=cpu_cores_limit,
+            network_rules=dict(network_rules or {}),
         )
         return await build_layer(
             self,
