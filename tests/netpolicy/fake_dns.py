@@ -64,12 +64,23 @@ class FakeDns(asyncio.DatagramProtocol):
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind((self.address, self.port))
-        self.port = sock.getsockname()[1]
-        transport, _ = await loop.create_datagram_endpoint(lambda: self, sock=sock)
-        self._transport = transport
-        self._tcp = await asyncio.start_server(self._serve_tcp, self.address, self.port)
+        # One port for UDP and TCP: a free UDP port may be taken for TCP; then try another.
+        for _ in range(20):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind((self.address, self.port))
+            port = sock.getsockname()[1]
+            try:
+                self._tcp = await asyncio.start_server(self._serve_tcp, self.address, port)
+            except OSError:
+                sock.close()
+                if self.port:
+                    raise
+                continue
+            self.port = port
+            transport, _ = await loop.create_datagram_endpoint(lambda: self, sock=sock)
+            self._transport = transport
+            return
+        raise OSError("no port free for both UDP and TCP")
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         self._note(data)

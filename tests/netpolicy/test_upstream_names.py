@@ -15,6 +15,7 @@ import dns.rcode
 import dns.rdatatype
 import pytest
 
+from dsec.netpolicy import names as names_module
 from dsec.netpolicy import sniproxy
 from dsec.netpolicy.catalogue import CATALOGUE
 from dsec.netpolicy.config import EgressConfig, Rule, domain_matches
@@ -227,3 +228,12 @@ def test_the_name_check_keys_match_only_their_names_and_their_sandbox() -> None:
     assert not allowed("githubusercontent.com", "10.230.0.5")
     assert not allowed("pypi.org", "10.230.0.50") and not allowed("pypi.org", "110.230.0.5")
     assert not allowed("", "10.230.0.5")  # no server name (an IP literal)
+
+
+async def test_one_sandbox_cannot_fill_the_node_s_learned_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(names_module, "MAX_PER_LINK", 3)
+    adm = Admissions("dsec_t", Recorder())
+    for i in range(3):
+        assert await adm.admit("dvx", "pkgs", [("dvx", f"198.51.100.{i}", "tcp", 443)], 100)
+    assert not await adm.admit("dvx", "pkgs", [("dvx", "198.51.100.9", "tcp", 443)], 100)
+    assert await adm.admit("dvy", "pkgs", [("dvy", "198.51.100.9", "tcp", 443)], 100)  # its own budget

@@ -30,6 +30,8 @@ from dsec.protocol.errors import InfraFailure
 
 log = logging.getLogger(__name__)
 
+MAX_PER_LINK = 4096  # live addresses one sandbox may hold from answers at once
+
 _NONPUBLIC = [ipaddress.IPv4Network(n) for n in nft.NONPUBLIC]
 
 
@@ -61,9 +63,17 @@ class Admissions:
 
     async def admit(
         self, ifname: str, permission: str, elements: Iterable[nft.Element], seconds: int
-    ) -> None:
+    ) -> bool:
+        """Admit ``elements`` for ``seconds``; False when the link holds :data:`MAX_PER_LINK`
+        live addresses already (a sandbox resolving endless names under a wildcard must not
+        fill the node's set: its answer then comes back without addresses)."""
         now = time.monotonic()
         held = self._held.setdefault(ifname, {})
+        if len(held) >= MAX_PER_LINK:
+            for e in [e for e, (until, _) in held.items() if until <= now]:
+                del held[e]  # expired in the kernel already
+            if len(held) >= MAX_PER_LINK:
+                return False
         fresh, refresh = [], []
         for e in elements:
             until = held.get(e, (0.0, ""))[0]
@@ -73,7 +83,7 @@ class Admissions:
             if until - now > 1:
                 refresh.append(e)  # still in the set: replaced, to take the new timeout
         if not fresh:
-            return
+            return True
         try:
             await self._apply(nft.learn(self.table, fresh, refresh))
         except InfraFailure:
@@ -81,6 +91,7 @@ class Admissions:
             await self._apply(nft.learn(self.table, fresh))
         for e, s in fresh:
             held[e] = (now + s, permission)
+        return True
 
     async def revoke(self, ifname: str, keep: Callable[[str], bool]) -> None:
         """Take back what permissions no longer granted (``keep(permission)`` False) admitted."""
@@ -146,5 +157,7 @@ class LinkNames:
                 kept.append(address)
         for perm, rule in matching:
             elements = [(self.ifname, a, rule.protocol, port) for a in kept for port in rule.ports]
-            await self._admissions.admit(self.ifname, perm, elements, ttl + self._grace)
+            if not await self._admissions.admit(self.ifname, perm, elements, ttl + self._grace):
+                log.warning("%s holds %d learned addresses: %s not admitted", self.ifname, MAX_PER_LINK, name)
+                kept = []
         return forwarded(query, dns.rcode.NOERROR, list(resolved.chain), kept, ttl)
