@@ -124,7 +124,12 @@ def same_layout(seed: int) -> None:
 
 def mark_mergeable() -> int:
     """``madvise(MADV_MERGEABLE)`` on every private writable mapping (heap, arenas, modules'
-    data: what the preloads built); the zygote and its calls inherit the mark. Bytes marked."""
+    data: what the preloads built); the zygote and its calls inherit the mark. Bytes marked.
+
+    Called again just before the zygote forks and before the runner says it is ready: the
+    heap grows by new mappings (brk past a marked one makes an unmarked one), and whether
+    anything allocated after a mark crosses that line depends on sizes nothing here controls
+    (paths, environment). Marking again is idempotent and cheap."""
     with open("/proc/self/maps") as maps:
         lines = maps.read().splitlines()
     marked = 0
@@ -495,7 +500,9 @@ def _fetch(cdir: str, paths: list[str]) -> tuple[dict[str, str], dict[str, str]]
 
 
 class Runner:
-    def __init__(self, workdir: str, uid: int, gid: int, scrub: list[str]) -> None:
+    def __init__(
+        self, workdir: str, uid: int, gid: int, scrub: list[str], mark: Callable[[], int] | None = None
+    ) -> None:
         self.root = os.geteuid() == 0
         self.uid, self.gid = (uid, gid) if self.root else (os.getuid(), os.getgid())
         self.scrub, self.calls, self.proven_dead = scrub, 0, False
@@ -506,6 +513,8 @@ class Runner:
         unshare = lambda: _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC)  # noqa: E731
         self.private_net = self.root and self._try_in_child(unshare)
         self.sock, zsock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if mark is not None:
+            mark()  # the zygote (every call's parent) inherits what is marked now
         self.zygote_pid = os.fork()
         if self.zygote_pid == 0:
             self.sock.close()
@@ -776,12 +785,13 @@ def main(argv: list[str] | None = None) -> int:
             send({"ready": False, "error": f"preload {name}: {exc!r}"})
             return 2
         preloaded.append(name)
-    marked = mark_mergeable() if args.mergeable is not None else 0
+    mark = mark_mergeable if args.mergeable is not None else None
     try:
-        runner = Runner(args.workdir, args.uid, args.gid, [d for d in args.scrub.split(",") if d])
+        runner = Runner(args.workdir, args.uid, args.gid, [d for d in args.scrub.split(",") if d], mark)
     except OSError as exc:
         send({"ready": False, "error": f"runner: {exc}"})
         return 2
+    marked = mark() if mark is not None else 0
     ready = {"ready": True, "preloaded": preloaded, "private_net": runner.private_net, "call_uid": runner.uid}
     send({**ready, "mergeable_bytes": marked, "fixed_layout": _own_layout})
     stdin = sys.stdin.buffer
