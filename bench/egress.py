@@ -12,6 +12,13 @@ measured is the node's, not the network's). Measured in the same run, each p50/p
 With --runtime gvisor every create is a gVisor one; its network stack takes its link at start,
 so the sandboxes granted later are created with all-False rules (the link made at create) and
 their first grant is an element update too.
+
+    .venv/bin/python bench/egress.py --real
+
+The opt-in smoke against the real registries (it needs the internet, so no test runs it): a
+node with DSec's default catalogue, the README's Listing 1 rules (pypi on, npm off) plus
+debian, then `apt-get install` of python3-pip and `pip install` of a small package inside, and
+npm's registry must not resolve. Prints each step's outcome and time.
 """
 
 from __future__ import annotations
@@ -56,7 +63,11 @@ async def main() -> None:
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     ap.add_argument("--runtime", choices=["crun", "gvisor"], default="crun")
     ap.add_argument("--pool", default="10.233.0.0/16", help="sandbox link addresses (one per bench run)")
+    ap.add_argument("--real", action="store_true", help="the smoke against the real registries instead")
     a = ap.parse_args()
+    if a.real:
+        await real_smoke(a.layers, a.pool)
+        return
     egress = EgressConfig.model_validate({"pool": a.pool, "permissions": PERMISSIONS})
     print(f"cores {os.cpu_count()}  n {a.n}  runtime {a.runtime}")
     async with scratch_node(
@@ -98,6 +109,36 @@ async def main() -> None:
         else:
             print(line("set_network_rules: first grant (link made)", first, base))
         print(line("set_network_rules: switch grants (set update)", swap, base))
+
+
+SMOKE = [
+    ("npm's registry does not resolve", "! getent hosts registry.npmjs.org"),
+    ("apt-get install python3-pip", "apt-get update -qq && apt-get install -y -qq python3-pip >/dev/null"),
+    ("pip install six", "pip install -q --no-cache-dir --target /tmp/six six && ls /tmp/six/six.py"),
+]
+
+
+async def real_smoke(layers: Path, pool: str) -> None:
+    egress = EgressConfig.model_validate({"pool": pool, "catalogue": True})
+    print(f"cores {os.cpu_count()}  permissions {sorted(egress.permissions)}")
+    async with scratch_node(
+        "egress-real", layers, lambda scratch: {"swap": SwapConfig("none"), "egress": egress}
+    ) as node:
+        async with DSecClient(node.url, node.api_key) as client:
+            sb = await client.run_container(
+                DSecContainerRunArgs(
+                    container_image="debian:bookworm",
+                    memory_limit_mb=4096,
+                    cpu_cores_limit=2,
+                    network_rules={"npm": False, "pypi": True, "debian": True},
+                )
+            )
+            for what, command in SMOKE:
+                t = time.perf_counter()
+                r = await sb.run_shell(command, timeout=600)
+                ok = "ok" if r.exit_code == 0 else f"FAILED ({r.exit_code}): {(r.stderr or r.stdout)[-300:]}"
+                print(f"  {what:<36} {time.perf_counter() - t:6.1f} s  {ok}")
+            await sb.stop()
 
 
 if __name__ == "__main__":

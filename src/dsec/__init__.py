@@ -21,6 +21,7 @@ from dsec.protocol.errors import (
     QuotaExceeded,
     SandboxNotFound,
     SessionLost,
+    TooLarge,
     Unauthorized,
 )
 from dsec.protocol.models import CommandResult, FileStat, Hardware, LayerInfo, SandboxInfo, SandboxState
@@ -64,5 +65,6 @@ __all__ = [
     "SandboxState",
     "SessionLost",
     "SyncSandbox",
+    "TooLarge",
     "Unauthorized",
 ]

@@ -295,3 +295,24 @@ async def test_signed_file_urls_open_their_file_and_nothing_else(e2b: E2B) -> No
         """
     )
     assert out == {"ok": [200, "signed"], "tampered": 401}
+
+
+async def test_files_serve_no_kernel_views_and_a_deep_listing_skips_them(e2b: E2B) -> None:
+    """/proc is the sandbox kernel's view, not its files: listing /proc/1/fd is refused, and a
+    deep listing of / shows the /proc directory without walking into it."""
+    out = await e2b.run(
+        """
+        sbx = Sandbox.create(timeout=120)
+        try:
+            sbx.files.list("/proc/1/fd")
+            refused = None
+        except Exception as e:
+            refused = type(e).__name__
+        deep = [e.path for e in sbx.files.list("/", depth=2)]
+        print(json.dumps({"refused": refused, "deep": deep}))
+        sbx.kill()
+        """
+    )
+    assert out["refused"] == "InvalidArgumentException", out
+    assert "/proc" in out["deep"] and "/etc/passwd" in out["deep"], out
+    assert [p for p in out["deep"] if p.startswith(("/proc/", "/dev/pts/"))] == [], out

@@ -56,6 +56,7 @@ async def test_template_names_layers_and_a_bad_one_is_not_found(
         (tmp_path / "extra").mkdir()
         (tmp_path / "extra" / "extra.txt").write_text("from the second layer\n")
         await asyncio.to_thread(node.store.import_path, tmp_path / "extra", EXTRA)
+    await asyncio.to_thread(node.store.mark_public, EXTRA)  # a layer every project may use
     out = await e2b.run(
         f"""
         sbx = Sandbox.create(template="debian:bookworm+{EXTRA}", timeout=60)

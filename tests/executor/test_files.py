@@ -12,7 +12,7 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -660,7 +660,9 @@ def with_procfs(root: Path) -> Iterator[Path]:
 def test_magic_links_are_refused(with_procfs: Path, root: Path, host: Path) -> None:
     before = host_snapshot(host)
     files = SandboxFiles(with_procfs)
-    assert files.stat("/proc/self").type is FileType.symlink  # procfs really is there
+    assert (with_procfs / "proc" / "self").is_symlink()  # procfs really is there
+    with pytest.raises(InvalidRequest, match="kernel views"):  # and the file API serves none of it
+        files.stat("/proc/self")
     secret = str(host / "secret.txt")
     for attempt in ["/proc/self/root" + secret, "/proc/self/cwd/x", f"/proc/{os.getpid()}/root" + secret]:
         with pytest.raises(InvalidRequest, match="escapes the sandbox"):
@@ -676,6 +678,38 @@ def test_magic_links_are_refused(with_procfs: Path, root: Path, host: Path) -> N
     with pytest.raises(InvalidRequest, match="escapes the sandbox"):
         files.list_dir("/esc/")
     assert host_snapshot(host) == before
+
+
+@needs_root
+def test_kernel_file_systems_are_refused(with_procfs: Path, root: Path) -> None:
+    """Every operation on a path on procfs is refused, whichever way the path gets there
+    (the plain path, a symlink, the mount point itself, a recursive remove from above it)."""
+    files = SandboxFiles(with_procfs)
+    (root / "data").mkdir()
+    (root / "data" / "f").write_bytes(b"x")
+    (root / "data" / "init").symlink_to("/proc/1")
+    ops: dict[str, Callable[[], object]] = {
+        "list": lambda: files.list_dir("/proc/1/fd"),
+        "list via symlink": lambda: files.list_dir("/data/init"),
+        "stat": lambda: files.stat("/proc/1/status"),
+        "stat mount point": lambda: files.stat("/proc"),
+        "exists": lambda: files.exists("/proc/1/nothing"),
+        "read via symlink": lambda: files.read_bytes("/data/init/status", 1 << 20),
+        "write": lambda: files.write_bytes("/proc/sys/x", b""),
+        "mkdir": lambda: files.mkdir("/proc/1/x"),
+        "move": lambda: files.move("/data/f", "/proc/f"),
+        "remove": lambda: files.remove("/proc/1/x"),
+        "remove tree": lambda: files.remove("/proc", recursive=True),
+    }
+    refused = {}
+    for what, op in ops.items():
+        try:
+            op()
+            refused[what] = "served"
+        except InvalidRequest as e:
+            refused[what] = str(e.reason)
+    assert refused == dict.fromkeys(ops, "kernel_fs")
+    assert files.read_bytes("/data/f", 10) == b"x" and files.stat("/data/init").type is FileType.symlink
 
 
 # ------------------------------------------------------------------------------------------ move

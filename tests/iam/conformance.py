@@ -164,6 +164,30 @@ class IamConformance(LedgerConformance, RegistryConformance):
         with pytest.raises(InvalidRequest):
             await iam.create_project("root", "neg", Quota(sandboxes=-1))
 
+    async def test_storage_quota_is_kept_bounded_by_the_parent_and_reserves_nothing(
+        self, iam: IamStore
+    ) -> None:
+        made = await iam.create_project("root", "st", Quota(storage_mib=100))
+        assert made.quota == Quota(storage_mib=100)
+        assert (await iam.get_project("root/st")).quota.storage_mib == 100
+        with pytest.raises(InvalidRequest, match=r"storage_mib.*exceeds"):
+            await iam.create_project("root/st", "big", Quota(storage_mib=101))
+        await iam.create_project("root/st", "c", Quota(storage_mib=60))
+        with pytest.raises(InvalidRequest, match="storage_mib"):
+            await iam.set_quota("root/st", Quota(storage_mib=50))  # below its sub-project's
+        updated = await iam.set_quota("root/st/c", Quota(sandboxes=2, storage_mib=10))
+        assert updated.quota == Quota(sandboxes=2, storage_mib=10)
+        assert [p.quota.storage_mib for p in await iam.list_projects("root/st")] == [100, 10]
+        # Storage is the layer store's to count: a sandbox reserves none of it, even at 0 MiB.
+        await iam.set_quota("root/st/c", Quota(storage_mib=0))
+        one = sid()
+        await iam.reserve("root/st/c", one, 1, 64)
+        usage = await iam.usage("root/st")
+        assert (usage.sandboxes, usage.storage_bytes) == (1, None)
+        await iam.release(one)
+        with pytest.raises(InvalidRequest, match="storage_mib"):
+            await iam.set_quota("root/st/c", Quota(storage_mib=-1))
+
     async def test_set_quota_keeps_every_sub_project_within_its_parent(self, iam: IamStore) -> None:
         await iam.create_project("root", "p", Quota(sandboxes=10))
         await iam.create_project("root/p", "c")

@@ -28,6 +28,7 @@ async def test_quota_holds_across_nodes_sharing_postgres(pg_server: PgServer, tm
         )
         node = EmbeddedNode(cfg, backend=FakeBackend(tmp_path / f"{name}-fake"))
         node.store.import_path(layer, TINY)
+        node.store.mark_public(TINY)  # the team's base
         await node.start()
         nodes.append(node)
     a, b = nodes

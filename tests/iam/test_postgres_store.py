@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from dsec.iam import IamStore, open_iam_store
+from dsec.iam import IamStore, Quota, open_iam_store
 from dsec.iam.postgres import PostgresIamStore
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 
@@ -65,6 +65,26 @@ async def test_the_database_holds_key_digests_not_keys(pg_server: PgServer, sche
     finally:
         await conn.close()
     assert len(rows) == 1 and key[5:] not in repr([dict(r) for r in rows])
+
+
+async def test_a_schema_from_before_the_storage_quota_gains_its_column(
+    pg_server: PgServer, schema: str
+) -> None:
+    store = await PostgresIamStore.connect(pg_server.dsn, schema=schema)
+    await store.create_project("root", "p", Quota(sandboxes=3))
+    await store.close()
+    conn = await asyncpg.connect(pg_server.dsn)
+    try:  # the table as the release before the storage quota made it
+        await conn.execute(f"ALTER TABLE {schema}.projects DROP COLUMN max_storage_mib")
+    finally:
+        await conn.close()
+    store = await PostgresIamStore.connect(pg_server.dsn, schema=schema)
+    try:
+        assert (await store.get_project("root/p")).quota == Quota(sandboxes=3)
+        await store.set_quota("root/p", Quota(sandboxes=3, storage_mib=7))
+        assert (await store.get_project("root/p")).quota.storage_mib == 7
+    finally:
+        await store.close()
 
 
 async def test_open_iam_store_opens_postgres_urls(pg_server: PgServer) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.iam import IamStore, open_iam_store
+from dsec.iam import IamStore, Quota, open_iam_store
 from dsec.iam.sqlite import SqliteIamStore
 from dsec.protocol.errors import InvalidRequest
 
@@ -70,6 +70,24 @@ async def test_a_file_of_the_old_schema_is_upgraded_and_its_keys_keep_working(tm
         assert principal.project == "root" and principal.admin and principal.key_id == digest[:16]
         assert await store.revoke_key(digest[:16])
         assert not await store.is_valid("dsec_old")
+    finally:
+        await store.close()
+
+
+async def test_a_file_of_schema_3_gains_the_storage_quota_and_keeps_its_quotas(tmp_path: Path) -> None:
+    path = tmp_path / "iam.sqlite"
+    store = SqliteIamStore(path)
+    await store.create_project("root", "p", Quota(sandboxes=3, memory_mib=512))
+    await store.close()
+    old = sqlite3.connect(path)  # back to version 3: the storage column did not exist yet
+    old.execute("ALTER TABLE projects DROP COLUMN max_storage_mib")
+    old.execute("PRAGMA user_version=3")
+    old.close()
+    store = SqliteIamStore(path)
+    try:
+        assert (await store.get_project("root/p")).quota == Quota(sandboxes=3, memory_mib=512)
+        await store.set_quota("root/p", Quota(sandboxes=3, memory_mib=512, storage_mib=7))
+        assert (await store.get_project("root/p")).quota.storage_mib == 7
     finally:
         await store.close()
 

@@ -348,11 +348,13 @@ def apply_oci(layers: list[bytes]) -> Tree:
             base = posixpath.basename(name)
             if not name or base.startswith(".wh."):
                 continue
+            if (m.ischr() or m.isblk()) and (m.devmajor, m.devminor) != (0, 0):
+                continue  # device nodes are stripped at import (dsec.images.sanitize)
             xattrs = tuple(
                 sorted(
                     (k[len("SCHILY.xattr.") :], v.encode("utf-8", "surrogateescape"))
                     for k, v in m.pax_headers.items()
-                    if k.startswith("SCHILY.xattr.")
+                    if k.startswith("SCHILY.xattr.") and k != "SCHILY.xattr.security.capability"
                 )
             )
             if m.islnk():

@@ -63,6 +63,7 @@ class Nodes:
         node = EmbeddedNode(self.config(name, **edge), backend=backend or self.backend(name))
         if not node.store.has_tag(TINY):
             node.store.import_path(self.layer_src, TINY)
+        node.store.mark_public(TINY)  # every test project's base, as `dsec base` makes its own
         await node.start()
         self.started.append(node)
         return node

@@ -76,6 +76,7 @@ class Cluster:
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     store = LayerStore(tmp_path / "layers")  # stands in for the shared store every node mounts
     store.import_path(build_tiny_layer(tmp_path / "tiny"), TINY)
+    store.mark_public(TINY)  # the projects' shared base
     iam_url = str(tmp_path / "iam.sqlite")  # PostgreSQL in a real cluster: one IAM for all
     iam = await open_iam_store(iam_url)
     key = await iam.issue_key(admin=True)

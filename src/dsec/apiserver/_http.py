@@ -13,13 +13,14 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from dsec.iam import IamStore, Principal
-from dsec.protocol.errors import Forbidden, InvalidRequest
-from dsec.protocol.http import label_filter, respond
+from dsec.protocol.errors import Forbidden, TooLarge
+from dsec.protocol.http import file_mode_param, label_filter, respond, text_param
 
 __all__ = [
     "IAM_KEY",
     "PRINCIPAL",
     "body_to_file",
+    "file_mode_param",
     "label_filter",
     "query_param",
     "read_body",
@@ -46,10 +47,8 @@ def require_admin(request: web.Request) -> None:
 
 
 def query_param(request: web.Request, name: str) -> str:
-    value = request.query.get(name)
-    if not value:
-        raise InvalidRequest(f"query parameter {name!r} is required")
-    return value
+    """A required query parameter; a path or reference, so without NUL (``text_param``)."""
+    return text_param(request, name)
 
 
 async def stream_bytes(
@@ -73,11 +72,22 @@ async def stream_bytes(
 
 
 @contextlib.asynccontextmanager
-async def body_to_file(request: web.Request, directory: Path, suffix: str) -> AsyncIterator[Path]:
+async def body_to_file(
+    request: web.Request, directory: Path, suffix: str, *, max_bytes: int | None = None
+) -> AsyncIterator[Path]:
     """The request body streamed into a temporary file in ``directory`` (never whole in
-    memory, written off the event loop); the file is removed when the block ends."""
+    memory, written off the event loop); the file is removed when the block ends.
+
+    A body longer than ``max_bytes`` is ``TooLarge`` (413), told by its Content-Length before
+    anything is read, or as soon as the bytes received pass it (chunked bodies have none)."""
+    if max_bytes is not None and (request.content_length or 0) > max_bytes:
+        raise TooLarge(f"the upload is {request.content_length} bytes; the cap is {max_bytes}")
     with tempfile.NamedTemporaryFile(dir=directory, suffix=suffix) as tmp:
+        received = 0
         async for chunk in request.content.iter_chunked(_CHUNK):
+            received += len(chunk)
+            if max_bytes is not None and received > max_bytes:
+                raise TooLarge(f"the upload is more than {max_bytes} bytes, the cap")
             await asyncio.to_thread(tmp.write, chunk)
         await asyncio.to_thread(tmp.flush)
         yield Path(tmp.name)

@@ -30,7 +30,8 @@ from dsec.apiserver.e2b.envd import is_envd_path
 from dsec.apiserver.e2b.front import e2b_errors_middleware
 from dsec.apiserver.fncall import FnCallRoutes
 from dsec.apiserver.jobs import JobRoutes
-from dsec.apiserver.projects import ProjectRoutes
+from dsec.apiserver.layer_access import LayerLimits, layer_viewer
+from dsec.apiserver.projects import ProjectRoutes, sync_storage_quotas
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.apiserver.tenancy import Tenancy
 from dsec.apiserver.vm_images import VmImageRoutes, vm_image_store
@@ -46,6 +47,7 @@ from dsec.protocol.errors import (
 )
 from dsec.protocol.models import (
     GcRequest,
+    LayerInfo,
     RetagRequest,
     invalid_request,
 )
@@ -54,6 +56,7 @@ log = logging.getLogger("dsec.apiserver")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _CHUNK = 1 << 20
 CLUSTER_PREFIX = "/cluster/v1/"
+_MAX_MERGE_MB = 1 << 20
 
 
 @web.middleware
@@ -101,13 +104,15 @@ class ApiServer:
         iam: IamStore,
         *,
         e2b: E2BOptions | None = None,
+        layer_limits: LayerLimits | None = None,
     ) -> None:
         self.edges = edges
         self.placement = placement
         self.store = store
         self.iam = iam
+        self.layer_limits = layer_limits or LayerLimits()
         self.tenancy = Tenancy(iam)
-        self.sandboxes = SandboxRoutes(edges, placement, self.tenancy)
+        self.sandboxes = SandboxRoutes(edges, placement, self.tenancy, store)
         self.fncalls = FnCallRoutes(edges, placement)
         self.e2b = E2BFront(self.sandboxes, store, e2b)
 
@@ -128,9 +133,11 @@ class ApiServer:
         r.add_post("/v1/layers/retag", self.retag)
         r.add_delete("/v1/layers", self.untag)
         r.add_post("/v1/layers/verify", self.verify)
+        r.add_post("/v1/layers/public", self.mark_public)
         r.add_post("/v1/layers/gc", self.gc)
         VmImageRoutes(self.store).register(r)
-        ProjectRoutes(self.iam).register(r)
+        ProjectRoutes(self.iam, self.store).register(r)
+        app.on_startup.append(lambda _: sync_storage_quotas(self.iam, self.store))
         self.e2b.register(r)
         app.on_cleanup.append(lambda _: self.e2b.close())
         return app
@@ -159,7 +166,9 @@ class ApiServer:
     # -- layers -----------------------------------------------------------------------------
 
     async def layers(self, request: web.Request) -> web.Response:
-        return respond(await asyncio.to_thread(self.store.list))
+        """The layers the key's project and its sub-projects own, and the public ones."""
+        viewer = layer_viewer(request[PRINCIPAL])
+        return respond(await asyncio.to_thread(lambda: self.store.list(viewer=viewer)))
 
     async def import_image(self, request: web.Request) -> web.StreamResponse:
         """Import an OCI image (docker save, or an OCI layout tarball) streamed as the body.
@@ -169,11 +178,20 @@ class ApiServer:
         """
         ref = query_param(request, "ref")
         try:
-            merge_below = int(float(request.query.get("merge_below_mb", "0")) * (1 << 20))
+            merge_mb = float(request.query.get("merge_below_mb", "0"))
         except ValueError as exc:
             raise InvalidRequest("merge_below_mb must be a number") from exc
+        # "inf" and 1e400 parse as floats (int() of them raised a 500); a layer is below 1 TiB.
+        if not 0 <= merge_mb <= _MAX_MERGE_MB:
+            raise InvalidRequest(f"merge_below_mb must be from 0 to {_MAX_MERGE_MB}")
+        merge_below = int(merge_mb * (1 << 20))
         selector = request.query.get("image") or None
-        async with body_to_file(request, self.store.tmp_dir, ".tar") as upload:
+        principal = request[PRINCIPAL]
+        await asyncio.to_thread(self.store.check_name, ref, layer_viewer(principal))  # before the upload
+        limits = self.layer_limits
+        async with body_to_file(
+            request, self.store.tmp_dir, ".tar", max_bytes=limits.max_upload_bytes
+        ) as upload:
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
             loop = asyncio.get_running_loop()
@@ -193,6 +211,9 @@ class ApiServer:
                     merge_below_bytes=merge_below,
                     progress=progress,
                     image=selector,
+                    owner=principal.project,
+                    viewer=layer_viewer(principal),
+                    max_bytes=limits.expand_cap(upload.stat().st_size),
                 )
             )
             while not job.done() or not events.empty():
@@ -215,17 +236,38 @@ class ApiServer:
             return resp
 
     async def retag(self, request: web.Request) -> web.Response:
-        require_admin(request)
+        """Move (or create) a tag: one of the key's subtree, to layers the key may see."""
         req: RetagRequest = await read_body(request, RetagRequest)
-        return respond(await asyncio.to_thread(self.store.retag, req.ref, req.target))
+        principal = request[PRINCIPAL]
+        viewer = layer_viewer(principal)
+        return respond(
+            await asyncio.to_thread(
+                lambda: self.store.retag(req.ref, req.target, owner=principal.project, viewer=viewer)
+            )
+        )
 
     async def untag(self, request: web.Request) -> web.Response:
-        require_admin(request)
-        digests = await asyncio.to_thread(self.store.untag, query_param(request, "ref"))
+        viewer = layer_viewer(request[PRINCIPAL])
+        ref = query_param(request, "ref")
+        digests = await asyncio.to_thread(lambda: self.store.untag(ref, viewer=viewer))
         return respond({"untagged": digests})
 
     async def verify(self, request: web.Request) -> web.Response:
-        return respond(await asyncio.to_thread(self.store.verify, query_param(request, "ref")))
+        viewer = layer_viewer(request[PRINCIPAL])
+        ref = query_param(request, "ref")
+        return respond(await asyncio.to_thread(lambda: self.store.verify(ref, viewer=viewer)))
+
+    async def mark_public(self, request: web.Request) -> web.Response:
+        """Make a layer or image (``?ref=``) usable by every project (admin keys only)."""
+        require_admin(request)
+        viewer = layer_viewer(request[PRINCIPAL])
+        ref = query_param(request, "ref")
+
+        def mark() -> list[LayerInfo]:
+            self.store.resolve_image(ref, viewer=viewer)  # the admin's own scope: not found else
+            return self.store.mark_public(ref)
+
+        return respond(await asyncio.to_thread(mark))
 
     async def gc(self, request: web.Request) -> web.Response:
         """Delete blobs no tag names and no node uses; every edge reports what it has mounted."""
@@ -242,8 +284,22 @@ class ApiServer:
         return respond({"removed": removed, "in_use": sorted(in_use)})
 
     async def import_layer(self, request: web.Request) -> web.Response:
-        """Import a tar archive streamed as the request body as layer ``?ref=name:version``."""
+        """Import a tar archive streamed as the request body as layer ``?ref=name:version``,
+        owned by the key's project; capped in upload and in expanded size (413 past either)."""
         ref = query_param(request, "ref")
-        async with body_to_file(request, self.store.tmp_dir, ".tar") as upload:
-            info = await asyncio.to_thread(self.store.import_path, upload, ref)
+        principal = request[PRINCIPAL]
+        viewer = layer_viewer(principal)
+        await asyncio.to_thread(
+            self.store.check_name, ref, viewer
+        )  # before the upload: the name may be taken
+        limits = self.layer_limits
+        async with body_to_file(
+            request, self.store.tmp_dir, ".tar", max_bytes=limits.max_upload_bytes
+        ) as upload:
+            cap = limits.expand_cap(upload.stat().st_size)
+            info = await asyncio.to_thread(
+                lambda: self.store.import_path(
+                    upload, ref, owner=principal.project, viewer=viewer, max_bytes=cap
+                )
+            )
         return respond(info, status=201)

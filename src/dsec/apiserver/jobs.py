@@ -17,7 +17,7 @@ from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
-from dsec.protocol.http import count_param
+from dsec.protocol.http import MAX_TRAJECTORY_PAGE, count_param, text_param
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
@@ -66,12 +66,13 @@ class JobRoutes:
 
     async def trajectory(self, request: web.Request) -> web.Response:
         link, sid = await self.sandboxes.owned(request)
-        after, limit = count_param(request, "after", 0), count_param(request, "limit", 1000)
+        after = count_param(request, "after", 0)
+        limit = count_param(request, "limit", 1000, maximum=MAX_TRAJECTORY_PAGE)
         return respond(await link.trajectory(sid, after, limit))
 
     async def changes(self, request: web.Request) -> web.Response:
         link, sid = await self.sandboxes.owned(request)
-        return respond(await link.changes(sid, request.query.get("under", "/")))
+        return respond(await link.changes(sid, text_param(request, "under", "/")))
 
     async def fork(self, request: web.Request) -> web.Response:
         """``count`` new sandboxes with the sandbox's disk state: its changes are packed once

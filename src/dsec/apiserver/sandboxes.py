@@ -14,13 +14,25 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from dsec.apiserver._http import PRINCIPAL, label_filter, query_param, read_body, respond, stream_bytes
+from dsec.apiserver._http import (
+    PRINCIPAL,
+    file_mode_param,
+    label_filter,
+    query_param,
+    read_body,
+    respond,
+    stream_bytes,
+)
+from dsec.apiserver.layer_access import admit_layers
 from dsec.apiserver.remote_edge import never_reached_edge
 from dsec.apiserver.tenancy import Tenancy
+from dsec.edge.admission import NEVER_FITS
 from dsec.edge.link import EdgeLink
 from dsec.iam import Principal
+from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest, SandboxNotFound
+from dsec.protocol.http import flag_param
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     BatchCreateRequest,
@@ -44,15 +56,22 @@ UNREACHABLE_HEADER = "X-DSec-Unreachable-Nodes"
 
 
 async def attempt_on(
-    placement: Placement, node: str, tried: set[str], call: Callable[[], Awaitable[T]]
+    placement: Placement,
+    node: str,
+    tried: set[str],
+    call: Callable[[], Awaitable[T]],
+    never_fits: list[CapacityExhausted] | None = None,
 ) -> T | None:
     """``call`` on ``node``; None when the node refused it before doing anything (add it to
     ``tried`` and place again): the edge has the final word, and a node that is down never
-    saw the request. Any other failure is raised: the work may have happened there."""
+    saw the request. Any other failure is raised: the work may have happened there. Refusals
+    of what the node could never take go to ``never_fits``."""
     with placement.reserve(node):
         try:
             return await call()
-        except CapacityExhausted:
+        except CapacityExhausted as exc:
+            if never_fits is not None and exc.reason == NEVER_FITS:
+                never_fits.append(exc)
             tried.add(node)
         except InfraFailure as exc:
             if not never_reached_edge(exc):
@@ -62,10 +81,17 @@ async def attempt_on(
 
 
 class SandboxRoutes:
-    def __init__(self, links: Mapping[str, EdgeLink], placement: Placement, tenancy: Tenancy) -> None:
+    def __init__(
+        self,
+        links: Mapping[str, EdgeLink],
+        placement: Placement,
+        tenancy: Tenancy,
+        store: LayerStore | None = None,
+    ) -> None:
         self.links = links
         self.placement = placement
         self.tenancy = tenancy
+        self.store = store  # None: no layer checks (tests that drive routes without a store)
         self._projects: dict[str, str] = {}  # sandbox ID -> project, oldest first
 
     def register(self, r: web.UrlDispatcher) -> None:
@@ -120,7 +146,7 @@ class SandboxRoutes:
     async def create(self, request: web.Request) -> web.Response:
         req = await read_body(request, CreateRequest)
         principal = request[PRINCIPAL]
-        spec = self.tenancy.admit(principal, req.project, req.spec)
+        spec = await self.admit_layers(principal, self.tenancy.admit(principal, req.project, req.spec))
         return respond(await self._create(principal, spec, req.timeout), status=201)
 
     async def create_batch(self, request: web.Request) -> web.Response:
@@ -132,8 +158,13 @@ class SandboxRoutes:
         """
         req = await read_body(request, BatchCreateRequest)
         principal = request[PRINCIPAL]
-        spec = self.tenancy.admit(principal, req.project, req.spec)
+        spec = await self.admit_layers(principal, self.tenancy.admit(principal, req.project, req.spec))
         return respond(await self.create_many(principal, spec, req.count, req.timeout), status=201)
+
+    async def admit_layers(self, principal: Principal, spec: ContainerSpec) -> ContainerSpec:
+        """``spec`` if the key may use its layers (LayerNotFound else), digests pinned; a fork
+        skips this: its copies run on the layers the source already runs on."""
+        return spec if self.store is None else await admit_layers(self.store, principal, spec)
 
     async def create_many(
         self, principal: Principal, spec: ContainerSpec, count: int, timeout: float
@@ -157,12 +188,19 @@ class SandboxRoutes:
         tag = SandboxId.new_tag()  # the sandbox keeps it on whichever node takes it
         reserved: str | None = None
         tried: set[str] = set()
+        never_fits: list[CapacityExhausted] = []
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    node = await self.placement.choose(
-                        spec.type, tried, spec.hardware, tuple(spec.required_capabilities())
-                    )
+                    try:
+                        node = await self.placement.choose(
+                            spec.type, tried, spec.hardware, tuple(spec.required_capabilities())
+                        )
+                    except CapacityExhausted as exc:
+                        if never_fits and len(never_fits) == len(tried):
+                            # Every node asked can never take it: waiting will not help.
+                            raise InvalidRequest(never_fits[-1].message) from exc
+                        raise
                     epoch = self.links[node].epoch
                     if epoch is None:  # never reached: no ID can be made for it yet
                         tried.add(node)
@@ -173,7 +211,7 @@ class SandboxRoutes:
                     elif reserved != sid:
                         await self.tenancy.move(reserved, sid)
                     reserved = sid
-                    info = await self._create_on(node, spec, sid, tried)
+                    info = await self._create_on(node, spec, sid, tried, never_fits)
                     if info is not None:
                         break
         except BaseException:
@@ -185,9 +223,10 @@ class SandboxRoutes:
         return info
 
     async def _create_on(
-        self, node: str, spec: ContainerSpec, sid: str, tried: set[str]
+        self, node: str, spec: ContainerSpec, sid: str, tried: set[str], never_fits: list[CapacityExhausted]
     ) -> SandboxInfo | None:
-        return await attempt_on(self.placement, node, tried, lambda: self.links[node].create(spec, sid))
+        call = lambda: self.links[node].create(spec, sid)  # noqa: E731
+        return await attempt_on(self.placement, node, tried, call, never_fits)
 
     async def list(self, request: web.Request) -> web.Response:
         """Running sandboxes on every node; nodes that did not answer are named in a header."""
@@ -294,10 +333,7 @@ class SandboxRoutes:
 
     async def upload(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)
-        try:
-            mode = int(request.query.get("mode", "644"), 8)
-        except ValueError as exc:
-            raise InvalidRequest("mode must be octal, e.g. 644") from exc
+        mode = file_mode_param(request)
         path = query_param(request, "path")
         info = await link.write_stream(sid, path, request.content.iter_chunked(_CHUNK), mode=mode)
         return respond(info, status=201)
@@ -312,12 +348,12 @@ class SandboxRoutes:
 
     async def mkdir(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)
-        parents = request.query.get("parents", "true") == "true"
+        parents = flag_param(request, "parents", True)
         return respond(await link.mkdir(sid, query_param(request, "path"), parents=parents), status=201)
 
     async def remove(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)
-        recursive = request.query.get("recursive", "false") == "true"
+        recursive = flag_param(request, "recursive", False)
         await link.remove(sid, query_param(request, "path"), recursive=recursive)
         return respond({"removed": True})
 

@@ -16,9 +16,11 @@ from rich.table import Table
 from dsec.apiserver.embedded import NodeConfig
 from dsec.cli._common import _client_call, _fail, console
 from dsec.cli._node_options import (
+    DEFAULT_DISK_LIMIT_MB,
     AccelOption,
     AdmissionOption,
     AgentChannelOption,
+    DefaultDiskOption,
     EgressOption,
     KsmOption,
     MicroVMOption,
@@ -86,6 +88,7 @@ def up(
     ksm: KsmOption = True,
     egress: EgressOption = None,
     admission: AdmissionOption = "",
+    default_disk_limit_mb: DefaultDiskOption = DEFAULT_DISK_LIMIT_MB,
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
@@ -111,6 +114,7 @@ def up(
             "swap": _swap(swap),
             "ksm": ksm,
             "egress": _egress(egress),
+            "default_disk_limit_mb": default_disk_limit_mb or None,
             **_admission(admission),
         },
         microvm=microvm,
@@ -180,6 +184,7 @@ def edge_cmd(
     ksm: KsmOption = True,
     egress: EgressOption = None,
     admission: AdmissionOption = "",
+    default_disk_limit_mb: DefaultDiskOption = DEFAULT_DISK_LIMIT_MB,
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
@@ -208,6 +213,7 @@ def edge_cmd(
             "swap": _swap(swap),
             "ksm": ksm,
             "egress": _egress(egress),
+            "default_disk_limit_mb": default_disk_limit_mb or None,
             **_admission(admission),
         },
         microvm=microvm,

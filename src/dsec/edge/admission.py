@@ -23,11 +23,15 @@ from dsec.protocol.errors import CapacityExhausted, DSecError
 from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
+    from dsec.backends.base import Backend
     from dsec.edge.edge import EdgeConfig
     from dsec.edge.tally import LiveSandboxes
 
 log = logging.getLogger("dsec.edge")
 MiB = 1 << 20
+# CapacityExhausted's reason when no amount of waiting or pausing makes room: the apiserver
+# tries other nodes, and answers InvalidRequest if none of them could ever take it either.
+NEVER_FITS = "never_fits"
 
 
 def mem_available_bytes() -> int:
@@ -50,12 +54,41 @@ class Admission:
         _live: LiveSandboxes
         _creating: int
 
-        async def pause(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...
+        async def pause(
+            self, sandbox_id: str, *, reason: str = ..., drain_s: float | None = ...
+        ) -> SandboxInfo: ...
 
     # What the node has; replaced in tests to simulate a small or a pressed node.
     available_memory: Callable[[], int] = staticmethod(mem_available_bytes)
     total_memory: Callable[[], int] = staticmethod(mem_total_bytes)
     _reserved: tuple[int, float] = (0, 0.0)  # admitted creates not running yet
+    _enforces_disk: dict[str, bool] | None = None  # backend name -> can it enforce disk_limit_mb
+    _default_disk_cap: int = 1 << 30  # MiB: the quota file system's size, once asked
+
+    def with_default_disk(self, spec: ContainerSpec, backend: Backend) -> ContainerSpec:
+        """``spec`` with the node's ``default_disk_limit_mb`` if it sets no limit of its own:
+        without one, a sandbox's writes grow the node's disk without bound (its writable layer
+        is a plain directory there). Where the node cannot enforce a limit (no btrfs or loop
+        devices), sandboxes run unbounded as before rather than not at all (one warning)."""
+        default = self.config.default_disk_limit_mb
+        if default is None or spec.type != "container" or spec.disk_limit_mb is not None:
+            return spec
+        if self._enforces_disk is None:
+            self._enforces_disk = {}
+        can = self._enforces_disk.get(backend.name)
+        if can is None:
+            caps = backend.capabilities()
+            can = self._enforces_disk[backend.name] = bool(caps.get("disk_quota"))
+            if not can:
+                log.warning(
+                    "default_disk_limit_mb=%d is not applied: this node cannot enforce disk limits", default
+                )
+            # A default larger than the quota file system would refuse every create that asked
+            # for no limit (a small disk): the file system's size is then the default.
+            self._default_disk_cap = int(caps.get("disk_quota_mb") or default)
+        return (
+            spec.model_copy(update={"disk_limit_mb": min(default, self._default_disk_cap)}) if can else spec
+        )
 
     def committed(self) -> tuple[int, float]:
         """(memory bytes, CPU cores) the running sandboxes may use at most."""
@@ -65,6 +98,13 @@ class Admission:
                 mem += live.record.spec.memory_limit_mb * MiB
                 cpu += live.record.spec.cpu_cores_limit
         return mem, cpu
+
+    def memory_limit_ceiling(self) -> int:
+        """The largest memory limit (bytes) one sandbox may have here: the node's RAM (a limit
+        above it limits nothing: 976 GiB on a 24 GiB node was admitted), or less where the
+        operator caps all limits together below the RAM (``memory_overcommit`` < 1)."""
+        ratio = self.config.memory_overcommit
+        return int(self.total_memory() * min(1.0, ratio if ratio is not None else 1.0))
 
     def _fits(self, spec: ContainerSpec) -> str | None:
         mem_ratio, cpu_ratio = self.config.memory_overcommit, self.config.cpu_overcommit
@@ -84,6 +124,13 @@ class Admission:
     async def _admitted(self, spec: ContainerSpec) -> AsyncIterator[None]:
         """Room for ``spec`` while it is created (held until it runs and counts by itself),
         made by pausing idle sandboxes if need be; else CapacityExhausted."""
+        ceiling = self.memory_limit_ceiling()
+        if spec.memory_limit_mb * MiB > ceiling:
+            raise CapacityExhausted(
+                f"memory_limit_mb={spec.memory_limit_mb} is more than node {self.config.node} can give"
+                f" one sandbox ({ceiling // MiB} MiB)",
+                reason=NEVER_FITS,
+            )
         if len(self._live) + self._creating >= self.config.max_sandboxes:
             full = f"{self.config.max_sandboxes} sandboxes"
             raise CapacityExhausted(f"node {self.config.node} is full ({full})")
@@ -122,7 +169,9 @@ class Admission:
         ]
         for live in sorted(idle, key=lambda lv: lv.record.last_active_at):
             try:
-                info = await self.pause(live.record.id, reason=reason)
+                # No drain: it picked a sandbox with no command running, and a reaper pass must
+                # not wait on one that starts meanwhile (it freezes and resumes with the sandbox).
+                info = await self.pause(live.record.id, reason=reason, drain_s=0)
             except DSecError as exc:
                 log.warning("pausing %s (%s) failed: %s", live.record.id, reason, exc)
                 continue

@@ -12,32 +12,33 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import shutil
-import stat
 import subprocess
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.backends.base import Display, HoldsSessions, sandbox_env
+from dsec.edge.changes import NODE_TOOLS, check_under, walk_changes
 from dsec.executor.file_ops import FileOps
 from dsec.executor.process import DEFAULT_MAX_OUTPUT, SandboxProcess, run_streaming
 from dsec.executor.session import DRIVER, Session
+from dsec.iam.base import in_subtree
 from dsec.images.commit import DEFAULT_SCRUB, scrub
 from dsec.images.refs import parse_tag
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, SandboxNotFound
 from dsec.protocol.models import (
+    DEFAULT_PROJECT,
+    PROJECT_LABEL,
     Change,
-    ChangeKind,
     CommandResult,
     CommitRequest,
     ContainerSpec,
     ExecEvent,
-    FileType,
     InputEvent,
     LayerInfo,
     SandboxInfo,
+    SandboxState,
     ShellRequest,
     TrajectoryEntry,
 )
@@ -52,8 +53,6 @@ if TYPE_CHECKING:
     from dsec.images.store import LayerStore
 
 log = logging.getLogger("dsec.edge")
-_NODE_TOOLS = ".dsec"  # the node's read-only tool mount point: never part of a sandbox's state
-_OPAQUE = "trusted.overlay.opaque"
 _VERSION_RETRIES = 20
 
 
@@ -90,6 +89,9 @@ class Commands:
         recorder: Recorder
 
         async def _use(self, sandbox_id: str) -> _Live: ...
+        def _working(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
+        def _starting(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
+        def _held_still(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
         def _get_live(self, sandbox_id: str) -> _Live: ...
         def _workdir(self, sandbox_id: str) -> Path: ...
         def get(self, sandbox_id: str) -> SandboxInfo: ...
@@ -109,25 +111,28 @@ class Commands:
         shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
         backend = self.backend_of(rec)
         start = backend.spawn_session if isinstance(backend, HoldsSessions) else backend.spawn
-        return await start(
-            sandbox_id,
-            rec.handle,
-            [shell, "-c", DRIVER],
-            env=sandbox_env(rec.spec, live.user),
-            cwd=live.user.home,
-            user=live.user,
-        )
+        async with self._starting(sandbox_id):
+            try:
+                return await start(
+                    sandbox_id,
+                    rec.handle,
+                    [shell, "-c", DRIVER],
+                    env=sandbox_env(rec.spec, live.user),
+                    cwd=live.user.home,
+                    user=live.user,
+                )
+            except InfraFailure as exc:
+                raise _gone_or(live, exc) from exc
 
     async def _run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
-        live = await self._use(sandbox_id)
-        session = live.sessions.get(req.session)
-        if session is None:
-            # A partial, not a closure: one object per session, thousands held (decisions.md).
-            spawn = functools.partial(self._spawn_session_shell, sandbox_id, live)
-            session = live.sessions[req.session] = Session(req.session, spawn)
-        timeout = req.timeout or self.config.default_shell_timeout_s
-        cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
-        with live.working():
+        async with self._working(sandbox_id) as live:
+            session = live.sessions.get(req.session)
+            if session is None:
+                # A partial, not a closure: one object per session, thousands held (decisions.md).
+                spawn = functools.partial(self._spawn_session_shell, sandbox_id, live)
+                session = live.sessions[req.session] = Session(req.session, spawn)
+            timeout = req.timeout or self.config.default_shell_timeout_s
+            cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
             return await session.run(
                 req.command,
                 timeout=timeout,
@@ -181,17 +186,20 @@ class Commands:
         timeout: float | None,
         max_output: int | None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        live = await self._use(sandbox_id)
-        with live.working():
+        async with self._working(sandbox_id) as live:
             backend = self.backend_of(live.record)
-            proc = await backend.spawn(
-                sandbox_id,
-                live.record.handle,
-                argv,
-                env=sandbox_env(live.record.spec, live.user, env),
-                cwd=cwd or live.user.home,
-                user=live.user,
-            )
+            async with self._starting(sandbox_id):
+                try:
+                    proc = await backend.spawn(
+                        sandbox_id,
+                        live.record.handle,
+                        argv,
+                        env=sandbox_env(live.record.spec, live.user, env),
+                        cwd=cwd or live.user.home,
+                        user=live.user,
+                    )
+                except InfraFailure as exc:
+                    raise _gone_or(live, exc) from exc
             events = run_streaming(
                 proc,
                 stdin=stdin,
@@ -216,7 +224,7 @@ class Commands:
     async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
         """Pack what the sandbox changed into layer ``req.ref`` (a bare name: the next version),
         residue scrubbed from the packed copy. The sandbox keeps running, untouched."""
-        patterns = [_NODE_TOOLS, *(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
+        patterns = [NODE_TOOLS, *(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
 
         async def run() -> dict[str, Any]:
             return (await self._pack(sandbox_id, req.ref, patterns)).model_dump()
@@ -232,13 +240,12 @@ class Commands:
         return rec.spec.model_copy(update={"image": None, "layers": [*rec.layers, info.digest]}), info
 
     async def _pack(self, sandbox_id: str, ref: str, patterns: list[str]) -> LayerInfo:
-        live = await self._use(sandbox_id)
-        backend = self.backend_of(live.record)
         work = self._workdir(sandbox_id)
         staging = work / "pack"
         if ":" not in ref:
             parse_tag(f"{ref}:1")  # a bad name fails before the sandbox is frozen
-        with live.working():
+        async with self._held_still(sandbox_id) as live:
+            backend = self.backend_of(live.record)
             async with backend.writable_layer(sandbox_id, live.record.handle, work) as upper:
                 try:
                     await asyncio.to_thread(_link_copy, upper, staging)
@@ -246,18 +253,22 @@ class Commands:
                     log.info("pack %s: scrubbed %d entries", sandbox_id, len(removed))
                     # Still inside: the copy may share inodes with the sandbox, which must not
                     # write into them before mkfs has read them.
-                    return await asyncio.to_thread(self._import_versioned, staging, ref)
+                    owner = live.record.spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT)
+                    return await asyncio.to_thread(self._import_versioned, staging, ref, owner)
                 finally:
                     await asyncio.to_thread(shutil.rmtree, staging, True)
 
-    def _import_versioned(self, path: Path, ref: str) -> LayerInfo:
+    def _import_versioned(self, path: Path, ref: str, owner: str) -> LayerInfo:
+        """Import the packed changes as ``ref`` (a bare name: its next version), owned by the
+        sandbox's project, under a name that project's subtree owns (Conflict otherwise)."""
+        viewer = functools.partial(in_subtree, top=owner)  # what the sandbox's project may see
         if ":" in ref:
-            return self.store.import_path(path, ref)
+            return self.store.import_path(path, ref, owner=owner, viewer=viewer)
         for _ in range(_VERSION_RETRIES):
             taken = [int(v) for v in self.store.catalogue.versions(ref) if v.isdigit()]
             version = max(taken, default=0) + 1
             try:
-                return self.store.import_path(path, f"{ref}:{version}")
+                return self.store.import_path(path, f"{ref}:{version}", owner=owner, viewer=viewer)
             except InvalidRequest:
                 # Another pack took this version between our listing and our tag: next one.
                 if str(version) not in self.store.catalogue.versions(ref):
@@ -267,13 +278,14 @@ class Commands:
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
         """What the sandbox changed relative to its layers, read from its upper directory on
         the host (nothing inside the sandbox can hide a change from this), below ``under``."""
-        if not under.startswith("/") or ".." in under.split("/"):
-            raise InvalidRequest(f"under={under!r}: give an absolute path without '..'")
-        live = await self._use(sandbox_id)
-        lowers = [self.mounts.path_for(d) for d in reversed(live.record.layers)]
-        backend = self.backend_of(live.record)
-        async with backend.writable_layer(sandbox_id, live.record.handle, self._workdir(sandbox_id)) as upper:
-            return await asyncio.to_thread(_walk_changes, upper, lowers, under.rstrip("/") or "/")
+        under = check_under(under)
+        async with self._held_still(sandbox_id) as live:
+            lowers = [self.mounts.path_for(d) for d in reversed(live.record.layers)]
+            backend = self.backend_of(live.record)
+            async with backend.writable_layer(
+                sandbox_id, live.record.handle, self._workdir(sandbox_id)
+            ) as upper:
+                return await asyncio.to_thread(walk_changes, upper, lowers, under)
 
     async def files_ready(self, sandbox_id: str) -> FileOps:
         """File access to a sandbox (as its user), resumed first if it was paused."""
@@ -310,6 +322,14 @@ class Commands:
         return await self.backend_of(live.record).files(live.record.handle, live.user).exists(path)
 
 
+def _gone_or(live: _Live, exc: InfraFailure) -> DSecError:
+    """A start that failed because the sandbox went (a stop, its init's death) meanwhile is a
+    missing sandbox for the caller, not the platform's failure."""
+    if live.record.state in (SandboxState.running, SandboxState.paused):
+        return exc
+    return SandboxNotFound(f"sandbox {live.record.id} stopped while a command started in it")
+
+
 def _link_copy(upper: Path, staging: Path) -> None:
     """A copy of ``upper`` made of hard links (directories and their overlay xattrs copied):
     instant, and scrubbing it cannot touch the sandbox."""
@@ -320,52 +340,3 @@ def _link_copy(upper: Path, staging: Path) -> None:
     )
     if done.returncode != 0:
         raise InfraFailure(f"copying the sandbox's changes failed: {done.stderr.strip()}", reason="storage")
-
-
-def _ftype(mode: int) -> FileType:
-    if stat.S_ISDIR(mode):
-        return FileType.dir
-    if stat.S_ISREG(mode):
-        return FileType.file
-    if stat.S_ISLNK(mode):
-        return FileType.symlink
-    return FileType.other
-
-
-def _in_lower(lowers: list[Path], rel: str) -> bool:
-    return any(os.path.lexists(lower / rel) for lower in lowers)
-
-
-def _walk_changes(upper: Path, lowers: list[Path], under: str) -> list[Change]:
-    out: list[Change] = []
-    start = upper / under.lstrip("/") if under != "/" else upper
-    if not start.is_dir() or start.is_symlink():
-        return out
-    for dirpath, dirnames, filenames in os.walk(start):
-        rel_dir = os.path.relpath(dirpath, upper)
-        if rel_dir == _NODE_TOOLS or rel_dir.startswith(_NODE_TOOLS + "/"):
-            dirnames.clear()
-            continue
-        for name in sorted(dirnames + filenames):
-            full = os.path.join(dirpath, name)
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            if rel == _NODE_TOOLS:
-                continue
-            st = os.lstat(full)
-            path = "/" + rel
-            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # an overlay whiteout
-                out.append(Change(path=path, kind=ChangeKind.deleted, type=FileType.other))
-            elif stat.S_ISDIR(st.st_mode):
-                opaque = False
-                with contextlib.suppress(OSError):
-                    opaque = os.getxattr(full, _OPAQUE, follow_symlinks=False) == b"y"
-                if opaque and _in_lower(lowers, rel):
-                    # Replaced as a whole ("rm -rf d; mkdir d"): gone, then made again.
-                    out.append(Change(path=path, kind=ChangeKind.deleted, type=FileType.dir))
-                    out.append(Change(path=path, kind=ChangeKind.added, type=FileType.dir))
-                elif not _in_lower(lowers, rel):
-                    out.append(Change(path=path, kind=ChangeKind.added, type=FileType.dir))
-            else:
-                kind = ChangeKind.modified if _in_lower(lowers, rel) else ChangeKind.added
-                out.append(Change(path=path, kind=kind, type=_ftype(st.st_mode)))
-    return sorted(out, key=lambda c: (c.path, c.kind != ChangeKind.deleted))

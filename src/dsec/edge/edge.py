@@ -86,8 +86,14 @@ class EdgeConfig:
     memory_overcommit: float | None = None
     cpu_overcommit: float | None = None
     memory_reserve_mb: int = 512  # below this MemAvailable, the idlest sandboxes are paused
+    # disk_limit_mb of container sandboxes that set none, where the node can enforce one
+    # (admission.py); None: theirs is unbounded. `dsec up`/`dsec edge` default to 10 GiB.
+    default_disk_limit_mb: int | None = None
     pressure_min_idle_s: float = 30.0  # never paused for room sooner after their last use
     pressure_pauses_per_pass: int = 8
+    # How long a caller's pause lets commands under way end before it freezes (edge/pausing.py);
+    # those still running then resume with the sandbox. The reaper's pauses do not wait.
+    pause_drain_s: float = 10.0
 
 
 class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
@@ -286,6 +292,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         by_digest = {layer.digest: layer for layer in stacked}
         layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
         sid = self._new_id(sandbox_id)
+        spec = self.with_default_disk(spec, backend)
         async with self._admitted(spec):
             return await self._start(sid, spec, backend, [layer.digest for layer in layers], backend.create)
 
@@ -443,6 +450,8 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         live = self._live.get(sandbox_id)
         if live is None:
             return self.get(sandbox_id)  # already stopped: stopping twice is not an error
+        live.stop_wanted = True  # a pause waiting for commands to end gives way (pausing.py)
+        live.notify()
         async with live.stopping:
             rec = live.record
             if rec.state not in (SandboxState.running, SandboxState.paused, SandboxState.stopping):
@@ -453,6 +462,11 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 rec.stop_reason = reason
                 rec.paused_at = rec.pause_reason = None
                 self.journal.update(rec)
+            # No process starts from now on; those starting finish joining before it all goes
+            # (their commands then end with the sandbox, instead of failing as the edge's fault).
+            live.notify()
+            while live.entering:
+                await live.changed()
             # A frozen process cannot die: thaw first (a no-op if it was never frozen).
             with contextlib.suppress(DSecError):
                 await self.backend_of(rec).thaw(sandbox_id, rec.handle)

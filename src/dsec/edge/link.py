@@ -20,7 +20,7 @@ the edge knows its current epoch for certain: an apiserver's copy may lag a rest
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from dsec.edge.edge import Edge
@@ -285,7 +285,9 @@ class LocalEdgeLink:
             raise InvalidRequest(f"a bulk {action} needs at least one label")
         ids = [i.id for i in self.edge.list_sandboxes(labels) if in_subtree(i.project, within)]
         gate = asyncio.Semaphore(_BULK_CONCURRENCY)
-        act = {"stop": self.edge.stop, "pause": self.edge.pause, "resume": self.edge.resume}[action]
+        acts: dict[str, Callable[[str], Awaitable[SandboxInfo]]]
+        acts = {"stop": self.edge.stop, "pause": self.edge.pause, "resume": self.edge.resume}
+        act = acts[action]
 
         async def one(sid: str) -> SandboxInfo:
             async with gate:

@@ -7,6 +7,17 @@ and journals ``running``. Any request to a paused sandbox resumes it first, so a
 has to know. The journaled state is re-applied on restart (freeze is idempotent), so a paused
 sandbox stays paused across an edge restart, and one caught mid-pause ends up as journaled.
 
+Pause and work exclude each other (the gate, state on :class:`~dsec.edge.tally._Live`): a
+command counts as work (:meth:`Pausing._working`) from before it starts until it answered, and
+every process the edge starts in the sandbox is a start (:meth:`Pausing._starting`). A pause
+closes the gate to new work, waits for the work under way to end (``pause_drain_s`` for a
+caller's pause, not at all for the reaper's), then waits for the starts under way and freezes;
+work that came meanwhile waits for the pause and resumes the sandbox. A start never meets a
+frozen cgroup (its process would freeze before it ran: "the sandbox is paused", a 500, before
+the gate), and a stop destroys nothing a start is joining (dsec-enter: "joined cgroups differ").
+Work still running when the freeze comes resumes with the sandbox; it does not keep a paused
+sandbox from its idle TTL.
+
 A job lease belongs to a (project, ``job`` label) pair and lives on every node that runs one of
 the job's leased sandboxes. The trainer renews it with one call per job (the apiserver fans it
 out, one request per node). When it lapses, the job's sandboxes pause (a dead trainer frees
@@ -16,8 +27,12 @@ trainer that renews in time and touches a sandbox finds it as it was.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +45,7 @@ from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
+    from dsec.edge.edge import EdgeConfig
     from dsec.edge.journal import Journal, Record
     from dsec.edge.tally import LiveSandboxes, _Live
     from dsec.edge.trajectory import Recorder
@@ -53,6 +69,7 @@ class Pausing:
     """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
 
     if TYPE_CHECKING:
+        config: EdgeConfig
         backend: Backend
         journal: Journal
         recorder: Recorder
@@ -82,11 +99,70 @@ class Pausing:
                 raise SandboxNotFound(f"sandbox {sandbox_id} was stopped")
         return live
 
-    async def pause(self, sandbox_id: str, *, reason: str = "requested") -> SandboxInfo:
+    async def _open(self, sandbox_id: str, *, start: bool) -> _Live:
+        """The sandbox running, with no pause under way that would keep out new work (or, for
+        ``start``, a process start); waits for such a pause and resumes after it. A stop makes
+        it :class:`SandboxNotFound` (``_get_live``). Returns without awaiting after its last
+        check: the caller counts itself in before anything else runs."""
+        while True:
+            live = self._get_live(sandbox_id)
+            shut = live.freezing if start else live.closed
+            if live.record.state is SandboxState.running and not shut:
+                return live
+            if live.record.state is SandboxState.paused and not shut:
+                await self._use(sandbox_id)
+            else:
+                await live.changed()
+
+    @contextlib.asynccontextmanager
+    async def _working(self, sandbox_id: str) -> AsyncIterator[_Live]:
+        """A command of a caller, from its start until its answer: a pause lets it end first
+        (for ``pause_drain_s``); one that comes during a pause waits for it, then resumes."""
+        live = await self._open(sandbox_id, start=False)
+        with live.working():
+            yield live
+
+    @contextlib.asynccontextmanager
+    async def _starting(self, sandbox_id: str) -> AsyncIterator[_Live]:
+        """Around starting a process in the sandbox: never into a frozen cgroup, and a stop
+        waits for it before it destroys the sandbox (the process then dies with it)."""
+        live = await self._open(sandbox_id, start=True)
+        with live.starting():
+            yield live
+
+    @contextlib.asynccontextmanager
+    async def _held_still(self, sandbox_id: str) -> AsyncIterator[_Live]:
+        """Around the edge's own reading of a running sandbox's writable layer (pack, changes),
+        for which the backend freezes it: no process starts meanwhile (it would meet a frozen
+        cgroup), and no pause, resume or stop runs (a pause's freeze and the reading's thaw
+        would undo each other). A paused sandbox is resumed first, as for any request."""
+        while True:
+            live = await self._open(sandbox_id, start=False)
+            async with live.stopping:
+                if live.record.state is not SandboxState.running:
+                    continue  # paused (or pausing) between the look and the lock: round again
+                live.freezing = True
+                try:
+                    await _until(live, functools.partial(_quiet, live), None)
+                    if live.stop_wanted:
+                        raise SandboxNotFound(f"sandbox {sandbox_id} was stopped")
+                    with live.working():
+                        yield live
+                finally:
+                    live.freezing = False
+                    live.notify()
+                return
+
+    async def pause(
+        self, sandbox_id: str, *, reason: str = "requested", drain_s: float | None = None
+    ) -> SandboxInfo:
+        """``drain_s``: how long commands under way may take to end before the freeze (default
+        ``pause_drain_s``); those still running then resume with the sandbox."""
         self._get_live(sandbox_id)  # unknown: an error, not a trajectory entry
+        wait = self.config.pause_drain_s if drain_s is None else drain_s
 
         async def run() -> dict[str, Any]:
-            return (await self._pause(sandbox_id, reason)).model_dump()
+            return (await self._pause(sandbox_id, reason, wait)).model_dump()
 
         out = await self.recorder.call(sandbox_id, "pause", None, {"reason": reason}, run)
         return SandboxInfo.model_validate(out)
@@ -101,7 +177,7 @@ class Pausing:
 
         return SandboxInfo.model_validate(await self.recorder.call(sandbox_id, "resume", None, {}, run))
 
-    async def _pause(self, sandbox_id: str, reason: str) -> SandboxInfo:
+    async def _pause(self, sandbox_id: str, reason: str, drain_s: float) -> SandboxInfo:
         live = self._get_live(sandbox_id)
         async with live.stopping:
             rec = live.record
@@ -110,24 +186,40 @@ class Pausing:
             if rec.state is not SandboxState.running:
                 raise Conflict(f"sandbox {sandbox_id} is {rec.state.value}: it cannot pause")
             started = time.monotonic()
-            backend = self.backend_of(rec)
-            await backend.freeze(sandbox_id, rec.handle)
+            live.closed = True
             try:
-                returned = await backend.page_out(sandbox_id, rec.handle)
-            except Exception as exc:
-                await backend.thaw(sandbox_id, rec.handle)
-                raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason="runtime") from exc
-            rec.state = SandboxState.paused
-            self._live.mark_paused(sandbox_id, True)
-            rec.paused_at = time.time()
-            rec.pause_reason = reason
-            self.journal.update(rec)
-            totals = self.pause_totals
-            totals.pauses += 1
-            totals.returned_bytes += returned
-            totals.last_pause_s = time.monotonic() - started
-            log.info("paused %s (%s): %d MiB out", sandbox_id, reason, returned >> 20)
-            return self._info(rec)
+                await _until(live, lambda: not live.busy or live.stop_wanted, drain_s)
+                live.freezing = True
+                await _until(live, lambda: not live.entering or live.stop_wanted, None)
+                if live.stop_wanted:
+                    raise SandboxNotFound(f"sandbox {sandbox_id} was stopped while it paused")
+                return await self._freeze(live, reason, started)
+            finally:
+                live.closed = live.freezing = False
+                live.notify()
+
+    async def _freeze(self, live: _Live, reason: str, started: float) -> SandboxInfo:
+        rec = live.record
+        sandbox_id = rec.id
+        backend = self.backend_of(rec)
+        await backend.freeze(sandbox_id, rec.handle)
+        try:
+            returned = await backend.page_out(sandbox_id, rec.handle)
+        except Exception as exc:
+            await backend.thaw(sandbox_id, rec.handle)
+            raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason="runtime") from exc
+        rec.state = SandboxState.paused
+        self._live.mark_paused(sandbox_id, True)
+        rec.paused_at = time.time()
+        rec.pause_reason = reason
+        self.journal.update(rec)
+        self.look_again(live)  # its idle TTL counts from now, whatever still runs in it
+        totals = self.pause_totals
+        totals.pauses += 1
+        totals.returned_bytes += returned
+        totals.last_pause_s = time.monotonic() - started
+        log.info("paused %s (%s): %d MiB out", sandbox_id, reason, returned >> 20)
+        return self._info(rec)
 
     async def _resume(self, sandbox_id: str) -> SandboxInfo:
         live = self._get_live(sandbox_id)
@@ -204,3 +296,16 @@ class Pausing:
             elif now >= lease.expires_at:
                 to_pause.extend(sid for sid in held if self._live[sid].record.state is SandboxState.running)
         return to_pause, to_stop
+
+
+async def _until(live: _Live, done: Callable[[], bool], timeout_s: float | None) -> None:
+    """Until ``done()`` holds, checked at each of ``live``'s notifications, or ``timeout_s``."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            while not done():
+                await live.changed()
+
+
+def _quiet(live: _Live) -> bool:
+    """No process is joining the sandbox (or a stop wants it)."""
+    return not live.entering or live.stop_wanted

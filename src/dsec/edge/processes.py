@@ -29,8 +29,8 @@ from dsec.executor.file_ops import FileOps
 from dsec.executor.held import HeldProcess, ProcessTable, set_size
 from dsec.executor.process import SandboxProcess
 from dsec.executor.watch import DirWatch
-from dsec.protocol.errors import DSecError, FileNotFound, InfraFailure, InvalidRequest
-from dsec.protocol.models import FileType
+from dsec.protocol.errors import DSecError, FileNotFound, InfraFailure, InvalidRequest, SandboxNotFound
+from dsec.protocol.models import FileType, SandboxState
 from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize, WatchEvent
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class Processes:
         recorder: Recorder
 
         async def _use(self, sandbox_id: str) -> _Live: ...
+        def _starting(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
         def _get_live(self, sandbox_id: str) -> _Live: ...
         def backend_of(self, rec: Record) -> Backend: ...
 
@@ -85,10 +86,19 @@ class Processes:
         seq = self.recorder.log.begin(sandbox_id, "process", None, request)
         started = time.monotonic()
         try:
-            spawned, master = await self._spawn(sandbox_id, live, backend, req, env, cwd, user)
+            # Never into a frozen sandbox, nor one a stop is taking apart (edge/pausing.py).
+            async with self._starting(sandbox_id):
+                spawned, master = await self._spawn(sandbox_id, live, backend, req, env, cwd, user)
         except BaseException as exc:
             failure = exc if isinstance(exc, DSecError) else InfraFailure(f"process start failed: {exc}")
+            if isinstance(exc, InfraFailure) and live.record.state not in (
+                SandboxState.running,
+                SandboxState.paused,
+            ):  # the sandbox went meanwhile: the caller's answer is that, not the edge's fault
+                failure = SandboxNotFound(f"sandbox {sandbox_id} stopped while the process started")
             self.recorder.log.finish(sandbox_id, seq, error=failure)
+            if isinstance(failure, SandboxNotFound) and failure is not exc:
+                raise failure from exc
             raise
 
         def ended(held: HeldProcess, end: ProcessEvent) -> None:

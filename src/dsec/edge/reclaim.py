@@ -52,7 +52,9 @@ class Reclaimer:
             self, sandbox_id: str, *, reason: str = ..., final: SandboxState = ...
         ) -> SandboxInfo: ...
 
-        async def pause(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...
+        async def pause(
+            self, sandbox_id: str, *, reason: str = ..., drain_s: float | None = ...
+        ) -> SandboxInfo: ...
 
         def lease_actions(self, now: float) -> tuple[list[str], list[str]]: ...
         def _get_live(self, sandbox_id: str) -> _Live: ...
@@ -85,7 +87,7 @@ class Reclaimer:
         rec, spec = live.record, live.record.spec
         if rec.state is SandboxState.stopping:
             return now  # a destroy that failed: the next pass tries again
-        idle_since = now if live.busy else rec.last_active_at
+        idle_since = now if _working(live) else rec.last_active_at
         times = [
             rec.created_at + spec.max_lifetime_s if spec.max_lifetime_s is not None else None,
             rec.deadline_at if rec.state is SandboxState.running else None,
@@ -160,7 +162,7 @@ class Reclaimer:
                     due.append((sid, "deadline"))
             elif (
                 spec.ttl_running_stop is not None
-                and not live.busy
+                and not _working(live)
                 and now - rec.last_active_at >= spec.ttl_running_stop
             ):
                 due.append((sid, "idle_ttl"))
@@ -174,8 +176,10 @@ class Reclaimer:
                 to_pause.append((sid, "idle"))
         due_ids = {sid for sid, _ in due}
         to_pause = [(sid, why) for sid, why in to_pause if sid not in due_ids]
+        # Without waiting for commands to end (those resume with the sandbox): a pass must
+        # not stall on one sandbox, and nobody waits for these pauses.
         paused = await asyncio.gather(
-            *(self.pause(sid, reason=why) for sid, why in to_pause), return_exceptions=True
+            *(self.pause(sid, reason=why, drain_s=0) for sid, why in to_pause), return_exceptions=True
         )
         for (sid, why), res in zip(to_pause, paused, strict=True):
             if isinstance(res, BaseException):
@@ -205,3 +209,10 @@ class Reclaimer:
                 await self.reap_once()
             except Exception:
                 log.exception("reaper pass failed")
+
+
+def _working(live: _Live) -> bool:
+    """Whether the sandbox is busy for its idle TTL: running a command. A command frozen with
+    a paused sandbox is not activity (it waits for a resume that may never come), so a paused
+    sandbox's TTL counts from its pause, or its last request after it."""
+    return bool(live.busy) and live.record.state is not SandboxState.paused

@@ -71,7 +71,16 @@ from dsec.edge.server_processes import ProcessRoutes, stream_ndjson
 from dsec.executor.file_ops import CHUNK
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
-from dsec.protocol.http import count_param, label_filter, listen, respond
+from dsec.protocol.http import (
+    MAX_TRAJECTORY_PAGE,
+    count_param,
+    file_mode_param,
+    flag_param,
+    label_filter,
+    listen,
+    respond,
+    text_param,
+)
 from dsec.protocol.models import (
     CommitRequest,
     DeadlineRequest,
@@ -136,19 +145,11 @@ def _error(exc: DSecError) -> web.Response:
 
 
 def _param(request: web.Request, name: str) -> str:
-    value = request.query.get(name)
-    if not value:
-        raise InvalidRequest(f"query parameter {name!r} is required")
-    return value
+    return text_param(request, name)
 
 
 def _flag(request: web.Request, name: str, default: bool) -> bool:
-    value = request.query.get(name)
-    if value is None:
-        return default
-    if value not in ("true", "false"):
-        raise InvalidRequest(f"query parameter {name!r} must be true or false")
-    return value == "true"
+    return flag_param(request, name, default)
 
 
 @web.middleware
@@ -294,11 +295,12 @@ class EdgeServer:
         return respond(await self.link.set_network_rules(request.match_info["id"], req.network_rules))
 
     async def trajectory(self, request: web.Request) -> web.Response:
-        after, limit = count_param(request, "after", 0), count_param(request, "limit", 1000)
+        after = count_param(request, "after", 0)
+        limit = count_param(request, "limit", 1000, maximum=MAX_TRAJECTORY_PAGE)
         return respond(await self.link.trajectory(request.match_info["id"], after, limit))
 
     async def changes(self, request: web.Request) -> web.Response:
-        return respond(await self.link.changes(request.match_info["id"], request.query.get("under", "/")))
+        return respond(await self.link.changes(request.match_info["id"], text_param(request, "under", "/")))
 
     async def fork_local(self, request: web.Request) -> web.Response:
         req = LocalForkRequest.model_validate_json(await request.read() or b"{}")
@@ -379,10 +381,7 @@ class EdgeServer:
 
     async def upload(self, request: web.Request) -> web.Response:
         path = _param(request, "path")
-        try:
-            mode = int(request.query.get("mode", "644"), 8)
-        except ValueError as exc:
-            raise InvalidRequest("mode must be octal, e.g. 644") from exc
+        mode = file_mode_param(request)
         # The body is pulled as it is written: TCP flow control holds back a faster sender.
         body = request.content.iter_chunked(CHUNK)
         info = await self.link.write_stream(request.match_info["id"], path, body, mode=mode)

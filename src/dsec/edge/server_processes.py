@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from dsec.edge.link import LocalEdgeLink
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest
-from dsec.protocol.http import respond
+from dsec.protocol.http import respond, text_param
 from dsec.protocol.processes import ProcessInput, ProcessSignal, ProcessStart, PtySize
 
 log = logging.getLogger("dsec.edge.server")
@@ -106,9 +106,7 @@ class ProcessRoutes:
         return respond({})
 
     async def watch(self, request: web.Request) -> web.StreamResponse:
-        path = request.query.get("path")
-        if not path:
-            raise InvalidRequest("query parameter 'path' is required")
+        path = text_param(request, "path")
         recursive = request.query.get("recursive", "false")
         if recursive not in ("true", "false"):
             raise InvalidRequest("query parameter 'recursive' must be true or false")

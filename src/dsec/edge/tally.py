@@ -52,11 +52,34 @@ class _Live:
     busy: int = 0  # commands running now: a sandbox running a command is not idle
     # Where activity is noted for the journal: LiveSandboxes.touched once admitted.
     touched: set[str] = field(default_factory=set)
+    # How pause and stop exclude work (edge/pausing.py, "gate"): while a pause is under way no
+    # new command starts (``closed``); once it decided to freeze, no process is started either
+    # (``freezing``: a process that joins a frozen cgroup freezes before it runs); a freeze or
+    # a destroy waits for the starts under way (``entering``); a stop cuts a pause's wait short.
+    closed: bool = False
+    freezing: bool = False
+    entering: int = 0
+    stop_wanted: bool = False
+    # Made by the first waiter only: thousands of sandboxes are held, few are ever waited on.
+    _changed: asyncio.Event | None = None
 
     def touch(self) -> None:
         """Used now: idleness counts from here (the reaper's next pass journals it)."""
         self.record.last_active_at = time.time()
         self.touched.add(self.record.id)
+
+    def notify(self) -> None:
+        """Something a waiter of :meth:`changed` may wait for happened (work ended, a pause or
+        a start finished, a stop began)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def changed(self) -> None:
+        """Until the next :meth:`notify`."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        await self._changed.wait()
 
     @contextlib.contextmanager
     def working(self) -> Iterator[None]:
@@ -66,6 +89,17 @@ class _Live:
         finally:
             self.busy -= 1
             self.touch()
+            self.notify()
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """A process being started in the sandbox (see :meth:`Pausing._starting`)."""
+        self.entering += 1
+        try:
+            yield
+        finally:
+            self.entering -= 1
+            self.notify()
 
 
 class LiveSandboxes(dict[str, _Live]):

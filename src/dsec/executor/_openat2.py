@@ -79,6 +79,10 @@ KERNEL_FS_MAGIC = {
     0xF97CFF8C: "selinuxfs",
     0x1CD1: "devpts",
     0x42494E4D: "binfmt_misc",
+    0x19800202: "mqueue",
+    0x6E736673: "nsfs",
+    0x65735543: "fusectl",
+    0x6C6F6F70: "binderfs",
 }
 
 

@@ -72,6 +72,23 @@ class PipeReader:
             if self._fd >= 0:
                 loop.remove_reader(self._fd)
 
+    def read_now(self) -> bytes:
+        """What the pipe holds at this moment, without waiting (b"" when empty or closed): the
+        rest of what a process that ended wrote, with no wait for an EOF that a child of it
+        holding the pipe may never give. Not while a :meth:`read` waits."""
+        out = bytearray()
+        want = self.unread()
+        while self._fd >= 0 and len(out) < want:
+            try:
+                data = os.read(self._fd, want - len(out))
+            except BlockingIOError:
+                break
+            if not data:
+                self.close()
+                break
+            out += data
+        return bytes(out)
+
     def unread(self) -> int:
         """Bytes waiting in the pipe (0 once closed)."""
         if self._fd < 0:

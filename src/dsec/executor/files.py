@@ -15,7 +15,9 @@ device nodes that reach host hardware. :class:`SandboxFiles` therefore:
 * writes into a fresh temporary file (``O_CREAT | O_EXCL``) in the target's directory and renames
   it into place on commit, so a failed upload leaves nothing half-written;
 * removes trees with its own fd-relative walk (``O_DIRECTORY | O_NOFOLLOW``), never following a
-  symlink, and
+  symlink,
+* refuses every path on a kernel file system (procfs, devpts, mqueue...: ``KERNEL_FS_MAGIC``),
+  judged on the opened fd: it serves the sandbox's files, not the kernel's views, and
 * maps every :class:`OSError` to the DSec error tree.
 
 Paths are sandbox paths: absolute ones (``/tmp/x``) are inside the sandbox, relative ones are
@@ -41,15 +43,22 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dsec.executor._handles import AtomicWriter, _Reader
-from dsec.executor._openat2 import KERNEL_FS_MAGIC, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, fs_type, openat2
-from dsec.executor._paths import PATH_MAX, _close, _map_oserror, _normalize, _to_stat
+from dsec.executor._openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
+from dsec.executor._paths import (
+    PATH_MAX,
+    _close,
+    _map_oserror,
+    _normalize,
+    _refuse_kernel_fs,
+    _rmtree_at,
+    _to_stat,
+)
 from dsec.protocol.errors import Conflict, FileNotFound, InfraFailure, InvalidRequest
 from dsec.protocol.models import FileStat
 
 __all__ = ["PATH_MAX", "AtomicWriter", "SandboxFiles"]
 
 _RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
-_MAX_TREE_DEPTH = 1024  # directories held open at once by a recursive remove
 _READ_CHUNK = 1 << 20
 _TMP_ATTEMPTS = 16
 
@@ -89,11 +98,18 @@ class SandboxFiles:
 
     @staticmethod
     def _resolve(root_fd: int, path: str, flags: int, shown: str | None = None) -> int:
-        """Open ``path`` (a normalised sandbox path) confined to the root; map errors."""
+        """Open ``path`` (a normalised sandbox path) confined to the root, on a data file system
+        (not /proc, /sys...: :func:`_refuse_kernel_fs`); map errors."""
         try:
-            return openat2(root_fd, path, flags | os.O_CLOEXEC, 0, _RESOLVE)
+            fd = openat2(root_fd, path, flags | os.O_CLOEXEC, 0, _RESOLVE)
         except OSError as e:
             raise _map_oserror(e, shown or path) from e
+        try:
+            _refuse_kernel_fs(fd, shown or path)
+        except BaseException:
+            _close(fd)
+            raise
+        return fd
 
     def _open_parent(self, root_fd: int, full: str) -> tuple[int, str]:
         """Return an ``O_PATH`` fd of the directory holding ``full`` and its last component."""
@@ -106,19 +122,32 @@ class SandboxFiles:
             if e.errno == errno.ENOTDIR:
                 raise InvalidRequest(f"not a directory: the parent of {full} is not a directory") from e
             raise _map_oserror(e, full) from e
+        try:
+            _refuse_kernel_fs(fd, full)
+        except BaseException:
+            _close(fd)
+            raise
         return fd, name
 
     @staticmethod
     def _lstat_raw(root_fd: int, full: str) -> os.stat_result:
-        """lstat ``full`` inside the root; raises the raw OSError."""
+        """lstat ``full`` inside the root; raises the raw OSError (InvalidRequest on a kernel
+        file system: the entry is opened ``O_PATH | O_NOFOLLOW``, which opens no device or
+        FIFO and lands past a mount point, so ``/proc`` itself counts as procfs)."""
         if full == "/":
             return os.fstat(root_fd)
         parent, name = posixpath.split(full)
         dir_fd = openat2(root_fd, parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE)
         try:
-            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            _refuse_kernel_fs(dir_fd, full)
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         finally:
             _close(dir_fd)
+        try:
+            _refuse_kernel_fs(fd, full)
+            return os.fstat(fd)
+        finally:
+            _close(fd)
 
     def _open_regular(self, root_fd: int, full: str, flags: int) -> int:
         """Open a regular file (following symlinks inside the root) without ever ``open``-ing
@@ -133,9 +162,6 @@ class SandboxFiles:
                 raise InvalidRequest(f"is a directory: {full}")
             if not st.S_ISREG(before.st_mode):
                 raise InvalidRequest(f"not a regular file: {full}")
-            kernel_fs = KERNEL_FS_MAGIC.get(fs_type(path_fd))
-            if kernel_fs is not None:
-                raise InvalidRequest(f"{full} is a {kernel_fs} file: the file API reads and writes data only")
             try:
                 fd = os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC | os.O_NOCTTY)
             except OSError as e:
@@ -188,83 +214,29 @@ class SandboxFiles:
         """``mkdir -p`` confined to the root; each missing component is created in the fd of the
         directory resolved for its parent, so symlinked components stay inside the root."""
         try:
-            _close(openat2(root_fd, full, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE))
+            _close(self._resolve(root_fd, full, os.O_PATH | os.O_DIRECTORY))
             return
-        except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENOTDIR):
-                raise _map_oserror(e, full) from e
+        except (FileNotFound, InvalidRequest) as e:
+            if not isinstance(e.__cause__, OSError) or e.__cause__.errno not in (errno.ENOENT, errno.ENOTDIR):
+                raise
         prefix = ""
         for comp in full.strip("/").split("/"):
             parent, prefix = prefix or "/", f"{prefix}/{comp}"
             try:
-                _close(openat2(root_fd, prefix, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _RESOLVE))
+                _close(self._resolve(root_fd, prefix, os.O_PATH | os.O_DIRECTORY))
                 continue
-            except OSError as e:
-                if e.errno == errno.ENOTDIR:
+            except FileNotFound:
+                pass
+            except InvalidRequest as e:
+                if isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.ENOTDIR:
                     msg = f"cannot create directory {full}: {prefix} is not a directory"
-                    raise InvalidRequest(msg) from e
-                if e.errno != errno.ENOENT:
-                    raise _map_oserror(e, prefix) from e
+                    raise InvalidRequest(msg) from e.__cause__
+                raise
             dir_fd = self._resolve(root_fd, parent, os.O_PATH | os.O_DIRECTORY)
             try:
                 self._mkdir_at(dir_fd, comp, prefix, mode, exist_ok=True)
             finally:
                 _close(dir_fd)
-
-    def _rmtree_at(self, dir_fd: int, name: str, full: str) -> None:
-        """Remove directory ``name`` of ``dir_fd`` and everything below it, fd-relative.
-
-        Directories are entered with ``O_DIRECTORY | O_NOFOLLOW`` one component at a time, so a
-        symlink (planted beforehand or swapped in mid-walk) is unlinked, never followed.
-        """
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        stack: list[tuple[int, list[str], str, str]] = []  # (fd, names left, name in parent, path)
-        cur_path = full
-        try:
-            try:
-                top = os.open(name, flags, dir_fd=dir_fd)
-                stack.append((top, [], name, full))
-                stack[-1][1].extend(os.listdir(top))
-            except OSError as e:
-                raise _map_oserror(e, cur_path) from e
-            while stack:
-                fd, names, _, here = stack[-1]
-                descended = False
-                while names:
-                    entry = names.pop()
-                    cur_path = posixpath.join(here, entry)
-                    try:
-                        info = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-                        if not st.S_ISDIR(info.st_mode):
-                            os.unlink(entry, dir_fd=fd)
-                            continue
-                        if len(stack) >= _MAX_TREE_DEPTH:
-                            raise InvalidRequest(
-                                f"directory tree under {full} is deeper than {_MAX_TREE_DEPTH} levels"
-                            )
-                        child = os.open(entry, flags, dir_fd=fd)
-                        stack.append((child, [], entry, cur_path))
-                        stack[-1][1].extend(os.listdir(child))
-                    except FileNotFoundError:
-                        continue  # vanished meanwhile: fine, we are removing it anyway
-                    except OSError as e:
-                        raise _map_oserror(e, cur_path) from e
-                    descended = True
-                    break
-                if descended:
-                    continue
-                fd, _, entry, here = stack.pop()
-                _close(fd)
-                cur_path = here
-                try:
-                    os.rmdir(entry, dir_fd=stack[-1][0] if stack else dir_fd)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    raise _map_oserror(e, here) from e
-        finally:
-            for fd, *_ in stack:
-                _close(fd)
 
     # -- public API
 
@@ -353,7 +325,7 @@ class SandboxFiles:
                     return
             except OSError as e:
                 raise _map_oserror(e, full) from e
-            self._rmtree_at(dir_fd, name, full)
+            _rmtree_at(dir_fd, name, full)
         finally:
             _close(dir_fd)
 

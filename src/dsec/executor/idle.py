@@ -22,11 +22,12 @@ shells the same way from the guest's /proc (:class:`ShellWatch`, PROTOCOL.md's W
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import platform
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 from dsec.executor.fdwait import fd_ready
@@ -207,3 +208,40 @@ async def _send(pid: int, fd: int, pipe: str, data: bytes) -> bool:
                 await fd_ready(out, write=True)  # full: the edge's readers are emptying it
     finally:
         os.close(out)
+
+
+class ShellExit:
+    """A session shell's end, seen through a pidfd held while one of its commands runs (an
+    idle shell holds none): its pipes may outlive it, held by a background job it started."""
+
+    def __init__(self, pidfd: int, changed: asyncio.Event) -> None:
+        self._fd = pidfd
+        self._task = asyncio.ensure_future(fd_ready(pidfd))  # readable once it exited
+        self._task.add_done_callback(lambda _: changed.set())
+
+    @staticmethod
+    @contextlib.asynccontextmanager
+    async def watch(proc: object, changed: asyncio.Event) -> AsyncIterator[Callable[[], bool]]:
+        """Whether the shell has exited, for a shell with a PID on this host (always False for
+        the others: their output streams end with them, or their agent says)."""
+        pid = proc.shell_pid() if isinstance(proc, HasShellPid) else None
+        if pid is None:
+            gone = isinstance(proc, HasShellPid)  # such a shell has no PID once it ended
+            yield lambda: gone
+            return
+        try:
+            # Unreaped (the edge's child), so the PID is still the shell's, dead or alive.
+            watch = ShellExit(os.pidfd_open(pid), changed)
+        except ProcessLookupError:
+            yield lambda: True
+            return
+        try:
+            yield watch._task.done
+        finally:
+            await watch.close()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task  # its reader off the loop before the fd closes
+        os.close(self._fd)

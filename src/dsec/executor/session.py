@@ -21,6 +21,10 @@ their shell) is in docs/decisions.md.
 
 On timeout the whole session tree is killed (a shell stuck in a builtin loop cannot be
 interrupted otherwise) and the next command on that name starts a fresh session.
+
+A command ends when its shell does (``exit``, a kill): a container's shell is watched for that
+through a pidfd while a command runs (an idle one holds none), since its pipes may stay open
+after it, held by a background job it started; what the shell wrote is all in them by then.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dsec.executor.fdwait import PipeReader
-from dsec.executor.idle import HasShellPid, HasShellWatch, ShellView, ShellWatch, backoff
+from dsec.executor.idle import HasShellPid, HasShellWatch, ShellExit, ShellView, ShellWatch, backoff
 from dsec.executor.process import (
     CHUNK,
     ByteStream,
@@ -70,6 +74,7 @@ Spawner = Callable[[], Awaitable[SandboxProcess]]
 _CODE = re.compile(rb":(-?\d{1,10})\0")
 _CODE_SO_FAR = re.compile(rb"(?::-?\d{0,10})?")  # what may still become a code
 _CARRIED = CHUNK  # of output read past a command's end, kept for the next command
+_EXIT_GRACE_S = 2.0  # from a session shell's closed output to its exit (see _end_shell)
 
 
 class SessionDied(Exception):
@@ -269,6 +274,7 @@ class Session:
                 # drains it (a stream has one reader at a time).
                 await ex.close()
                 self._proc = None
+                await _end_shell(proc)
                 code = await _reap(proc, ex.out.buf, ex.err.buf)
             finally:
                 await ex.close()
@@ -316,7 +322,15 @@ class Session:
         proc.stdin.write(f"{nonce}\n{command}{nonce}\n".encode() + ex.end + b"\n")
         await proc.stdin.drain()
         out, err = ex.streams
-        await ex.until(lambda: (out.end is not None and err.end is not None) or out.eof or err.eof)
+        async with ShellExit.watch(proc, ex.changed) as exited:
+            await ex.until(
+                lambda: (
+                    (out.end is not None and err.end is not None)
+                    or out.eof
+                    or err.eof
+                    or (exited() and all(_unread(s) == 0 for s in ex.streams))
+                )
+            )
         if out.end is None or err.end is None:
             raise SessionDied
         view = self._view
@@ -403,6 +417,20 @@ def _unread(stream: _Stream) -> int | None:
         return None
 
 
+async def _end_shell(proc: SandboxProcess) -> None:
+    """A container's session shell whose command ended its session (a stream closed under
+    it, or it exited): if it still runs after a moment (it closed its stdout, say, but lives
+    on), it is killed, alone, rather than left running, forgotten. The moment: a shell that
+    exits closes its pipes just before it can be reaped."""
+    if not isinstance(proc, HasShellPid) or proc.shell_pid() is None:
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_EXIT_GRACE_S):
+            await proc.wait()
+            return
+    proc.kill()
+
+
 async def _reap(
     proc: SandboxProcess, out: CappedBuffer | None = None, err: CappedBuffer | None = None
 ) -> int | None:
@@ -421,10 +449,23 @@ async def _reap(
         except RuntimeError:
             pass  # a command still running in the session is reading it: it drains the pipe
 
+    streams = ((proc.stdout, out), (proc.stderr, err))
+    # Pipes the edge reads itself end with the shell's exit, not at an EOF that a background
+    # job holding them may never give: the rest of what the shell wrote is read after it.
+    own = all(isinstance(s, PipeReader) for s, _ in streams if s is not None)
+    drains = asyncio.gather(*(drain(s, b) for s, b in streams))
     with contextlib.suppress(ProcessLookupError, TimeoutError):
         async with asyncio.timeout(10):
-            await asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
+            if not own:
+                await drains
             await proc.wait()
+    if not drains.done():
+        drains.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drains
+    for stream, buf in streams:
+        if isinstance(stream, PipeReader) and (rest := stream.read_now()) and buf is not None:
+            buf.add(rest)
     _close_pipes(proc)  # a descendant the kill missed may hold them open: no reading on
     code = proc.returncode
     return None if code is None else shell_exit_code(code)

@@ -63,12 +63,16 @@ class Quota:
     sandboxes: int | None = None
     cpu_cores: float | None = None
     memory_mib: int | None = None
+    # Bytes of layer blobs the subtree owns, in MiB: enforced by the layer store at import and
+    # commit (dsec.images.storage_quota), not by the ledger.
+    storage_mib: int | None = None
 
     def validate(self) -> Quota:
         for name, value in (
             ("sandboxes", self.sandboxes),
             ("cpu_cores", self.cpu_cores),
             ("memory_mib", self.memory_mib),
+            ("storage_mib", self.storage_mib),
         ):
             if value is not None and value < 0:
                 raise InvalidRequest(f"quota {name} must be >= 0 or unset, got {value}")
@@ -82,6 +86,9 @@ class Usage:
     sandboxes: int = 0
     cpu_cores: float = 0.0
     memory_mib: int = 0
+    # Bytes of layer blobs the subtree owns: the layer store knows them, the IAM store does not
+    # (None from it); the apiserver's project routes fill them in.
+    storage_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ Row = Sequence[Any]
 
 PROJECT_COLS = (
     "id, parent, created_at, max_sandboxes, max_cpu_m, max_memory_mib,"
-    " used_sandboxes, used_cpu_m, used_memory_mib"
+    " used_sandboxes, used_cpu_m, used_memory_mib, max_storage_mib"
 )
 _LEDGER_COLS = "sandbox_id, project, node, cpu_m, memory_mib, since"
 _CHUNK = 500  # ids per IN list: under SQLite's and PostgreSQL's bound-parameter limits
@@ -83,6 +83,9 @@ class ProjectRow:
     used_sandboxes: int
     used_cpu_m: int
     used_memory_mib: int
+    # Last: a column added after the others (sqlite ALTER TABLE appends). No used_ counter:
+    # the layer store counts storage (dsec.images.storage_quota).
+    max_storage_mib: int | None = None
 
     @classmethod
     def of(cls, row: Row) -> ProjectRow:
@@ -91,33 +94,37 @@ class ProjectRow:
     @property
     def quota(self) -> Quota:
         cpu = None if self.max_cpu_m is None else to_cores(self.max_cpu_m)
-        return Quota(self.max_sandboxes, cpu, self.max_memory_mib)
+        return Quota(self.max_sandboxes, cpu, self.max_memory_mib, self.max_storage_mib)
 
     @property
     def usage(self) -> Usage:
         return Usage(self.used_sandboxes, to_cores(self.used_cpu_m), self.used_memory_mib)
 
-    def limits(self) -> tuple[int | None, int | None, int | None]:
-        return self.max_sandboxes, self.max_cpu_m, self.max_memory_mib
+    def limits(self) -> tuple[int | None, int | None, int | None, int | None]:
+        return self.max_sandboxes, self.max_cpu_m, self.max_memory_mib, self.max_storage_mib
 
 
-def quota_limits(quota: Quota) -> tuple[int | None, int | None, int | None]:
-    """A quota in stored units (millicores for CPU)."""
+def quota_limits(quota: Quota) -> tuple[int | None, int | None, int | None, int | None]:
+    """A quota in stored units (millicores for CPU), in column order (``QUOTA_COLS``)."""
     cpu = None if quota.cpu_cores is None else to_millicores(quota.cpu_cores)
-    return quota.sandboxes, cpu, quota.memory_mib
+    return quota.sandboxes, cpu, quota.memory_mib, quota.storage_mib
+
+
+QUOTA_COLS = ("max_sandboxes", "max_cpu_m", "max_memory_mib", "max_storage_mib")
 
 
 def normalized(quota: Quota) -> Quota:
     """A quota as it reads back from the store (CPU rounded to millicores, as a float)."""
-    s, c, m = quota_limits(quota)
-    return Quota(s, None if c is None else to_cores(c), m)
+    s, c, m, d = quota_limits(quota)
+    return Quota(s, None if c is None else to_cores(c), m, d)
 
 
-_DIMS = ("sandboxes", "cpu_cores", "memory_mib")
+_DIMS = ("sandboxes", "cpu_cores", "memory_mib", "storage_mib")
+_LEDGER_DIMS = 3  # the dimensions a sandbox reserves (storage is the layer store's)
 
 
 def _show(dim: int, value: int) -> str:
-    return f"{to_cores(value):g} cores" if dim == 1 else f"{value} MiB" if dim == 2 else str(value)
+    return f"{to_cores(value):g} cores" if dim == 1 else f"{value} MiB" if dim >= 2 else str(value)
 
 
 async def lock_chain(tx: Tx, chain: list[str], *, lock: str | None = None) -> list[ProjectRow]:
@@ -136,7 +143,7 @@ async def lock_chain(tx: Tx, chain: list[str], *, lock: str | None = None) -> li
 
 def bound(chain: list[ProjectRow]) -> tuple[int | None, ...]:
     """The tightest limit per dimension along ``chain``: what a child of its last row is under."""
-    out: list[int | None] = [None, None, None]
+    out: list[int | None] = [None] * len(_DIMS)
     for row in chain:
         for i, limit in enumerate(row.limits()):
             if limit is not None and (out[i] is None or limit < out[i]):  # type: ignore[operator]
@@ -158,7 +165,7 @@ def check_fits(chain: list[ProjectRow], need: tuple[int, int, int]) -> None:
     """Raise ``QuotaExceeded`` naming the nearest project and the quota a create would break."""
     for row in reversed(chain):
         used = (row.used_sandboxes, row.used_cpu_m, row.used_memory_mib)
-        for i, limit in enumerate(row.limits()):
+        for i, limit in enumerate(row.limits()[:_LEDGER_DIMS]):
             if limit is not None and used[i] + need[i] > limit:
                 raise QuotaExceeded(
                     f"project {row.id!r} is at its {_DIMS[i]} quota: {_show(i, used[i])} of"

@@ -43,8 +43,11 @@ CREATE TABLE IF NOT EXISTS projects (
     max_sandboxes BIGINT, max_cpu_m BIGINT, max_memory_mib BIGINT,
     used_sandboxes BIGINT NOT NULL DEFAULT 0,
     used_cpu_m BIGINT NOT NULL DEFAULT 0,
-    used_memory_mib BIGINT NOT NULL DEFAULT 0
+    used_memory_mib BIGINT NOT NULL DEFAULT 0,
+    max_storage_mib BIGINT
 );
+-- Added after the first release: schemas created before it get the column here.
+ALTER TABLE projects ADD COLUMN IF NOT EXISTS max_storage_mib BIGINT;
 CREATE INDEX IF NOT EXISTS projects_parent ON projects(parent);
 CREATE TABLE IF NOT EXISTS api_keys (
     digest TEXT PRIMARY KEY,

@@ -12,6 +12,7 @@ this one.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Collection, Mapping
 from typing import Self
@@ -40,7 +41,7 @@ from dsec.iam.base import (
 )
 from dsec.iam.group_commit import ReservationQueue, Want
 from dsec.iam.key_cache import KeyCache
-from dsec.iam.ledger import PROJECT_COLS, Driver, ProjectRow, Tx, lock_chain, quota_limits
+from dsec.iam.ledger import PROJECT_COLS, QUOTA_COLS, Driver, ProjectRow, Tx, lock_chain, quota_limits
 from dsec.iam.registry import NodeRecord
 from dsec.protocol.errors import Conflict, Forbidden, InvalidRequest, Unauthorized
 from dsec.protocol.ids import SandboxId
@@ -100,8 +101,8 @@ class SqlIamStore:
         async def tx(tx: Tx) -> ProjectInfo:
             ledger.check_within(quota, await lock_chain(tx, ancestors(parent)), path)
             made = await tx.fetch(
-                "INSERT INTO projects (id, parent, created_at, max_sandboxes, max_cpu_m, max_memory_mib)"
-                " VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING RETURNING id",
+                f"INSERT INTO projects (id, parent, created_at, {', '.join(QUOTA_COLS)})"
+                " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO NOTHING RETURNING id",
                 path,
                 parent,
                 now,
@@ -160,20 +161,21 @@ class SqlIamStore:
             # locks this row, so none can slip in meanwhile.)
             new_bound = ledger.bound([*chain[:-1], _with_quota(chain[-1], quota)])
             top = await tx.fetch(
-                "SELECT max(max_sandboxes), max(max_cpu_m), max(max_memory_mib) FROM projects"
+                f"SELECT {', '.join(f'max({c})' for c in QUOTA_COLS)} FROM projects"
                 " WHERE id >= $1 AND id < $2",
                 lo,
                 hi,
             )
             for i, (highest, cap) in enumerate(zip(top[0], new_bound, strict=True)):
                 if highest is not None and cap is not None and highest > cap:
-                    name = ("sandboxes", "cpu_cores", "memory_mib")[i]
+                    name = ("sandboxes", "cpu_cores", "memory_mib", "storage_mib")[i]
                     raise InvalidRequest(
                         f"a sub-project of {project!r} has a {name} quota above the new bound:"
                         " lower the sub-projects' quotas first"
                     )
             await tx.execute(
-                "UPDATE projects SET max_sandboxes = $1, max_cpu_m = $2, max_memory_mib = $3 WHERE id = $4",
+                "UPDATE projects SET max_sandboxes = $1, max_cpu_m = $2, max_memory_mib = $3,"
+                " max_storage_mib = $4 WHERE id = $5",
                 *quota_limits(quota),
                 project,
             )
@@ -483,7 +485,5 @@ class SqlIamStore:
 
 
 def _with_quota(row: ProjectRow, quota: Quota) -> ProjectRow:
-    s, c, m = quota_limits(quota)
-    return ProjectRow(
-        row.id, row.parent, row.created_at, s, c, m, row.used_sandboxes, row.used_cpu_m, row.used_memory_mib
-    )
+    s, c, m, d = quota_limits(quota)
+    return dataclasses.replace(row, max_sandboxes=s, max_cpu_m=c, max_memory_mib=m, max_storage_mib=d)

@@ -27,10 +27,10 @@ from dsec.iam.sql import SqlIamStore
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # Version 1 is the schema before quotas and revocation (projects, api_keys with four columns);
 # files from then are upgraded in place so existing admin keys keep working. Version 3 adds the
-# cluster membership table (iam/registry.py).
+# cluster membership table (iam/registry.py); version 4 the storage quota column.
 _TABLES = """
 CREATE TABLE IF NOT EXISTS projects (
     id TEXT PRIMARY KEY, parent TEXT REFERENCES projects(id), created_at REAL NOT NULL
@@ -58,6 +58,7 @@ _ADDED_COLUMNS = {
         "used_sandboxes INTEGER NOT NULL DEFAULT 0",
         "used_cpu_m INTEGER NOT NULL DEFAULT 0",
         "used_memory_mib INTEGER NOT NULL DEFAULT 0",
+        "max_storage_mib INTEGER",
     ],
     "api_keys": ["key_id TEXT", "name TEXT NOT NULL DEFAULT ''", "revoked_at REAL"],
 }

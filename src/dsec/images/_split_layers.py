@@ -17,6 +17,9 @@ from dsec.images.refs import digest_hex
 from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
 from dsec.protocol.models import LayerInfo
 
+if TYPE_CHECKING:
+    from dsec.images.owners import Viewer
+
 log = logging.getLogger("dsec.images.store")  # the layer store's logger, as before the split
 
 LayerFormat = Literal["single", "split"]
@@ -44,6 +47,7 @@ class _SplitLayers:
     if TYPE_CHECKING:
 
         def _not_found(self, ref: str, extra: str = "") -> LayerNotFound: ...
+        def resolve(self, ref: str, *, viewer: Viewer | None = None) -> LayerInfo: ...
 
     def split_info(self, digest: str) -> SplitInfo | None:
         """The data blob a split layer's META names (digest and size), None for a single one.
@@ -94,6 +98,25 @@ class _SplitLayers:
     def _data_digests(self) -> set[str]:
         """Every blob marked as a split layer's data blob."""
         return {f"sha256:{key.split('/')[1]}" for key in self.blobs.list_records(SPLIT_DATA)}
+
+    def verify(self, ref: str, *, viewer: Viewer | None = None) -> LayerInfo:
+        """Re-hash a layer's blobs (a split layer's META and data): InfraFailure(reason=
+        "corrupt") if their bytes changed, reason="storage" if a data blob is missing."""
+        info = self.resolve(ref, viewer=viewer)
+        self.blobs.verify(info.digest)
+        split = self.split_info(info.digest)
+        if split is not None:
+            size = self.blobs.stat(split.blob_digest)
+            if size is None:
+                raise _data_missing(info.digest, split.blob_digest)
+            if size.size != split.blob_size:
+                raise InfraFailure(
+                    f"data blob {split.blob_digest} of layer {info.digest} has {size.size} bytes, "
+                    f"its META expects {split.blob_size}: delete it and import the layer again",
+                    reason="corrupt",
+                )
+            self.blobs.verify(split.blob_digest)
+        return info
 
     def _put_split(self, split: SplitImage) -> str:
         """Store a split layer: mark the data blob, then put it, then META (which names it).

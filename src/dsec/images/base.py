@@ -175,10 +175,14 @@ def ensure_base_layer(
     suite: str = "bookworm",
     packages: tuple[str, ...] = BASE_PACKAGES,
 ) -> LayerInfo:
-    """Return the base layer ``ref``, building it with debootstrap first if the store lacks it."""
+    """Return the base layer ``ref``, building it with debootstrap first if the store lacks it.
+
+    A base layer is public (every project may use it); one found from before layers had
+    owners is marked public here.
+    """
     parse_tag(ref)
     if store.has_tag(ref):
-        return store.resolve(ref)
+        return store.mark_public(ref)[0]
 
     def say(msg: str) -> None:
         if progress is not None:
@@ -187,7 +191,7 @@ def ensure_base_layer(
     # One builder per store: a second process waits, then finds the tag.
     with _file_lock(store.root / ".base-build.lock"):
         if store.has_tag(ref):
-            return store.resolve(ref)
+            return store.mark_public(ref)[0]
         mirror = mirror or default_mirror()
         work = Path(tempfile.mkdtemp(prefix="base-", dir=store.tmp_dir))
         try:
@@ -206,6 +210,7 @@ def ensure_base_layer(
                 if not store.has_tag(ref):
                     raise
                 info = store.resolve(ref)
+            info = store.mark_public(ref)[0]
             say(f"imported {ref} as {info.digest}: {info.size / 1e6:.1f} MB in {time.monotonic() - t1:.1f} s")
             return info
         finally:

@@ -5,8 +5,13 @@ A tag ``name:version`` names an ordered list of blob digests (base first): a lay
 and images share one namespace. Records (keys of the blob store's record space)::
 
     tags/<name>/<version>.json      {"ref": "name:version", "kind": "layer" | "image",
-                                     "digests": [...], "created_at": t}
+                                     "digests": [...], "created_at": t,
+                                     "owner": project, "public": bool}
     refs/<hex>/<name>/<version>     empty: "this tag may refer to blob <hex>" (reverse index)
+    owners/<hex>/<project>          empty: "project imported or committed blob <hex>"
+    public/<hex>                    empty: "an admin made blob <hex> visible to every project"
+    quotas/<project>                {"storage_mib": N}: IAM's storage quota, mirrored for the nodes
+                                    (:mod:`dsec.images.storage_quota`)
     meta/<what>.json                bookkeeping, e.g. the one-time import of a legacy catalogue
 
 ``<name>`` and ``<version>`` are percent-encoded so that a name's "/" (team/tool) and a
@@ -18,6 +23,12 @@ entries before and again after writing a tag record; removers delete an entry on
 re-reading the tag, and put it back if the tag came to refer to the blob meanwhile. So the
 index is always a superset of the truth, and readers filter it through the tag records.
 
+Ownership (see :mod:`dsec.images.owners`): a tag belongs to the project that created it, a
+blob to every project that imported or committed its content (content is deduplicated, so
+several may). A tag or blob written before ownership existed has no owner recorded and
+counts as the root project's (:data:`LEGACY_OWNER`): visible to root keys only, until an
+admin marks it public.
+
 Versions are immutable: :meth:`Catalogue.create` is an atomic create-if-absent (creating an
 existing tag with the same digests is a no-op, with other digests an InvalidRequest). Only
 :meth:`Catalogue.replace` (an explicit retag) moves a tag, with one atomic rename.
@@ -25,6 +36,7 @@ existing tag with the same digests is a no-op, with other digests an InvalidRequ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -43,6 +55,10 @@ log = logging.getLogger(__name__)
 
 TAGS = "tags"
 REFS = "refs"
+OWNERS = "owners"
+PUBLIC = "public"
+# Who owns what was stored before ownership was recorded: the root project (iam.ROOT_PROJECT).
+LEGACY_OWNER = "root"
 LEGACY_MARKER = "meta/migrated-catalog-sqlite.json"
 
 
@@ -63,6 +79,8 @@ class TagRecord:
     digests: tuple[str, ...]
     created_at: float
     kind: Kind = LAYER
+    owner: str = LEGACY_OWNER
+    public: bool = False
 
     @property
     def ref(self) -> str:
@@ -78,6 +96,8 @@ class TagRecord:
             "kind": self.kind,
             "digests": list(self.digests),
             "created_at": self.created_at,
+            "owner": self.owner,
+            "public": self.public,
         }
         return json.dumps(body, indent=1).encode() + b"\n"
 
@@ -106,9 +126,11 @@ class Catalogue:
             kind = body.get("kind", LAYER if len(digests) == 1 else IMAGE)
             if kind not in (LAYER, IMAGE) or not digests or (kind == LAYER and len(digests) != 1):
                 raise ValueError(f"{kind} of {len(digests)} digests")
+            owner = str(body.get("owner") or LEGACY_OWNER)
+            public = bool(body.get("public", False))
         except (ValueError, KeyError, TypeError, InvalidRequest) as err:
             raise InfraFailure(f"catalogue record {key} is unreadable: {err}", reason="storage") from err
-        return TagRecord(name, version, digests, created_at, kind)
+        return TagRecord(name, version, digests, created_at, kind, owner, public)
 
     def get(self, name: str, version: str) -> TagRecord | None:
         key = tag_key(name, version)
@@ -152,7 +174,37 @@ class Catalogue:
                 out.append((unquote(parts[2]), unquote(parts[3])))
         return out
 
+    def owners(self, digest: str) -> list[str]:
+        """The projects that imported or committed blob ``digest`` (none recorded: legacy)."""
+        return [
+            unquote(k.rsplit("/", 1)[1]) for k in self.blobs.list_records(f"{OWNERS}/{digest_hex(digest)}")
+        ]
+
+    def is_public(self, digest: str) -> bool:
+        return self.blobs.read_record(f"{PUBLIC}/{digest_hex(digest)}") is not None
+
+    def public_digests(self) -> set[str]:
+        return {f"sha256:{k.rsplit('/', 1)[1]}" for k in self.blobs.list_records(PUBLIC)}
+
     # -- writing -----------------------------------------------------------------------------
+
+    def add_owner(self, digest: str, project: str) -> None:
+        self.blobs.create_record(f"{OWNERS}/{digest_hex(digest)}/{_enc(project)}", b"")
+
+    def set_public(self, digest: str) -> None:
+        self.blobs.create_record(f"{PUBLIC}/{digest_hex(digest)}", b"")
+
+    def mark_public(self, name: str, version: str) -> TagRecord | None:
+        """Make the tag (and so what it names) visible to every project; None if it does not exist."""
+        for _ in range(10):
+            rec = self.get(name, version)
+            if rec is None or rec.public:
+                return rec
+            new = dataclasses.replace(rec, public=True)
+            self.blobs.replace_record(tag_key(name, version), new.to_bytes())
+            if self.get(name, version) == new:
+                return new
+        raise InfraFailure(f"could not mark {name}:{version} public: it keeps changing", reason="storage")
 
     def _index(self, digests: Iterable[str], name: str, version: str) -> None:
         for d in dict.fromkeys(digests):
@@ -176,13 +228,15 @@ class Catalogue:
         *,
         kind: Kind = LAYER,
         created_at: float | None = None,
+        owner: str = LEGACY_OWNER,
     ) -> tuple[TagRecord, bool]:
         """Create the tag unless it exists; returns (the tag, whether this call created it).
 
         InvalidRequest if it exists with other digests or as the other kind (versions are
-        immutable).
+        immutable). The record returned for an existing tag keeps its own owner: the caller
+        decides whether that owner's tag may be handed to it.
         """
-        rec = _new_record(name, version, digests, kind, created_at)
+        rec = _new_record(name, version, digests, kind, created_at, owner)
         self._index(rec.digests, name, version)
         for _ in range(10):
             if self.blobs.create_record(tag_key(name, version), rec.to_bytes()):
@@ -199,13 +253,20 @@ class Catalogue:
         raise InfraFailure(f"could not create tag {rec.ref}: it keeps changing", reason="storage")
 
     def replace(
-        self, name: str, version: str, digests: Sequence[str], *, kind: Kind = LAYER
+        self,
+        name: str,
+        version: str,
+        digests: Sequence[str],
+        *,
+        kind: Kind = LAYER,
+        owner: str = LEGACY_OWNER,
+        public: bool = False,
     ) -> tuple[TagRecord, TagRecord | None]:
         """Point the tag at ``digests`` whatever it named before (an explicit retag).
 
         Returns (the new tag, the previous one or None); the new tag's ``created_at`` is now.
         """
-        rec = _new_record(name, version, digests, kind, None)
+        rec = _new_record(name, version, digests, kind, None, owner, public)
         old = self.get(name, version)
         self._index(rec.digests, name, version)
         self.blobs.replace_record(tag_key(name, version), rec.to_bytes())
@@ -243,7 +304,13 @@ class Catalogue:
 
 
 def _new_record(
-    name: str, version: str, digests: Sequence[str], kind: Kind, created_at: float | None
+    name: str,
+    version: str,
+    digests: Sequence[str],
+    kind: Kind,
+    created_at: float | None,
+    owner: str = LEGACY_OWNER,
+    public: bool = False,
 ) -> TagRecord:
     parse_tag(f"{name}:{version}")
     if kind not in (LAYER, IMAGE):
@@ -254,7 +321,8 @@ def _new_record(
         raise InvalidRequest(f"layer tag {name}:{version} names exactly one blob, not {len(digests)}")
     for d in digests:
         digest_hex(d)
-    return TagRecord(name, version, tuple(digests), time.time() if created_at is None else created_at, kind)
+    at = time.time() if created_at is None else created_at
+    return TagRecord(name, version, tuple(digests), at, kind, owner, public)
 
 
 def _describe(kind: str, digests: Sequence[str]) -> str:

@@ -9,12 +9,11 @@ into the image.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import os
-import shutil
+import stat
 from pathlib import Path
 
+from dsec.images.hosttree import HostTree
 from dsec.protocol.errors import InvalidRequest
 
 # Paths (relative to the sandbox root, fnmatch patterns per component) that never belong in
@@ -38,27 +37,21 @@ DEFAULT_SCRUB = (
 )
 
 
-def _matches(root: Path, pattern: str) -> list[Path]:
-    """Entries under ``root`` matching ``pattern`` component by component, never via symlinks."""
+def _matches(tree: HostTree, pattern: str) -> list[str]:
+    """Entries of ``tree`` matching ``pattern`` component by component, never via symlinks."""
     parts = [p for p in pattern.strip("/").split("/") if p]
     if not parts or any(p in (".", "..") for p in parts):
         raise InvalidRequest(f"scrub pattern {pattern!r} must be a relative path without . or ..")
-    current = [root]
+    current = [""]
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         nxt = []
         for base in current:
-            try:
-                names = os.listdir(base)
-            except OSError:
-                continue
-            for name in names:
-                if fnmatch.fnmatchcase(name, part):
-                    path = base / name
-                    # Walk into real directories only: a symlink planted by the build must not
-                    # steer the scrub outside the upper directory.
-                    if last or (path.is_dir() and not path.is_symlink()):
-                        nxt.append(path)
+            for name, st in tree.scan(base or "."):
+                # Walk into real directories only: a symlink planted by the build must not
+                # steer the scrub outside the upper directory (scan itself never follows one).
+                if fnmatch.fnmatchcase(name, part) and (last or stat.S_ISDIR(st.st_mode)):
+                    nxt.append(f"{base}/{name}" if base else name)
         current = nxt
     return current
 
@@ -66,12 +59,9 @@ def _matches(root: Path, pattern: str) -> list[Path]:
 def scrub(upper: Path, patterns: tuple[str, ...] | list[str]) -> list[str]:
     """Remove matching entries from ``upper``; returns what was removed (relative paths)."""
     removed = []
-    for pattern in patterns:
-        for path in _matches(upper, pattern):
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-            removed.append(str(path.relative_to(upper)))
+    with HostTree(upper) as tree:
+        for pattern in patterns:
+            for rel in _matches(tree, pattern):
+                tree.remove(rel)
+                removed.append(rel)
     return sorted(removed)

@@ -57,6 +57,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -75,12 +76,14 @@ from dsec.images._split_layers import (
 )
 from dsec.images._store_gc import _GarbageCollection
 from dsec.images.blobstore import BlobStore, LocalDirBlobStore
-from dsec.images.catalogue import IMAGE, LAYER, Catalogue, Kind, TagRecord, migrate_sqlite
-from dsec.images.erofs import build_erofs
-from dsec.images.ondemand import DEFAULT_CHUNK_SIZE, SplitInfo, build_split
+from dsec.images.catalogue import IMAGE, LAYER, LEGACY_OWNER, Catalogue, Kind, TagRecord, migrate_sqlite
+from dsec.images.ondemand import DEFAULT_CHUNK_SIZE, SplitInfo
+from dsec.images.owners import Viewer, _Ownership
 from dsec.images.refs import HEX_PREFIX_RE, REF_FORMS, digest_hex, is_tag, parse_tag
+from dsec.images.sanitize import strip_unsafe_tree
+from dsec.images.storage_quota import _StorageQuota
 from dsec.images.tarextract import extract_tar
-from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
+from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound, TooLarge
 from dsec.protocol.models import LayerInfo
 
 __all__ = [
@@ -104,7 +107,7 @@ LEGACY_CATALOGUE = "catalog.sqlite"
 _LS_HINT = "see the available layers with `dsec layer ls`"
 
 
-class LayerStore(_SplitLayers, _GarbageCollection):
+class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
     def __init__(
         self,
         root: Path = DEFAULT_ROOT,
@@ -143,6 +146,7 @@ class LayerStore(_SplitLayers, _GarbageCollection):
         # What each blob is, by digest (content-addressed, so it never changes): a split
         # layer's SplitInfo, SINGLE, or _DATA for a split layer's data blob.
         self._kinds: dict[str, SplitInfo | str] = {}
+        self._quota_lock = threading.Lock()  # one storage-quota charge at a time (storage_quota)
         self.catalogue = Catalogue(blobs)
         self.migrated: dict[str, object] | None = None
         legacy = self.root / LEGACY_CATALOGUE
@@ -204,29 +208,49 @@ class LayerStore(_SplitLayers, _GarbageCollection):
 
     # ---- import --------------------------------------------------------------------------------
 
-    def import_path(self, path: Path, ref: str) -> LayerInfo:
-        """Import a directory or a tar archive (plain, gz, bz2, xz, zst) as layer ``ref``."""
-        name, version = parse_tag(ref)  # before the expensive part
+    def import_path(
+        self,
+        path: Path,
+        ref: str,
+        *,
+        owner: str = LEGACY_OWNER,
+        viewer: Viewer | None = None,
+        max_bytes: int | None = None,
+        payer: str | None = None,
+    ) -> LayerInfo:
+        """Import a directory or a tar archive (plain, gz, bz2, xz, zst) as layer ``ref``,
+        owned by project ``owner``; ``viewer`` is the caller's (may it use that name?).
+
+        Device nodes and file capabilities are stripped (:mod:`dsec.images.sanitize`); a
+        directory is changed in place (names unlinked, shared inodes copied first). A tar
+        archive that expands past ``max_bytes`` stops with ``TooLarge``, nothing kept; one
+        that does not fit ``owner``'s storage quota (:mod:`dsec.images.storage_quota`) with
+        ``QuotaExceeded``, also nothing kept. ``payer``: another project that brings the
+        content and is charged and recorded as an owner too (an OCI import's layer cache).
+        """
+        name, version = self.check_name(ref, viewer)  # before the expensive part
         if not path.exists():
             raise InvalidRequest(f"cannot import {path}: no such file or directory")
         work = Path(tempfile.mkdtemp(prefix="import-", dir=self.tmp_dir))
         try:
             if path.is_dir():
                 src = Path(os.path.realpath(path))  # mkfs.erofs would store a symlink as such
+                strip_unsafe_tree(src)
             else:
                 src = work / "rootfs"
                 src.mkdir()
-                extract_tar(path, src)
-            if self.layout == SPLIT:
-                split = build_split(src, work / "layer.meta", work / "layer.data", chunk_size=self.chunk_size)
-                digest = self._put_split(split)
-                built = {digest: split.meta, split.blob_digest: split.blob}
-            else:
-                image = work / "layer.erofs"
-                build_erofs(src, image)
-                digest = self.blobs.put(image).digest
-                built = {digest: image}
-            self.catalogue.create(name, version, [digest])
+                # A bomb stops at the owner's storage quota, not only at the import cap.
+                bound = self.expansion_bound(payer or owner)
+                if bound is not None and (max_bytes is None or bound[1] < max_bytes):
+                    try:
+                        extract_tar(path, src, max_bytes=bound[1])
+                    except TooLarge as err:
+                        raise self.past_bound(bound, "this archive") from err
+                else:
+                    extract_tar(path, src, max_bytes=max_bytes)
+            digest, built = self._store_tree(src, work, owner, payer)  # charged (storage_quota)
+            rec, _ = self.catalogue.create(name, version, [digest], owner=owner)
+            self.check_taken(rec, viewer)
             for d, file in built.items():
                 if not self.blobs.exists(d):
                     # A collector removed the (old, untagged) blob between our put and our
@@ -238,49 +262,69 @@ class LayerStore(_SplitLayers, _GarbageCollection):
             raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return self._layer(digest, ref)
+        # The names the caller may see: the same bytes may carry another project's tags.
+        return self._layer(digest, ref, viewer)
 
-    def tag(self, digest: str, ref: str) -> LayerInfo:
+    def tag(
+        self, digest: str, ref: str, *, owner: str = LEGACY_OWNER, viewer: Viewer | None = None
+    ) -> LayerInfo:
         """Give an already stored blob another ``name:version`` (same immutability rules)."""
-        name, version = parse_tag(ref)
-        info = self.resolve(digest)
+        name, version = self.check_name(ref, viewer)
+        info = self.resolve(digest, viewer=viewer)
         self._pin([info.digest])
-        self.catalogue.create(name, version, [info.digest])
-        return self._layer(info.digest, ref)
+        rec, _ = self.catalogue.create(name, version, [info.digest], owner=owner)
+        self.check_taken(rec, viewer)
+        return self._layer(info.digest, ref, viewer)
 
-    def retag(self, ref: str, target: str | Sequence[str]) -> builtins.list[LayerInfo]:
+    def retag(
+        self,
+        ref: str,
+        target: str | Sequence[str],
+        *,
+        owner: str = LEGACY_OWNER,
+        viewer: Viewer | None = None,
+    ) -> builtins.list[LayerInfo]:
         """Move (or create) tag ``ref`` to name ``target`` explicitly; the only way a version
         ever changes content.
 
         ``target`` is a layer ref (``ref`` becomes a layer tag), an image's ``name:version``
         (``ref`` becomes that image), or a list of layer refs, base first (an image, or a
         layer tag if the list has one element). Returns the layers ``ref`` now stands for.
+        A tag that exists keeps its owner and public mark; a new one is ``owner``'s.
         """
-        name, version = parse_tag(ref)
+        name, version = self.check_name(ref, viewer)
         kind: Kind = LAYER
         if isinstance(target, str):
             rec = self._record(target)
             if rec is not None:
                 kind = rec.kind
-            layers = self.resolve_image(target)
+            layers = self.resolve_image(target, viewer=viewer)
         else:
-            layers = [self.resolve(t) for t in target]
+            layers = [self.resolve(t, viewer=viewer) for t in target]
             kind = LAYER if len(layers) == 1 else IMAGE
         if not layers:
             raise InvalidRequest(f"{ref} needs at least one layer")
         digests = [layer.digest for layer in layers]
         self._pin(digests)
-        rec, old = self.catalogue.replace(name, version, digests, kind=kind)
+        current = self.catalogue.get(name, version)
+        if current is not None:
+            owner = current.owner
+        public = current is not None and current.public
+        rec, old = self.catalogue.replace(name, version, digests, kind=kind, owner=owner, public=public)
         if old is not None and old.digests != rec.digests:
             log.info("retagged %s: %s -> %s", ref, list(old.digests), digests)
-        return [self._layer(d, ref) for d in digests]
+        return [self._layer(d, ref, viewer) for d in digests]
 
-    def untag(self, ref: str) -> builtins.list[str]:
+    def untag(self, ref: str, *, viewer: Viewer | None = None) -> builtins.list[str]:
         """Remove tag ``ref`` (a layer or an image); returns the digests it named.
 
-        The blobs stay until :meth:`gc` finds them named by no tag.
+        The blobs stay until :meth:`gc` finds them named by no tag. Only the owner's subtree
+        may remove a tag (a public one too): for anyone else it does not exist.
         """
         name, version = parse_tag(ref)
+        rec = self.catalogue.get(name, version)
+        if rec is not None and viewer is not None and not viewer(rec.owner):
+            raise self._not_found(ref)
         old = self.catalogue.delete(name, version)
         if old is None:
             raise self._not_found(ref)
@@ -288,7 +332,7 @@ class LayerStore(_SplitLayers, _GarbageCollection):
 
     # ---- lookup --------------------------------------------------------------------------------
 
-    def _info(self, digest: str) -> LayerInfo | None:
+    def _info(self, digest: str, viewer: Viewer | None = None) -> LayerInfo | None:
         st = self.blobs.stat(digest)
         if st is None:
             return None
@@ -298,13 +342,13 @@ class LayerStore(_SplitLayers, _GarbageCollection):
             return None  # removed since the stat
         if kind == _DATA:
             return None  # a split layer's data blob is not a layer
-        refs = self.catalogue.referrers(digest)
+        refs = [r for r in self.catalogue.referrers(digest) if self.sees_tag(r, viewer)]
         created = min((r.created_at for r in refs), default=st.mtime)
         names = [r.ref for r in refs if r.is_layer]
         return _layer_info(digest, st.size, kind, names, created)
 
-    def _layer(self, digest: str, ref: str) -> LayerInfo:
-        info = self._info(digest)
+    def _layer(self, digest: str, ref: str, viewer: Viewer | None = None) -> LayerInfo:
+        info = self._info(digest, viewer)
         if info is None:
             raise InfraFailure(
                 f"catalogue tags {ref} with blob {digest}, which is not stored", reason="storage"
@@ -314,87 +358,86 @@ class LayerStore(_SplitLayers, _GarbageCollection):
     def _not_found(self, ref: str, extra: str = "") -> LayerNotFound:
         return LayerNotFound(f"no layer {ref!r}{extra}; {_LS_HINT}")
 
-    def resolve(self, ref: str) -> LayerInfo:
-        """Find a layer by ``name:version``, ``sha256:<hex>``, or a unique hex prefix (>= 12)."""
+    def resolve(self, ref: str, *, viewer: Viewer | None = None) -> LayerInfo:
+        """Find a layer by ``name:version``, ``sha256:<hex>``, or a unique hex prefix (>= 12),
+        among those ``viewer`` may see (:mod:`dsec.images.owners`)."""
         hexpart = ref.removeprefix("sha256:").lower()
         if HEX_PREFIX_RE.match(hexpart) and (hexpart != ref or ":" not in ref):
-            return self._by_prefix(ref, hexpart)
+            return self._by_prefix(ref, hexpart, viewer)
         if ref.startswith("sha256:"):
             digest_hex(ref)  # raises: a malformed digest is a bad request, not a missing layer
         if ":" in ref:
-            return self._by_tag(ref)
-        versions = self.catalogue.versions(ref) if is_tag(f"{ref}:x") else []
+            return self._by_tag(ref, viewer)
+        versions = self._visible_versions(ref, viewer) if is_tag(f"{ref}:x") else []
         if versions:
             known = ", ".join(f"{ref}:{v}" for v in versions)
             raise self._not_found(ref, f" (a version is required: {known})")
         raise LayerNotFound(f"no layer {ref!r}: a layer reference is {REF_FORMS}; {_LS_HINT}")
 
-    def _by_prefix(self, ref: str, hexpart: str) -> LayerInfo:
+    def _by_prefix(self, ref: str, hexpart: str, viewer: Viewer | None = None) -> LayerInfo:
         if len(hexpart) == 64:
-            info = self._info(f"sha256:{hexpart}")
+            digest = f"sha256:{hexpart}"
+            info = self._info(digest, viewer) if self.sees_blob(digest, viewer) else None
         else:
-            matches = [d for d in self.blobs.list_digests() if d[7:].startswith(hexpart)]
+            matches = [
+                d
+                for d in self.blobs.list_digests()
+                if d[7:].startswith(hexpart) and self.sees_blob(d, viewer)
+            ]
             if len(matches) > 1:
                 data = self._data_digests()
                 matches = [d for d in matches if d not in data]
             if len(matches) > 1:
                 raise InvalidRequest(f"layer prefix {ref!r} is ambiguous; give more characters")
-            info = self._info(matches[0]) if matches else None
+            info = self._info(matches[0], viewer) if matches else None
         if info is None:
             raise self._not_found(ref)
         return info
 
-    def _by_tag(self, ref: str) -> LayerInfo:
+    def _by_tag(self, ref: str, viewer: Viewer | None = None) -> LayerInfo:
         name, version = parse_tag(ref)
         rec = self.catalogue.get(name, version)
+        if rec is not None and not self.sees_tag(rec, viewer):
+            rec = None
         if rec is not None:
             if not rec.is_layer:
                 raise LayerNotFound(
                     f"no layer {ref!r}: it names an image of {len(rec.digests)} layers (use it as an "
                     f"image, or one of its layers); {_LS_HINT}"
                 )
-            return self._layer(rec.digests[0], ref)
-        versions = self.catalogue.versions(name)
+            return self._layer(rec.digests[0], ref, viewer)
+        versions = self._visible_versions(name, viewer)
         extra = f" (known versions of {name}: {', '.join(versions)})" if versions else ""
         raise self._not_found(ref, extra)
 
-    def verify(self, ref: str) -> LayerInfo:
-        """Re-hash a layer's blobs (a split layer's META and data): InfraFailure(reason=
-        "corrupt") if their bytes changed, reason="storage" if a data blob is missing."""
-        info = self.resolve(ref)
-        self.blobs.verify(info.digest)
-        split = self.split_info(info.digest)
-        if split is not None:
-            size = self.blobs.stat(split.blob_digest)
-            if size is None:
-                raise _data_missing(info.digest, split.blob_digest)
-            if size.size != split.blob_size:
-                raise InfraFailure(
-                    f"data blob {split.blob_digest} of layer {info.digest} has {size.size} bytes, "
-                    f"its META expects {split.blob_size}: delete it and import the layer again",
-                    reason="corrupt",
-                )
-            self.blobs.verify(split.blob_digest)
-        return info
-
     # ---- images: ordered lists of layers under one name:version ------------------------------
 
-    def tag_image(self, ref: str, digests: builtins.list[str]) -> builtins.list[LayerInfo]:
+    def tag_image(
+        self,
+        ref: str,
+        digests: builtins.list[str],
+        *,
+        owner: str = LEGACY_OWNER,
+        viewer: Viewer | None = None,
+    ) -> builtins.list[LayerInfo]:
         """Name an ordered list of stored layers (base first) ``name:version``; immutable."""
-        name, version = parse_tag(ref)
-        layers = [self.resolve(d) for d in digests]
+        name, version = self.check_name(ref, viewer)
+        layers = [self.resolve(d, viewer=viewer) for d in digests]
         if not layers:
             raise InvalidRequest(f"image {ref} needs at least one layer")
         self._pin(layer.digest for layer in layers)
-        self.catalogue.create(name, version, [layer.digest for layer in layers], kind=IMAGE)
+        rec, _ = self.catalogue.create(
+            name, version, [layer.digest for layer in layers], kind=IMAGE, owner=owner
+        )
+        self.check_taken(rec, viewer)
         return layers
 
-    def resolve_image(self, ref: str) -> builtins.list[LayerInfo]:
+    def resolve_image(self, ref: str, *, viewer: Viewer | None = None) -> builtins.list[LayerInfo]:
         """The layers (base first) that ``ref`` stands for: an image's list, or one layer."""
         rec = self._record(ref)
-        if rec is not None:
-            return [self._layer(d, ref) for d in rec.digests]
-        return [self.resolve(ref)]
+        if rec is not None and self.sees_tag(rec, viewer):
+            return [self._layer(d, ref, viewer) for d in rec.digests]
+        return [self.resolve(ref, viewer=viewer)]
 
     def _record(self, ref: str) -> TagRecord | None:
         """The tag record ``ref`` names, if ``ref`` is a ``name:version`` (not a digest)."""
@@ -419,11 +462,16 @@ class LayerStore(_SplitLayers, _GarbageCollection):
         """Every tag, layers and images, by name and version."""
         return self.catalogue.records()
 
-    def list(self) -> builtins.list[LayerInfo]:
-        """Every stored layer, oldest first, with all its tags (untagged ones await gc)."""
+    def list(self, *, viewer: Viewer | None = None) -> builtins.list[LayerInfo]:
+        """Every stored layer ``viewer`` may see, oldest first, with the tags it may see
+        (untagged ones await gc)."""
         names: dict[str, builtins.list[str]] = {}
         first: dict[str, float] = {}
+        reachable: set[str] = set()  # named by a tag the viewer sees
         for rec in self.catalogue.records():  # sorted by name, then version
+            if not self.sees_tag(rec, viewer):
+                continue
+            reachable.update(rec.digests)
             for d in rec.digests:
                 first[d] = min(first.get(d, rec.created_at), rec.created_at)
             if rec.is_layer:
@@ -431,7 +479,7 @@ class LayerStore(_SplitLayers, _GarbageCollection):
         out = []
         data = self._data_digests()
         for d in self.blobs.list_digests():
-            if d in data:
+            if d in data or (d not in reachable and not self.sees_blob(d, viewer)):
                 continue
             st = self.blobs.stat(d)
             if st is None:

@@ -7,8 +7,12 @@ would make the layer digest depend on when it was imported). Here:
 
 * absolute names and ``..`` components are refused, and so is any member or hard-link target
   whose parent path runs through a symlink, so nothing lands outside ``dest``;
-* owners are numeric, modes (setuid included), device nodes, fifos, hard links, and
-  ``SCHILY.xattr.*`` pax xattrs are kept; pax mtimes keep their nanoseconds;
+* owners are numeric, modes (setuid included), fifos, hard links, and ``SCHILY.xattr.*`` pax
+  xattrs are kept; pax mtimes keep their nanoseconds;
+* device nodes (but overlay whiteouts, char 0/0) and ``security.capability`` xattrs are
+  dropped (:mod:`dsec.images.sanitize` says why);
+* with ``max_bytes``, extraction stops with :class:`TooLarge` as soon as the members' sizes
+  (plus a header block each) pass it: a small compressed archive can expand a thousandfold;
 * directories the archive does not describe (implicit parents, the root without a ``./``
   member) get fixed attributes (0755, root, mtime 0) so the result is reproducible.
 
@@ -18,6 +22,7 @@ sandbox's root, never on the host, since we never open a path through them here.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -29,11 +34,14 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import IO
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.images.sanitize import CAPABILITY_XATTR, is_whiteout
+from dsec.protocol.errors import InfraFailure, InvalidRequest, TooLarge
 
+log = logging.getLogger(__name__)
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _XATTR_PREFIX = "SCHILY.xattr."
 _DEFAULT_DIR_MODE = 0o755
+_HEADER = 512  # what an empty member costs on disk at least (an inode, a dirent): counted too
 
 
 def _reject(name: str, why: str) -> InvalidRequest:
@@ -63,8 +71,11 @@ def _mtime_ns(member: tarfile.TarInfo) -> int:
 
 
 class _Extractor:
-    def __init__(self, dest: Path) -> None:
+    def __init__(self, dest: Path, max_bytes: int | None = None) -> None:
         self.dest = dest
+        self.max_bytes = max_bytes
+        self.expanded = 0
+        self.stripped: list[str] = []
         # Every directory we created or described, with the member describing it (None: implicit).
         self.dirs: dict[Path, tarfile.TarInfo | None] = {dest: None}
 
@@ -103,7 +114,16 @@ class _Extractor:
             os.unlink(target)
         return False
 
+    def _count(self, member: tarfile.TarInfo) -> None:
+        self.expanded += _HEADER + (member.size if member.isreg() else 0)
+        if self.max_bytes is not None and self.expanded > self.max_bytes:
+            raise TooLarge(
+                f"the archive expands to more than {self.max_bytes} bytes (the import cap); "
+                f"stopped at member {member.name!r}"
+            )
+
     def add(self, tf: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        self._count(member)
         parts = _member_parts(member.name)
         if not parts:
             if not member.isdir():
@@ -115,6 +135,11 @@ class _Extractor:
         if member.islnk():
             self._hard_link(member, target)
             return  # a hard link shares the inode, whose attributes its first member set
+        if member.ischr() or member.isblk():
+            kind = stat.S_IFCHR if member.ischr() else stat.S_IFBLK
+            if not is_whiteout(kind, os.makedev(member.devmajor, member.devminor)):
+                self.stripped.append(member.name)  # as if absent: it replaces nothing either
+                return
         kept = self._clear(target, keep_dir=member.isdir())
         if member.isdir():
             if not kept:
@@ -130,7 +155,7 @@ class _Extractor:
                 shutil.copyfileobj(src, out, 1 << 20)
         elif member.issym():
             os.symlink(member.linkname, target)
-        elif member.ischr() or member.isblk():
+        elif member.ischr() or member.isblk():  # an overlay whiteout (0/0): the only kind kept
             kind = stat.S_IFCHR if member.ischr() else stat.S_IFBLK
             os.mknod(target, kind | 0o600, os.makedev(member.devmajor, member.devminor))
         elif member.isfifo():
@@ -166,6 +191,8 @@ class _Extractor:
                 for k, v in member.pax_headers.items()
                 if k.startswith(_XATTR_PREFIX)
             }
+            if xattrs.pop(CAPABILITY_XATTR, None) is not None:
+                self.stripped.append(member.name)
         is_link = member is not None and member.issym()
         os.chown(path, uid, gid, follow_symlinks=False)
         if not is_link:
@@ -215,11 +242,15 @@ def _open_archive(archive: Path) -> Iterator[tarfile.TarFile]:
         raise InvalidRequest(f"zstd could not decompress {archive} (exit {rc})")
 
 
-def extract_tar(archive: Path, dest: Path) -> None:
-    """Extract ``archive`` (plain, gzip, bzip2, xz or zstd tar) into the empty directory ``dest``."""
+def extract_tar(archive: Path, dest: Path, *, max_bytes: int | None = None) -> list[str]:
+    """Extract ``archive`` (plain, gzip, bzip2, xz or zstd tar) into the empty directory ``dest``.
+
+    Returns the members stripped (device nodes, file capabilities). ``TooLarge`` once the
+    content passes ``max_bytes``; what was extracted stays in ``dest`` for the caller to remove.
+    """
     if not archive.is_file():
         raise InvalidRequest(f"cannot import {archive}: not a file or directory")
-    extractor = _Extractor(dest)
+    extractor = _Extractor(dest, max_bytes)
     try:
         with _open_archive(archive) as tf:
             for member in tf:
@@ -231,3 +262,6 @@ def extract_tar(archive: Path, dest: Path) -> None:
             raise InvalidRequest(f"cannot read {archive}: {err}") from err
         raise InfraFailure(f"extracting {archive} failed: {err}", reason="storage") from err
     extractor.finish()
+    if extractor.stripped:
+        log.warning("%s: stripped device nodes or file capabilities of %s", archive, extractor.stripped[:20])
+    return extractor.stripped

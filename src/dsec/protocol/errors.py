@@ -22,11 +22,13 @@ again on the client side, so ``except SandboxNotFound`` works across the wire.
         +-- SessionLost         500  a shell session died under the command (e.g. edge restart)
 
 ``InfraFailure.reason`` classifies the failure (``runtime``, ``storage``, ``edge_unreachable``...)
-so a trainer can tell infrastructure noise from the agent's own doing.
+so a trainer can tell infrastructure noise from the agent's own doing; :class:`InfraReason`
+lists the reasons for work the platform cut short (``stopped``, ``reclaimed``, ``node_lost``...).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar
 
 
@@ -59,6 +61,13 @@ class InvalidRequest(DSecError):
 class LayerNotFound(InvalidRequest):
     code = "layer_not_found"
     status = 404
+
+
+class TooLarge(InvalidRequest):
+    """An upload, or what it expands to, exceeds a configured cap."""
+
+    code = "too_large"
+    status = 413
 
 
 class BuildFailed(InvalidRequest):
@@ -121,6 +130,22 @@ class InfraFailure(DSecError):
 
 class SessionLost(InfraFailure):
     code = "session_lost"
+
+
+class InfraReason(StrEnum):
+    """``InfraFailure.reason`` for work the platform cut short: the agent did not cause it, so a
+    trainer masks the episode (``dsec.rl.fault_of`` says ``infra``) instead of learning from it.
+
+    ``stopped``: another request stopped the sandbox while the command ran. ``reclaimed``: the
+    platform reclaimed it (idle TTL, lease expiry, ``max_lifetime_s``). ``node_lost``: its node
+    went away. ``grading_sandbox_lost``: a clean-room grading sandbox (``dsec.rl.grade``) ended
+    or vanished under the grader.
+    """
+
+    stopped = "stopped"
+    reclaimed = "reclaimed"
+    node_lost = "node_lost"
+    grading_sandbox_lost = "grading_sandbox_lost"
 
 
 def _all_subclasses(cls: type[DSecError]) -> list[type[DSecError]]:

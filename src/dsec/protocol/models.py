@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -26,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from dsec.protocol.bounds import MAX_OUTPUT_BYTES, MAX_TIMER_S, OsPath, OsStr, Ref, UserName, no_nul_env
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.files import Change as Change
 from dsec.protocol.files import ChangeKind as ChangeKind
@@ -38,7 +40,6 @@ from dsec.protocol.iam import QuotaUpdate as QuotaUpdate
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
-_USER_RE = re.compile(r"^(?:[a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})$")
 _SESSION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -49,7 +50,8 @@ JOB_LABEL = "job"  # the label a job lease is kept under
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No inf/nan: every float on the wire is a number (1e400 parses as infinity otherwise).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SandboxState(StrEnum):
@@ -103,8 +105,8 @@ class ContainerSpec(_Model):
     """What a caller asks for when it creates a container sandbox."""
 
     type: Literal["container"] = "container"
-    image: str | None = Field(default=None, description="a layer name:version, or digest")
-    layers: list[str] | None = Field(default=None, description="base first, then workspace, toolkits")
+    image: Ref | None = Field(default=None, description="a layer name:version, or digest")
+    layers: list[Ref] | None = Field(default=None, description="base first, then workspace, toolkits")
     memory_limit_mb: int = Field(default=1024, ge=16, le=1024 * 1024)
     cpu_cores_limit: float = Field(default=1.0, gt=0, le=1024)
     cpu_class: Literal["ls", "be"] = Field(
@@ -125,10 +127,15 @@ class ContainerSpec(_Model):
         description="hard cap on the sandbox's writable layer (its writes, in MiB); past it writes "
         "fail inside with EDQUOT. None: no cap of its own",
     )
-    ttl_running_stop: float | None = Field(default=None, gt=0, description="idle seconds before reclaim")
-    max_lifetime_s: float | None = Field(default=None, gt=0)
+    ttl_running_stop: float | None = Field(
+        default=None, gt=0, le=MAX_TIMER_S, description="idle seconds before reclaim"
+    )
+    max_lifetime_s: float | None = Field(default=None, gt=0, le=MAX_TIMER_S)
     pause_after_idle_s: float | None = Field(
-        default=None, gt=0, description="idle seconds before the sandbox pauses itself (resumes on use)"
+        default=None,
+        gt=0,
+        le=MAX_TIMER_S,
+        description="idle seconds before the sandbox pauses itself (resumes on use)",
     )
     lease_s: float | None = Field(
         default=None,
@@ -140,7 +147,7 @@ class ContainerSpec(_Model):
         default=3600, ge=0, le=7 * 86400, description="how long a lapsed lease's sandboxes stay paused"
     )
     network_rules: dict[str, bool] = Field(default_factory=dict)
-    init_user: str = "root"
+    init_user: UserName = "root"
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     hardware: Hardware = Field(default_factory=Hardware)
@@ -159,13 +166,6 @@ class ContainerSpec(_Model):
         """Capabilities (of the node's backend for this type) a node must report as true."""
         return ["gvisor"] if self.runtime == "gvisor" else []
 
-    @field_validator("init_user")
-    @classmethod
-    def _user(cls, v: str) -> str:
-        if not _USER_RE.match(v):
-            raise ValueError(f"invalid user name {v!r}")
-        return v
-
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
@@ -182,10 +182,7 @@ class ContainerSpec(_Model):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if not k or "=" in k or "\0" in k or "\0" in val:
-                raise ValueError(f"invalid environment variable {k!r}")
-        return v
+        return no_nul_env(v)
 
     def layer_refs(self) -> list[str]:
         return [self.image] if self.image is not None else list(self.layers or [])
@@ -221,7 +218,7 @@ class VMSpec(_VirtualMachineSpec):
 
     type: Literal["vm"] = "vm"  # type: ignore[assignment]
     disk_mb: int = Field(default=4096, ge=256, le=1 << 20, description="the root disk")
-    disk_image: str | None = Field(
+    disk_image: Ref | None = Field(
         default=None,
         description="boot a user's imported VM image (name:version, `dsec vm-image import`) "
         "through its own bootloader, instead of a disk built from layers",
@@ -253,7 +250,7 @@ class InputEvent(_Model):
     absolute (the VM's tablet); ``click``: a mouse button where the pointer is."""
 
     type: Literal["key", "text", "move", "point", "click"]
-    keys: list[str] | None = Field(default=None, max_length=8)
+    keys: list[Annotated[str, Field(max_length=32)]] | None = Field(default=None, max_length=8)
     text: str | None = Field(default=None, max_length=10_000)
     x: int | None = Field(default=None, ge=-4096, le=4096)
     y: int | None = Field(default=None, ge=-4096, le=4096)
@@ -392,7 +389,7 @@ class ShellRequest(_Model):
     command: str = Field(max_length=1 << 20)
     session: str = "default"
     timeout: float | None = Field(default=None, gt=0, le=86400)
-    max_output_bytes: int | None = Field(default=None, ge=0, le=1 << 30)
+    max_output_bytes: int | None = Field(default=None, ge=0, le=MAX_OUTPUT_BYTES)
     idempotency_key: str | None = Field(
         default=None, min_length=1, max_length=256, description="run at most once; a repeat gets the record"
     )
@@ -418,12 +415,12 @@ class CommandResult(_Model):
 
 
 class ExecRequest(_Model):
-    argv: list[str] = Field(min_length=1, max_length=4096)
+    argv: list[OsStr] = Field(min_length=1, max_length=4096)
     stdin_b64: str | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
+    env: Annotated[dict[str, str], AfterValidator(no_nul_env)] = Field(default_factory=dict)
+    cwd: OsPath | None = None
     timeout: float | None = Field(default=None, gt=0, le=86400)
-    max_output_bytes: int | None = Field(default=None, ge=0, le=1 << 30)
+    max_output_bytes: int | None = Field(default=None, ge=0, le=MAX_OUTPUT_BYTES)
     idempotency_key: str | None = Field(
         default=None, min_length=1, max_length=256, description="run at most once; a repeat gets the record"
     )
@@ -446,21 +443,23 @@ class ExecEvent(_Model):
 class RetagRequest(_Model):
     """Point ``ref`` at other content: a layer digest or reference, or an ordered list (an image)."""
 
-    ref: str
-    target: str | list[str]
+    ref: Ref
+    target: Ref | list[Ref] = Field(union_mode="left_to_right")
 
 
 class GcRequest(_Model):
-    grace_s: float | None = Field(default=None, ge=0, description="spare blobs younger than this")
+    grace_s: float | None = Field(
+        default=None, ge=0, le=MAX_TIMER_S, description="spare blobs younger than this"
+    )
 
 
 class CommitRequest(_Model):
     """Pack what a sandbox changed into a new layer ``ref``: ``name:version``, or a bare
     ``name`` for the next free integer version (what ``pack_diff`` does)."""
 
-    ref: str
+    ref: Ref
     scrub_defaults: bool = Field(default=True, description="remove caches, histories, temp files")
-    exclude: list[str] = Field(default_factory=list, max_length=256, description="more paths to scrub")
+    exclude: list[OsPath] = Field(default_factory=list, max_length=256, description="more paths to scrub")
 
 
 def validate_name_ref(ref: str) -> str:

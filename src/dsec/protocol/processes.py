@@ -12,15 +12,17 @@ caller waits for it: closing its stream kills it, and it is recorded with its ou
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from dsec.protocol.models import _USER_RE
+from dsec.protocol.bounds import OsPath, OsStr, UserName, no_nul_env
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    model_config = ConfigDict(
+        extra="forbid", ser_json_bytes="base64", val_json_bytes="base64", allow_inf_nan=False
+    )
 
 
 class PtySize(_Model):
@@ -29,10 +31,10 @@ class PtySize(_Model):
 
 
 class ProcessStart(_Model):
-    argv: list[str] = Field(min_length=1, max_length=4096)
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = Field(default=None, description="default: the user's home, else /")
-    user: str | None = Field(default=None, pattern=_USER_RE.pattern, description="default: init_user")
+    argv: list[OsStr] = Field(min_length=1, max_length=4096)
+    env: Annotated[dict[str, str], AfterValidator(no_nul_env)] = Field(default_factory=dict)
+    cwd: OsPath | None = Field(default=None, description="default: the user's home, else /")
+    user: UserName | None = Field(default=None, description="default: init_user")
     tag: str | None = Field(default=None, max_length=256, description="a name to find it by")
     pty: PtySize | None = Field(default=None, description="run on a pseudo-terminal of this size")
     stdin: bool = Field(default=True, description="keep stdin open for input (else /dev/null)")

@@ -88,6 +88,14 @@ class LayerCalls:
         body = await self._t.request("DELETE", "/v1/layers", params={"ref": ref})
         return [str(d) for d in body["untagged"]]
 
+    async def mark_public(self, ref: str) -> builtins.list[LayerInfo]:
+        """Let every project use layer or image ``ref`` (admin keys only; base layers are public).
+
+        Otherwise a layer is seen only by the project that imported or committed it and by the
+        projects above that one."""
+        body = await self._t.request("POST", "/v1/layers/public", params={"ref": ref})
+        return [LayerInfo.model_validate(x) for x in body]
+
     async def verify_layer(self, ref: str) -> LayerInfo:
         """Re-hash a layer's stored bytes; ``InfraFailure(reason="corrupt")`` if they changed."""
         body = await self._t.request("POST", "/v1/layers/verify", params={"ref": ref}, timeout=3600)

@@ -25,10 +25,14 @@ class ProjectCalls:
         sandboxes: int | None = None,
         cpu_cores: float | None = None,
         memory_mib: int | None = None,
+        storage_mib: int | None = None,
     ) -> dict[str, Any]:
         """Create ``parent/name`` with quotas bounding its whole subtree (``None``: only the
-        parent's bounds apply; a child's quota may not exceed its parent's)."""
-        quota = QuotaModel(sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mib=memory_mib)
+        parent's bounds apply; a child's quota may not exceed its parent's). ``storage_mib``
+        bounds the bytes of layers the subtree owns (imports and commits past it: QuotaExceeded)."""
+        quota = QuotaModel(
+            sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mib=memory_mib, storage_mib=storage_mib
+        )
         req = ProjectCreate(parent=parent, name=name, quota=quota)
         body: dict[str, Any] = await self._t.request("POST", "/v1/projects", json_body=req.model_dump())
         return body
@@ -46,8 +50,11 @@ class ProjectCalls:
         sandboxes: int | None = None,
         cpu_cores: float | None = None,
         memory_mib: int | None = None,
+        storage_mib: int | None = None,
     ) -> dict[str, Any]:
-        quota = QuotaModel(sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mib=memory_mib)
+        quota = QuotaModel(
+            sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mib=memory_mib, storage_mib=storage_mib
+        )
         req = QuotaUpdate(project=project, quota=quota)
         body: dict[str, Any] = await self._t.request("POST", "/v1/projects/quota", json_body=req.model_dump())
         return body

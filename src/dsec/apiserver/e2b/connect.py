@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ _HEADER = struct.Struct(">BI")
 MAX_MESSAGE = 16 << 20
 KEEPALIVE_HEADER = "Keepalive-Ping-Interval"
 TIMEOUT_HEADER = "Connect-Timeout-Ms"
+_MAX_TIMEOUT_MS = 86_400_000
 
 # Connect's codes and the HTTP status each is sent with on unary calls (the protocol's table).
 _HTTP_STATUS = {
@@ -195,10 +197,10 @@ def timeout_s(request: web.Request) -> float | None:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
         return None
-    try:
-        ms = int(raw)
-    except ValueError as exc:
-        raise ConnectError("invalid_argument", f"{TIMEOUT_HEADER} must be an integer") from exc
+    # At most a day (as a command's timeout): a huge integer overflowed the float division.
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12 or int(raw) > _MAX_TIMEOUT_MS:
+        raise ConnectError("invalid_argument", f"{TIMEOUT_HEADER} must be an integer of ms up to a day")
+    ms = int(raw)
     return ms / 1000 if ms > 0 else None
 
 
@@ -233,9 +235,11 @@ class ServerStream:
         """The client's wish (``Keepalive-Ping-Interval``, seconds) for keepalive events."""
         raw = self.request.headers.get(KEEPALIVE_HEADER)
         try:
-            return max(1.0, float(raw)) if raw else None
+            wish = float(raw) if raw else None
         except ValueError:
             return None
+        # "inf", "nan" and 1e400 parse: a keepalive between 1 s and an hour is what makes sense.
+        return None if wish is None or not math.isfinite(wish) else min(max(1.0, wish), 3600.0)
 
 
 async def pump(

@@ -53,8 +53,11 @@ def home_of(user: str) -> str:
 
 
 def absolute(path: str, user: str) -> str:
-    if not path:
-        raise InvalidRequest("path is required")
+    # From a JSON message or a query: any type, any character (NUL would reach the OS).
+    if not isinstance(path, str) or not path:
+        raise InvalidRequest("path is required (a string)")
+    if "\0" in path or len(path) > 4096:
+        raise InvalidRequest("path must be at most 4096 characters, without NUL")
     return posixpath.normpath(path if path.startswith("/") else posixpath.join(home_of(user), path))
 
 
@@ -203,7 +206,10 @@ class FilesystemService:
     async def list_dir(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
     ) -> dict[str, Any]:
-        depth = int(field(msg, "depth", 0) or 1)
+        raw = field(msg, "depth", 0) or 1
+        # proto3 JSON may carry an integer as a string; 1e400 or a list is no depth (was a 500).
+        digits = isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) < 6
+        depth = int(raw) if isinstance(raw, int) or digits else 0
         if not 1 <= depth <= _MAX_DEPTH:
             raise ConnectError("invalid_argument", f"depth must be between 1 and {_MAX_DEPTH}")
         root = absolute(field(msg, "path", ""), user)
@@ -213,9 +219,17 @@ class FilesystemService:
         owners = await Owners.of(link, sandbox_id)
         entries: list[dict[str, Any]] = []
         level = [root]
-        for _ in range(depth):
+        for step in range(depth):
             below: list[str] = []
-            for listing in await asyncio.gather(*(link.list_dir(sandbox_id, d) for d in level)):
+            listings = (link.list_dir(sandbox_id, d) for d in level)
+            found = await asyncio.gather(*listings, return_exceptions=True)
+            for listing in found:
+                # A deep listing of / reaches /proc: the file API refuses kernel file systems,
+                # which a walk skips (the directory itself is listed), as it never enters them.
+                if isinstance(listing, InvalidRequest) and listing.reason == "kernel_fs" and step:
+                    continue
+                if isinstance(listing, BaseException):
+                    raise listing
                 for info in listing:
                     entries.append(owners.entry(info))
                     if info.type == FileType.dir:

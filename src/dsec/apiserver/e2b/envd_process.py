@@ -86,7 +86,7 @@ def _pty_size(msg: dict[str, Any] | None) -> PtySize | None:
     size = msg.get("size") or {}
     try:
         return PtySize(rows=int(size.get("rows", 24)), cols=int(size.get("cols", 80)))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OverflowError, AttributeError) as exc:  # int(1e400): overflow
         raise ConnectError("invalid_argument", f"bad pty size: {size}") from exc
 
 
@@ -118,10 +118,10 @@ async def select(link: EdgeLink, sandbox_id: str, msg: dict[str, Any] | None) ->
     """The pid a ``ProcessSelector`` names (a tag is looked up among running processes)."""
     selector = msg or {}
     if "pid" in selector:
-        try:
-            return int(selector["pid"])
-        except (TypeError, ValueError) as exc:
-            raise ConnectError("invalid_argument", "process.pid must be a number") from exc
+        pid = selector["pid"]
+        if not isinstance(pid, int) or not 0 < pid < 1 << 31:  # pid_t; 1e400 or "x" are no pid
+            raise ConnectError("invalid_argument", "process.pid must be a process ID")
+        return pid
     tag = selector.get("tag")
     if not isinstance(tag, str):
         raise ConnectError("invalid_argument", "give process.pid or process.tag")
@@ -191,7 +191,8 @@ class ProcessService:
 
     async def send_signal(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
         pid = await select(link, sandbox_id, msg.get("process"))
-        number = _SIGNALS.get(msg.get("signal", "SIGNAL_UNSPECIFIED"))
+        name = msg.get("signal", "SIGNAL_UNSPECIFIED")
+        number = _SIGNALS.get(name) if isinstance(name, str) else None  # a list is unhashable
         if number is None:
             raise ConnectError(
                 "invalid_argument",

@@ -208,6 +208,7 @@ class LifecycleRoutes:
             raise InvalidRequest(f"metadata or envVars: {invalid_request(exc)}") from exc
         principal = request[PRINCIPAL]
         spec = self.sandboxes.tenancy.admit(principal, None, spec)
+        spec = await self.sandboxes.admit_layers(principal, spec)  # a template may be another's
         [info] = await self.sandboxes.create_many(principal, spec, 1, 120)
         link = self.sandboxes.links[info.node]
         try:

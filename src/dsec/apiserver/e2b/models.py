@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec.protocol.bounds import OsStr
+
 # The in-sandbox API version the answers claim. The SDKs gate features on it: 0.5.7 unlocks
 # octet-stream uploads, 0.6.2 file metadata, 0.6.4 is the newest both 2.34 and 2.63 know.
 ENVD_VERSION = "0.6.4"
@@ -19,7 +21,7 @@ E2BState = Literal["running", "paused"]
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 class _Out(BaseModel):
@@ -32,7 +34,7 @@ class _Out(BaseModel):
 class NewSandbox(_In):
     """``POST /sandboxes`` (2.34) and ``POST /v2/sandboxes`` (2.63)."""
 
-    template_id: str = Field(alias="templateID", min_length=1, max_length=4096)
+    template_id: OsStr = Field(alias="templateID", min_length=1, max_length=4096)  # a layer name: no NUL
     timeout: int = Field(default=15, ge=0, le=366 * 86400, description="seconds until stopped")
     auto_pause: bool = Field(default=False, alias="autoPause")
     metadata: dict[str, str] | None = None

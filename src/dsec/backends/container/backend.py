@@ -349,7 +349,8 @@ class ContainerBackend:
             return await gvisor_exec.spawn(self.gvisor, sandbox_id, argv, env=env, cwd=cwd, user=user)
         # Straight into the sandbox's namespaces and cgroups (dsec-enter), not through `crun
         # exec`: 2.3x faster here (bench/exec.py), and nothing on the path scans global state.
-        return await enter.spawn_entered(
+        # In a cgroup of its own: a timeout ends all it started, detached or not.
+        return await enter.spawn_command(
             sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper
         )
 
@@ -366,7 +367,7 @@ class ContainerBackend:
         if _on_gvisor(handle):  # runsc exec holds the shell's stdin: 2 edge fds, as crun's
             return await gvisor_exec.spawn_session(self.gvisor, sandbox_id, argv, env=env, cwd=cwd, user=user)
         return await enter.spawn_session(
-            sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper
+            sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper, own_cgroup=True
         )
 
     async def spawn_held(
@@ -482,6 +483,7 @@ class ContainerBackend:
             "pause": True,
             "fork_processes": False,
             "disk_quota": self.volumes.why_not is None,
+            "disk_quota_mb": self.volumes.capacity_mb() if self.volumes.why_not is None else 0,
             "gvisor": self.gvisor.available,  # runtime="gvisor": placement asks for this
             # crun: each process the edge starts has a Landlock domain (enter.py)
             "isolated_entrances": enter.entrances_isolated(),

@@ -197,8 +197,17 @@ def oom_kills(sandbox_id: str) -> int:
 
 
 def remove(sandbox_id: str) -> None:
-    """Kill whatever is left in the sandbox's cgroups (after a crash of crun) and remove them."""
+    """Kill whatever is left in the sandbox's cgroups (after a crash of crun) and remove them,
+    with the cgroup2 children its commands had (command_cgroup.CommandCgroup) first."""
     for d in sandbox_dirs(sandbox_id):
+        with contextlib.suppress(OSError):
+            for sub in [c for c in d.iterdir() if c.is_dir()]:
+                with contextlib.suppress(OSError):
+                    for pid in (sub / "cgroup.procs").read_text().split():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(pid), 9)
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
         with contextlib.suppress(OSError):
             for pid in (d / "cgroup.procs").read_text().split():
                 with contextlib.suppress(ProcessLookupError):

@@ -38,6 +38,7 @@ from typing import Any
 from dsec import _linux
 from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
+from dsec.backends.container.command_cgroup import CommandCgroup, EnteredCommand
 from dsec.backends.container.session_shell import SessionShell
 from dsec.executor import spawner
 from dsec.executor.fdwait import PipeReader
@@ -234,6 +235,30 @@ async def spawn_entered(
     return proc
 
 
+async def spawn_command(
+    sandbox_id: str,
+    handle: dict[str, Any],
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    user: User,
+    helper: Path,
+) -> EnteredCommand:
+    """:func:`spawn_entered` in a cgroup of its own (:class:`CommandCgroup`), where the host
+    has cgroup2: a kill of its tree ends all it started."""
+    cgroup = CommandCgroup.new(sandbox_id)
+    try:
+        proc, _ = await _enter(
+            sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=helper, own_cgroup=cgroup
+        )
+    except BaseException:
+        if cgroup is not None:
+            cgroup.remove()
+        raise
+    return EnteredCommand(proc, cgroup)
+
+
 async def spawn_held(
     sandbox_id: str,
     handle: dict[str, Any],
@@ -275,6 +300,7 @@ async def spawn_session(
     cwd: str,
     user: User,
     helper: Path,
+    own_cgroup: bool = False,
 ) -> SessionShell:
     """As :func:`spawn_entered`, for a session shell that idles between commands, at 2 of the
     edge's fds and 1 process (RLIMIT_NOFILE is 20,000 here and not raisable; each process on
@@ -282,7 +308,9 @@ async def spawn_session(
     (a socket would make ``> /dev/stdout`` fail with ENXIO); the shell keeps the write end of
     its own stdin at fd 9 (``--hold-stdin``), which the edge opens per command; the helper
     forks the shell as the edge's own child and exits, and no pidfd watches the shell while it
-    idles (:class:`dsec.executor.process.RestingChild`)."""
+    idles (:class:`dsec.executor.process.RestingChild`). ``own_cgroup``: the shell and all it
+    starts in a :class:`CommandCgroup`, which its kill ends."""
+    cgroup = CommandCgroup.new(sandbox_id) if own_cgroup else None
     stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
     # stdout and stderr: plain pipes the edge reads on demand (PipeReader), not asyncio's
     # transports, which would stay registered and hold ~14 objects a pipe while the shell idles.
@@ -301,10 +329,13 @@ async def spawn_session(
             flags=[],
             stdio=(stdin_r, out_w, err_w),
             hold_stdin=stdin_w,
+            own_cgroup=cgroup,
         )
     except BaseException:
         os.close(out_r)
         os.close(err_r)
+        if cgroup is not None:
+            cgroup.remove()
         raise
     finally:
         for fd in (stdin_r, stdin_w, out_w, err_w):
@@ -317,7 +348,7 @@ async def spawn_session(
         stderr.close()
         raise InfraFailure(f"{NAME} did not report the PID of the session shell", reason="runtime")
     await helper_proc.wait()  # it exits right after reporting the fork
-    return SessionShell(shell, helper_proc.pid, pipe, stdout, stderr)
+    return SessionShell(shell, helper_proc.pid, pipe, stdout, stderr, cgroup=cgroup)
 
 
 _PIPES = (asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
@@ -335,6 +366,7 @@ async def _enter(
     flags: list[str] | None = None,
     stdio: tuple[int, int, int] | None = None,
     hold_stdin: int | None = None,
+    own_cgroup: CommandCgroup | None = None,
 ) -> tuple[asyncio.subprocess.Process, dict[str, int] | None]:
     """The helper started and its command exec'd; with ``flags`` (a held process) also the
     PIDs it reported on its pid pipe; ``hold_stdin``: an fd the helper keeps (--hold-stdin)."""
@@ -353,6 +385,8 @@ async def _enter(
         if hold_stdin is not None:
             cmd += ["--hold-stdin", str(hold_stdin)]
             passed += (hold_stdin,)
+        if own_cgroup is not None:
+            cmd += ["--own-cgroup", own_cgroup.path.name]
         stdin, stdout, stderr = stdio or (asyncio.subprocess.PIPE, *_PIPES)
         try:
             proc = await spawner.create_subprocess_exec(

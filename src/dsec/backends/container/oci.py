@@ -14,7 +14,10 @@ from dsec.backends.base import DEFAULT_PATH, User
 from dsec.backends.container.seccomp import seccomp_profile
 from dsec.protocol.models import ContainerSpec
 
-# Docker's default set without NET_RAW (no raw sockets for port scans) and MKNOD (no devices).
+# Docker's default set without NET_RAW (no raw sockets for port scans), MKNOD (no devices) and
+# AUDIT_WRITE: the audit log is the host's (one for the node, only the initial namespaces have
+# one), so with it a sandbox could write records there. libpam and sudo take its EPERM for
+# "audit not in use" and go on.
 CAPABILITIES = [
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",
@@ -27,7 +30,6 @@ CAPABILITIES = [
     "CAP_SETFCAP",
     "CAP_NET_BIND_SERVICE",
     "CAP_SYS_CHROOT",
-    "CAP_AUDIT_WRITE",
 ]
 
 # Every filesystem instance a sandbox mounts registers a kernel shrinker that every memory

@@ -193,6 +193,15 @@ SOCKET_FAMILIES = {
     17: "AF_PACKET",
 }
 
+# socket(2) protocols refused in any family. NETLINK_KOBJECT_UEVENT: the kernel broadcasts
+# every device event of the host (hotplug, `change@/devices/virtual/mem/null`...) to each
+# network namespace owned by the initial user namespace, a sandbox's included, and any user
+# may listen. In the other allowed families 15 is nothing a sandbox can open (AF_INET/AF_INET6:
+# a raw protocol, which needs CAP_NET_RAW; AF_UNIX: only 0; AF_PACKET: an ethertype in network
+# order, and CAP_NET_RAW again), so one compare of argument 2 says it. libseccomp tests the
+# higher argument first: this runs before the family allows above.
+DENIED_SOCKET_PROTOCOLS = {15: "NETLINK_KOBJECT_UEVENT"}
+
 # personality(2) values: Docker's (Linux, PER_LINUX32, UNAME26 and their combination, and the
 # query 0xffffffff) plus ADDR_NO_RANDOMIZE, which gdb and `setarch -R` set for the process
 # they start. Others (READ_IMPLIES_EXEC, MMAP_PAGE_ZERO...) weaken the sandbox's own memory.
@@ -288,6 +297,10 @@ def seccomp_profile() -> dict[str, Any]:
             *(
                 {"names": ["socket"], "action": "SCMP_ACT_ALLOW", "args": [_low32(0, family)]}
                 for family in SOCKET_FAMILIES
+            ),
+            *(
+                {"names": ["socket"], **_errno(EPERM), "args": [_low32(2, proto)]}
+                for proto in DENIED_SOCKET_PROTOCOLS
             ),
             *(
                 {"names": ["personality"], "action": "SCMP_ACT_ALLOW", "args": [_low32(0, p)]}

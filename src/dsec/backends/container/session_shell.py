@@ -10,9 +10,13 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dsec.executor.fdwait import PipeReader, fd_ready
 from dsec.executor.process import RestingChild, kill_tree, watch_child
+
+if TYPE_CHECKING:
+    from dsec.backends.container.command_cgroup import CommandCgroup
 
 SESSION_STDIN_FD = 9  # where a session shell keeps the write end of its stdin (dsec_enter.c)
 
@@ -21,9 +25,19 @@ class SessionShell(RestingChild):
     """A session shell started by :func:`spawn_session`, as a :class:`SandboxProcess`: the
     edge's child, which the edge reaps itself; its output pipes read on demand."""
 
-    def __init__(self, pid: int, group: int, pipe: int, stdout: PipeReader, stderr: PipeReader) -> None:
+    def __init__(
+        self,
+        pid: int,
+        group: int,
+        pipe: int,
+        stdout: PipeReader,
+        stderr: PipeReader,
+        *,
+        cgroup: CommandCgroup | None = None,
+    ) -> None:
         super().__init__(pid)
         self._group = group  # the process group the helper made, the shell's (the helper's PID)
+        self._cgroup = cgroup  # the shell's and all it starts (enter.CommandCgroup)
         self.stdout, self.stderr = stdout, stderr
         self.stdin = HeldStdin(f"/proc/{pid}/fd/{SESSION_STDIN_FD}", pipe)
         self.stdin.ended = lambda: self.returncode is not None
@@ -39,11 +53,20 @@ class SessionShell(RestingChild):
                 os.kill(self.pid, signal.SIGKILL)
 
     def kill_tree(self) -> None:
-        """The shell, what it started and the helper's process group (the shell's)."""
+        """The shell, what it started and the helper's process group (the shell's); with a
+        cgroup of its own, all in it (what left the group or the tree too)."""
         if self._code is None:  # unreaped, so the group (the helper's PID) is still the shell's
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._group, signal.SIGKILL)
             kill_tree(self.pid)
+        if self._cgroup is not None:
+            self._cgroup.kill()
+
+    async def wait(self) -> int:
+        code = await super().wait()
+        if self._cgroup is not None:
+            self._cgroup.remove()  # once what it started ended too; else at the destroy
+        return code
 
     def let_go(self) -> None:
         """The shell ends (killed alone, so what it runs in the background lives on)."""

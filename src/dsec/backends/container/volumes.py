@@ -36,6 +36,14 @@ class DiskVolumes:
         """Why this node cannot enforce disk_limit_mb (None: it can); asked once."""
         return diskquota.QuotaFs.unsupported()
 
+    def capacity_mb(self) -> int:
+        """What all limited sandboxes may write together: the file system's size if it is
+        there, else the size it will be made with."""
+        if self._ready:
+            return self.fs.size_bytes() >> 20
+        root = self.fs.root if self.fs.root.exists() else self.fs.root.parent
+        return self.fs.size_mb or diskquota.QuotaFs.default_size_mb(root)
+
     def remount(self) -> None:
         """At the edge's start: the file system of an earlier run, if there is one. Sandboxes of
         that run may live there (still mounted after an edge restart, to mount again after a

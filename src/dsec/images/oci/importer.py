@@ -8,16 +8,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from dsec.images.catalogue import LEGACY_OWNER
 from dsec.images.merge import merge_layers
 from dsec.images.oci.archive import _open_source, _Source
 from dsec.images.oci.compression import _decompressed, _hash_reader, _sniff
 from dsec.images.oci.manifest import Platform, _LayerPlan, _plan
 from dsec.images.oci.validation import _sha256_hex
-from dsec.images.refs import parse_tag
+from dsec.images.owners import Viewer
 from dsec.images.store import LayerStore
 from dsec.images.tarextract import extract_tar
 from dsec.images.whiteouts import oci_to_overlay
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InvalidRequest, TooLarge
 from dsec.protocol.models import LayerInfo
 
 Progress = Callable[[str, int, int], None]
@@ -50,10 +51,13 @@ def _verify_blob(src: _Source, plan: _LayerPlan) -> str:
     return kind
 
 
-def _layer_tar(src: _Source, plan: _LayerPlan, kind: str, work: Path) -> tuple[Path, bool]:
+def _layer_tar(
+    src: _Source, plan: _LayerPlan, kind: str, work: Path, max_bytes: int | None = None
+) -> tuple[Path, bool]:
     """The layer as a plain tar file on disk, its content checked against the diff_id.
 
-    Returns (path, whether it is a temporary copy to delete).
+    Returns (path, whether it is a temporary copy to delete). ``TooLarge`` as soon as the
+    decompressed bytes pass ``max_bytes`` (the partial copy removed).
     """
     if kind == "tar":
         real = src.real_path(plan.path, plan.what)
@@ -62,8 +66,14 @@ def _layer_tar(src: _Source, plan: _LayerPlan, kind: str, work: Path) -> tuple[P
     out = work / "layer.tar"
     h = hashlib.sha256()
     reader, _size = src.open(plan.path, plan.what)
+    written = 0
     with reader, open(out, "xb") as dst:
         for chunk in _decompressed(reader, kind, plan.what):
+            written += len(chunk)
+            if max_bytes is not None and written > max_bytes:
+                dst.close()
+                out.unlink()
+                raise TooLarge(f"{plan.what} expands to more than {max_bytes} bytes (the import cap)")
             h.update(chunk)
             dst.write(chunk)
     actual = f"sha256:{h.hexdigest()}"
@@ -73,9 +83,11 @@ def _layer_tar(src: _Source, plan: _LayerPlan, kind: str, work: Path) -> tuple[P
     return out, True
 
 
-def _store_layer(store: LayerStore, rootfs: Path, tag: str) -> LayerInfo:
+def _store_layer(store: LayerStore, rootfs: Path, tag: str, payer: str) -> LayerInfo:
+    # The cache tag is the store's; the importer pays for the bytes (QuotaExceeded before any
+    # blob is stored) and is recorded as an owner.
     try:
-        return store.import_path(rootfs, tag)
+        return store.import_path(rootfs, tag, payer=payer)
     except InvalidRequest:
         # Someone imported the same layer meanwhile (with an equal image unless their
         # mkfs.erofs differs); theirs serves as well.
@@ -111,6 +123,9 @@ def import_oci(
     progress: Progress | None = None,
     image: str | None = None,
     platform: str = DEFAULT_PLATFORM,
+    owner: str = LEGACY_OWNER,
+    viewer: Viewer | None = None,
+    max_bytes: int | None = None,
 ) -> list[LayerInfo]:
     """Import a ``docker save`` archive or an OCI image layout as the image ``ref``.
 
@@ -124,8 +139,18 @@ def import_oci(
     ``stage`` like ``"layer 2/5 verify"``, ``"layer 2/5 extract"``, ``"layer 2/5 mkfs"``,
     ``"layer 2/5 cached"``, then merge stages and ``"tag"``; ``done``/``total`` count layers
     (merge stages count runs).
+
+    The image and its layers are ``owner``'s (``viewer``: may the caller use the name ``ref``);
+    each layer's content is capped at ``max_bytes`` once decompressed (``TooLarge``). The
+    per-layer tags (``oci-layer:<diff_id>``) are the store's shared cache, not the caller's:
+    an importer that brings a cached layer's content is recorded as one of its owners.
     """
-    parse_tag(ref)  # before any work
+    store.check_name(ref, viewer)  # before any work
+    # A layer that expands past the owner's storage quota stops there (storage_quota).
+    bound = store.expansion_bound(owner)
+    tight = bound if bound is not None and (max_bytes is None or bound[1] < max_bytes) else None
+    if tight is not None:
+        max_bytes = tight[1]
     if store.has_tag(ref):
         raise InvalidRequest(f"{ref} already names a layer and versions are immutable; choose another")
     wanted = Platform.parse(platform)
@@ -153,30 +178,37 @@ def import_oci(
                 if store.has_tag(tag):
                     report(f"{stage} cached", i, n)
                     digests.append(store.resolve(tag).digest)
+                    store.claim_charged(digests[-1:], owner)  # it brought these bytes: it may use them
                     continue
                 report(f"{stage} {'extract' if kind == 'tar' else 'decompress'}", i, n)
-                tar, temporary = _layer_tar(src, plan, kind, work)
+                tar, temporary = _layer_tar(src, plan, kind, work, max_bytes)
                 if kind != "tar":
                     report(f"{stage} extract", i, n)
                 rootfs = work / "rootfs"
                 rootfs.mkdir()
                 try:
-                    extract_tar(tar, rootfs)
+                    extract_tar(tar, rootfs, max_bytes=max_bytes)
                     oci_to_overlay(rootfs)
                 except InvalidRequest as err:
-                    raise InvalidRequest(f"{plan.what}: {err.message}") from err
+                    raise type(err)(f"{plan.what}: {err.message}") from err
                 finally:
                     if temporary:
                         tar.unlink()
                 report(f"{stage} mkfs", i, n)
-                digests.append(_store_layer(store, rootfs, tag).digest)
+                digests.append(_store_layer(store, rootfs, tag, owner).digest)
+                store.claim_charged(digests[-1:], owner)
                 shutil.rmtree(rootfs)
             report("layers imported", n, n)
         digests = drop_shadowed_duplicates(digests)
         if merge_below_bytes > 0:
             digests = merge_layers(store, digests, merge_below_bytes, progress=progress)
+            store.claim_charged(digests, owner)
         report("tag", len(digests), len(digests))
-        return store.tag_image(ref, digests)
+        return store.tag_image(ref, digests, owner=owner, viewer=viewer)
+    except TooLarge as err:
+        if tight is not None:
+            raise store.past_bound(tight, "a layer of this image") from err
+        raise
     except OSError as err:
         raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
     finally:

@@ -5,7 +5,7 @@
  *                [--status-fd FD] [--uid UID] [--gid GID] [--cwd DIR] [--caps CAP_X,CAP_Y]
  *                [--seccomp-bpf FILE | --seccomp-rules RULES] [--nofile N] [--idle]
  *                [--share-core-cookie] [--own-domain] [--tty] [--raise-signal] [--pid-fd FD]
- *                [--hold-stdin FD]
+ *                [--hold-stdin FD] [--own-cgroup NAME]
  *     dsec-enter --dump-seccomp --seccomp-rules RULES   (the filter's BPF program on stdout)
  *
  * The cost of `crun exec` grows with the number of sandboxes on a node (measured in the design
@@ -22,7 +22,11 @@
  *   3. refuses a paused sandbox (its freezer cgroup not THAWED: joining would freeze us), writes
  *      its own pid into DIR/cgroup.procs of every cgroup hierarchy under /sys/fs/cgroup that
  *      has DIR (= dsec/SANDBOX_ID), then checks that /proc/self/cgroup now equals the init's:
- *      everything forked later is charged to the sandbox;
+ *      everything forked later is charged to the sandbox; with --own-cgroup NAME it then
+ *      moves into the cgroup2 child NAME of the sandbox's (made if missing; a hybrid host's
+ *      cgroup2 tree has no controllers, so nothing is charged or limited differently): all the
+ *      command forks stays there, whatever sessions or process groups it makes, so the edge
+ *      ends all of it at once (cgroup.kill) and nothing of another command's;
  *   4. SCHED_IDLE if --idle; setns() into cgroup, ipc, uts, net, pid, time and last mnt (each
  *      only where it differs from ours; a different user namespace is refused). Joining the
  *      mount namespace sets root and cwd to that namespace's root, the container's rootfs
@@ -51,7 +55,12 @@
  * restricts nothing else: it handles only LANDLOCK_ACCESS_FS_REFER (cross-directory rename
  * and link, which any domain denies unless a rule grants it) and grants that beneath "/".
  * Needs Landlock ABI >= 2 (Linux 5.19; before, any domain denies cross-directory renames);
- * the edge passes the flag only where the kernel has it.
+ * the edge passes the flag only where the kernel has it. From ABI 6 (Linux 6.12) the domain
+ * also scopes signals (LANDLOCK_SCOPE_SIGNAL): a process left running cannot signal, nor
+ * probe with kill(pid, 0), what a later caller runs (nor the reverse), while a process tree
+ * signals its own members as before (a session's `kill %1`) and the helper, outside every
+ * domain, forwards signals to its command. Abstract unix sockets stay unscoped: a server one
+ * exec starts is a later exec's to connect to.
  *
  * The seccomp filter is the container's profile (backends/container/seccomp.py) compiled by
  * libseccomp as crun compiles it: --seccomp-rules takes the libseccomp calls crun makes for
@@ -423,6 +432,25 @@ static void join_cgroups(int procfd, const char *rel)
 		die(0, "joined cgroups differ from the sandbox init's:\n%s--- init:\n%s", mine, theirs);
 }
 
+/* After join_cgroups: into the child NAME of the sandbox's cgroup2 directory, made if missing. */
+static void join_own_cgroup(const char *rel, const char *name)
+{
+	char path[PATH_MAX], pid[32];
+	int pidlen = snprintf(pid, sizeof pid, "%d\n", (int)getpid()), fd;
+
+	if (snprintf(path, sizeof path, "%s/unified/%s/%s", CGROUP_ROOT, rel, name) >= (int)sizeof path)
+		die(0, "cgroup path too long");
+	if (mkdir(path, 0755) < 0 && errno != EEXIST)
+		die(errno, "mkdir %s", path);
+	strncat(path, "/cgroup.procs", sizeof path - strlen(path) - 1);
+	fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+	if (fd < 0)
+		die(errno, "open %s", path);
+	if (write(fd, pid, (size_t)pidlen) != pidlen)
+		die(errno, "join %s", path);
+	close(fd);
+}
+
 /* -- namespaces -------------------------------------------------------------------------------- */
 
 struct ns {
@@ -734,6 +762,7 @@ struct opts {
 	gid_t gid;
 	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd, hold_fd, share_cookie;
 	int own_domain;
+	const char *own_cgroup;
 	pid_t edge;
 	struct rlimit nofile;
 	int have_nofile;
@@ -752,6 +781,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		{ "tty", no_argument, NULL, 'T' },            { "raise-signal", no_argument, NULL, 'R' },
 		{ "pid-fd", required_argument, NULL, 'P' },  { "hold-stdin", required_argument, NULL, 'H' },
 		{ "share-core-cookie", no_argument, NULL, 'K' }, { "own-domain", no_argument, NULL, 'L' },
+		{ "own-cgroup", required_argument, NULL, 'O' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -785,6 +815,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		case 'i': o->idle = 1; break;
 		case 'K': o->share_cookie = 1; break;
 		case 'L': o->own_domain = 1; break;
+		case 'O': o->own_cgroup = optarg; break;
 		case 'D': o->dump_seccomp = 1; break;
 		case 'T': o->tty = 1; break;
 		case 'R': o->raise_signal = 1; break;
@@ -800,13 +831,33 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 	if (o->pid < 0 || o->start_time < 0 || !o->cgroup || o->spec_fd < 0)
 		die(0, "--pid, --start-time, --cgroup and --spec-fd are required");
 	check_cgroup_rel(o->cgroup);
+	if (o->own_cgroup) {
+		if (strchr(o->own_cgroup, '/'))
+			die(0, "bad --own-cgroup '%s'", o->own_cgroup);
+		check_cgroup_rel(o->own_cgroup);
+	}
 }
 
-/* A Landlock domain that restricts nothing but tracing across domains (see the top). */
+/* struct landlock_ruleset_attr as of Landlock ABI 6 (Linux 6.12): the libc headers a node
+ * builds with may be older. A kernel of an older ABI takes the longer struct as long as the
+ * fields it does not know are zero. */
+struct ruleset_attr_v6 {
+	__u64 handled_access_fs;
+	__u64 handled_access_net;
+	__u64 scoped;
+};
+#define SCOPE_SIGNAL (1ULL << 1) /* LANDLOCK_SCOPE_SIGNAL */
+
+/* A Landlock domain that restricts nothing but tracing and, from ABI 6, signalling across
+ * domains (see the top). */
 static void enter_own_domain(void)
 {
-	struct landlock_ruleset_attr attr = { .handled_access_fs = LANDLOCK_ACCESS_FS_REFER };
+	struct ruleset_attr_v6 attr = { .handled_access_fs = LANDLOCK_ACCESS_FS_REFER };
 	struct landlock_path_beneath_attr beneath = { .allowed_access = LANDLOCK_ACCESS_FS_REFER };
+	long abi = syscall(__NR_landlock_create_ruleset, NULL, 0, LANDLOCK_CREATE_RULESET_VERSION);
+
+	if (abi >= 6)
+		attr.scoped = SCOPE_SIGNAL;
 	int ruleset = (int)syscall(__NR_landlock_create_ruleset, &attr, sizeof attr, 0);
 
 	if (ruleset < 0)
@@ -1024,6 +1075,8 @@ int main(int argc, char **argv)
 	if (init_start_time(procfd) != o.start_time)
 		die(0, "the sandbox's init (pid %lld) died while entering", o.pid);
 	join_cgroups(procfd, o.cgroup);
+	if (o.own_cgroup)
+		join_own_cgroup(o.cgroup, o.own_cgroup);
 	close(procfd);
 	/* Opened while /proc is still the host's: after setns(mnt) it is the sandbox's. */
 	oom_fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);

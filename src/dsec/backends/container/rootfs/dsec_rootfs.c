@@ -29,6 +29,11 @@
  * /proc/sys/net/core/rmem_default exists, taking it for the host's; since Linux 6.x every
  * namespace has it (gVisor issue 10704). The edge checks the namespace itself (gvisor.py).
  *
+ * The overlay's layer options name the layers by file descriptor ("lowerdir=4:5,upperdir=6,
+ * workdir=7", resolved in /proc/self/fd): overlayfs shows its options in every mountinfo as
+ * they were given, and the host paths (the data directory, the sandbox's own directory) are
+ * none of a sandbox's business.
+ *
  * Failures of this helper go to stderr, which the edge reads; PROGRAM runs with
  * stdin/stdout/stderr on /dev/null (crun keeps its caller's stdio open: a pipe would never end).
  */
@@ -37,6 +42,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -57,6 +63,62 @@
 #ifndef AT_RECURSIVE
 #define AT_RECURSIVE 0x8000
 #endif
+
+/* Mount overlayfs with OPTIONS on target, every path of lowerdir, upperdir and workdir given
+ * as the number of an fd opened on it and resolved from /proc/self/fd (see the top). Paths
+ * may not hold ':', ',' or '\\' (the edge's never do): each is taken as it is. */
+static int mount_overlay(const char *options, const char *target) {
+    char out[8192], *opts = strdup(options), *save = NULL;
+    int fds[512], nfds = 0, rc = -1;
+    size_t len = 0;
+    if (!opts)
+        return -1;
+    out[0] = 0;
+    for (char *opt = strtok_r(opts, ",", &save); opt; opt = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(opt, '=');
+        int layered = eq && (!strncmp(opt, "lowerdir=", 9) || !strncmp(opt, "upperdir=", 9) || !strncmp(opt, "workdir=", 8));
+        int n = snprintf(out + len, sizeof out - len, "%s%.*s", len ? "," : "", layered ? (int)(eq - opt + 1) : (int)strlen(opt), opt);
+        if (n < 0 || (size_t)n >= sizeof out - len)
+            goto too_long;
+        len += (size_t)n;
+        if (!layered)
+            continue;
+        char *psave = NULL;
+        int first = 1;
+        for (char *path = strtok_r(eq + 1, ":", &psave); path; path = strtok_r(NULL, ":", &psave)) {
+            if (nfds == (int)(sizeof fds / sizeof fds[0]))
+                goto too_long;
+            int fd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+            if (fd < 0) {
+                fprintf(stderr, "opening the overlay layer %s: %s\n", path, strerror(errno));
+                goto done;
+            }
+            fds[nfds++] = fd;
+            n = snprintf(out + len, sizeof out - len, "%s%d", first ? "" : ":", fd);
+            if (n < 0 || (size_t)n >= sizeof out - len)
+                goto too_long;
+            len += (size_t)n;
+            first = 0;
+        }
+    }
+    if (chdir("/proc/self/fd") != 0) {
+        fprintf(stderr, "chdir /proc/self/fd: %s\n", strerror(errno));
+        goto done;
+    }
+    if (mount("overlay", target, "overlay", 0, out) != 0) {
+        fprintf(stderr, "mount overlay on %s: %s\n", target, strerror(errno));
+        goto done;
+    }
+    rc = chdir("/");
+    goto done;
+too_long:
+    fprintf(stderr, "mount overlay on %s: options too long\n", target);
+done:
+    while (nfds > 0)
+        close(fds[--nfds]);
+    free(opts);
+    return rc;
+}
 
 /* The sandbox's tree at ROOTFS replaces the host's as this namespace's root, and the init
  * (at the other end of sock) moves into it (see --own-root). */
@@ -133,10 +195,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "making / private: %s\n", strerror(errno));
         return 125;
     }
-    if (mount("overlay", argv[2], "overlay", 0, argv[1]) != 0) {
-        fprintf(stderr, "mount overlay on %s: %s\n", argv[2], strerror(errno));
+    if (mount_overlay(argv[1], argv[2]) != 0)
         return 125;
-    }
     if (hide_net && mount("dsec-hidden", "/proc/sys/net", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                           "mode=0555,size=4k") != 0) {
         fprintf(stderr, "hiding /proc/sys/net: %s\n", strerror(errno));

@@ -38,6 +38,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -613,9 +614,21 @@ static void exec_path(char *const argv[], char *const envp[])
  * and links, which any domain denies unless granted) and grants that beneath the root. The
  * same as a container's dsec-enter --own-domain; ABI >= 2 (Linux 5.19) has REFER.
  */
+/* struct landlock_ruleset_attr as of ABI 6 (Linux 6.12), which the build's headers may lack;
+ * an older kernel takes it while the fields it does not know are zero. */
+struct ruleset_attr_v6 {
+	__u64 handled_access_fs;
+	__u64 handled_access_net;
+	__u64 scoped;
+};
+
+/* From ABI 6 the domain also scopes signals (LANDLOCK_SCOPE_SIGNAL), as dsec-enter's does: a
+ * process left running cannot signal what a later caller runs. (Debian 12's guest kernel, 6.1,
+ * has ABI 2: there it scopes ptrace only.) */
 static int own_domain(void)
 {
-	struct landlock_ruleset_attr attr = { .handled_access_fs = LANDLOCK_ACCESS_FS_REFER };
+	struct ruleset_attr_v6 attr = { .handled_access_fs = LANDLOCK_ACCESS_FS_REFER,
+					.scoped = landlock_abi >= 6 ? 1ULL << 1 : 0 };
 	struct landlock_path_beneath_attr beneath = { .allowed_access = LANDLOCK_ACCESS_FS_REFER };
 	int ruleset = (int)syscall(__NR_landlock_create_ruleset, &attr, sizeof attr, 0);
 
@@ -904,13 +917,42 @@ static void do_kill(uint32_t chan, const unsigned char *p, size_t n)
 
 /* ---- file operations ------------------------------------------------------------------ */
 
-/* openat2() below the sandbox root: ".." and symlinks (even absolute ones) stay inside it. */
+/*
+ * Kernel file systems (<linux/magic.h>): views of the kernel, not the sandbox's files. The
+ * file operations serve none of them (the host's executor/_openat2.py KERNEL_FS_MAGIC): as
+ * the agent, they would show its own /proc files and what the sandbox's user may not see.
+ */
+static const unsigned long kernel_fs[] = {
+	0x9fa0,	    0x62656572, 0x64626720, 0x74726163, 0x73636673, 0x27e0eb,	0x63677270,
+	0xcafe4a11, 0x62656570, 0xde5e81e4, 0x6165676c, 0xf97cff8c, 0x1cd1,	0x42494e4d,
+	0x19800202, 0x6e736673, 0x65735543, 0x6c6f6f70,
+};
+
+static int on_kernel_fs(int fd)
+{
+	struct statfs sfs;
+
+	if (fstatfs(fd, &sfs) < 0)
+		return 1; /* unknown: refused */
+	for (size_t i = 0; i < sizeof kernel_fs / sizeof kernel_fs[0]; i++)
+		if (((unsigned long)sfs.f_type & 0xffffffffUL) == kernel_fs[i])
+			return 1;
+	return 0;
+}
+
+/* openat2() below the sandbox root: ".." and symlinks (even absolute ones) stay inside it.
+ * A result on a kernel file system is refused with EMEDIUMTYPE (the host's "kernel_fs"). */
 static int resolve(const char *path, int flags)
 {
 	struct open_how how = { .flags = (uint64_t)(flags | O_CLOEXEC),
 				.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS };
 	for (int i = 0; i < 16; i++) {
 		int fd = (int)syscall(SYS_openat2, root_fd, path, &how, sizeof how);
+		if (fd >= 0 && on_kernel_fs(fd)) {
+			close(fd);
+			errno = EMEDIUMTYPE;
+			return -1;
+		}
 		if (fd >= 0 || errno != EAGAIN) /* EAGAIN: a concurrent rename/mount; retry */
 			return fd;
 	}
@@ -1096,8 +1138,14 @@ static int rm_tree(int dfd, const char *name, dev_t dev)
 		return errno;
 	if (!S_ISDIR(st.st_mode))
 		return unlinkat(dfd, name, 0) < 0 ? errno : 0;
-	if (st.st_dev != dev)
-		return EBUSY;
+	if (st.st_dev != dev) {
+		/* A mount point: not entered; a kernel one says so, as resolve() does. */
+		fd = openat(dfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+		err = fd >= 0 && on_kernel_fs(fd) ? EMEDIUMTYPE : EBUSY;
+		if (fd >= 0)
+			close(fd);
+		return err;
+	}
 	if ((fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0)
 		return errno;
 	if (!(d = fdopendir(fd))) {

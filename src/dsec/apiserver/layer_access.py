@@ -1,0 +1,64 @@
+"""Layers as the apiserver hands them out: who may see which, and how large an import may be.
+
+A layer belongs to the project that imported or committed it; a key sees what its project's
+subtree owns plus the public layers (:mod:`dsec.images.owners` has the rules). Every route
+that names a layer on behalf of a key passes the key's :func:`layer_viewer` to the store; a
+create checks the layers of its spec with :func:`admit_layers` before any node works, and pins
+digest prefixes to the full digests it checked, so the edge mounts exactly what was admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from dsec.iam import Principal, can_access
+from dsec.images.owners import Viewer
+from dsec.images.store import LayerStore
+from dsec.protocol.models import ContainerSpec
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LayerLimits:
+    """Caps on what one import may cost the store (``TooLarge``, 413, past any of them).
+
+    The expansion cap is ``min(max_expand_bytes, max(expand_floor_bytes, expand_ratio *
+    upload size))``: a real image compresses 2-10x, a zero-filled bomb 1000x (a 254 KiB gzip
+    expanded to 256 MiB), so a ratio bound stops bombs early whatever the absolute cap.
+    """
+
+    max_upload_bytes: int = 16 << 30
+    max_expand_bytes: int = 64 << 30
+    expand_ratio: int = 100
+    expand_floor_bytes: int = 64 * _MIB
+
+    def expand_cap(self, upload_bytes: int) -> int:
+        return min(self.max_expand_bytes, max(self.expand_floor_bytes, self.expand_ratio * upload_bytes))
+
+
+def layer_viewer(principal: Principal) -> Viewer:
+    """What a key may see: its project's subtree (as for sandboxes)."""
+    return lambda owner: can_access(principal, owner)
+
+
+def _is_tag(ref: str) -> bool:
+    return ":" in ref and not ref.startswith("sha256:")
+
+
+async def admit_layers(store: LayerStore, principal: Principal, spec: ContainerSpec) -> ContainerSpec:
+    """``spec`` if the key may use all its layers (LayerNotFound: one it may not see, as if it
+    did not exist), with digests and digest prefixes replaced by the full digests checked."""
+    viewer = layer_viewer(principal)
+
+    def pin(ref: str) -> str:
+        layers = store.resolve_image(ref, viewer=viewer)
+        return ref if _is_tag(ref) else layers[0].digest
+
+    if spec.image is not None:
+        return spec.model_copy(update={"image": await asyncio.to_thread(pin, spec.image)})
+    if spec.layers:
+        pinned = [await asyncio.to_thread(pin, ref) for ref in spec.layers]
+        return spec.model_copy(update={"layers": pinned})
+    return spec
