@@ -4,18 +4,20 @@ SDK itself (``DSecClient.renew_lease``, ``Sandbox.pause``, ``Sandbox.trajectory`
 
 from dsec.rl.env import SUBMIT, SandboxEnv, Step, Task
 from dsec.rl.failures import fault_of, mask
-from dsec.rl.grading import GradeResult, grade, parse_junit
+from dsec.rl.grading import GradeResult, grade
+from dsec.rl.manifest import MANIFEST_PATH, Manifest
 from dsec.rl.workspace import prepare_workspace
 
 __all__ = [
+    "MANIFEST_PATH",
     "SUBMIT",
     "GradeResult",
+    "Manifest",
     "SandboxEnv",
     "Step",
     "Task",
     "fault_of",
     "grade",
     "mask",
-    "parse_junit",
     "prepare_workspace",
 ]

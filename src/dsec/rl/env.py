@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from dsec.protocol.errors import InvalidRequest
 from dsec.rl.grading import GradeResult, grade
+from dsec.rl.manifest import MANIFEST_PATH
 from dsec.sdk.args import DSecContainerRunArgs
 from dsec.sdk.client import DSecClient, Sandbox
 
@@ -26,16 +27,16 @@ SUBMIT = "submit"
 
 @dataclass(frozen=True)
 class Task:
-    """One task: the layers an agent starts from, hidden tests, and how to run them."""
+    """One task: the layers an agent starts from and the hidden tests that judge it."""
 
     task_id: str
     layers: list[str]  # base image first, then the workspace
     tests: list[str]  # the hidden-tests layer(s): never in the agent's sandbox
-    test_command: str  # run in ``workdir`` of the clean room; should write JUnit XML
     workdir: str = "/workspace"
     prompt: str = ""
-    junit_path: str = "/tmp/dsec-junit.xml"
+    manifest: str = MANIFEST_PATH  # in the hidden layer: expected test IDs and runner settings
     memory_limit_mb: int = 512
+    strict: bool = True  # a submission reaching for the runner's internals scores 0
 
 
 class Step(NamedTuple):
@@ -93,13 +94,14 @@ class SandboxEnv:
                 self.client,
                 self.sandbox,
                 tests=self.task.tests,
-                command=self.task.test_command,
                 task_layers=self.task.layers,
                 workdir=self.task.workdir,
-                junit_path=self.task.junit_path,
+                manifest=self.task.manifest,
+                strict=self.task.strict,
             )
             g = self.grade_result
             summary = f"{g.passed} passed, {g.failed} failed" + (" (tampered)" if g.tampered else "")
+            summary += " (suspicious)" if g.suspicious else ""
             return Step(summary, g.reward, True, False, {"grade": g})
         result = await self.sandbox.run_shell(
             f"cd {self.task.workdir} && {action}", timeout=self.step_timeout, idempotency_key=key

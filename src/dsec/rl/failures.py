@@ -6,6 +6,12 @@ sandbox was lost, a step's outcome is unknown). Mask the episode, or retry it.
 ``agent``: the agent's own actions caused it (its command failed, ran out of time or memory,
 produced too much output). This is signal: keep it in the reward.
 ``caller``: the trainer itself is wrong (bad arguments, a key without access). Fix the trainer.
+
+Work the platform cut short raises ``InfraFailure`` with a reason from
+:class:`dsec.protocol.errors.InfraReason` (``stopped``, ``reclaimed``, ``node_lost``,
+``grading_sandbox_lost``): ``infra``. What the submission caused inside a grading run (a hang
+past the timeout, an exit before the tests reported) is in the grade itself, scored as failed
+tests: ``agent``.
 """
 
 from __future__ import annotations

@@ -1,105 +1,138 @@
 """Clean-room grading: judge an agent's work where the agent never was.
 
-The agent's sandbox is not trusted to grade itself: it may have edited the tests, planted a
-``conftest.py`` that passes everything, patched the interpreter, or replaced ``/bin/bash``.
-So :func:`grade`
+The agent's sandbox is not trusted to grade itself, and neither is anything it wrote. So
+:func:`grade`
 
 1. reads what the agent changed from the host side (``Sandbox.changes``: the overlay's upper
    directory, which nothing inside the sandbox can hide or forge);
-2. sorts each change (:mod:`dsec.rl.tamper`): source changes in the workspace are applied;
-   changes to tests, test configuration, the runner or the interpreter are *tamper flags* and
-   are not applied unless the caller allows them; anything else is ignored;
-3. starts a fresh sandbox from the task's original layers plus a hidden-tests layer the agent's
-   sandbox never had, and copies the applied changes in through the file API;
-4. runs the test command there and reads per-test results from a JUnit XML file (what
-   ``pytest --junitxml`` writes), falling back to the command's exit status;
-5. returns a :class:`GradeResult` with a reward (0 whenever a tamper flag was raised, unless the
-   caller asked otherwise) and stops the clean room.
+2. starts a fresh sandbox (the *room*) from the task's original layers plus the hidden-tests
+   layer the agent never had, and reads the hidden tests' manifest there
+   (:mod:`dsec.rl.manifest`: the expected test IDs, FAIL_TO_PASS and PASS_TO_PASS);
+3. sorts each change (:mod:`dsec.rl.tamper`): source changes in the workspace are applied;
+   changes to test configuration, start-up hooks, the runner or the interpreter are *tamper
+   flags* and are not applied; test files the agent wrote (new ones, or tests added to a visible
+   test file) are not applied either, but only reported (``added_tests``): writing a regression
+   test is honest work, and only the manifest's tests from the hidden layer run;
+4. copies the applied changes in (:mod:`dsec.rl.transfer`: capped, names checked, links read
+   with the node's own tool) and scans their Python for references to the runner's internals,
+   exit handlers, process exit and the like (:mod:`dsec.rl.suspicious`);
+5. runs the manifest's tests with an interpreter and runner isolated from the workspace, each
+   outcome leaving through a channel the tested code cannot rewrite after the fact
+   (:mod:`dsec.rl.runner`);
+6. scores the manifest's IDs only: an ID that did not report ``passed`` (failed, errored,
+   skipped, never ran, the process died first) is a failure, an ID the manifest does not name is
+   a forged report, and there is no fallback to an exit status or a result file.
+
+If the room dies under the grader (stopped by someone else, reclaimed, its node lost), ``grade``
+raises ``InfraFailure(reason="grading_sandbox_lost")``: a trainer masks that episode instead of
+learning a 0 the agent did not earn.
 """
 
 from __future__ import annotations
 
-import contextlib
-import shlex
-import xml.etree.ElementTree as ET
+import secrets
+import sys
 from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from dsec.protocol.errors import DSecError, FileNotFound, InvalidRequest
-from dsec.protocol.models import ChangeKind, FileType
-from dsec.rl.tamper import judge
+from dsec.protocol.errors import DSecError, FileNotFound, InfraFailure, InfraReason, InvalidRequest
+from dsec.protocol.models import Change, ChangeKind, CommandResult, FileType, SandboxState
+from dsec.rl.manifest import MANIFEST_PATH, Manifest, parse_manifest
+from dsec.rl.runner import plan_run, read_channel
+from dsec.rl.suspicious import scan_change
+from dsec.rl.tamper import HIDDEN_TEST, TEST_FILE, judge_all
+from dsec.rl.transfer import CopyLimits, copy_changes
 from dsec.sdk.args import DSecContainerRunArgs
 from dsec.sdk.client import DSecClient, Sandbox
 
-_JUNIT_LIMIT = 16 << 20  # a results file larger than this is not a results file
+__all__ = ["CopyLimits", "GradeResult", "Suspicious", "TamperFlag", "TestCase", "grade"]
+
+_OUTPUT_CAP = 16 << 20
+Outcome = Literal["passed", "failed", "error", "skipped", "xfailed", "xpassed", "missing"]
+_OUTCOMES = {"passed", "failed", "error", "skipped", "xfailed", "xpassed"}
+_NEVER_REPORTED = "never reported: not run, or the run ended first"
+SHADOW = "a new module named like one of the standard library or the test runner"
+# Importable names of the runner and its dependencies, besides the standard library's.
+_RUNNER_MODULES = frozenset({"pytest", "_pytest", "py", "pluggy", "iniconfig", "packaging", "pygments"})
+FORGED = "a test ID the manifest does not name was reported (a forged report)"
 
 
 class TestCase(BaseModel):
     name: str
-    outcome: Literal["passed", "failed", "error", "skipped"]
+    outcome: Outcome
+    group: Literal["FAIL_TO_PASS", "PASS_TO_PASS"]
     message: str = ""
 
 
 class TamperFlag(BaseModel):
     path: str
-    kind: ChangeKind
+    kind: ChangeKind | None  # None: not a file change (a forged report)
     reason: str
+
+
+class Dropped(BaseModel):
+    path: str
+    reason: str
+
+
+class Suspicious(BaseModel):
+    path: str
+    line: int
+    col: int
+    what: str
+    why: str
 
 
 class GradeResult(BaseModel):
     reward: float
     passed: int = 0
     failed: int = 0
-    tests: list[TestCase] = Field(default_factory=list)
-    tamper: list[TamperFlag] = Field(default_factory=list)
+    tests: list[TestCase] = Field(default_factory=list)  # one per manifest ID, in its order
+    tamper: list[TamperFlag] = Field(default_factory=list)  # zero the reward (zero_on_tamper)
+    suspicious: list[Suspicious] = Field(default_factory=list)  # zero the reward when strict
+    added_tests: list[str] = Field(default_factory=list)  # test files the agent wrote: not applied
+    dropped: list[Dropped] = Field(default_factory=list)  # not applied, and why (no penalty)
     applied: list[str] = Field(default_factory=list)  # paths copied into the clean room
     ignored: list[str] = Field(default_factory=list)
+    extra: list[str] = Field(default_factory=list)  # reported IDs the manifest does not name
     exit_code: int | None = None
     timed_out: bool = False
-    output: str = ""  # the test command's output (tail)
+    runner_finished: bool = False  # the runner reached its end (False: it exited or died early)
+    output: str = ""  # the test run's output (tail)
 
     @property
     def tampered(self) -> bool:
         return bool(self.tamper)
 
 
-def parse_junit(xml: bytes) -> list[TestCase]:
-    """Per-test outcomes from a JUnit XML report (pytest, unittest-xml, JUnit)."""
-    try:
-        root = ET.fromstring(xml)
-    except ET.ParseError as exc:
-        raise InvalidRequest(f"the test results are not JUnit XML: {exc}") from exc
-    out = []
-    for case in root.iter("testcase"):
-        name = ".".join(p for p in (case.get("classname", ""), case.get("name", "")) if p)
-        outcome: Literal["passed", "failed", "error", "skipped"] = "passed"
-        message = ""
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome = "failed" if child.tag == "failure" else child.tag  # type: ignore[assignment]
-                message = (child.get("message") or child.text or "")[:1000]
-                break
-        out.append(TestCase(name=name, outcome=outcome, message=message))
-    return out
+def score(
+    manifest: Manifest,
+    outcomes: dict[str, tuple[str, str]],
+    reward: Literal["fraction", "all"],
+) -> tuple[float, list[TestCase]]:
+    """The reward for ``outcomes`` over the manifest's IDs only.
 
-
-async def _copy_change(agent: Sandbox, room: Sandbox, path: str, kind: ChangeKind, ftype: FileType) -> None:
-    if kind is ChangeKind.deleted:
-        with contextlib.suppress(FileNotFound):
-            await room.remove(path, recursive=True)
-        return
-    if ftype is FileType.dir:
-        await room.mkdir(path, parents=True)
-    elif ftype is FileType.file:
-        st = await agent.stat(path)
-        await room.write_file(path, await agent.read_file(path), mode=st.mode & 0o7777)
-    elif ftype is FileType.symlink:
-        # The file API does not follow or make links; readlink is the one thing run in the
-        # agent's sandbox, and all it can give is a link target.
-        target = (await agent.exec(["readlink", "-n", path])).stdout
-        await room.exec(["ln", "-sfn", target, path])
+    ``all``: 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passed, else 0. ``fraction``:
+    0 if any PASS_TO_PASS test did not pass (a regression, or a run that never got there),
+    else the share of FAIL_TO_PASS tests that passed (1.0 when there are none): doing nothing
+    scores 0, not the share of tests that already passed."""
+    tests = []
+    for group, ids in (("FAIL_TO_PASS", manifest.fail_to_pass), ("PASS_TO_PASS", manifest.pass_to_pass)):
+        for test_id in ids:
+            outcome, message = outcomes.get(test_id, ("missing", _NEVER_REPORTED))
+            if outcome not in _OUTCOMES and outcome != "missing":
+                outcome, message = "error", f"unknown outcome {outcome!r}"
+            tests.append(TestCase(name=test_id, outcome=outcome, group=group, message=message))
+    ok = {t.name for t in tests if t.outcome == "passed"}
+    if reward == "all":
+        return float(len(ok) == len(tests)), tests
+    if not all(i in ok for i in manifest.pass_to_pass):
+        return 0.0, tests
+    if not manifest.fail_to_pass:
+        return 1.0, tests
+    return sum(i in ok for i in manifest.fail_to_pass) / len(manifest.fail_to_pass), tests
 
 
 async def grade(
@@ -107,40 +140,32 @@ async def grade(
     sandbox: Sandbox,
     *,
     tests: Sequence[str],
-    command: str,
     task_layers: Sequence[str] | None = None,
     workdir: str = "/workspace",
-    junit_path: str | None = "/tmp/dsec-junit.xml",
+    manifest: str = MANIFEST_PATH,
     hidden_tests: Sequence[str] = (),
     extra_protected: Sequence[str] = (),
     allow_tamper: bool = False,
     zero_on_tamper: bool = True,
+    strict: bool = True,
     reward: Literal["fraction", "all"] = "fraction",
-    timeout: float = 600,
+    timeout: float | None = None,
     memory_limit_mb: int | None = None,
+    limits: CopyLimits | None = None,
 ) -> GradeResult:
     """Grade ``sandbox``'s work on its task in a fresh sandbox (see the module docstring).
 
     ``tests``: the hidden-tests layer(s), stacked over ``task_layers`` (default: the agent's own
-    layers, i.e. the task as it was handed out). ``command`` runs in ``workdir`` of the clean
-    room and should write JUnit XML to ``junit_path`` (None: judge by exit status alone).
-    ``reward``: the fraction of tests that passed, or 1.0 only if all did.
+    layers, i.e. the task as it was handed out); they hold the manifest at ``manifest``.
+    ``hidden_tests`` and ``extra_protected`` add to the paths the manifest protects.
+    ``strict``: a suspicious reference in the applied code scores 0 (else it is only reported).
+    ``reward``: see :func:`score`. ``timeout``: the test run's (default: the manifest's); a
+    run past it fails the tests that had not reported, which is the agent's doing.
     """
     if not tests:
         raise InvalidRequest("grade needs the hidden-tests layer(s): tests=[...]")
     layers = list(task_layers) if task_layers is not None else list(sandbox.info.layers)
-    result = GradeResult(reward=0.0)
-    to_apply = []
-    for change in await sandbox.changes():
-        verdict = judge(
-            change.path, workdir=workdir, hidden_tests=hidden_tests, extra_protected=extra_protected
-        )
-        if verdict.action == "tamper":
-            result.tamper.append(TamperFlag(path=change.path, kind=change.kind, reason=verdict.reason))
-        if verdict.action == "apply" or (verdict.action == "tamper" and allow_tamper):
-            to_apply.append(change)
-        elif verdict.action == "ignore":
-            result.ignored.append(change.path)
+    changes = await sandbox.changes()
     room = await client.run_container(
         DSecContainerRunArgs(
             layers=[*layers, *tests],
@@ -150,32 +175,152 @@ async def grade(
         )
     )
     try:
-        for change in to_apply:
-            await _copy_change(sandbox, room, change.path, change.kind, change.type)
-            result.applied.append(change.path)
-        ran = await room.run_shell(f"cd {shlex.quote(workdir)} && {command}", timeout=timeout)
-        result.exit_code, result.timed_out = ran.exit_code, ran.timed_out
-        result.output = (ran.stdout + ran.stderr)[-4000:]
-        report = None
-        if junit_path is not None:
-            try:
-                if (await room.stat(junit_path)).size <= _JUNIT_LIMIT:
-                    report = await room.read_file(junit_path)
-            except DSecError:
-                report = None  # no report: the exit status decides
-        if report is not None:
-            result.tests = parse_junit(report)
-        else:
-            ok = ran.exit_code == 0 and not ran.timed_out
-            result.tests = [TestCase(name="command", outcome="passed" if ok else "failed")]
+        try:
+            return await _grade_in(
+                sandbox,
+                room,
+                changes,
+                workdir=workdir,
+                manifest_path=manifest,
+                hidden_tests=hidden_tests,
+                extra_protected=extra_protected,
+                allow_tamper=allow_tamper,
+                zero_on_tamper=zero_on_tamper,
+                strict=strict,
+                reward=reward,
+                timeout=timeout,
+                limits=limits or CopyLimits(),
+            )
+        except DSecError as exc:
+            if not await _alive(room):
+                raise _lost(room, exc) from exc
+            raise
     finally:
-        await room.stop()
-    counted = [t for t in result.tests if t.outcome != "skipped"]
-    result.passed = sum(t.outcome == "passed" for t in counted)
-    result.failed = len(counted) - result.passed
-    if counted:
-        share = result.passed / len(counted)
-        result.reward = share if reward == "fraction" else float(share == 1.0)
-    if result.tamper and zero_on_tamper:
+        try:
+            await room.stop()
+        except DSecError:
+            pass  # already gone: the error above (or the result) says what happened
+
+
+async def _grade_in(
+    agent: Sandbox,
+    room: Sandbox,
+    changes: list[Change],
+    *,
+    workdir: str,
+    manifest_path: str,
+    hidden_tests: Sequence[str],
+    extra_protected: Sequence[str],
+    allow_tamper: bool,
+    zero_on_tamper: bool,
+    strict: bool,
+    reward: Literal["fraction", "all"],
+    timeout: float | None,
+    limits: CopyLimits,
+) -> GradeResult:
+    try:
+        man = parse_manifest(await room.read_file(manifest_path))
+    except FileNotFound as exc:
+        raise InvalidRequest(f"the hidden-tests layer has no manifest at {manifest_path}") from exc
+    result = GradeResult(reward=0.0)
+    hidden = sorted({*hidden_tests, *man.files(workdir)})
+    verdicts = judge_all(
+        [c.path for c in changes], workdir=workdir, hidden_tests=hidden, extra_protected=extra_protected
+    )
+    to_apply = []
+    for change, verdict in zip(changes, verdicts, strict=True):
+        if verdict.action == "tamper" and _wrote_a_test(change, verdict.reason):
+            result.added_tests.append(change.path)  # the agent's own test: honest, inert here
+        elif verdict.action == "tamper":
+            result.tamper.append(TamperFlag(path=change.path, kind=change.kind, reason=verdict.reason))
+            if allow_tamper:
+                to_apply.append(change)
+        elif verdict.action == "apply" and _shadows(change, man, workdir):
+            result.tamper.append(TamperFlag(path=change.path, kind=change.kind, reason=SHADOW))
+        elif verdict.action == "apply":
+            to_apply.append(change)
+        else:
+            result.ignored.append(change.path)
+
+    copied = await copy_changes(agent, room, to_apply, limits)
+    result.applied = copied.applied
+    result.dropped = [Dropped(path=p, reason=why) for p, why in copied.dropped]
+    for path, content in copied.contents.items():
+        result.suspicious += [Suspicious(**vars(f)) for f in scan_change(path, content)]
+
+    scratch = f"/tmp/dsec-grading-{secrets.token_hex(8)}"
+    plan = plan_run(man, workdir=workdir, scratch=scratch)
+    await room.mkdir(scratch, parents=True)
+    if man.config is None:
+        await room.write_file(plan.config_path, "[pytest]\n")
+    ran = await room.exec(
+        plan.argv,
+        stdin=plan.stdin,
+        cwd=workdir,
+        timeout=timeout or man.timeout_s,
+        max_output_bytes=_OUTPUT_CAP,
+    )
+    if not await _alive(room):
+        raise _lost(room, None)
+    _record_run(result, ran)
+    channel = read_channel(ran.stdout, plan.nonce, set(man.ids))
+    result.runner_finished = channel.done
+    result.extra = channel.extra
+    result.tamper += [TamperFlag(path=i, kind=None, reason=FORGED) for i in channel.extra]
+    result.reward, result.tests = score(man, channel.outcomes, reward)
+    result.passed = sum(t.outcome == "passed" for t in result.tests)
+    result.failed = len(result.tests) - result.passed
+    if (result.tamper and zero_on_tamper) or (result.suspicious and strict):
         result.reward = 0.0
     return result
+
+
+def _wrote_a_test(change: Change, reason: str) -> bool:
+    """A test file the agent wrote or edited (a new test, or one added to a visible test file
+    the hidden layer replaces). Never applied, so it cannot change what the manifest's tests do;
+    writing tests is what an honest agent should do, so it is reported, not penalised. Deleting
+    a test, or replacing a hidden path's type, stays a tamper flag."""
+    return (
+        reason in (TEST_FILE, HIDDEN_TEST)
+        and change.kind is not ChangeKind.deleted
+        and change.type is FileType.file
+    )
+
+
+def _shadows(change: Change, man: Manifest, workdir: str) -> bool:
+    """A module or package the agent *added* right on the import path under a name the runner
+    or the standard library uses (``pytest.py``, ``json/``). The grader's runner imports those
+    from the image first, so the file is inert there; it is still an attempt, and flagged.
+    Modified files are the task's own layout and never flagged."""
+    if change.kind is not ChangeKind.added:
+        return False
+    taken = _RUNNER_MODULES | frozenset(sys.stdlib_module_names) | frozenset(man.plugins)
+    for root in man.pythonpath if man.pythonpath is not None else [workdir]:
+        if change.path.startswith(root.rstrip("/") + "/"):
+            top, _, below = change.path[len(root.rstrip("/")) + 1 :].partition("/")
+            name, _, suffix = top.partition(".")
+            importable = bool(below) or change.type is FileType.dir or suffix.endswith(("py", "so"))
+            if name in taken and importable:
+                return True
+    return False
+
+
+def _record_run(result: GradeResult, ran: CommandResult) -> None:
+    result.exit_code, result.timed_out = ran.exit_code, ran.timed_out
+    result.output = ran.stderr[-4000:]  # stdout is the channel; the tests' own output is stderr
+
+
+async def _alive(room: Sandbox) -> bool:
+    try:
+        info = await room.refresh()
+    except DSecError:
+        return False
+    return info.state in (SandboxState.running, SandboxState.paused)
+
+
+def _lost(room: Sandbox, cause: DSecError | None) -> InfraFailure:
+    why = f": {cause}" if cause is not None else ""
+    return InfraFailure(
+        f"the grading sandbox {room.id} ended or vanished under the grader{why}",
+        reason=InfraReason.grading_sandbox_lost,
+    )
