@@ -18,7 +18,8 @@ import pytest
 from dsec import CommandResult, DSecClient, Sandbox, SandboxState
 from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import cgroups
-from dsec.protocol.errors import SandboxNotFound
+from dsec.protocol.errors import InfraFailure, InfraReason, SandboxNotFound, SandboxStopped
+from dsec.rl import fault_of
 from tests.conftest import Sandboxes
 from tests.support import eventually
 
@@ -102,13 +103,11 @@ async def test_a_paused_sandbox_with_a_command_under_way_is_reclaimed_by_its_idl
 
     await eventually(stopped, "the idle TTL to reclaim the paused sandbox")
     assert (await client.get(sb.id)).info.stop_reason == "idle_ttl"
-    # The caller is not stranded either: its command ended with the sandbox.
-    try:
-        result = await running
-    except SandboxNotFound:
-        pass
-    else:
-        assert not result.timed_out and result.exit_code != 0
+    # The caller is not stranded either: its command ended with the sandbox, which is the
+    # platform's doing (issue 27), not the command's.
+    with pytest.raises(SandboxStopped) as caught:
+        await running
+    assert caught.value.reason == InfraReason.reclaimed
 
 
 async def test_a_paused_sandbox_with_a_command_under_way_is_reclaimed_at_its_max_lifetime(
@@ -125,10 +124,9 @@ async def test_a_paused_sandbox_with_a_command_under_way_is_reclaimed_at_its_max
 
     await eventually(stopped, "max_lifetime_s to reclaim the paused sandbox")
     assert (await client.get(sb.id)).info.stop_reason == "max_lifetime"
-    try:
+    with pytest.raises(SandboxStopped) as caught:
         await running
-    except SandboxNotFound:
-        pass
+    assert caught.value.reason == InfraReason.reclaimed
 
 
 async def test_commands_racing_a_stop_answer_not_found_or_their_end(make_sandbox: Sandboxes) -> None:
@@ -140,7 +138,11 @@ async def test_commands_racing_a_stop_answer_not_found_or_their_end(make_sandbox
         stopped, *results = await asyncio.gather(stop, *execs, *shells, return_exceptions=True)
         assert not isinstance(stopped, BaseException), stopped
         for got in results:
-            assert isinstance(got, CommandResult | SandboxNotFound), f"a command racing a stop: {got!r}"
+            # Its end, never started, or cut by the stop (the platform's, not the command's).
+            ok = isinstance(got, CommandResult | SandboxNotFound) or (
+                isinstance(got, SandboxStopped) and got.reason == InfraReason.stopped
+            )
+            assert ok, f"a command racing a stop: {got!r}"
 
 
 @pytest.mark.parametrize("how", ["exec", "session"])
@@ -176,7 +178,9 @@ async def test_a_command_caught_by_a_stop_while_it_starts_answers_not_found_or_i
         else:
             result = await sb.run_shell("echo hi")
     except SandboxNotFound:
-        pass
+        pass  # it never started
+    except SandboxStopped as exc:
+        assert exc.reason == InfraReason.stopped  # started, then cut by the stop: not its doing
     else:
         assert result.exit_code != 0 or result.stdout == "hi\n"
     assert (await stopping[0]).state is SandboxState.stopped
@@ -214,3 +218,43 @@ async def test_a_timeout_kills_what_the_command_started_detached_or_not(sandbox:
     await sandbox.run_shell("sleep 4324 &", session="other")
     await sandbox.run_shell("sleep 1000", session="victim", timeout=1)
     assert _host_processes("sleep 4324"), "a timeout killed another session's process"
+
+
+# ------------------------------------------------------------------- faults are the platform's
+
+
+async def _started(sb: Sandbox, *markers: str) -> None:
+    async def there() -> bool:
+        r = await sb.exec(["sh", "-c", " && ".join(f"test -e {m}" for m in markers)], timeout=60)
+        return r.exit_code == 0
+
+    await eventually(there, f"commands in {sb.id} started")
+
+
+async def test_a_command_cut_by_another_requests_stop_is_an_infra_failure(
+    client: DSecClient, make_sandbox: Sandboxes
+) -> None:
+    """Issue 27: a command in flight when someone else stops the sandbox did not fail by the
+    agent's doing; it answers InfraFailure(stopped), which fault_of masks, not exit 137."""
+    sb = await make_sandbox()
+    shell = asyncio.ensure_future(sb.run_shell("touch /tmp/s; sleep 300", timeout=600))
+    execd = asyncio.ensure_future(sb.exec(["sh", "-c", "touch /tmp/e; exec sleep 300"], timeout=600))
+    await _started(sb, "/tmp/s", "/tmp/e")
+    await (await client.get(sb.id)).stop()  # another handle, as another request
+    for fut in (shell, execd):
+        with pytest.raises(InfraFailure) as caught:
+            await fut
+        assert caught.value.reason == InfraReason.stopped, caught.value
+        assert fault_of(caught.value) == "infra"
+
+
+async def test_a_command_cut_by_a_reclaim_is_an_infra_failure(make_sandbox: Sandboxes) -> None:
+    sb = await make_sandbox(max_lifetime_s=3)
+    with pytest.raises(InfraFailure) as caught:
+        await sb.run_shell("sleep 300", timeout=600)
+    assert caught.value.reason == InfraReason.reclaimed and "max_lifetime" in str(caught.value)
+    assert fault_of(caught.value) == "infra"
+    # What the agent caused stays the agent's: a command that fails by itself is a result.
+    other = await make_sandbox()
+    r = await other.run_shell("exit 3", timeout=60)
+    assert r.exit_code == 3 and fault_of(r) == "agent"

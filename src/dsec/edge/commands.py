@@ -26,7 +26,14 @@ from dsec.executor.session import DRIVER, Session
 from dsec.iam.base import in_subtree
 from dsec.images.commit import DEFAULT_SCRUB, scrub
 from dsec.images.refs import parse_tag
-from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, SandboxNotFound
+from dsec.protocol.errors import (
+    DSecError,
+    InfraFailure,
+    InfraReason,
+    InvalidRequest,
+    SandboxNotFound,
+    SandboxStopped,
+)
 from dsec.protocol.models import (
     DEFAULT_PROJECT,
     PROJECT_LABEL,
@@ -133,12 +140,16 @@ class Commands:
                 session = live.sessions[req.session] = Session(req.session, spawn)
             timeout = req.timeout or self.config.default_shell_timeout_s
             cap = DEFAULT_MAX_OUTPUT if req.max_output_bytes is None else req.max_output_bytes
-            return await session.run(
+            result = await session.run(
                 req.command,
                 timeout=timeout,
                 max_output=cap,
                 oom_kills=lambda: self.backend_of(live.record).oom_kills(sandbox_id),
             )
+            cut = _cut_short(live, result)
+            if cut is not None:
+                raise cut
+            return result
 
     async def exec_stream(
         self,
@@ -209,6 +220,9 @@ class Commands:
             )
             try:
                 async for event in events:
+                    cut = _cut_short(live, event.result) if event.result is not None else None
+                    if cut is not None:
+                        raise cut
                     yield event
             finally:
                 # A caller that goes away mid-stream (disconnect) must not leave the tree running.
@@ -320,6 +334,24 @@ class Commands:
 
     async def _exists(self, live: _Live, path: str) -> bool:
         return await self.backend_of(live.record).files(live.record.handle, live.user).exists(path)
+
+
+# Stop reasons of the reaper (reclaim.py): the platform reclaimed the sandbox.
+_RECLAIMED = frozenset({"idle_ttl", "max_lifetime", "lease_expired"})
+
+
+def _cut_short(live: _Live, result: CommandResult) -> SandboxStopped | None:
+    """A command that ended unsuccessfully because its sandbox was stopped under it (another
+    request, a reclaim, the edge shutting down) did not fail by the agent's doing: an
+    ``InfraFailure`` (``stopped`` or ``reclaimed``), not the exit status the kill left."""
+    if result.exit_code == 0 or not (live.stop_wanted or live.record.state is SandboxState.stopping):
+        return None
+    why = live.record.stop_reason or "stopped"
+    kind = InfraReason.reclaimed if why in _RECLAIMED else InfraReason.stopped
+    return SandboxStopped(
+        f"the sandbox was {kind.value} ({why}) while the command ran: its outcome is not the command's",
+        reason=kind,
+    )
 
 
 def _gone_or(live: _Live, exc: InfraFailure) -> DSecError:

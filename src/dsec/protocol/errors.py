@@ -20,6 +20,7 @@ again on the client side, so ``except SandboxNotFound`` works across the wire.
     +-- CommandTimeout          504  a command ran past its timeout (its process tree was killed)
     +-- InfraFailure            500  the platform failed, not the agent: mask it out of rewards
         +-- SessionLost         500  a shell session died under the command (e.g. edge restart)
+        +-- SandboxStopped      410  the sandbox was stopped or reclaimed under the command
 
 ``InfraFailure.reason`` classifies the failure (``runtime``, ``storage``, ``edge_unreachable``...)
 so a trainer can tell infrastructure noise from the agent's own doing; :class:`InfraReason`
@@ -130,6 +131,15 @@ class InfraFailure(DSecError):
 
 class SessionLost(InfraFailure):
     code = "session_lost"
+
+
+class SandboxStopped(InfraFailure):
+    """The sandbox was stopped (another request) or reclaimed (TTL, lease, lifetime) while the
+    command ran: its end is not the command's outcome (``reason``: ``stopped``/``reclaimed``).
+    Deliberate, not a fault of the platform's code: 410, the sandbox is gone."""
+
+    code = "sandbox_stopped"
+    status = 410
 
 
 class InfraReason(StrEnum):
