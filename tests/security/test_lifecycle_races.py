@@ -87,13 +87,21 @@ async def test_a_pause_lets_the_command_under_way_finish_first(
     assert (await pausing).state is SandboxState.paused
 
 
-async def test_a_paused_sandbox_with_a_command_under_way_is_reclaimed_by_its_idle_ttl(
-    client: DSecClient, make_sandbox: Sandboxes, node: EmbeddedNode, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("limit", "reason"), [({"ttl_running_stop": 2}, "idle_ttl"), ({"max_lifetime_s": 3}, "max_lifetime")]
+)
+async def test_a_paused_sandbox_with_a_command_under_way_is_reclaimed_on_time(
+    client: DSecClient,
+    make_sandbox: Sandboxes,
+    node: EmbeddedNode,
+    monkeypatch: pytest.MonkeyPatch,
+    limit: dict[str, float],
+    reason: str,
 ) -> None:
-    monkeypatch.setattr(
-        node.edge.config, "pause_drain_s", 0.0, raising=False
-    )  # the command does not end first
-    sb = await make_sandbox(ttl_running_stop=2)
+    """A command frozen in a paused sandbox keeps it from neither its idle TTL (counted from the
+    pause) nor its max_lifetime_s."""
+    monkeypatch.setattr(node.edge.config, "pause_drain_s", 0.0, raising=False)  # no drain first
+    sb = await make_sandbox(**limit)
     running = asyncio.create_task(sb.run_shell("touch /tmp/started; sleep 1000", timeout=600))
     await eventually(lambda: _inside(node, sb, "/tmp/started").exists(), "the command to start")
     assert (await sb.pause()).state is SandboxState.paused
@@ -101,29 +109,10 @@ async def test_a_paused_sandbox_with_a_command_under_way_is_reclaimed_by_its_idl
     async def stopped() -> bool:
         return (await client.get(sb.id)).info.state is SandboxState.stopped
 
-    await eventually(stopped, "the idle TTL to reclaim the paused sandbox")
-    assert (await client.get(sb.id)).info.stop_reason == "idle_ttl"
+    await eventually(stopped, f"{reason} to reclaim the paused sandbox")
+    assert (await client.get(sb.id)).info.stop_reason == reason
     # The caller is not stranded either: its command ended with the sandbox, which is the
     # platform's doing (issue 27), not the command's.
-    with pytest.raises(SandboxStopped) as caught:
-        await running
-    assert caught.value.reason == InfraReason.reclaimed
-
-
-async def test_a_paused_sandbox_with_a_command_under_way_is_reclaimed_at_its_max_lifetime(
-    client: DSecClient, make_sandbox: Sandboxes, node: EmbeddedNode, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(node.edge.config, "pause_drain_s", 0.0, raising=False)
-    sb = await make_sandbox(max_lifetime_s=3)
-    running = asyncio.create_task(sb.run_shell("touch /tmp/started; sleep 1000", timeout=600))
-    await eventually(lambda: _inside(node, sb, "/tmp/started").exists(), "the command to start")
-    assert (await sb.pause()).state is SandboxState.paused
-
-    async def stopped() -> bool:
-        return (await client.get(sb.id)).info.state is SandboxState.stopped
-
-    await eventually(stopped, "max_lifetime_s to reclaim the paused sandbox")
-    assert (await client.get(sb.id)).info.stop_reason == "max_lifetime"
     with pytest.raises(SandboxStopped) as caught:
         await running
     assert caught.value.reason == InfraReason.reclaimed
