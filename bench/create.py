@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -30,7 +31,8 @@ from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.base import User
-from dsec.backends.container import oci
+from dsec.backends.container import cgroups, oci
+from dsec.images.mount import mounts_under
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.protocol.models import ContainerSpec
@@ -45,11 +47,16 @@ def report(name: str, xs: list[float], floor: list[float], unit: str = "ms", sca
 
 
 class BareCrun:
-    """Bare crun on the same rootfs: the floor every DSec figure is compared with."""
+    """Bare crun on the same rootfs: the floor every DSec figure is compared with. Its state root,
+    container names and parent cgroup are its own (named after its scratch directory, as a
+    node's are: cgroups.parent_name), so it runs beside any node on the machine, and whatever
+    it started goes in :meth:`close`, also when a run failed."""
 
     def __init__(self, rootfs: Path, runtime_dir: Path) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="bench-crun-"))
         self.state = self.dir / "state"
+        self.parent = cgroups.parent_name("bench-floor", self.dir)
+        cgroups.prepare_cpuset_parent(self.parent)  # as a node's: new cpusets copy its CPUs
         spec = ContainerSpec(image="x")
         config = oci.build_config(
             sandbox_id="bench",
@@ -57,12 +64,17 @@ class BareCrun:
             user=User("root", 0, 0, "/"),
             rootfs=str(rootfs),
             runtime_dir=str(runtime_dir),
-            cgroup_path="/dsec/bench",
+            cgroup_path=f"/{self.parent}/bench",
             nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
         )
         config["root"]["readonly"] = True
         # The read-only image has no /.dsec mount point; the floor uses the image's own tools.
         config["mounts"] = [m for m in config["mounts"] if m["destination"] != "/.dsec"]
+        # DSec's config has no mount namespace: its rootfs helper makes one and crun chroots in
+        # it (oci.py). Bare crun runs as a user runs it, in a mount namespace of its own; without
+        # one its /proc, /dev and masks land in the host's, stacked on the shared layer mount,
+        # which then cannot be unmounted ("Device or resource busy").
+        config["linux"]["namespaces"].append({"type": "mount"})
         self.config = config
 
     def _bundle(self, name: str, args: list[str]) -> Path:
@@ -70,7 +82,7 @@ class BareCrun:
         b.mkdir(exist_ok=True)
         cfg = json.loads(json.dumps(self.config))
         cfg["process"]["args"] = args
-        cfg["linux"]["cgroupsPath"] = f"/dsec/{name}"
+        cfg["linux"]["cgroupsPath"] = f"/{self.parent}/{name}"
         (b / "config.json").write_text(json.dumps(cfg))
         return b
 
@@ -87,20 +99,23 @@ class BareCrun:
 
     async def run_detached(self, name: str) -> None:
         b = self._bundle(name, ["/bin/sleep", "1000"])
-        p = await asyncio.create_subprocess_exec(
-            "crun",
-            "--root",
-            str(self.state),
-            "run",
-            "--detach",
-            "--bundle",
-            str(b),
-            name,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        assert await p.wait() == 0
+        err = self.dir / f"{name}.err"
+        with err.open("wb") as errors:  # a file, not a pipe: the detached container keeps crun's stdio
+            p = await asyncio.create_subprocess_exec(
+                "crun",
+                "--root",
+                str(self.state),
+                "run",
+                "--detach",
+                "--bundle",
+                str(b),
+                name,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+            )
+        if await p.wait() != 0:
+            raise RuntimeError(f"bare crun run --detach {name}: {err.read_text(errors='replace').strip()}")
 
     def exec_true(self, name: str) -> float:
         t = time.perf_counter()
@@ -111,6 +126,16 @@ class BareCrun:
         subprocess.run(["crun", "--root", str(self.state), "delete", "--force", name], check=False)
 
     def close(self) -> None:
+        if self.state.is_dir():  # what a failed run left running holds the layer's mount
+            for name in os.listdir(self.state):
+                self.delete(name)
+        for h in cgroups.hierarchies():
+            with contextlib.suppress(OSError):
+                for d in (h / self.parent).iterdir():
+                    if d.is_dir():
+                        cgroups.rmdir(d)
+            with contextlib.suppress(OSError):
+                (h / self.parent).rmdir()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -209,11 +234,14 @@ async def main() -> None:
             report("run_shell('true') round trip", rtt, exec_floor)
             print("  (floor for the round trip: `crun exec <id> /bin/true`)")
     finally:
-        bare.close()
-        mounts.unmount_all()
-        await node.close(stop_sandboxes=True)
-        store.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            bare.close()
+            mounts.unmount_all()
+        finally:  # the node and its sandboxes go even if the floor's layer could not be unmounted
+            await node.close(stop_sandboxes=True)
+            store.close()
+            if not mounts_under(scratch):
+                shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ in this process, so its functions are wrapped):
     to exit (namespaces, cgroups, mounts, pivot, init started); session: the first run_shell;
 and, outside the edge, the kernel primitives a create uses, timed directly:
   - cpu: CPU time of the edge and its reaped children (crun, ...) per create and session;
-  - cgroup: mkdir + rmdir of one cgroup in every v1 hierarchy under dsec/;
-  - quota: one write of cpu.cfs_quota_us to a fresh cpu cgroup under dsec/ (the kernel checks
-    every cpu cgroup of the node on each such write);
+  - cgroup: mkdir + rmdir of one cgroup in every v1 hierarchy under the node's parent;
+  - quota: one write of cpu.cfs_quota_us to a fresh cpu cgroup under the node's parent (the
+    kernel checks every cpu cgroup of the node on each such write);
   - exec: fork + exec of `true` from this process, which is the edge's: its file table grows
     with the held sessions (2 fds each), and the child closes them all; the edge's own spawns go
     through a spawner with a small one (executor/spawner.py), so read what follows against it;
@@ -40,6 +40,7 @@ from _stats import pct
 from density import LABEL, MEM_FLOOR, fill, meminfo
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.backends.container import cgroups
 from dsec.executor import spawner
 from dsec.sdk.client import Sandbox
 
@@ -84,17 +85,18 @@ def time_crun() -> None:
     spawner.create_subprocess_exec = exec_timed
 
 
-def primitives(reps: int) -> dict[str, float]:
-    hier = [c for c in CGROUPS.iterdir() if (c / "dsec").is_dir()]
+def primitives(reps: int, parent: str) -> dict[str, float]:
+    """Under the bench node's own parent cgroup (``parent``), beside its sandboxes."""
+    hier = [c for c in CGROUPS.iterdir() if (c / parent).is_dir()]
     out: dict[str, list[float]] = defaultdict(list)
     for i in range(reps):
         t = time.perf_counter()
         for c in hier:
-            (c / "dsec" / f"probe-{i}").mkdir()
+            (c / parent / f"probe-{i}").mkdir()
         for c in hier:
-            (c / "dsec" / f"probe-{i}").rmdir()
+            (c / parent / f"probe-{i}").rmdir()
         out["cgroup"].append(time.perf_counter() - t)
-        quota = CGROUPS / "cpu" / "dsec" / f"probe-q{i}"
+        quota = CGROUPS / "cpu" / parent / f"probe-q{i}"
         quota.mkdir()
         try:
             t = time.perf_counter()
@@ -185,7 +187,7 @@ async def main() -> None:
                 ]
                 phases["cpu"][0] /= a.probe
                 got = {k: pct(phases[k], 50) for k in order}
-                got.update(await asyncio.to_thread(primitives, 10))
+                got.update(await asyncio.to_thread(primitives, 10, cgroups.parent_name("bench", scratch)))
                 base = base or got
                 cells = "  ".join(f"{k} {v * 1e3:6.1f} ({v / base[k]:4.2f}x)" for k, v in got.items())
                 print(f"{len(made):6d} held  slab {slab_mib():7.0f} MiB  {cells}", flush=True)

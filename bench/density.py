@@ -99,9 +99,13 @@ def own(field: str) -> int:
     return 0
 
 
+NODE_PARENT = ""  # the bench node's parent cgroup (cgroups.parent_name), set by main
+
+
 def charged() -> int:
+    """What the bench node's sandboxes are charged (its parent cgroup: not another node's)."""
     try:
-        return int(Path("/sys/fs/cgroup/memory/dsec/memory.usage_in_bytes").read_text())
+        return int((cgroups.CGROUP_ROOT / "memory" / NODE_PARENT / "memory.usage_in_bytes").read_text())
     except OSError:
         return 0
 
@@ -256,7 +260,7 @@ async def teardown(client: DSecClient, start: dict[str, int], n: int) -> None:
     t = time.perf_counter()
     await client.stop_all(LABEL)
     took = time.perf_counter() - t
-    kept = len(spares.spare_dirs()) // len(cgroups.v1_controllers())  # live, until the node closes
+    kept = len(spares.spare_dirs(NODE_PARENT)) // len(cgroups.v1_controllers())  # live, until the node closes
     # The kernel frees removed cgroups in the background: the count settles within seconds
     # (dying ones, kept by charged pages, never do: the count then says how many).
     with contextlib.suppress(TimeoutError):
@@ -296,10 +300,11 @@ async def main() -> None:
     ap.add_argument("--perf", type=Path, default=None, help="perf record -a -g each probe here")
     ap.add_argument("--mem-floor-gib", type=float, default=3.0, help="stop filling below this MemAvailable")
     a = ap.parse_args()
-    global MEM_FLOOR
+    global MEM_FLOOR, NODE_PARENT
     MEM_FLOOR = int(a.mem_floor_gib * GiB)
     steps = sorted({int(s) for s in a.steps.split(",")})
     scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-density-"))
+    NODE_PARENT = cgroups.parent_name("bench", scratch)
     node = EmbeddedNode(
         NodeConfig(
             data_dir=scratch,

@@ -81,6 +81,7 @@ class Node:
                 await self.create()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await self.backend.release_node()  # its parent cgroups (named after its data directory)
 
     async def destroy_all(self, concurrency: int = 8) -> None:
         queue = list(self.made)
@@ -95,6 +96,7 @@ class Node:
                     print(f"destroy {ctx.sandbox_id}: {exc}")
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await self.backend.release_node()  # its parent cgroups (named after its data directory)
 
 
 async def one(spawn: Any) -> float:

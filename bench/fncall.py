@@ -9,18 +9,26 @@ Through the SDK and the HTTP API it measures, with the core count, p50/p99 and c
   - the baseline in the same run: the same program as `exec(["python3", "-c", ...])` in a
     long-lived container sandbox (a process start per call, what a platform without warm
     pools does at best: it does not even create a sandbox per call);
-  - one C++ compile-and-run call, and a judged python call, for the record.
+  - one C++ compile-and-run call, and a judged python call, for the record;
+  - SandboxFusion's `/run_code` (`--run-code 1,4,16,64`): python `print(1)` in the request
+    shape of SandboxFusion's client (every field it sends, `memory_limit_MB` -1), at each
+    concurrency, against the floor of the same run: `python3 -c "print(1)"` started as a bare
+    subprocess on the host, as many at a time (issue 29's target: >= 300/s and >= 2.5x that
+    floor at 4-64 on 2 cores, p50 <= 10 ms at 1). `--only-run-code` skips the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import aiohttp
 
 from _node import scratch_node
 from _stats import pct
@@ -60,12 +68,57 @@ def row(name: str, rate: float, lat: list[float], base: tuple[float, list[float]
     print(line)
 
 
+# What `sandbox_fusion.RunCodeRequest(code=..., language="python").dict()` posts.
+SF_REQUEST = {
+    "compile_timeout": 10,
+    "run_timeout": 10,
+    "memory_limit_MB": -1,
+    "code": "print(1)",
+    "stdin": None,
+    "language": "python",
+    "files": {},
+    "fetch_files": [],
+}
+
+
+BARE_PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable  # no venv startup
+
+
+async def bare_python() -> None:
+    proc = await asyncio.create_subprocess_exec(BARE_PYTHON, "-c", "print(1)", stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    assert out == b"1\n" and proc.returncode == 0
+
+
+async def run_code_levels(url: str, levels: list[int], calls: int) -> None:
+    body = json.dumps(SF_REQUEST).encode()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+
+        async def one() -> None:
+            async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                answer = await resp.json()
+            assert answer["status"] == "Success" and answer["run_result"]["stdout"] == "1\n", answer
+
+        await drive(16, 4, one)  # warm: connections, every pool sandbox
+        await drive(8, 2, bare_python)
+        for c in levels:
+            base = await drive(max(40, calls // 4), c, bare_python)
+            rate, lat = await drive(calls, c, one)
+            row(f"/run_code print(1) (conc. {c})", rate, lat, base)
+            if c > 1:
+                bound = c / rate * 1.5 * 1e3
+                print(f"{'':<30} p99 bound at this rate (c/throughput x 1.5): {bound:7.2f} ms")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--pool-size", type=int, default=2)
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
+    ap.add_argument("--run-code", default="1,4,16,64", help="concurrencies for /run_code ('' to skip)")
+    ap.add_argument("--only-run-code", action="store_true")
     a = ap.parse_args()
     levels = [int(c) for c in a.concurrency.split(",")]
 
@@ -74,6 +127,11 @@ async def main() -> None:
         f"cores {os.cpu_count()}  python {sys.version.split()[0]}  pool of {a.pool_size} on {TOOLCHAIN_REF}"
     )
     async with scratch_node("fncall", a.layers, lambda scratch: {"fncall_pools": [pool]}) as node:
+        sf_levels = [int(c) for c in a.run_code.split(",") if c]
+        if sf_levels:
+            await run_code_levels(f"{node.url}/sandboxfusion/{node.api_key}/run_code", sf_levels, a.calls)
+        if a.only_run_code:
+            return
         async with DSecClient(node.url, node.api_key) as client:
             sandbox = await client.run_container(DSecContainerRunArgs(container_image=TOOLCHAIN_REF))
 

@@ -34,6 +34,7 @@ from _vm.host import ksm_counter
 from dsec import DSecClient, _linux
 from dsec.backends.fncall.pool import PoolConfig
 from dsec.density.ksm import KSM
+from dsec.density.ksm import users as ksm_users
 from dsec.density.swap import SwapConfig
 from dsec.images.base import TOOLCHAIN_REF
 
@@ -111,6 +112,9 @@ async def main() -> None:
     a = ap.parse_args()
     if not (KSM / "run").exists():
         raise SystemExit("this kernel has no KSM (CONFIG_KSM)")
+    users = ksm_users()
+    if users:  # it stops and starts the host's one ksmd: theirs too
+        raise SystemExit(f"another DSec node on this machine uses ksmd ({', '.join(users)}): stop it first")
     scan = f"pages_to_scan {ksm_counter('pages_to_scan')}, sleep_millisecs {ksm_counter('sleep_millisecs')}"
     print(f"cores {os.cpu_count()}  pool of {a.pool_size} on {TOOLCHAIN_REF}  preload {a.preload}")
     with ksm_run_restored() as before:

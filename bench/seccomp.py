@@ -235,6 +235,7 @@ async def main() -> None:
             oci.seccomp_profile = original
             for ctx, handle in made:
                 await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
+            await backend.release_node()  # its parent cgroups (named after its data directory)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.backends.container import cgroups
 from dsec.density.ksm import KSM
 from dsec.density.swap import SwapConfig, active_swaps
 from dsec.images.base import ensure_base_layer
@@ -82,8 +83,9 @@ async def node(base_layer: str, session_tmp: Path) -> AsyncIterator[EmbeddedNode
         # swap it left on) must not leave it to the next one either.
         if str(TEST_SWAP) in active_swaps():
             await asyncio.to_thread(subprocess.run, ["swapoff", str(TEST_SWAP)], check=True)
-    # An edge that stops with no sandboxes leaves no cgroup behind, not even the parent.
-    assert list(Path("/sys/fs/cgroup").glob("*/dsec")) == []
+    # An edge that stops with no sandboxes leaves no cgroup behind, not even its parent (another
+    # node's on the machine, e.g. a `dsec up` beside the suite, is not this one's to count).
+    assert list(cgroups.CGROUP_ROOT.glob(f"*/{cgroups.parent_name(cfg.node, cfg.data_dir)}")) == []
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dsec import _linux
 from dsec.density.ksm import KSM
+from dsec.density.ksm import users as ksm_users
 
 MiB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -166,6 +167,9 @@ class Ksm:
         """Raises KsmUnavailable (with every knob already put back) if it cannot."""
         if not (KSM / "run").exists():
             raise KsmUnavailable(f"{KSM}/run does not exist (a kernel without CONFIG_KSM)")
+        users = ksm_users()
+        if users:  # its scan settings and merged-page counts are theirs too
+            raise KsmUnavailable(f"another DSec node on this machine uses ksmd ({', '.join(users)})")
         self.saved = {k: ksm_value(k) for k in self.KNOBS}
         self.merged_before = ksm_merged()
         wanted = [("pages_to_scan", str(pages_to_scan)), ("sleep_millisecs", str(sleep_ms))]

@@ -2,7 +2,8 @@
 
 Needs root, crun and a static busybox; the sandboxes run a two-layer busybox rootfs built in
 the test's tmp directory. Beyond the suite, every sandbox must leave no cgroup under
-``/sys/fs/cgroup/*/dsec/<bucket>/<id>`` and no process in one.
+``/sys/fs/cgroup/*/<node's parent>/<bucket>/<id>`` and no process in one, and the node's parent
+goes with its last sandbox.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ async def backend(tmp_path: Path) -> AsyncIterator[ContainerBackend]:
         await ct.destroy(sid, {}, tmp_path / "sandboxes" / sid)
     await ct.detach()  # the spare cgroups destroyed sandboxes left
     assert left == [], "a test left containers behind"
-    assert spares.spare_dirs() == []
+    assert spares.spare_dirs(ct.cgroup_parent) == []
+    await ct.release_node()
+    assert not list(cgroups.CGROUP_ROOT.glob(f"*/{ct.cgroup_parent}")), "its parent cgroups outlived it"
     assert not mounts_under(tmp_path), "a sandbox mount leaked into the host's mount namespace"
 
 

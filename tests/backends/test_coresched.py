@@ -112,6 +112,7 @@ async def backend(tmp_path: Path) -> AsyncIterator[ContainerBackend]:
     for sid in left:
         await ct.destroy(sid, {}, tmp_path / "sandboxes" / sid)
     await ct.detach()  # the spare cgroups destroyed sandboxes left
+    await ct.release_node()  # and the node's parent cgroups
     assert left == [], "a test left containers behind"
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from dsec import _linux
 from dsec.backends.base import User
-from dsec.backends.container import cgroups, oci, rootfs
+from dsec.backends.container import cgroups, nodefs, oci, rootfs
+from dsec.backends.container.backend import ContainerBackend
 from dsec.executor import spawner
 from dsec.protocol.errors import InfraFailure
 from dsec.protocol.models import ContainerSpec
@@ -88,18 +89,22 @@ async def test_a_program_that_cannot_start_is_a_runtime_failure(rootfs_helper: P
     assert exc.value.reason == "runtime"
 
 
-def test_new_sandbox_cpusets_get_their_parents_cpus_from_the_kernel() -> None:
-    if not cgroups.prepare_cpuset_parent():
+def test_new_sandbox_cpusets_get_their_parents_cpus_from_the_kernel(tmp_path: Path) -> None:
+    name = cgroups.parent_name("cpuset-test", tmp_path)
+    if not cgroups.prepare_cpuset_parent(name):
         pytest.skip("no cgroup v1 cpuset hierarchy")
-    parent = cgroups.CGROUP_ROOT / "cpuset" / cgroups.PARENT
-    assert (parent / "cgroup.clone_children").read_text().strip() == "1"
-    child = parent / f"test-{uuid.uuid4().hex[:8]}"
-    child.mkdir()
-    try:  # crun's later write of the same values returns early in the kernel
-        assert (child / "cpuset.cpus").read_text() == (parent / "cpuset.cpus").read_text() != "\n"
-        assert (child / "cpuset.mems").read_text() == (parent / "cpuset.mems").read_text() != "\n"
+    parent = cgroups.CGROUP_ROOT / "cpuset" / name
+    try:
+        assert (parent / "cgroup.clone_children").read_text().strip() == "1"
+        child = parent / f"test-{uuid.uuid4().hex[:8]}"
+        child.mkdir()
+        try:  # crun's later write of the same values returns early in the kernel
+            assert (child / "cpuset.cpus").read_text() == (parent / "cpuset.cpus").read_text() != "\n"
+            assert (child / "cpuset.mems").read_text() == (parent / "cpuset.mems").read_text() != "\n"
+        finally:
+            child.rmdir()
     finally:
-        child.rmdir()
+        parent.rmdir()
 
 
 def test_only_the_cpu_quota_is_written_the_period_is_the_kernels_default() -> None:
@@ -119,33 +124,36 @@ async def test_a_sandbox_gets_no_session_keyring_of_its_own(made: Made) -> None:
     assert Path(f"/proc/{h['pid']}/cmdline").exists()
 
 
-async def test_a_sandboxs_cgroups_sit_in_a_bucket_of_the_parent_in_every_hierarchy(made: Made) -> None:  # noqa: F811
+async def test_a_sandboxs_cgroups_sit_in_a_bucket_of_the_parent_in_every_hierarchy(
+    backend: ContainerBackend,  # noqa: F811
+    made: Made,  # noqa: F811
+) -> None:
     # Siblings are walked by each new cpuset: the node spreads sandboxes over 64 buckets.
     ctx, h = await sandbox(made)
     dirs = cgroups.sandbox_dirs(ctx.sandbox_id)
     bucket = cgroups.rel(ctx.sandbox_id).split("/")[1]
     assert len(dirs) == len(cgroups.hierarchies())
-    assert {(d.parent.parent.name, d.parent.name) for d in dirs} == {(cgroups.PARENT, bucket)}
+    assert {(d.parent.parent.name, d.parent.name) for d in dirs} == {(backend.cgroup_parent, bucket)}
     assert str(h["pid"]) in (cgroups.memory_dir(ctx.sandbox_id) / "cgroup.procs").read_text().split()
-    spread = [cgroups.rel(f"sb-{i}").split("/")[1] for i in range(6400)]
+    spread = [cgroups.hashed_bucket(f"sb-{i}", "p").split("/")[1] for i in range(6400)]
     assert len(set(spread)) == cgroups.BUCKETS and max(map(spread.count, set(spread))) < 3 * 100
 
 
 def test_a_sandbox_made_before_buckets_keeps_its_cgroup() -> None:
     # Still running after an edge upgrade: found where it was made (dsec/<id>), not re-bucketed.
-    parent = cgroups.CGROUP_ROOT / "memory" / cgroups.PARENT
+    parent = cgroups.CGROUP_ROOT / "memory" / cgroups.LEGACY_PARENT
     made_parent = not parent.exists()
     old = parent / f"sb-old-{uuid.uuid4().hex[:8]}"
     old.mkdir(parents=True)
     try:
-        assert cgroups.rel(old.name) == f"{cgroups.PARENT}/{old.name}"
+        assert cgroups.rel(old.name) == f"{cgroups.LEGACY_PARENT}/{old.name}"
         assert cgroups.memory_dir(old.name) == old
         assert old in cgroups.sandbox_dirs(old.name)
     finally:
         old.rmdir()
         if made_parent:
             parent.rmdir()
-    assert cgroups.rel(old.name) != f"{cgroups.PARENT}/{old.name}"
+    assert cgroups.rel(old.name) != f"{cgroups.LEGACY_PARENT}/{old.name}"
 
 
 async def test_an_init_that_never_answers_fails_the_start_and_says_so(
@@ -180,7 +188,9 @@ async def test_a_crun_sandboxs_mount_namespace_holds_its_own_mounts_only(made: M
     expected = {"/", "/proc", "/dev", "/dev/pts", "/sys", "/.dsec"}
     assert expected <= points, mounts
     # Nothing of the host: every other mount masks or binds something in the sandbox's tree.
-    extra = points - expected - {"/etc/resolv.conf", *oci.MASKED_DIRS, *oci.MASKED_PATHS, *oci.READONLY_PATHS}
+    masks = {"/etc/resolv.conf", *oci.MASKED_DIRS, *oci.MASKED_PATHS, *oci.READONLY_PATHS}
+    lxcfs = {*(f"/proc/{name}" for name in nodefs.LXCFS_PROC_FILES), f"/sys/{nodefs.CPU_ONLINE}"}
+    extra = points - expected - masks - lxcfs
     assert not extra, mounts
     host_root = Path("/").stat()
     assert root_id != f"{host_root.st_dev} {host_root.st_ino}"

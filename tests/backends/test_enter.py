@@ -158,7 +158,8 @@ async def backend(tmp_path: Path) -> AsyncIterator[ContainerBackend]:
         await ct.destroy(sid, {}, tmp_path / "sandboxes" / sid)
     await ct.detach()  # the spare cgroups destroyed sandboxes left
     assert left == [], "a test left containers behind"
-    assert spares.spare_dirs() == []
+    assert spares.spare_dirs(ct.cgroup_parent) == []
+    await ct.release_node()
 
 
 @pytest.fixture

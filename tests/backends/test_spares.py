@@ -23,6 +23,10 @@ pytestmark = pytest.mark.slow
 MiB = 1 << 20
 
 
+def spare_dirs(ct: ContainerBackend) -> list[Path]:
+    return spares.spare_dirs(ct.cgroup_parent)
+
+
 def bucket(ctx: CreateContext) -> str:
     return cgroups.rel(ctx.sandbox_id).rpartition("/")[0]
 
@@ -58,11 +62,11 @@ async def test_the_next_sandbox_in_a_bucket_runs_in_the_cgroups_of_a_destroyed_o
     inode = os.stat(cgroups.sandbox_dir("memory", first.sandbox_id)).st_ino
     await backend.destroy(first.sandbox_id, handle, first.workdir)
     assert cgroups.sandbox_dirs(first.sandbox_id) == []
-    assert len(backend.spares) == 1 and len(spares.spare_dirs()) == len(cgroups.v1_controllers())
+    assert len(backend.spares) == 1 and len(spare_dirs(backend)) == len(cgroups.v1_controllers())
 
     # The same quota: the spare's is kept, not written again.
     second, handle = await made.create(ctx_in(made, bucket(first), cpu_cores_limit=0.5, memory_limit_mb=64))
-    assert len(backend.spares) == 0 and spares.spare_dirs() == []
+    assert len(backend.spares) == 0 and spare_dirs(backend) == []
     assert os.stat(cgroups.sandbox_dir("memory", second.sandbox_id)).st_ino == inode
     assert cgroup_file("cpu", second, "cpu.cfs_quota_us") == "50000" and not crun_writes_quota(second)
     assert cgroup_file("memory", second, "memory.limit_in_bytes") == str(64 * MiB)
@@ -96,9 +100,9 @@ async def test_a_bucket_keeps_at_most_its_share_and_the_edge_none_once_it_lets_g
         await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
         assert cgroups.sandbox_dirs(ctx.sandbox_id) == []
     assert len(backend.spares) == backend.spares.per_bucket
-    assert len(spares.spare_dirs()) == backend.spares.per_bucket * len(cgroups.v1_controllers())
+    assert len(spare_dirs(backend)) == backend.spares.per_bucket * len(cgroups.v1_controllers())
     await backend.detach()  # the edge closes
-    assert len(backend.spares) == 0 and spares.spare_dirs() == []
+    assert len(backend.spares) == 0 and spare_dirs(backend) == []
 
 
 async def test_a_create_that_fails_in_a_spare_leaves_neither_it_nor_a_spare(
@@ -114,7 +118,7 @@ async def test_a_create_that_fails_in_a_spare_leaves_neither_it_nor_a_spare(
     ctx.layer_dirs = [*ctx.layer_dirs, bad]
     with pytest.raises(DSecError):
         await made.create(ctx)
-    assert cgroups.sandbox_dirs(ctx.sandbox_id) == [] and spares.spare_dirs() == []
+    assert cgroups.sandbox_dirs(ctx.sandbox_id) == [] and spare_dirs(backend) == []
     assert len(backend.spares) == 0
 
 
@@ -125,10 +129,10 @@ async def test_spares_an_earlier_edge_left_are_removed_when_the_node_is_prepared
 ) -> None:
     ctx, handle = await made.create()
     await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
-    assert spares.spare_dirs() != []
+    assert spare_dirs(backend) != []
     again = ContainerBackend(backend.data_dir)  # the edge restarted, after a crash
     await again.prepare_node()
-    assert spares.spare_dirs() == [] and len(again.spares) == 0
+    assert spare_dirs(backend) == [] and len(again.spares) == 0
 
 
 async def test_a_create_takes_another_buckets_spare_and_a_restarted_edge_finds_it_there(

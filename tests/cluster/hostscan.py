@@ -1,7 +1,7 @@
 """What this test's cluster could leave on the host, found by attribution rather than by count.
 
-``tests/leaks.py`` counts host-wide (every mount, every sandbox process), which is exact when
-the suite runs alone; these find what is provably ours (under the test's directory, in its
+``tests/leaks.py`` counts what one data directory's node owns; these find what is provably
+ours (under the test's directory, in its
 namespaces, of its nodes), so a leak is named, and another suite running at the same time
 cannot be mistaken for one.
 """
@@ -50,11 +50,11 @@ def processes_mentioning(path: Path) -> list[str]:
 
 
 def sandbox_cgroups(nodes: Iterable[str]) -> list[str]:
-    return sorted(str(p) for node in nodes for p in CGROUP_ROOT.glob(f"*/dsec/*/sb-{node}-*"))
+    return sorted(str(p) for node in nodes for p in CGROUP_ROOT.glob(f"*/dsec*/*/sb-{node}-*"))
 
 
 def sandbox_processes() -> set[str]:
-    """The processes tests/leaks.py counts, named, for a readable difference."""
+    """Sandbox processes (and crun runs) of every node, named, for a readable difference."""
     out = set()
     for pid in _pids():
         line = cmdline(pid)

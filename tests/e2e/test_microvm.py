@@ -104,8 +104,15 @@ async def test_a_microvm_runs_commands_and_files_through_the_same_sdk(
         # Its writes, read from its disk on the host: listed, and packed as a layer a container
         # (or another VM) starts from.
         await sb.run_shell("rm /etc/issue; echo vm-made > /srv/made")
-        changes = {(c.path, c.kind.value) for c in await sb.changes()}
+        odd = "/srv/odd-\udcff"  # a name that is not UTF-8 (its bytes: surrogateescape)
+        await sb.write_file(odd, b"odd")
+        assert await sb.read_file(odd) == b"odd"
+        listed = await sb.changes()
+        changes = {(c.path, c.kind.value) for c in listed}
         assert {("/srv/made", "added"), ("/etc/issue", "deleted"), ("/root/blob", "added")} <= changes
+        assert (odd, "added") in changes
+        # Link targets are read on the host, from the VM's disk, with nothing run in the guest.
+        assert {c.path: c.target for c in listed}["/root/escape"] == "/../../../../"
         layer = await sb.pack_diff("test/vm-pack")
         box = await client.run_container(DSecContainerRunArgs(layers=[*sb.info.layers, layer.digest]))
         try:

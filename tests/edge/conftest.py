@@ -106,6 +106,7 @@ async def ct_edge(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Edg
         for sid in left:
             await backend.destroy(sid, {}, tmp / "unknown")
         await backend.detach()
+        await backend.release_node()  # its parent cgroups, named after its data directory
         mounts.unmount_all()
         store.close()
         unmount_tree(tmp)

@@ -295,6 +295,18 @@ class LinkConformance(ProcessConformance):
             await read_all(link, sid, "/work")  # a directory has no content
         await link.stop(sid)
 
+    async def test_xattrs_are_set_replaced_and_kept_to_the_user_namespace(self, link: EdgeLink) -> None:
+        sid = (await link.create(spec())).id
+        await link.write_stream(sid, "/work/m.txt", one_chunk(b"m"))
+        await link.set_xattrs(sid, "/work/m.txt", "user.e2b.", {"a": "1", "b": "2"})
+        await link.set_xattrs(sid, "/work/m.txt", "user.e2b.", {"b": "3"})
+        assert await link.xattrs(sid, "/work/m.txt", "user.e2b.") == {"b": "3"}
+        with pytest.raises(InvalidRequest):
+            await link.set_xattrs(sid, "/work/m.txt", "trusted.", {"a": "1"})
+        with pytest.raises(FileNotFound):
+            await link.set_xattrs(sid, "/work/none.txt", "user.e2b.", {"a": "1"})
+        await link.stop(sid)
+
     async def test_move_renames_inside_the_sandbox_and_is_recorded(self, link: EdgeLink) -> None:
         sid = (await link.create(spec())).id
         await link.write_stream(sid, "/work/a.txt", one_chunk(b"moved"))
@@ -307,6 +319,24 @@ class LinkConformance(ProcessConformance):
             await link.move(sid, "/work/a.txt", "/work/c.txt")
         kinds = [e.kind for e in await link.trajectory(sid)]
         assert "move" in kinds
+        await link.stop(sid)
+
+    async def test_file_names_are_bytes(self, link: EdgeLink) -> None:
+        """A name that is not UTF-8 (a surrogateescape str) goes and comes back byte for byte,
+        in paths, answers, listings, errors and the change list."""
+        sid = (await link.create(spec())).id
+        odd, moved = "/work/odd-\udcff", "/work/m\udcfe-\u00e9"
+        stat = await link.write_stream(sid, odd, one_chunk(b"odd"))
+        assert (stat.path, stat.name, stat.size) == (odd, "odd-\udcff", 3)
+        assert await read_all(link, sid, odd) == b"odd"
+        assert (await link.stat(sid, odd)).path == odd
+        assert [s.name for s in await link.list_dir(sid, "/work")] == ["odd-\udcff"]
+        assert (await link.move(sid, odd, moved)).path == moved
+        with pytest.raises(FileNotFound):
+            await link.stat(sid, odd)
+        assert [(c.path, c.type) for c in await link.changes(sid, "/work")] == [(moved, FileType.file)]
+        await link.remove(sid, moved)
+        assert await link.list_dir(sid, "/work") == []
         await link.stop(sid)
 
     async def test_a_32_mib_file_streams_both_ways_in_constant_memory(self, link: EdgeLink) -> None:

@@ -22,7 +22,11 @@ def task(**kw: Any) -> dict[str, Any]:
     [
         {"language": "cobol"},
         {"files": {"../x": ""}},
-        {"files": {"/etc/passwd": ""}},
+        {"files": {"/etc/passwd": ""}},  # absolute paths: only outside the system directories
+        {"files": {"/x": ""}},  # not straight under /
+        {"fetch_files": ["/proc/1/environ"]},
+        {"fetch_files": ["/tmp/fncall/call-1/x"]},  # the runner's own
+        {"fetch_files": ["/mnt/../etc/shadow"]},
         {"files": {"a//b": ""}},
         {"files": {"a/./b": ""}},
         {"files": {"x": "not base64!"}},
@@ -35,7 +39,7 @@ def task(**kw: Any) -> dict[str, Any]:
         {"code": "x" * (fncall.MAX_CODE_BYTES + 1)},
         {"code": "é" * (fncall.MAX_CODE_BYTES // 2 + 1)},  # bytes count, not characters
         {"run_timeout_s": 0},
-        {"run_timeout_s": 301},
+        {"run_timeout_s": 3601},
         {"memory_limit_mb": 16},
         {"max_output_bytes": 0},
         {"surprise": True},
@@ -46,6 +50,23 @@ def test_bad_tasks_are_refused_by_the_model_and_by_the_runner(bad: dict[str, Any
         FnTask.model_validate(task(**bad))
     with pytest.raises(ValueError):
         runner.parse_task(task(**bad))
+
+
+@pytest.mark.parametrize(
+    "good",
+    [
+        {
+            "files": {"/mnt/a": "", "/home/u/data/in": ""},
+            "fetch_files": ["/mnt/b", "/dev/shm/x", "/var/tmp/y"],
+        },
+        {"memory_limit_mb": None},  # SandboxFusion's -1: only the pool sandbox's memory
+        {"files": {str(i): "" for i in range(fncall.MAX_FILES)}, "run_timeout_s": 600},
+    ],
+)
+def test_what_sandboxfusion_clients_send_is_a_valid_task(good: dict[str, Any]) -> None:
+    model = FnTask.model_validate(task(**good))
+    parsed = runner.parse_task(model.model_dump(mode="json"))
+    assert (parsed.memory_limit_mb, parsed.fetch_files) == (model.memory_limit_mb, model.fetch_files)
 
 
 def test_a_valid_task_means_the_same_on_both_sides() -> None:
@@ -62,6 +83,8 @@ def test_the_runner_bounds_match_the_model() -> None:
         assert fields[name].default == default
         assert (meta["Ge"].ge, meta["Le"].le) == (lo, hi), name
     assert runner.RESERVED == fncall.RESERVED_NAMES
+    assert (runner.SYSTEM_DIRS, runner.OPEN_SYSTEM_DIRS) == (fncall.SYSTEM_DIRS, fncall.OPEN_SYSTEM_DIRS)
+    assert {n for n, f in fields.items() if f.annotation == int | None} == runner.NULLABLE
     assert set(runner.LANGUAGES) == set(get_args(fncall.Language))
     limits = ("MAX_CODE", "MAX_STDIN", "MAX_EXPECTED", "MAX_FILES", "MAX_FILES_BYTES", "MAX_PATH")
     model_limits = ("MAX_CODE_BYTES", "MAX_STDIN_BYTES", "MAX_EXPECTED_BYTES", "MAX_FILES", "MAX_FILES_BYTES")

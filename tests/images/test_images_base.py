@@ -73,16 +73,29 @@ def test_work_dir_removal_unmounts_leftovers_first(tmp_path: Path) -> None:
     assert not work.exists() and not mounts_under(tmp_path)
 
 
-def test_existing_tag_is_returned_without_building(
+def test_the_current_recipe_is_built_once_and_the_tag_moves_to_it(
     store: LayerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    info = store.import_path(make_tree(tmp_path / "src"), "debian:bookworm")
+    """A store whose debian:bookworm an older package list built gets the current list's
+    build once, under a tag of its own, and debian:bookworm moves to it; later calls build
+    nothing."""
+    old = store.import_path(make_tree(tmp_path / "src"), "debian:bookworm")
+    builds: list[tuple[str, ...]] = []
 
-    def no_debootstrap(*args: object) -> None:
-        raise AssertionError("debootstrap must not run when the tag exists")
+    def fake_debootstrap(
+        suite: str, target: Path, mirror: str, say: base.Progress, packages: tuple[str, ...]
+    ) -> None:
+        builds.append(packages)
+        (target / "usr/bin").mkdir(parents=True)
+        (target / "usr/bin/installed").write_text(" ".join(packages))
 
-    monkeypatch.setattr(base, "_debootstrap", no_debootstrap)
-    assert ensure_base_layer(store) == info
+    monkeypatch.setattr(base, "_debootstrap", fake_debootstrap)
+    new = ensure_base_layer(store, mirror="http://unused.example/debian")
+    assert new.digest != old.digest and builds == [base.BASE_PACKAGES]
+    built = base.recipe_ref("debian:bookworm", "bookworm", base.BASE_PACKAGES)
+    assert store.resolve("debian:bookworm").digest == store.resolve(built).digest == new.digest
+    assert ensure_base_layer(store) == new and len(builds) == 1
+    assert {"procps", "curl", "python3-pip", "python3-venv", "ca-certificates"} <= set(base.BASE_PACKAGES)
 
 
 def test_failed_build_leaves_no_work_dir(store: LayerStore, monkeypatch: pytest.MonkeyPatch) -> None:

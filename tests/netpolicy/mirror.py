@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dsec.netpolicy.config import EgressConfig, Endpoint, Rule
+from dsec.registry.config import Registry
 
 ADDRESS = "10.231.0.2"
 HOST_SIDE = "10.231.0.1"
@@ -36,6 +37,16 @@ ZONE = {
     DNS_OUTSIDE: [("A", ADDRESS, 300)],
     "tunnel.dns.test": [("TXT", "secret", 300)],
 }
+# The package registries' upstream (tests/registry/fake_registry.py), as the node's registry
+# proxy reaches it: by a name its upstream resolver answers.
+REGISTRY_NAME, REGISTRY_PORT = "registry.upstream.test", 8090
+ZONE[REGISTRY_NAME] = [("A", ADDRESS, 300)]
+REGISTRY_URL = f"http://{REGISTRY_NAME}:{REGISTRY_PORT}"
+
+
+def netns_name() -> str:
+    """The mirror's network namespace (one per test process)."""
+    return f"dsec-mirror-{os.getpid()}"
 
 
 # Concurrent test runs (each with its own DSEC_TEST_DATA_DIR) need pools of their own.
@@ -61,6 +72,10 @@ def egress_config(pool: str = POOL) -> EgressConfig:
             ],
         },
         upstream=[ADDRESS],  # type: ignore[list-item]
+        registries={
+            "pypi": Registry(kind="pypi", index=f"{REGISTRY_URL}/simple/", port=13141),
+            "npm": Registry(kind="npm", index=f"{REGISTRY_URL}/npm/", port=13142),
+        },
         grace_s=0,  # an answer's addresses go with its TTL: the expiry test waits for that alone
     )
 
@@ -72,7 +87,7 @@ def _ip(*args: str) -> None:
 @contextmanager
 def mirror(root: Path) -> Iterator[None]:
     """The mirror's namespace, link and servers, all removed afterwards (also on failure)."""
-    ns, host_if = f"dsec-mirror-{os.getpid()}", f"dmir{os.getpid() % 100000}"
+    ns, host_if = netns_name(), f"dmir{os.getpid() % 100000}"
     (root / "hello.txt").write_text(BODY)
     servers: list[subprocess.Popen[bytes]] = []
     _ip("netns", "add", ns)

@@ -1,6 +1,6 @@
-"""The ksmd the edge runs: started where it was stopped, owned across restarts through the
-journal, stopped only by its owner, and an operator's setting left alone. Against a directory
-shaped like /sys/kernel/mm/ksm, then once against the kernel's own."""
+"""The ksmd the edge runs: started where it was stopped, claimed by every node using it, stopped
+only when DSec started it and the last node using it lets go, and an operator's setting left
+alone. Against a directory shaped like /sys/kernel/mm/ksm, then once against the kernel's own."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.density.ksm import KSM, Ksm
+from dsec.density.ksm import users as ksm_users
 from dsec.edge.journal import Journal
 from tests.support import eventually
 from tests.unit.conftest import TINY, Nodes
@@ -81,6 +82,34 @@ def test_an_operator_who_took_it_over_keeps_it(tmp_path: Path, journal: Journal)
     assert run_of(root) == "1"
 
 
+def test_ksmd_runs_until_the_last_node_using_it_lets_go(tmp_path: Path, journal: Journal) -> None:
+    # A `dsec up` beside the test suite: two nodes on one host, one ksmd.
+    root = sysfs(tmp_path, "0")
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    a = Ksm(True, journal, root, owner=first)
+    a.ensure()
+    b = Ksm(True, journal, root, owner=second)
+    b.ensure()
+    assert b.running and a.other_users() == [str(second.resolve())]
+    a.release()  # the node that started it closes first: the other still uses it
+    assert run_of(root) == "1"
+    b.release()
+    assert run_of(root) == "0"
+
+
+def test_a_claim_whose_data_directory_is_gone_does_not_keep_ksmd(tmp_path: Path, journal: Journal) -> None:
+    root = sysfs(tmp_path, "0")
+    gone, live = tmp_path / "gone", tmp_path / "live"
+    gone.mkdir(), live.mkdir()
+    Ksm(True, journal, root, owner=gone).ensure()  # a node that never closed
+    gone.rmdir()
+    ksm = Ksm(True, journal, root, owner=live)
+    ksm.ensure()
+    ksm.release()
+    assert run_of(root) == "0"
+
+
 def test_disabled_or_absent_ksm_changes_nothing(tmp_path: Path, journal: Journal) -> None:
     root = sysfs(tmp_path, "0")
     off = Ksm(False, journal, root)
@@ -105,6 +134,9 @@ def stopped_ksmd() -> Iterator[None]:
     """The kernel's ksmd stopped for the test, and as it was again afterwards."""
     if not (KSM / "run").exists():
         pytest.skip("the kernel has no KSM (CONFIG_KSM)")
+    users = ksm_users()
+    if users:  # stopping it would take it from them, and their claim keeps it running at the end
+        pytest.skip(f"another node on this machine uses ksmd: {users}")
     before = run_of(KSM)
     (KSM / "run").write_text("0")
     try:

@@ -126,6 +126,8 @@ def test_a_swap_file_is_turned_on_shared_and_turned_off_by_its_owner(tmp_path: P
 @pytest.mark.skipif(not Path("/sys/class/zram-control").exists(), reason="no zram kernel module on this host")
 def test_a_zram_swap_is_made_compressed_turned_on_and_reset(tmp_path: Path) -> None:
     before = active_swaps()
+    if any(d.startswith("/dev/zram") for d in before):  # an edge uses any zram swap it finds on
+        pytest.skip(f"a zram swap is on already (another node's?): {sorted(before)}")
     swap = Swap(SwapConfig.parse("zram:128"), tmp_path)
     device = ""
     try:

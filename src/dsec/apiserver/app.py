@@ -31,6 +31,7 @@ from dsec.apiserver.e2b.front import e2b_errors_middleware
 from dsec.apiserver.fncall import FnCallRoutes
 from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.layer_access import LayerLimits, layer_viewer
+from dsec.apiserver.processes import SandboxProcessRoutes
 from dsec.apiserver.projects import ProjectRoutes, sync_storage_quotas
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.apiserver.tenancy import Tenancy
@@ -125,6 +126,7 @@ class ApiServer:
         r.add_get("/v1/health", self.health)
         r.add_get("/v1/nodes", self.nodes)
         self.sandboxes.register(r)
+        SandboxProcessRoutes(self.sandboxes).register_public(r)  # terminals: apiserver/processes.py
         JobRoutes(self.sandboxes, self.store).register(r)
         self.fncalls.register(r)
         r.add_get("/v1/layers", self.layers)

@@ -56,7 +56,7 @@ class EdgeNode:
         self.config = config
         self.store = open_layer_store(config)
         self.mounts = LayerMounts(config.data_dir / "mnt")
-        self.backend = backend or ContainerBackend(config.data_dir)
+        self.backend = backend or ContainerBackend(config.data_dir, node=config.node)
         edge_config = EdgeConfig(data_dir=config.data_dir, node=config.node, **config.edge)
         self.more_backends = vm_backends(config, self.store)
         self.edge = Edge(edge_config, self.backend, self.store, self.mounts, more_backends=self.more_backends)

@@ -123,7 +123,7 @@ class EmbeddedNode:
         data = config.data_dir
         self.store = open_layer_store(config)
         self.mounts = LayerMounts(data / "mnt")
-        self.backend = backend or ContainerBackend(data)
+        self.backend = backend or ContainerBackend(data, node=config.node)
         self.more_backends = vm_backends(config, self.store)
         self.edge = Edge(
             EdgeConfig(data_dir=data, node=config.node, **config.edge),

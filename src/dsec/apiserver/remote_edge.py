@@ -27,6 +27,7 @@ from dsec.apiserver.remote_processes import RemoteProcesses
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+from dsec.protocol.files import path_query
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import (
     BulkAction,
@@ -45,6 +46,7 @@ from dsec.protocol.models import (
     LayerInfo,
     LeaseRequest,
     LocalForkRequest,
+    NetworkRules,
     NetworkRulesRequest,
     SandboxInfo,
     ShellRequest,
@@ -61,6 +63,7 @@ _INFOS = TypeAdapter(list[SandboxInfo])
 _STATS = TypeAdapter(list[FileStat])
 _ENTRIES = TypeAdapter(list[TrajectoryEntry])
 _CHANGES = TypeAdapter(list[Change])
+_XATTRS = TypeAdapter(dict[str, str])
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -279,7 +282,7 @@ class RemoteEdgeLink(RemoteProcesses):
         raw = await self._json("PUT", self._sandbox(sandbox_id, "/deadline"), body=body)
         return self._parse(SandboxInfo, raw)
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
         body = NetworkRulesRequest(network_rules=rules)
         raw = await self._json("PUT", self._sandbox(sandbox_id, "/network"), body=body)
         return self._parse(SandboxInfo, raw)
@@ -301,7 +304,9 @@ class RemoteEdgeLink(RemoteProcesses):
         return self._parse_list(_ENTRIES, raw)
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
-        raw = await self._json("GET", self._sandbox(sandbox_id, "/changes"), params={"under": under})
+        raw = await self._json(
+            "GET", self._sandbox(sandbox_id, "/changes"), params=path_query("under", under)
+        )
         return self._parse_list(_CHANGES, raw)
 
     async def fork_local(
@@ -396,7 +401,7 @@ class RemoteEdgeLink(RemoteProcesses):
 
     async def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
         url = self._sandbox(sandbox_id, "/files/content")
-        async with self._call("GET", url, params={"path": path}) as resp:
+        async with self._call("GET", url, params=path_query("path", path)) as resp:
             # A download the edge cuts off mid-way fails here (payload error), never as a short file.
             async for chunk in resp.content.iter_chunked(CHUNK):
                 yield chunk
@@ -415,7 +420,7 @@ class RemoteEdgeLink(RemoteProcesses):
                 source_error.append(exc)  # the caller's own failure, to be raised as itself
                 raise
 
-        params = {"path": path, "mode": format(mode & 0o7777, "o")}
+        params = {**path_query("path", path), "mode": format(mode & 0o7777, "o")}
         try:
             async with self._call(
                 "PUT", self._sandbox(sandbox_id, "/files/content"), params=params, data=body()
@@ -430,11 +435,15 @@ class RemoteEdgeLink(RemoteProcesses):
         return self._parse(FileStat, raw)
 
     async def stat(self, sandbox_id: str, path: str) -> FileStat:
-        raw = await self._json("GET", self._sandbox(sandbox_id, "/files/stat"), params={"path": path})
+        raw = await self._json(
+            "GET", self._sandbox(sandbox_id, "/files/stat"), params=path_query("path", path)
+        )
         return self._parse(FileStat, raw)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
-        raw = await self._json("GET", self._sandbox(sandbox_id, "/files/list"), params={"path": path})
+        raw = await self._json(
+            "GET", self._sandbox(sandbox_id, "/files/list"), params=path_query("path", path)
+        )
         try:
             return _STATS.validate_json(raw)
         except ValidationError as exc:
@@ -443,15 +452,29 @@ class RemoteEdgeLink(RemoteProcesses):
             ) from exc
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
-        params = {"path": path, "parents": "true" if parents else "false"}
+        params = {**path_query("path", path), "parents": "true" if parents else "false"}
         raw = await self._json("POST", self._sandbox(sandbox_id, "/files/mkdir"), params=params)
         return self._parse(FileStat, raw)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        params = {"path": path, "recursive": "true" if recursive else "false"}
+        params = {**path_query("path", path), "recursive": "true" if recursive else "false"}
         await self._json("DELETE", self._sandbox(sandbox_id, "/files"), params=params)
 
+    async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, attrs: dict[str, str]) -> None:
+        params = {**path_query("path", path), "prefix": prefix}
+        path_of = self._sandbox(sandbox_id, "/files/xattrs")
+        async with self._call("PUT", path_of, data=json.dumps(attrs), headers=_JSON, params=params) as resp:
+            await resp.read()
+
+    async def xattrs(self, sandbox_id: str, path: str, prefix: str) -> dict[str, str]:
+        params = {**path_query("path", path), "prefix": prefix}
+        raw = await self._json("GET", self._sandbox(sandbox_id, "/files/xattrs"), params=params)
+        try:
+            return _XATTRS.validate_json(raw)
+        except ValidationError as exc:
+            raise InfraFailure(f"edge {self.node!r} sent malformed xattrs", reason="protocol") from exc
+
     async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
-        params = {"source": source, "destination": destination}
+        params = {**path_query("source", source), **path_query("destination", destination)}
         raw = await self._json("POST", self._sandbox(sandbox_id, "/files/move"), params=params)
         return self._parse(FileStat, raw)

@@ -1,16 +1,23 @@
 """SandboxFusion's ``/run_code`` schema, mapped onto FnCall.
 
 Request fields: ``code``, ``language``, ``compile_timeout``, ``run_timeout``,
-``memory_limit_MB`` (-1: DSec's default), ``stdin``, ``files`` (path -> base64, or null to
+``memory_limit_MB`` (-1, what SandboxFusion's client sends unless told: no per-call limit, only
+the pool sandbox's memory, as SandboxFusion applies none), ``stdin``, ``files`` (path -> base64, or null to
 skip), ``fetch_files``. Response: ``status`` (``Success`` when every step exited 0,
 ``Failed`` when one did not or ran out of time, ``SandboxError`` when the platform failed or
 the request cannot run here), ``message``, ``compile_result`` and ``run_result`` (each
 ``status`` ``Finished``/``TimeLimitExceeded``/``Error``, ``execution_time``, ``return_code``,
 ``stdout``, ``stderr``), ``executor_pod_name`` and ``files`` (fetched, base64).
 
+Output: each stream keeps its first ``OUTPUT_CAP`` bytes. A result cut there is never
+``Success``: it answers ``SandboxError`` with ``run_result.status`` ``Error`` and a message
+saying the output was truncated and nothing was judged, which verl's reward code scores as a
+sandbox error (-1, not a wrong answer) and SandboxFusion's client raises on.
+
 Not supported (answered as ``SandboxError`` naming the reason): languages other than
-python, bash, c and cpp; absolute or ``..`` paths in ``files``/``fetch_files`` (files live
-in the call's own directory); ``/run_jupyter`` and the online-judge endpoints. Unknown
+python, bash, c and cpp; ``..`` paths, and absolute paths in the pool sandbox's system
+directories (``dsec.protocol.fncall.SYSTEM_DIRS``), in ``files``/``fetch_files``; more
+than 4096 files; timeouts over an hour; ``/run_jupyter`` and the online-judge endpoints. Unknown
 request fields are ignored, as SandboxFusion itself does. A signal's death is reported as a
 negative ``return_code`` (Python's convention, which SandboxFusion inherits).
 """
@@ -24,6 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import invalid_request
 
+# The largest outputs RL graders expect (docs/decisions.md, issue 29): code_contests' heaviest
+# problems print ~10^6 numbers (<= ~11 MB); LiveCodeBench, HumanEval and MBPP print far less.
+OUTPUT_CAP = 32 << 20
 _LANGUAGES = {"python": "python", "python3": "python", "bash": "bash", "c": "c", "cpp": "cpp"}
 
 
@@ -73,9 +83,9 @@ def to_task(req: RunCodeRequest) -> FnTask:
         "fetch_files": req.fetch_files,
         "compile_timeout_s": req.compile_timeout,
         "run_timeout_s": req.run_timeout,
+        "memory_limit_mb": req.memory_limit_MB if req.memory_limit_MB > 0 else None,
+        "max_output_bytes": OUTPUT_CAP,
     }
-    if req.memory_limit_MB > 0:
-        fields["memory_limit_mb"] = req.memory_limit_MB
     try:
         return FnTask.model_validate(fields)
     except ValidationError as exc:
@@ -98,17 +108,35 @@ def from_result(r: FnResult, node: str | None = None) -> RunCodeResponse:
     compiled = None
     if r.compile_time_s:
         compiled = CommandRunResult(status="Finished", execution_time=r.compile_time_s, return_code=0)
+    if r.status == "output_truncated":
+        cut = [
+            name
+            for name, was_cut in (("stdout", r.stdout_truncated), ("stderr", r.stderr_truncated))
+            if was_cut
+        ]
+        why = (
+            f"output truncated: {' and '.join(cut)} passed {OUTPUT_CAP} bytes; the run exited 0 but was"
+            " not judged (the kept part may differ from the whole)"
+        )
+        ran = CommandRunResult(
+            status="Error", execution_time=r.run_time_s, return_code=rc, stdout=r.stdout, stderr=r.stderr
+        )
+        return RunCodeResponse(
+            status="SandboxError",
+            message=why,
+            compile_result=compiled,
+            run_result=ran,
+            executor_pod_name=node,
+        )
     ran = CommandRunResult(
         status="TimeLimitExceeded" if r.status == "timeout" else "Finished",
         execution_time=r.run_time_s,
-        return_code=rc,
+        return_code=None if r.status == "timeout" else rc,  # as SandboxFusion: a killed run has none
         stdout=r.stdout,
         stderr=r.stderr,
     )
-    ok = r.status in ("ok", "output_truncated", "wrong_answer") and rc == 0
-    message = {"output_truncated": "output truncated", "memory_exceeded": "memory limit exceeded"}.get(
-        r.status, ""
-    )
+    ok = r.status in ("ok", "wrong_answer") and rc == 0
+    message = "memory limit exceeded" if r.status == "memory_exceeded" else ""
     return RunCodeResponse(
         status="Success" if ok else "Failed",
         message=message,

@@ -8,6 +8,8 @@ edge journals. Every implementation passes ``tests/backends/conformance.py``.
 
 from __future__ import annotations
 
+import math
+import os
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,12 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 def sandbox_env(spec: ContainerSpec, user: User, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of every process the edge starts in a sandbox: defaults, spec, request."""
     env = {"PATH": DEFAULT_PATH, "HOME": user.home, "USER": user.name, "LANG": "C.UTF-8", "TERM": "dumb"}
+    # nproc(1) counts the CPUs it may run on (sched_getaffinity), which LXCFS does not change
+    # and a cpuset per sandbox would pin; it honours OMP_NUM_THREADS first (as do OpenMP,
+    # OpenBLAS and numpy). Unset when the limit is the node's whole.
+    cores = math.ceil(spec.cpu_cores_limit)
+    if cores < (os.cpu_count() or cores + 1):
+        env["OMP_NUM_THREADS"] = str(cores)
     env.update(spec.env)
     env.update(extra or {})
     return env

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from dsec.cli._common import _client_call, _fail, console, err_console
 from dsec.protocol.errors import DSecError
@@ -63,7 +63,8 @@ def layer_build(
     network: Annotated[
         str,
         typer.Option(
-            help="network permissions of the build, comma-separated (e.g. pypi,debian); none by default"
+            help="network permissions of the build, comma-separated (e.g. pypi,debian); pypi@2025-06-01:"
+            " releases uploaded before that day only; none by default"
         ),
     ] = "",
 ) -> None:
@@ -86,7 +87,9 @@ def layer_build(
         )
         console.print(f"[bold cyan]{escape(f'[{where}]')}[/bold cyan] {escape(event.description)}")
 
-    rules = {p.strip(): True for p in network.split(",") if p.strip()}
+    from dsec.netpolicy.grants import parse
+
+    rules = parse(network)
     info = _client_call(
         lambda c: c.build_layer(
             dockerfile, context, name, exclude=exclude, progress=show, network_rules=rules
@@ -144,10 +147,15 @@ def layer_verify(ref: str) -> None:
 def layer_ls() -> None:
     """List the layers of this DSec."""
     layers = _client_call(lambda c: c.layers())
-    table = Table("digest", "size", "names", "created")
+    # Names never wrap (scripts grep them); the network column only when a layer was built with one.
+    networked = any(layer.network for layer in layers)
+    columns = ["network"] if networked else []
+    table = Table("digest", "size", Column("names", no_wrap=True), "created", *columns)
     for layer in layers:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(layer.created_at))
-        table.add_row(layer.digest[:19], f"{layer.size / 1e6:.1f} MB", ", ".join(layer.names), created)
+        size = f"{layer.size / 1e6:.1f} MB"
+        network = [", ".join(layer.network)] if networked else []
+        table.add_row(layer.digest[:19], size, ", ".join(layer.names), created, *network)
     console.print(table)
 
 

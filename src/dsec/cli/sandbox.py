@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import os
 import sys
-from collections.abc import Awaitable
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from dsec.cli._common import _client_call, _fail, console
+from dsec.cli._common import _client_call, _fail, console, err_console
+from dsec.cli.terminal import attach, window_size
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.models import CommandResult, LeaseResult, SandboxInfo, TrajectoryEntry
 from dsec.sdk.args import DSecContainerRunArgs
@@ -49,17 +51,54 @@ def sandbox_create(
     memory_mb: int = 1024,
     cpus: float = 1.0,
     ttl: Annotated[float | None, typer.Option(help="idle seconds before reclaim")] = None,
+    shell: Annotated[
+        bool, typer.Option("--shell", help="then open a shell in it; stopped when the shell ends")
+    ] = False,
+    keep: Annotated[bool, typer.Option("--keep", help="with --shell: leave it running after")] = False,
 ) -> None:
-    """Create a container sandbox and print its ID."""
+    """Create a container sandbox and print its ID (with --shell: on stderr, then a shell)."""
+    args = DSecContainerRunArgs(
+        container_image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus, ttl_running_stop=ttl
+    )
+    if not shell:
+        console.print(_client_call(lambda c: c.run_container(args)).id)
+        return
 
-    def make(c: DSecClient) -> Awaitable[Sandbox]:
-        args = DSecContainerRunArgs(
-            container_image=image, memory_limit_mb=memory_mb, cpu_cores_limit=cpus, ttl_running_stop=ttl
-        )
-        return c.run_container(args)
+    async def make_and_enter(c: DSecClient) -> int:
+        sb = await c.run_container(args)
+        err_console.print(f"sandbox {sb.id}" + (" (kept after the shell)" if keep else ""))
+        try:
+            return await _shell(sb, None)
+        finally:
+            if not keep:
+                await asyncio.shield(sb.stop())
 
-    sb = _client_call(make)
-    console.print(sb.id)
+    raise typer.Exit(code=_client_call(make_and_enter))
+
+
+async def _shell(sb: Sandbox, argv: list[str] | None) -> int:
+    rows, cols = window_size(sys.stdout.fileno())
+    env = {"TERM": os.environ["TERM"]} if os.environ.get("TERM") else {}
+    async with await sb.open_pty(argv, rows=rows, cols=cols, env=env) as pty:
+        code = await attach(pty, sys.stdin.fileno(), sys.stdout.fileno())
+    if pty.error:
+        err_console.print(f"[red]the shell ended:[/red] {pty.error}")
+    return code
+
+
+@sandbox_app.command("shell")
+def sandbox_shell(
+    sandbox_id: str,
+    command: Annotated[
+        list[str] | None, typer.Argument(help="program and arguments (default: a login shell)")
+    ] = None,
+) -> None:
+    """An interactive terminal in a sandbox; exits with the shell's exit code (^D ends it)."""
+
+    async def run(c: DSecClient) -> int:
+        return await _shell(await c.get(sandbox_id), command or None)
+
+    raise typer.Exit(code=_client_call(run))
 
 
 @sandbox_app.command("sh")

@@ -4,8 +4,11 @@ The upper directory and the lower layers are trees the agent wrote (a committed 
 lower of every fork made from it), walked here as host root. Each is opened as a
 :class:`~dsec.images.hosttree.HostTree`, so ``under=/hostlink/root`` with ``/hostlink -> /``
 lists nothing (a link hides what lies below its name in an overlay, so nothing there is a
-change of the layer) instead of the host's files. The listing is bounded: a sandbox can make
-millions of entries, and the edge holds the whole answer in memory.
+change of the layer) instead of the host's files. A link's target is read here too
+(``readlink`` beneath the tree, the link itself never followed), so no one needs a tool inside
+the sandbox for it. Names are the file system's bytes (surrogateescape ``str``; the wire
+carries them exactly). The listing is bounded: a sandbox can make millions of entries, and
+the edge holds the whole answer in memory.
 """
 
 from __future__ import annotations
@@ -84,4 +87,18 @@ def _classify(top: HostTree, below: list[HostTree], rel: str, st: os.stat_result
             ]
         return [] if in_lower else [Change(path=path, kind=ChangeKind.added, type=FileType.dir)]
     kind = ChangeKind.modified if in_lower else ChangeKind.added
-    return [Change(path=path, kind=kind, type=_ftype(st.st_mode))]
+    ftype = _ftype(st.st_mode)
+    return [
+        Change(
+            path=path, kind=kind, type=ftype, target=_target(top, rel) if ftype is FileType.symlink else None
+        )
+    ]
+
+
+def _target(top: HostTree, rel: str) -> str | None:
+    """A link's target as stored, read here on the host (never followed, no tool run in the
+    sandbox): the grader recreates links from this. None if it vanished meanwhile."""
+    try:
+        return top.readlink(rel)
+    except OSError:
+        return None

@@ -44,6 +44,7 @@ from dsec.protocol.models import (
     ExecEvent,
     InputEvent,
     LayerInfo,
+    NetworkRules,
     SandboxInfo,
     SandboxState,
     ShellRequest,
@@ -103,6 +104,8 @@ class Commands:
         def _workdir(self, sandbox_id: str) -> Path: ...
         def get(self, sandbox_id: str) -> SandboxInfo: ...
         def backend_of(self, rec: Record) -> Backend: ...
+        def network_held(self, sandbox_id: str, rules: NetworkRules) -> list[str]: ...
+        def package_client_files(self, sandbox_id: str) -> list[str]: ...
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         request = {"command": req.command, "session": req.session, "timeout": req.timeout}
@@ -239,6 +242,7 @@ class Commands:
         """Pack what the sandbox changed into layer ``req.ref`` (a bare name: the next version),
         residue scrubbed from the packed copy. The sandbox keeps running, untouched."""
         patterns = [NODE_TOOLS, *(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
+        patterns += self.package_client_files(sandbox_id)  # the node's, pointing at this node
 
         async def run() -> dict[str, Any]:
             return (await self._pack(sandbox_id, req.ref, patterns)).model_dump()
@@ -268,21 +272,24 @@ class Commands:
                     # Still inside: the copy may share inodes with the sandbox, which must not
                     # write into them before mkfs has read them.
                     owner = live.record.spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT)
-                    return await asyncio.to_thread(self._import_versioned, staging, ref, owner)
+                    network = self.network_held(sandbox_id, live.record.spec.network_rules)
+                    return await asyncio.to_thread(self._import_versioned, staging, ref, owner, network)
                 finally:
                     await asyncio.to_thread(shutil.rmtree, staging, True)
 
-    def _import_versioned(self, path: Path, ref: str, owner: str) -> LayerInfo:
+    def _import_versioned(self, path: Path, ref: str, owner: str, network: list[str]) -> LayerInfo:
         """Import the packed changes as ``ref`` (a bare name: its next version), owned by the
         sandbox's project, under a name that project's subtree owns (Conflict otherwise)."""
         viewer = functools.partial(in_subtree, top=owner)  # what the sandbox's project may see
         if ":" in ref:
-            return self.store.import_path(path, ref, owner=owner, viewer=viewer)
+            return self.store.import_path(path, ref, owner=owner, viewer=viewer, network=network)
         for _ in range(_VERSION_RETRIES):
             taken = [int(v) for v in self.store.catalogue.versions(ref) if v.isdigit()]
             version = max(taken, default=0) + 1
             try:
-                return self.store.import_path(path, f"{ref}:{version}", owner=owner, viewer=viewer)
+                return self.store.import_path(
+                    path, f"{ref}:{version}", owner=owner, viewer=viewer, network=network
+                )
             except InvalidRequest:
                 # Another pack took this version between our listing and our tag: next one.
                 if str(version) not in self.store.catalogue.versions(ref):

@@ -120,7 +120,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self.hardware = hardware.detect(config.node_labels)
         self.pools = {c.name: FnPool(self, c) for c in config.fncall_pools}
         self.swap = Swap(config.swap, config.data_dir)
-        self.ksm = Ksm(config.ksm, self.journal)
+        self.ksm = Ksm(config.ksm, self.journal, owner=config.data_dir)  # claimed per node
         self.recorder = Recorder(TrajectoryLog(config.data_dir / "edge" / "trajectory.sqlite"))
         self.leases = {(lease.project, lease.job): lease for lease in self.journal.leases()}
         self.egress = EgressPolicy(config.egress, config.node, self.journal, config.data_dir / "edge")
@@ -481,6 +481,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 log.exception("destroying %s failed", sandbox_id)
                 raise InfraFailure(f"stopping {sandbox_id} failed: {exc}", reason="runtime") from exc
             await self.egress.release(sandbox_id)
+            self._forget_network(sandbox_id)
             for digest in rec.layers:
                 self.mounts.release(digest)
             rec.state = final

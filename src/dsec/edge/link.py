@@ -41,6 +41,7 @@ from dsec.protocol.models import (
     FileStat,
     InputEvent,
     LayerInfo,
+    NetworkRules,
     SandboxInfo,
     ShellRequest,
     TrajectoryEntry,
@@ -94,7 +95,7 @@ class EdgeLink(Protocol):
 
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
         """Replace the sandbox's network permissions (in force when this returns)."""
         ...
 
@@ -172,6 +173,13 @@ class EdgeLink(Protocol):
     async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
         """Rename a file or directory inside the sandbox; the moved entry's stat."""
         ...
+
+    async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, attrs: dict[str, str]) -> None:
+        """Make ``attrs`` (names without ``prefix``, a ``user.`` one) a regular file's extended
+        attributes of that prefix; others of it are removed."""
+        ...
+
+    async def xattrs(self, sandbox_id: str, path: str, prefix: str) -> dict[str, str]: ...
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]: ...
 
@@ -307,7 +315,7 @@ class LocalEdgeLink:
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         return await self.edge.pause(self._routed(sandbox_id))
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
         return await self.edge.set_network_rules(self._routed(sandbox_id), rules)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
@@ -406,6 +414,12 @@ class LocalEdgeLink:
 
     async def stat(self, sandbox_id: str, path: str) -> FileStat:
         return await (await self._files(sandbox_id)).stat(path)
+
+    async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, attrs: dict[str, str]) -> None:
+        await (await self._files(sandbox_id)).set_xattrs(path, prefix, attrs)
+
+    async def xattrs(self, sandbox_id: str, path: str, prefix: str) -> dict[str, str]:
+        return await (await self._files(sandbox_id)).xattrs(path, prefix)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
         return await (await self._files(sandbox_id)).list_dir(path)

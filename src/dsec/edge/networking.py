@@ -4,17 +4,23 @@ The mechanics live in :mod:`dsec.netpolicy`."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from dsec.backends.base import Backend, CreateContext, GuestLink, Networked, Tapped
-from dsec.protocol.errors import InvalidRequest
-from dsec.protocol.models import ContainerSpec, SandboxInfo
+from dsec.backends.base import Backend, CreateContext, GuestLink, Networked, Tapped, User
+from dsec.netpolicy import grants
+from dsec.protocol.errors import DSecError, InvalidRequest
+from dsec.protocol.models import ContainerSpec, NetworkRules, SandboxInfo
+from dsec.registry import clients as registry_clients
 
 if TYPE_CHECKING:
     from dsec.edge.journal import Journal, Record
     from dsec.edge.tally import _Live
     from dsec.edge.trajectory import Recorder
     from dsec.netpolicy.policy import EgressPolicy
+
+log = logging.getLogger(__name__)
 
 
 class Networking:
@@ -51,6 +57,52 @@ class Networking:
             ifname, address, netns = await self.egress.open_netns(ctx.sandbox_id)
             ctx.link = GuestLink(ifname, address, gateway, netns=netns)
 
+    async def _point_package_clients(self, rec: Record, old: NetworkRules, new: NetworkRules) -> None:
+        """pip, npm and apt inside the sandbox pointed at the node's registry proxy for the
+        registries it now holds (:mod:`dsec.registry.clients`); the files of registries it no
+        longer holds go. Best effort: the proxy and the kernel enforce, these files only guide."""
+        gateway = self.egress.config.gateway
+        had = registry_clients.files(gateway, self.egress.registries_granted(old))
+        wanted = registry_clients.files(gateway, self.egress.registries_granted(new))
+        if not had and not wanted:
+            return
+        files = self.backend_of(rec).files(rec.handle, User("root", 0, 0, "/root"))
+        try:
+            for path in registry_clients.ALL:
+                if path in wanted and had.get(path) != wanted[path]:
+                    await files.mkdir(path.rsplit("/", 1)[0], parents=True)
+                    await files.write_stream(path, _once(wanted[path].encode()), 0o444)
+                elif path in had and path not in wanted:
+                    await files.remove(path)
+        except (DSecError, OSError) as exc:
+            log.warning("pointing %s's package clients at the registry proxy: %s", rec.id, exc)
+
+    def network_held(self, sandbox_id: str, rules: NetworkRules) -> list[str]:
+        """Every permission the sandbox held since it started (with its cutoff), and ``rules``
+        (what a layer packed from it records: a build's last step may run without network,
+        its earlier ones did not). Kept in memory: after an edge restart, from then on."""
+        held = self.__dict__.setdefault("_network_held", {}).get(sandbox_id, set())
+        return sorted(held | set(grants.describe(rules)))
+
+    def package_client_files(self, sandbox_id: str) -> list[str]:
+        """The package clients' files the edge wrote into the sandbox (paths relative to /),
+        if it ever held a registry: a layer packed from it must not carry them (they point at
+        this node's proxy, for this sandbox's grants)."""
+        held = {
+            n.split("@", 1)[0]
+            for n in self.network_held(sandbox_id, self._get_live(sandbox_id).record.spec.network_rules)
+        }
+        if not held & set(self.egress.config.registries):
+            return []
+        return [p.lstrip("/") for p in registry_clients.ALL]
+
+    def _note_network(self, sandbox_id: str, rules: NetworkRules) -> None:
+        history: dict[str, set[str]] = self.__dict__.setdefault("_network_held", {})
+        history.setdefault(sandbox_id, set()).update(grants.describe(rules))
+
+    def _forget_network(self, sandbox_id: str) -> None:
+        self.__dict__.setdefault("_network_held", {}).pop(sandbox_id, None)
+
     def _netns_pid(self, rec: Record) -> int | None:
         backend = self.backend_of(rec)
         return backend.netns_pid(rec.handle) if isinstance(backend, Networked) else None
@@ -58,10 +110,12 @@ class Networking:
     async def _connect(self, rec: Record) -> None:
         """A new sandbox gets what its rules allow (nothing to do for most: no rules)."""
         self.egress.started(rec.id)  # it runs in the namespace made for it, if one was
+        self._note_network(rec.id, rec.spec.network_rules)
         if self.egress.rules_need_link(rec.spec.network_rules):
             await self.egress.set_rules(rec.id, self._netns_pid(rec), rec.spec.network_rules)
+            await self._point_package_clients(rec, {}, rec.spec.network_rules)
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict[str, bool]) -> SandboxInfo:
+    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
         """Replace the sandbox's network rules; effective in the kernel when this returns."""
         live = self._get_live(sandbox_id)  # a paused sandbox's rules change without waking it
         self.egress.check(rules)
@@ -83,10 +137,17 @@ class Networking:
         async def run() -> dict[str, Any]:
             async with live.stopping:  # not while it is being stopped
                 rec = live.record
+                before = rec.spec.network_rules
                 await self.egress.set_rules(sandbox_id, self._netns_pid(rec), rules)
+                await self._point_package_clients(rec, before, rules)
+                self._note_network(sandbox_id, rules)
                 rec.spec = rec.spec.model_copy(update={"network_rules": dict(rules)})
                 self.journal.set_spec(sandbox_id, rec.spec)
-            return {"network_rules": rules}
+            return {"network_rules": grants.to_wire(rules)}
 
-        await self.recorder.call(sandbox_id, "network", None, {"network_rules": rules}, run)
+        await self.recorder.call(sandbox_id, "network", None, {"network_rules": grants.to_wire(rules)}, run)
         return self.get(sandbox_id)
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data

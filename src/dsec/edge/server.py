@@ -34,6 +34,8 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     GET    /sandboxes/{id}/files/list?path=        -> [FileStat]
     POST   /sandboxes/{id}/files/mkdir?path=&parents=true -> 201 FileStat
     POST   /sandboxes/{id}/files/move?source=&destination= -> FileStat
+    GET    /sandboxes/{id}/files/xattrs?path=&prefix=user.x.     -> {name: value}
+    PUT    /sandboxes/{id}/files/xattrs?path=&prefix=user.x.     {name: value} -> {"set": true}
     DELETE /sandboxes/{id}/files?path=&recursive=false    -> {"removed": true}
     POST   /sandboxes/{id}/processes               ProcessStart -> NDJSON of ProcessEvent
     GET    /sandboxes/{id}/processes               -> [ProcessInfo] (running ones)
@@ -63,7 +65,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from dsec.edge.edge import Edge
 from dsec.edge.link import LocalEdgeLink
@@ -108,6 +110,7 @@ MAX_JSON_BODY = 96 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _AUTHED = web.RequestKey("dsec_edge_authed", bool)
+_XATTRS = TypeAdapter(dict[str, str])
 
 
 def check_secret(secret: str) -> str:
@@ -232,6 +235,8 @@ class EdgeServer:
         r.add_post(PREFIX + "/sandboxes/{id}/files/mkdir", self.mkdir)
         r.add_delete(PREFIX + "/sandboxes/{id}/files", self.remove)
         r.add_post(PREFIX + "/sandboxes/{id}/files/move", self.move)
+        r.add_get(PREFIX + "/sandboxes/{id}/files/xattrs", self.xattrs)
+        r.add_put(PREFIX + "/sandboxes/{id}/files/xattrs", self.set_xattrs)
         r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
         r.add_post(f"{PREFIX}/fncall", self.fncall)
         ProcessRoutes(self.link).register(r, PREFIX)  # edge/server_processes.py
@@ -406,3 +411,16 @@ class EdgeServer:
     async def move(self, request: web.Request) -> web.Response:
         source, destination = _param(request, "source"), _param(request, "destination")
         return respond(await self.link.move(request.match_info["id"], source, destination))
+
+    async def xattrs(self, request: web.Request) -> web.Response:
+        path, prefix = _param(request, "path"), request.query.get("prefix", "")
+        return respond(await self.link.xattrs(request.match_info["id"], path, prefix))
+
+    async def set_xattrs(self, request: web.Request) -> web.Response:
+        try:
+            attrs = _XATTRS.validate_json(await request.read())
+        except ValidationError as exc:
+            raise InvalidRequest("extended attributes are a JSON object of strings") from exc
+        path, prefix = _param(request, "path"), request.query.get("prefix", "")
+        await self.link.set_xattrs(request.match_info["id"], path, prefix, attrs)
+        return respond({"set": True})

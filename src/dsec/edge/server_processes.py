@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 from aiohttp import web
 from pydantic import BaseModel
 
-from dsec.edge.link import LocalEdgeLink
+from dsec.edge.link import EdgeLink, LocalEdgeLink
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest
 from dsec.protocol.http import respond, text_param
 from dsec.protocol.processes import ProcessInput, ProcessSignal, ProcessStart, PtySize
@@ -60,10 +60,17 @@ async def stream_ndjson(request: web.Request, events: AsyncGenerator[BaseModel, 
 
 
 class ProcessRoutes:
-    """``/sandboxes/{id}/processes...`` and ``/sandboxes/{id}/watch`` over a local link."""
+    """``/sandboxes/{id}/processes...`` and ``/sandboxes/{id}/watch`` over a local link.
+
+    The apiserver serves the same routes under ``/v1`` (:mod:`dsec.apiserver.processes`), each
+    sandbox on its own node's link, by overriding :meth:`target`."""
 
     def __init__(self, link: LocalEdgeLink) -> None:
         self.link = link
+
+    async def target(self, request: web.Request) -> tuple[EdgeLink, str]:
+        """The link that holds the sandbox a request names, and its ID."""
+        return self.link, request.match_info["id"]
 
     def register(self, r: web.UrlDispatcher, prefix: str) -> None:
         r.add_post(prefix + SANDBOX + "/processes", self.start)
@@ -76,39 +83,46 @@ class ProcessRoutes:
         r.add_get(prefix + SANDBOX + "/watch", self.watch)
 
     async def start(self, request: web.Request) -> web.StreamResponse:
+        link, sid = await self.target(request)
         req = ProcessStart.model_validate_json(await request.read() or b"{}")
-        return await stream_ndjson(request, self.link.start_process(request.match_info["id"], req))
+        return await stream_ndjson(request, link.start_process(sid, req))
 
     async def connect(self, request: web.Request) -> web.StreamResponse:
-        events = self.link.connect_process(request.match_info["id"], _pid(request))
-        return await stream_ndjson(request, events)
+        link, sid = await self.target(request)
+        return await stream_ndjson(request, link.connect_process(sid, _pid(request)))
 
     async def list(self, request: web.Request) -> web.Response:
-        return respond(await self.link.list_processes(request.match_info["id"]))
+        link, sid = await self.target(request)
+        return respond(await link.list_processes(sid))
 
     async def input(self, request: web.Request) -> web.Response:
+        link, sid = await self.target(request)
         req = ProcessInput.model_validate_json(await request.read() or b"{}")
-        await self.link.send_process_input(request.match_info["id"], _pid(request), req.data)
+        await link.send_process_input(sid, _pid(request), req.data)
         return respond({})
 
     async def close_stdin(self, request: web.Request) -> web.Response:
-        await self.link.close_process_stdin(request.match_info["id"], _pid(request))
+        link, sid = await self.target(request)
+        await link.close_process_stdin(sid, _pid(request))
         return respond({})
 
     async def signal(self, request: web.Request) -> web.Response:
+        link, sid = await self.target(request)
         req = ProcessSignal.model_validate_json(await request.read() or b"{}")
-        await self.link.signal_process(request.match_info["id"], _pid(request), req.signal)
+        await link.signal_process(sid, _pid(request), req.signal)
         return respond({})
 
     async def resize(self, request: web.Request) -> web.Response:
+        link, sid = await self.target(request)
         size = PtySize.model_validate_json(await request.read() or b"{}")
-        await self.link.resize_process(request.match_info["id"], _pid(request), size)
+        await link.resize_process(sid, _pid(request), size)
         return respond({})
 
     async def watch(self, request: web.Request) -> web.StreamResponse:
+        link, sid = await self.target(request)
         path = text_param(request, "path")
         recursive = request.query.get("recursive", "false")
         if recursive not in ("true", "false"):
             raise InvalidRequest("query parameter 'recursive' must be true or false")
-        events = self.link.watch_dir(request.match_info["id"], path, recursive == "true")
+        events = link.watch_dir(sid, path, recursive == "true")
         return await stream_ndjson(request, events)

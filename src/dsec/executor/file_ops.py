@@ -46,6 +46,12 @@ class FileOps(Protocol):
         """Rename ``source`` to ``destination``; the moved entry's stat."""
         ...
 
+    async def set_xattrs(self, path: str, prefix: str, attrs: dict[str, str]) -> None:
+        """Make ``attrs`` the regular file's ``prefix`` extended attributes (others of it go)."""
+        ...
+
+    async def xattrs(self, path: str, prefix: str) -> dict[str, str]: ...
+
 
 class HostFileOps:
     """:class:`FileOps` over a sandbox root the host can reach (containers)."""
@@ -77,6 +83,12 @@ class HostFileOps:
 
     async def stat(self, path: str) -> FileStat:
         return await asyncio.to_thread(self.files.stat, path)
+
+    async def set_xattrs(self, path: str, prefix: str, attrs: dict[str, str]) -> None:
+        await asyncio.to_thread(self.files.set_xattrs, path, prefix, attrs)
+
+    async def xattrs(self, path: str, prefix: str) -> dict[str, str]:
+        return await asyncio.to_thread(self.files.xattrs, path, prefix)
 
     async def exists(self, path: str) -> bool:
         return await asyncio.to_thread(self.files.exists, path)

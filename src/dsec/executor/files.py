@@ -31,6 +31,7 @@ path checks, normalisation and the OSError mapping in :mod:`dsec.executor._paths
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -61,6 +62,27 @@ __all__ = ["PATH_MAX", "AtomicWriter", "SandboxFiles"]
 _RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
 _READ_CHUNK = 1 << 20
 _TMP_ATTEMPTS = 16
+_XATTRS_MAX = 256  # extended attributes of one prefix read back
+_XATTR_VALUE_MAX = 64 << 10
+
+
+def _check_xattrs(prefix: str, attrs: dict[str, str]) -> None:
+    """Only the ``user.`` namespace (never ``trusted.``/``security.``, which the host's root
+    could set), names the kernel takes (255 bytes, no NUL), a bounded total."""
+    if not prefix.startswith("user.") or len(prefix) > 64 or "\0" in prefix:
+        raise InvalidRequest("an extended attribute prefix is user.<something>, at most 64 characters")
+    if len(attrs) > _XATTRS_MAX:
+        raise InvalidRequest(f"at most {_XATTRS_MAX} extended attributes")
+    total = 0
+    for key, value in attrs.items():
+        name = (prefix + key).encode()
+        if not key or len(name) > 255 or b"\0" in name:
+            raise InvalidRequest(
+                f"extended attribute name {key[:64]!r}: 1 to 255 bytes with the prefix, no NUL"
+            )
+        total += len(name) + len(value.encode())
+    if total > _XATTR_VALUE_MAX:
+        raise InvalidRequest(f"extended attributes larger than {_XATTR_VALUE_MAX} bytes in all")
 
 
 # --------------------------------------------------------------------------------------------- files
@@ -248,6 +270,51 @@ class SandboxFiles:
                 return _to_stat(full, self._lstat_raw(root_fd, full))
             except OSError as e:
                 raise _map_oserror(e, full) from e
+
+    def set_xattrs(self, path: str, prefix: str, attrs: dict[str, str]) -> None:
+        """Make ``attrs`` (names without ``prefix``) the regular file's ``prefix`` extended
+        attributes, dropping others of that prefix. The file is opened through its confined
+        resolution (a link is followed only inside the root), never by a host path."""
+        _check_xattrs(prefix, attrs)
+        full = _normalize(path, "/")
+        with self._root_fd() as root_fd:
+            fd = self._open_regular(root_fd, full, os.O_RDONLY)
+        try:
+            for name in os.listxattr(fd):
+                if name.startswith(prefix) and name[len(prefix) :] not in attrs:
+                    os.removexattr(fd, name)
+            for key, value in attrs.items():
+                os.setxattr(fd, prefix + key, value.encode())
+        except OSError as e:
+            if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise InvalidRequest(f"the file system of {full} keeps no extended attributes") from e
+            raise _map_oserror(e, full) from e
+        finally:
+            _close(fd)
+
+    def xattrs(self, path: str, prefix: str) -> dict[str, str]:
+        """The regular file's ``prefix`` extended attributes (names without it; {} for anything
+        else, or a file system without them)."""
+        _check_xattrs(prefix, {})
+        full = _normalize(path, "/")
+        with self._root_fd() as root_fd:
+            try:
+                fd = self._open_regular(root_fd, full, os.O_RDONLY)
+            except InvalidRequest:
+                return {}
+        try:
+            out: dict[str, str] = {}
+            for name in os.listxattr(fd):
+                if name.startswith(prefix) and len(out) < _XATTRS_MAX:
+                    with contextlib.suppress(OSError, UnicodeDecodeError):
+                        out[name[len(prefix) :]] = os.getxattr(fd, name)[:_XATTR_VALUE_MAX].decode()
+            return out
+        except OSError as e:
+            if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                return {}
+            raise _map_oserror(e, full) from e
+        finally:
+            _close(fd)
 
     def exists(self, path: str, *, cwd: str = "/") -> bool:
         """Whether ``path`` names an entry (lstat semantics: a dangling symlink exists)."""

@@ -1,13 +1,18 @@
-"""The default base layer: a minimal Debian with bash, coreutils, python3, git and CA certs.
+"""The default base layer: a minimal Debian with bash, coreutils, python3 (pip, venv), git,
+procps, curl and CA certs.
 
 Built once per store with debootstrap (about a minute, needs the network), then reused by tag.
-The build is not reproducible (package downloads, dpkg timestamps), which is fine: the tag is
-immutable, so every node sharing the store sees the one image the first builder produced.
+The build is not reproducible (package downloads, dpkg timestamps), which is fine: each recipe
+(suite and package list) is built once under a tag of its own (``debian:bookworm-<recipe>``),
+immutable, so every node sharing the store sees the one image the first builder produced; the
+plain tag (``debian:bookworm``) is moved to the current recipe's layer, so a changed package
+list rebuilds once everywhere and sandboxes already running keep the layer they started on.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -25,10 +30,45 @@ from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import LayerInfo
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = ("bash", "coreutils", "python3", "git", "ca-certificates")
-# The FnCall pools' default environment: the base plus compilers for c and cpp calls.
+# procps (ps, free, top), curl, pip and venv: what a task's first commands reach for.
+BASE_PACKAGES = (
+    "bash",
+    "coreutils",
+    "python3",
+    "git",
+    "ca-certificates",
+    "procps",
+    "curl",
+    "python3-pip",
+    "python3-venv",
+)
+# What SandboxFusion-style dataset graders import around a python solution (HumanEval-style
+# harnesses prepend numpy, PAL-math imports sympy; SandboxFusion's runtime image ships these and
+# more): Debian bookworm's builds, so debootstrap installs them from the mirror it already uses,
+# with no build sandbox and no PyPI over TLS. Not shipped: torch, tensorflow, rdkit, faiss (no
+# grader imports them; they outweigh all of this together).
+FNCALL_PYTHON_PACKAGES = (
+    "python3-numpy",
+    "python3-scipy",
+    "python3-pandas",
+    "python3-sympy",
+    "python3-sklearn",
+    "python3-matplotlib",
+    "python3-networkx",
+    "python3-bs4",
+    "python3-lxml",
+    "python3-psutil",
+    "python3-tabulate",
+    "python3-pytest",
+    "python3-pil",
+    "python3-gmpy2",
+    "python3-requests",
+    "python3-toml",
+)
+# The FnCall pools' default environment: the base plus compilers for c and cpp calls and the
+# graders' python libraries.
 TOOLCHAIN_REF = "debian:bookworm-cc"
-TOOLCHAIN_PACKAGES = (*BASE_PACKAGES, "gcc", "g++", "libc6-dev")
+TOOLCHAIN_PACKAGES = (*BASE_PACKAGES, "gcc", "g++", "libc6-dev", *FNCALL_PYTHON_PACKAGES)
 
 Progress = Callable[[str], None]
 
@@ -166,6 +206,23 @@ def _remove_work_dir(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def recipe_ref(ref: str, suite: str, packages: tuple[str, ...]) -> str:
+    """The immutable tag of ``ref`` built from this suite and package list."""
+    name, version = parse_tag(ref)
+    recipe = hashlib.sha256(f"{suite}\n{' '.join(sorted(set(packages)))}".encode()).hexdigest()[:12]
+    return f"{name}:{version}-{recipe}"
+
+
+def _current(store: LayerStore, ref: str, built: str) -> LayerInfo | None:
+    """``ref``'s layer when it is this recipe's build (made public), else None."""
+    if not (store.has_tag(ref) and store.has_tag(built)):
+        return None
+    if store.resolve(ref).digest != store.resolve(built).digest:
+        return None
+    store.mark_public(built)
+    return store.mark_public(ref)[0]
+
+
 def ensure_base_layer(
     store: LayerStore,
     ref: str = "debian:bookworm",
@@ -175,14 +232,16 @@ def ensure_base_layer(
     suite: str = "bookworm",
     packages: tuple[str, ...] = BASE_PACKAGES,
 ) -> LayerInfo:
-    """Return the base layer ``ref``, building it with debootstrap first if the store lacks it.
+    """Return the base layer ``ref``, building it with debootstrap first if the store lacks
+    this recipe's build (:func:`recipe_ref`); ``ref`` is then moved to it.
 
     A base layer is public (every project may use it); one found from before layers had
     owners is marked public here.
     """
-    parse_tag(ref)
-    if store.has_tag(ref):
-        return store.mark_public(ref)[0]
+    built = recipe_ref(ref, suite, packages)
+    found = _current(store, ref, built)
+    if found is not None:
+        return found
 
     def say(msg: str) -> None:
         if progress is not None:
@@ -190,8 +249,11 @@ def ensure_base_layer(
 
     # One builder per store: a second process waits, then finds the tag.
     with _file_lock(store.root / ".base-build.lock"):
-        if store.has_tag(ref):
-            return store.mark_public(ref)[0]
+        if store.has_tag(built):  # built already (another process, or a retag that failed)
+            store.retag(ref, built)
+            found = _current(store, ref, built)
+            assert found is not None
+            return found
         mirror = mirror or default_mirror()
         work = Path(tempfile.mkdtemp(prefix="base-", dir=store.tmp_dir))
         try:
@@ -204,14 +266,16 @@ def ensure_base_layer(
             unmount_tree(target)
             slim_rootfs(target)
             try:
-                info = store.import_path(target, ref)
+                store.import_path(target, built)
             except InvalidRequest:
                 # Another node of a shared store finished first: its layer is as good as ours.
-                if not store.has_tag(ref):
+                if not store.has_tag(built):
                     raise
-                info = store.resolve(ref)
-            info = store.mark_public(ref)[0]
-            say(f"imported {ref} as {info.digest}: {info.size / 1e6:.1f} MB in {time.monotonic() - t1:.1f} s")
+            store.retag(ref, built)
+            info = _current(store, ref, built)
+            assert info is not None
+            took = time.monotonic() - t1
+            say(f"imported {built} as {info.digest}: {info.size / 1e6:.1f} MB in {took:.1f} s")
             return info
         finally:
             _remove_work_dir(work)

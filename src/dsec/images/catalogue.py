@@ -59,6 +59,7 @@ OWNERS = "owners"
 PUBLIC = "public"
 # Who owns what was stored before ownership was recorded: the root project (iam.ROOT_PROJECT).
 LEGACY_OWNER = "root"
+MAX_PERMISSIONS, MAX_PERMISSION = 64, 80  # a tag's recorded network permissions
 LEGACY_MARKER = "meta/migrated-catalog-sqlite.json"
 
 
@@ -81,6 +82,7 @@ class TagRecord:
     kind: Kind = LAYER
     owner: str = LEGACY_OWNER
     public: bool = False
+    network: tuple[str, ...] = ()  # the permissions that built it ("pypi", "pypi@2025-06-01")
 
     @property
     def ref(self) -> str:
@@ -99,6 +101,8 @@ class TagRecord:
             "owner": self.owner,
             "public": self.public,
         }
+        if self.network:
+            body["network"] = list(self.network)
         return json.dumps(body, indent=1).encode() + b"\n"
 
 
@@ -128,9 +132,10 @@ class Catalogue:
                 raise ValueError(f"{kind} of {len(digests)} digests")
             owner = str(body.get("owner") or LEGACY_OWNER)
             public = bool(body.get("public", False))
+            network = tuple(str(n)[:MAX_PERMISSION] for n in body.get("network", [])[:MAX_PERMISSIONS])
         except (ValueError, KeyError, TypeError, InvalidRequest) as err:
             raise InfraFailure(f"catalogue record {key} is unreadable: {err}", reason="storage") from err
-        return TagRecord(name, version, digests, created_at, kind, owner, public)
+        return TagRecord(name, version, digests, created_at, kind, owner, public, network)
 
     def get(self, name: str, version: str) -> TagRecord | None:
         key = tag_key(name, version)
@@ -229,6 +234,7 @@ class Catalogue:
         kind: Kind = LAYER,
         created_at: float | None = None,
         owner: str = LEGACY_OWNER,
+        network: Sequence[str] = (),
     ) -> tuple[TagRecord, bool]:
         """Create the tag unless it exists; returns (the tag, whether this call created it).
 
@@ -236,7 +242,7 @@ class Catalogue:
         immutable). The record returned for an existing tag keeps its own owner: the caller
         decides whether that owner's tag may be handed to it.
         """
-        rec = _new_record(name, version, digests, kind, created_at, owner)
+        rec = _new_record(name, version, digests, kind, created_at, owner, network=network)
         self._index(rec.digests, name, version)
         for _ in range(10):
             if self.blobs.create_record(tag_key(name, version), rec.to_bytes()):
@@ -311,6 +317,7 @@ def _new_record(
     created_at: float | None,
     owner: str = LEGACY_OWNER,
     public: bool = False,
+    network: Sequence[str] = (),
 ) -> TagRecord:
     parse_tag(f"{name}:{version}")
     if kind not in (LAYER, IMAGE):
@@ -322,7 +329,9 @@ def _new_record(
     for d in digests:
         digest_hex(d)
     at = time.time() if created_at is None else created_at
-    return TagRecord(name, version, tuple(digests), at, kind, owner, public)
+    if len(network) > MAX_PERMISSIONS or any(len(n) > MAX_PERMISSION for n in network):
+        raise InvalidRequest(f"at most {MAX_PERMISSIONS} network permissions of {MAX_PERMISSION} characters")
+    return TagRecord(name, version, tuple(digests), at, kind, owner, public, tuple(sorted(set(network))))
 
 
 def _describe(kind: str, digests: Sequence[str]) -> str:

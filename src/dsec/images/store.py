@@ -217,6 +217,7 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
         viewer: Viewer | None = None,
         max_bytes: int | None = None,
         payer: str | None = None,
+        network: Sequence[str] = (),
     ) -> LayerInfo:
         """Import a directory or a tar archive (plain, gz, bz2, xz, zst) as layer ``ref``,
         owned by project ``owner``; ``viewer`` is the caller's (may it use that name?).
@@ -227,6 +228,7 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
         that does not fit ``owner``'s storage quota (:mod:`dsec.images.storage_quota`) with
         ``QuotaExceeded``, also nothing kept. ``payer``: another project that brings the
         content and is charged and recorded as an owner too (an OCI import's layer cache).
+        ``network``: the permissions the sandbox or build that made it held (on its tag).
         """
         name, version = self.check_name(ref, viewer)  # before the expensive part
         if not path.exists():
@@ -249,7 +251,7 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
                 else:
                     extract_tar(path, src, max_bytes=max_bytes)
             digest, built = self._store_tree(src, work, owner, payer)  # charged (storage_quota)
-            rec, _ = self.catalogue.create(name, version, [digest], owner=owner)
+            rec, _ = self.catalogue.create(name, version, [digest], owner=owner, network=network)
             self.check_taken(rec, viewer)
             for d, file in built.items():
                 if not self.blobs.exists(d):
@@ -345,7 +347,9 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
         refs = [r for r in self.catalogue.referrers(digest) if self.sees_tag(r, viewer)]
         created = min((r.created_at for r in refs), default=st.mtime)
         names = [r.ref for r in refs if r.is_layer]
-        return _layer_info(digest, st.size, kind, names, created)
+        info = _layer_info(digest, st.size, kind, names, created)
+        network = sorted({n for r in refs if r.is_layer for n in r.network})
+        return info.model_copy(update={"network": network}) if network else info
 
     def _layer(self, digest: str, ref: str, viewer: Viewer | None = None) -> LayerInfo:
         info = self._info(digest, viewer)
@@ -468,6 +472,7 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
         names: dict[str, builtins.list[str]] = {}
         first: dict[str, float] = {}
         reachable: set[str] = set()  # named by a tag the viewer sees
+        network: dict[str, set[str]] = {}  # the permissions its tags recorded
         for rec in self.catalogue.records():  # sorted by name, then version
             if not self.sees_tag(rec, viewer):
                 continue
@@ -476,6 +481,7 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
                 first[d] = min(first.get(d, rec.created_at), rec.created_at)
             if rec.is_layer:
                 names.setdefault(rec.digests[0], []).append(rec.ref)
+                network.setdefault(rec.digests[0], set()).update(rec.network)
         out = []
         data = self._data_digests()
         for d in self.blobs.list_digests():
@@ -489,5 +495,7 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
             except LayerNotFound:
                 continue  # removed since the listing
             if kind != _DATA:
-                out.append(_layer_info(d, st.size, kind, names.get(d, []), first.get(d, st.mtime)))
+                info = _layer_info(d, st.size, kind, names.get(d, []), first.get(d, st.mtime))
+                held = sorted(network.get(d, ()))
+                out.append(info.model_copy(update={"network": held}) if held else info)
         return sorted(out, key=lambda i: (i.created_at, i.digest))

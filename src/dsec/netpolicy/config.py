@@ -26,6 +26,10 @@ operator's file (JSON or TOML) adds permissions or replaces one by name, and
     names = ["pypi.mirror.internal"]  # what the sandbox's resolver answers for
     address = "10.0.0.5"
     ports = [3141]
+    [registries.corp]                 # corp also through the edge's registry proxy (as the
+    kind = "pypi"                     # catalogue's pypi, npm and debian are: dsec.registry)
+    index = "https://pypi.pkg.corp.example/simple/"
+    port = 13150                      # on the gateway, open to links granted corp only
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.models import GrantOptions, NetworkRules
+from dsec.registry.config import CATALOGUE_REGISTRIES, CUTOFF_KINDS, CacheConfig, Registry
 
+# The gateway's ports the edge listens on already: DNS and the name check (sniproxy's).
+RESERVED_PORTS = frozenset({53, 16443, 16080})
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
 _HOST = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
@@ -150,6 +158,12 @@ class EgressConfig(BaseModel):
     grace_s: int = Field(
         default=60, ge=0, le=3600, description="seconds an answer's addresses stay admitted past its TTL"
     )
+    registries: dict[str, Registry] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="permissions served through the edge's package proxy (dsec.registry), by name",
+    )
+    registry_cache: CacheConfig = Field(default_factory=CacheConfig)
 
     @field_validator("permissions")
     @classmethod
@@ -168,7 +182,18 @@ class EgressConfig(BaseModel):
 
             # The operator's permission of the same name replaces the catalogue's whole (and
             # merging again, as a re-validation does, changes nothing).
+            replaced = {n for n, p in self.permissions.items() if CATALOGUE.get(n) != p}
             self.permissions = {**CATALOGUE, **self.permissions}
+            # A catalogue permission the operator replaced (a mirror of their own) keeps no
+            # proxy in front of the public registry.
+            shipped = {n: r for n, r in CATALOGUE_REGISTRIES.items() if n not in replaced}
+            self.registries = {**shipped, **self.registries}
+        stray = sorted(set(self.registries) - set(self.permissions))
+        if stray:
+            raise ValueError(f"registries name no permission: {stray}")
+        ports = [r.port for r in self.registries.values()]
+        if len(set(ports)) != len(ports) or set(ports) & RESERVED_PORTS:
+            raise ValueError(f"registry ports must differ from each other and from {sorted(RESERVED_PORTS)}")
         return self
 
     @property
@@ -186,14 +211,24 @@ class EgressConfig(BaseModel):
     def capacity(self) -> int:
         return self.pool.num_addresses - 3  # network, gateway, broadcast
 
-    def check(self, rules: dict[str, bool]) -> None:
-        """Refuse rules that name permissions this node does not know (typos open nothing)."""
+    def check(self, rules: NetworkRules) -> None:
+        """Refuse rules that name permissions this node does not know (typos open nothing), and
+        cutoffs on permissions that have no registry publishing upload times."""
         unknown = sorted(set(rules) - set(self.permissions))
         if unknown:
             known = ", ".join(sorted(self.permissions)) or "none"
             raise InvalidRequest(f"unknown network permission(s) {unknown}; this node offers: {known}")
+        for name, grant in sorted(rules.items()):
+            if isinstance(grant, GrantOptions) and grant.before is not None:
+                registry = self.registries.get(name)
+                if registry is None or registry.kind not in CUTOFF_KINDS:
+                    dated = ", ".join(sorted(n for n, r in self.registries.items() if r.kind in CUTOFF_KINDS))
+                    raise InvalidRequest(
+                        f"network permission {name!r} takes no 'before' cutoff: only a package registry"
+                        f" whose uploads are dated can hide newer releases (here: {dated or 'none'})"
+                    )
 
-    def endpoints(self, rules: dict[str, bool]) -> list[Endpoint | Rule]:
+    def endpoints(self, rules: NetworkRules) -> list[Endpoint | Rule]:
         return [e for name, on in sorted(rules.items()) if on for e in self.permissions.get(name, [])]
 
     @classmethod

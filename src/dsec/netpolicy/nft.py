@@ -11,8 +11,9 @@ upstream answer, each element expiring with the answer's TTL plus a grace) and `
 (links granted every public address: anything not in ``nonpublic``).
 
 Base chains (``inet``: IPv4 and IPv6 alike):
-- input: from a link, only DNS (UDP and TCP) to the gateway; the node itself is otherwise
-  unreachable;
+- input: from a link, only DNS (UDP and TCP) to the gateway, and the package registry proxy's
+  ports (:mod:`dsec.registry.proxy`) of the registries the link is granted (set ``registry``:
+  ``interface . port``); the node itself is otherwise unreachable;
 - forward: a link's packets must carry its own source address, then only allowed endpoints;
   nothing is forwarded into a link but replies;
 - output: the node opens nothing towards a sandbox but DNS replies;
@@ -73,6 +74,10 @@ def _allowed(e: Element) -> str:
     return f'"{e[0]}" . {e[1]} . {e[2]} . {e[3]}'
 
 
+def _registry(e: tuple[str, int]) -> str:
+    return f'"{e[0]}" . {e[1]}'
+
+
 def _is_range(e: Element) -> bool:
     return "/" in e[1]
 
@@ -89,6 +94,7 @@ def ruleset(
     allowed: Iterable[Element],
     public: Iterable[str] = (),
     checked: dict[int, int] | None = None,
+    registry: Iterable[tuple[str, int]] = (),
 ) -> str:
     """The whole table (replacing any earlier one atomically): ``links`` maps interface ->
     sandbox address; ``public`` lists the interfaces granted every public address; ``checked``
@@ -111,6 +117,7 @@ def ruleset(
     grants = _init([_allowed(e) for e in allowed if not _is_range(e)])
     ranges = _init([_allowed(e) for e in allowed if _is_range(e)])
     publics = _init([f'"{i}"' for i in public])
+    registries = _init([_registry(e) for e in registry])
     return f"""table inet {table}
 delete table inet {table}
 table inet {table} {{
@@ -139,6 +146,10 @@ table inet {table} {{
     type ifname
     {publics}
   }}
+  set registry {{
+    type ifname . inet_service
+    {registries}
+  }}
   set nonpublic {{
     type ipv4_addr
     flags interval
@@ -149,6 +160,7 @@ table inet {table} {{
     iifname @ifaces iifname . ip saddr != @links drop
     iifname @ifaces ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport 53 accept
     {proxy_in}
+    iifname @ifaces ip daddr {gateway} meta l4proto tcp iifname . th dport @registry accept
     iifname @ifaces meta l4proto tcp reject with tcp reset
     iifname @ifaces reject with icmpx admin-prohibited
   }}
@@ -200,9 +212,11 @@ def grant(
     old: Iterable[Element],
     new: Iterable[Element],
     public: tuple[bool, bool] = (False, False),
+    registry: tuple[Iterable[tuple[str, int]], Iterable[tuple[str, int]]] = ((), ()),
 ) -> str:
     """One atomic update: the link's interface known, its old grants replaced by ``new``
-    (and its ``public`` grant changed from ``public[0]`` to ``public[1]``)."""
+    (and its ``public`` grant changed from ``public[0]`` to ``public[1]``, its registry proxy
+    ports from ``registry[0]`` to ``registry[1]``)."""
     lines = [
         f'add element inet {table} ifaces {{ "{ifname}" }}',
         f"add element inet {table} links {{ {_link(ifname, address)} }}",
@@ -212,11 +226,30 @@ def grant(
     lines += _set_updates(table, "add", new - old)
     if public[0] != public[1]:
         lines.append(f'{"add" if public[1] else "delete"} element inet {table} public {{ "{ifname}" }}')
+    old_ports, new_ports = set(registry[0]), set(registry[1])
+    for verb, chosen in (("delete", old_ports - new_ports), ("add", new_ports - old_ports)):
+        if chosen:
+            lines.append(
+                f"{verb} element inet {table} registry {{ {_elements(map(_registry, sorted(chosen)))} }}"
+            )
     return "\n".join(lines) + "\n"
 
 
-def forget(table: str, ifname: str, address: str, old: Iterable[Element], public: bool = False) -> str:
+def forget(
+    table: str,
+    ifname: str,
+    address: str,
+    old: Iterable[Element],
+    public: bool = False,
+    registry: Iterable[tuple[str, int]] = (),
+) -> str:
+    ports = sorted(registry)
     lines = [
+        *(
+            [f"delete element inet {table} registry {{ {_elements(map(_registry, ports))} }}"]
+            if ports
+            else []
+        ),
         f'delete element inet {table} ifaces {{ "{ifname}" }}',
         f"delete element inet {table} links {{ {_link(ifname, address)} }}",
         *_set_updates(table, "delete", set(old)),

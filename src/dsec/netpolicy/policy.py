@@ -26,13 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from dsec.netpolicy import links, nft
+from dsec.netpolicy import links, nft, pools
 from dsec.netpolicy.config import EgressConfig, Endpoint
 from dsec.netpolicy.dns import NameServer, Responder
+from dsec.netpolicy.grants import cutoff_of
 from dsec.netpolicy.names import Admissions, DomainGrant, LinkNames
 from dsec.netpolicy.sniproxy import CHECKED, SniProxy, keys
 from dsec.netpolicy.upstream import Upstream, resolv_conf
 from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
+from dsec.protocol.models import NetworkRules
+from dsec.registry.config import Registry
+from dsec.registry.proxy import RegistryProxy
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +60,25 @@ class _Link:
     names: dict[str, list[str]] = field(default_factory=dict)
     domains: DomainGrant = field(default_factory=DomainGrant)
     public: bool = False
-    rules: dict[str, bool] = field(default_factory=dict)
+    rules: NetworkRules = field(default_factory=dict)
     answers: LinkNames | None = None
     checked_names: set[str] = field(default_factory=set)  # the proxy's keys for this link
+    registry_ports: set[tuple[str, int]] = field(default_factory=set)  # (ifname, registry proxy port)
 
 
 class EgressPolicy:
     def __init__(self, config: EgressConfig, node: str, store: LinkStore, state_dir: Path) -> None:
+        self._state_dir = state_dir
+        if config.permissions:  # a pool of the node's own, unless the operator named one (pools.py)
+            if "pool" in config.model_fields_set:
+                other = pools.claim_configured(config.pool, state_dir)
+                if other is not None:
+                    log.warning(
+                        "link pool %s is also the node's in %s: their links collide", config.pool, other
+                    )
+            else:
+                chosen = pools.choose(node, state_dir, had_links=bool(store.links()))
+                config = config.model_copy(update={"pool": chosen})
         self.config = config
         self.table = nft.table_name(node, str(state_dir.resolve()))
         self._store = store
@@ -79,21 +95,40 @@ class EgressPolicy:
         self.proxy: SniProxy | None = None
         if any(getattr(r, "domains", None) for perm in config.permissions.values() for r in perm):
             self.proxy = SniProxy(state_dir, config.gateway)
+        # The package registries' caching proxy, in this process (it reads the links' grants).
+        self.registry: RegistryProxy | None = None
+        if config.registries:
+            self.registry = RegistryProxy(
+                config.registries,
+                config.registry_cache,
+                state_dir / "registry-cache",
+                config.gateway,
+                self.upstream,
+                self.rules_of_address,
+            )
 
     @property
     def enabled(self) -> bool:
         return bool(self.config.permissions)
 
-    def check(self, rules: dict[str, bool]) -> None:
+    def check(self, rules: NetworkRules) -> None:
         self.config.check(rules)
 
-    def rules_need_link(self, rules: dict[str, bool]) -> bool:
-        return bool(self.config.endpoints(rules))
+    def rules_need_link(self, rules: NetworkRules) -> bool:
+        return bool(self.config.endpoints(rules) or self.registries_granted(rules))
+
+    def registries_granted(self, rules: NetworkRules) -> list[Registry]:
+        return [r for name, r in sorted(self.config.registries.items()) if rules.get(name)]
+
+    def rules_of_address(self, address: str) -> NetworkRules | None:
+        """The rules of the sandbox whose link has ``address`` (the registry proxy's requester)."""
+        link = next((lk for lk in self._links.values() if lk.address == address), None)
+        return None if link is None else link.rules
 
     def has_link(self, sandbox_id: str) -> bool:
         return sandbox_id in self._links
 
-    async def start(self, live_rules: dict[str, dict[str, bool]]) -> None:
+    async def start(self, live_rules: dict[str, NetworkRules]) -> None:
         """Re-learn the links of sandboxes still live (``live_rules``: ID -> their rules),
         forget the rest, and (re)install the table and the name server."""
         self._node_addresses = frozenset(await links.host_addresses())
@@ -122,6 +157,7 @@ class EgressPolicy:
                 allowed,
                 [link.ifname for link in self._links.values() if link.public],
                 CHECKED if self.proxy is not None else None,
+                [e for link in self._links.values() for e in link.registry_ports],
             )
         )
         if self.proxy is not None:
@@ -132,6 +168,14 @@ class EgressPolicy:
                 # nothing listens on, while everything else keeps working.
                 log.error("the name check (HAProxy) did not start; TLS/HTTP by name is refused: %s", exc)
         self._reindex()
+        if self.registry is not None:
+            try:
+                await self.registry.start()
+            except OSError as exc:
+                raise InfraFailure(
+                    f"the package registry proxy cannot listen on {self.config.gateway}: {exc}",
+                    reason="network",
+                ) from exc
         self._dns = NameServer(self.config.gateway, self._responder_of_index, self._responder_of_address)
         try:
             await self._dns.start()
@@ -142,7 +186,7 @@ class EgressPolicy:
                 reason="network",
             ) from exc
 
-    async def set_rules(self, sandbox_id: str, pid: int | None, rules: dict[str, bool]) -> None:
+    async def set_rules(self, sandbox_id: str, pid: int | None, rules: NetworkRules) -> None:
         """Give the sandbox exactly what ``rules`` allow (a link first, if it needs one).
         ``pid`` enters its network namespace; None: its backend has no way in."""
         self.check(rules)
@@ -154,16 +198,23 @@ class EgressPolicy:
                 if pid is None:
                     raise InvalidRequest("network permissions are not available for this backend yet")
                 link = await self._new_link(sandbox_id, pid)
-            old, old_public, old_rules, old_names = (
+            old, old_public, old_rules, old_names, old_ports = (
                 set(link.grants),
                 link.public,
                 link.rules,
                 link.checked_names,
+                link.registry_ports,
             )
             self._grant_locally(link, rules)
             try:
                 script = nft.grant(
-                    self.table, link.ifname, link.address, old, link.grants, (old_public, link.public)
+                    self.table,
+                    link.ifname,
+                    link.address,
+                    old,
+                    link.grants,
+                    (old_public, link.public),
+                    (old_ports, link.registry_ports),
                 )
                 await nft.apply(script)
                 if self.proxy is not None:
@@ -219,7 +270,11 @@ class EgressPolicy:
                 except InfraFailure as exc:  # its next start writes the map from the links
                     log.warning("forgetting %s's names in the proxy: %s", sandbox_id, exc)
             try:
-                await nft.apply(nft.forget(self.table, link.ifname, link.address, link.grants, link.public))
+                await nft.apply(
+                    nft.forget(
+                        self.table, link.ifname, link.address, link.grants, link.public, link.registry_ports
+                    )
+                )
             except InfraFailure as exc:  # the next start rebuilds the table from the journal
                 log.warning("forgetting %s's link: %s", sandbox_id, exc)
             self._store.drop_link(sandbox_id)
@@ -231,10 +286,13 @@ class EgressPolicy:
         if self._dns is not None:
             self._dns.close()
             self._dns = None
+        if self.registry is not None:
+            await self.registry.close()
         if self.enabled and not self._links:
             await self._drop_table()
             if self.proxy is not None:
                 await self.proxy.close()
+            pools.release(self.config.pool, self._state_dir)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -273,13 +331,17 @@ class EgressPolicy:
             self._by_ifindex[index] = link
         return link
 
-    def _grant_locally(self, link: _Link, rules: dict[str, bool]) -> None:
+    def _grant_locally(self, link: _Link, rules: NetworkRules) -> None:
         grants: set[nft.Element] = set()
         names: dict[str, list[str]] = {}
         domains = DomainGrant()
         public = False
+        link.registry_ports = {(link.ifname, r.port) for r in self.registries_granted(rules)}
         for perm, on in sorted(rules.items()):
-            for rule in self.config.permissions.get(perm, []) if on else []:
+            # Under a cutoff the registry is reached through the proxy only: its upstream
+            # names stay closed, or the sandbox would fetch newer releases around it.
+            through_proxy_only = perm in self.config.registries and cutoff_of(on) is not None
+            for rule in self.config.permissions.get(perm, []) if on and not through_proxy_only else []:
                 if isinstance(rule, Endpoint):
                     address = str(rule.address)
                     grants.update((link.ifname, address, rule.protocol, port) for port in rule.ports)

@@ -148,8 +148,11 @@ class InfraReason(StrEnum):
 
     ``stopped``: another request stopped the sandbox while the command ran. ``reclaimed``: the
     platform reclaimed it (idle TTL, lease expiry, ``max_lifetime_s``). ``node_lost``: its node
-    went away. ``grading_sandbox_lost``: a clean-room grading sandbox (``dsec.rl.grade``) ended
-    or vanished under the grader.
+    went away; reserved, as the apiserver cannot yet tell a dead node from an unreachable one:
+    a node that stops answering (mid-command too) is ``InfraFailure(reason="edge_unreachable")``
+    and one that came back under a new epoch answers ``SandboxNotFound(reason="stale_epoch")``,
+    both ``infra`` to ``fault_of``. ``grading_sandbox_lost``: a clean-room grading sandbox
+    (``dsec.rl.grade``) ended or vanished under the grader.
     """
 
     stopped = "stopped"

@@ -21,8 +21,9 @@ run; of the others, the first in this list that applies wins:
   signature in the last 8 KiB of stderr (``std::bad_alloc``, ``MemoryError``, ``[Cc]annot
   allocate`` as in ``Cannot allocate memory`` and bash's ``xmalloc: cannot allocate N bytes``,
   ``[Oo]ut of memory``); a SIGKILL not sent by the runner with a peak RSS of at least 90% of
-  ``memory_limit_mb`` (an OOM kill). Not detected: C code that ignores a failed ``malloc`` and
-  crashes (a ``runtime_error`` with ``signal`` 11).
+  ``memory_limit_mb`` (an OOM kill), or any SIGKILL not sent by the runner when
+  ``memory_limit_mb`` is None (the pool sandbox's cgroup killed it). Not detected: C code that
+  ignores a failed ``malloc`` and crashes (a ``runtime_error`` with ``signal`` 11).
 - ``runtime_error``: any other non-zero exit status or death by a signal.
 - ``output_truncated``: exited 0, but stdout or stderr passed ``max_output_bytes``; the rest was
   read and dropped. Never a pass, also not when the kept part matches.
@@ -47,11 +48,36 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_CODE_BYTES = 1 << 20
 MAX_STDIN_BYTES = 16 << 20
 MAX_EXPECTED_BYTES = 16 << 20
-MAX_FILES = 64
+MAX_FILES = 4096  # SandboxFusion has no bound; an RL grader sends one file per test case
 MAX_FILES_BYTES = 32 << 20
 MAX_PATH = 512
 # The program's own file names in the call directory: input files may not take them.
 RESERVED_NAMES = frozenset({"main.py", "main.sh", "main.c", "main.cpp", "main"})
+# Absolute paths (SandboxFusion's files and fetch_files take them) may not lie under these
+# top-level directories of the pool sandbox: its system, the runner's own directory, and
+# pseudo-filesystems. /dev/shm and /var/tmp are the exceptions: calls own what they make there.
+SYSTEM_DIRS = frozenset(
+    {
+        "proc",
+        "sys",
+        "dev",
+        ".dsec",
+        "etc",
+        "usr",
+        "bin",
+        "sbin",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "boot",
+        "run",
+        "var",
+    }
+)
+OPEN_SYSTEM_DIRS = ("/dev/shm/", "/var/tmp/")
+RUNNER_WORKDIR = "/tmp/fncall"
+MAX_TIMEOUT_S = 3600.0  # a call holds one pool sandbox for its whole time
 
 Language = Literal["python", "bash", "c", "cpp"]
 Status = Literal[
@@ -71,10 +97,19 @@ class _Model(BaseModel):
 
 
 def _check_path(p: str) -> str:
-    if not 0 < len(p) <= MAX_PATH or "\0" in p or p.startswith("/"):
-        raise ValueError(f"bad path {p!r}: give a relative path of 1-{MAX_PATH} characters")
-    if any(part in ("", ".", "..") for part in p.split("/")):
+    if not 0 < len(p) <= MAX_PATH or "\0" in p:
+        raise ValueError(f"bad path {p!r}: give a path of 1-{MAX_PATH} characters")
+    parts = p[1:].split("/") if p.startswith("/") else p.split("/")
+    if any(part in ("", ".", "..") for part in parts):
         raise ValueError(f"bad path {p!r}: empty, '.' and '..' components are refused")
+    if p.startswith("/"):
+        system = parts[0] in SYSTEM_DIRS and not p.startswith(OPEN_SYSTEM_DIRS)
+        if len(parts) < 2 or system or (p + "/").startswith(RUNNER_WORKDIR + "/"):
+            raise ValueError(
+                f"bad path {p!r}: an absolute path must lie in a directory below /, outside the pool"
+                f" sandbox's system directories /{', /'.join(sorted(SYSTEM_DIRS))} (/dev/shm and"
+                f" /var/tmp are open) and {RUNNER_WORKDIR}"
+            )
     return p
 
 
@@ -89,8 +124,13 @@ class FnTask(_Model):
 
     ``stdin`` is text (sent as UTF-8); binary input goes in ``files``. ``files`` maps paths
     relative to the call's working directory to base64 contents; ``fetch_files`` names paths
-    (same rules) to read back after the run. The program itself is ``main.py``, ``main.sh``,
-    ``main.c`` or ``main.cpp`` (compiled to ``main``) in that directory.
+    (same rules) to read back after the run. Absolute paths (outside ``SYSTEM_DIRS``) are
+    made in the pool sandbox, which runs one call at a time, for this call only: missing
+    directories are created for the call and an existing one the call cannot write is opened
+    to it (sticky) until the call ends; then everything the call made there is removed and
+    the directory restored. An absolute path is fetched only if the call's uid owns it.
+    The program itself is ``main.py``, ``main.sh``, ``main.c`` or ``main.cpp`` (compiled to
+    ``main``) in the call's directory.
     """
 
     language: Language
@@ -98,9 +138,11 @@ class FnTask(_Model):
     stdin: str = ""
     files: dict[str, str] = Field(default_factory=dict, max_length=MAX_FILES)
     fetch_files: list[str] = Field(default_factory=list, max_length=MAX_FILES)
-    compile_timeout_s: float = Field(default=30.0, ge=0.1, le=300.0)
-    run_timeout_s: float = Field(default=10.0, ge=0.1, le=300.0, description="wall clock")
-    memory_limit_mb: int = Field(default=256, ge=32, le=16384, description="address space, MiB")
+    compile_timeout_s: float = Field(default=30.0, ge=0.1, le=MAX_TIMEOUT_S)
+    run_timeout_s: float = Field(default=10.0, ge=0.1, le=MAX_TIMEOUT_S, description="wall clock")
+    memory_limit_mb: int | None = Field(
+        default=256, ge=32, le=16384, description="address space, MiB; None: only the pool sandbox's memory"
+    )
     max_output_bytes: int = Field(default=1 << 20, ge=1, le=64 << 20, description="per stream")
     expected_stdout: str | None = Field(default=None, description="judge: compare stdout to this")
 

@@ -13,6 +13,7 @@ from aiohttp.web_request import BaseRequest
 from pydantic import BaseModel
 
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest
+from dsec.protocol.files import decode_name
 
 # As ContainerSpec's labels: a filter that could match no label is a typo, said so at once.
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
@@ -73,7 +74,15 @@ def count_param(request: web.Request, name: str, default: int, maximum: int = MA
 
 def text_param(request: web.Request, name: str, default: str | None = None) -> str:
     """A query parameter that may reach the OS (a path): required unless a ``default`` is given,
-    and without NUL (a C string would end there; the edge raised it as a 500)."""
+    and without NUL (a C string would end there; the edge raised it as a 500). A name that is
+    not UTF-8 comes as ``{name}_b64`` (its bytes, :func:`~dsec.protocol.files.path_query`) and
+    is returned as a surrogateescape ``str``, which every ``os`` call takes back as those bytes."""
+    raw = request.query.get(f"{name}_b64")
+    if raw is not None and name not in request.query:
+        try:
+            return decode_name(raw, name)
+        except ValueError as exc:
+            raise InvalidRequest(f"query parameter {exc}") from exc
     value = request.query.get(name) or default
     if not value:
         raise InvalidRequest(f"query parameter {name!r} is required")

@@ -8,6 +8,7 @@ any node does work. Sandbox specs are chosen by their ``type`` field so later ba
 from __future__ import annotations
 
 import base64
+import datetime
 import re
 from collections.abc import Mapping
 from enum import StrEnum
@@ -54,6 +55,28 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class GrantOptions(_Model):
+    """A network permission granted with options (``{"pypi": {"before": "2025-06-01"}}``):
+    ``before`` hides every release uploaded on or after that day from the node's package
+    registry proxy, and opens the registry only through that proxy."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+    before: datetime.date | None = Field(default=None, description="releases uploaded before this day only")
+
+    @field_validator("before")
+    @classmethod
+    def _plausible(cls, v: datetime.date | None) -> datetime.date | None:
+        if v is not None and not datetime.date(1990, 1, 1) <= v <= datetime.date(2200, 1, 1):
+            raise ValueError(f"a cutoff date between 1990-01-01 and 2200-01-01, not {v}")
+        return v
+
+
+# A permission by name: on, off, or on with options.
+Grant = bool | GrantOptions
+NetworkRules = dict[str, Grant]
+
+
 class SandboxState(StrEnum):
     creating = "creating"
     running = "running"
@@ -73,6 +96,10 @@ class LayerInfo(_Model):
         description="single: one EROFS image; split: META + data blob read in place (size counts both)",
     )
     data_digest: str | None = Field(default=None, description="a split layer's data blob")
+    network: list[str] = Field(
+        default_factory=list,
+        description="network permissions held by the build or sandbox that made it (pypi, pypi@2025-06-01)",
+    )
 
 
 class Hardware(_Model):
@@ -146,7 +173,7 @@ class ContainerSpec(_Model):
     lease_grace_s: float = Field(
         default=3600, ge=0, le=7 * 86400, description="how long a lapsed lease's sandboxes stay paused"
     )
-    network_rules: dict[str, bool] = Field(default_factory=dict)
+    network_rules: NetworkRules = Field(default_factory=dict)
     init_user: UserName = "root"
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -315,7 +342,7 @@ class SandboxInfo(_Model):
     stop_reason: str | None = None
     paused_at: float | None = None
     pause_reason: str | None = None  # requested, idle, lease_lapsed, admission, memory_pressure
-    network_rules: dict[str, bool] = Field(default_factory=dict)
+    network_rules: NetworkRules = Field(default_factory=dict)
     refs: list[str] = Field(default_factory=list, description="the image or layers as the caller named them")
     deadline_at: float | None = Field(default=None, description="when the reaper acts (set_deadline)")
     deadline_s: float | None = None
@@ -335,7 +362,7 @@ class DeadlineRequest(_Model):
 class NetworkRulesRequest(_Model):
     """The sandbox's network permissions from now on (names the node's operator configured)."""
 
-    network_rules: dict[str, bool]
+    network_rules: NetworkRules
 
 
 BulkAction = Literal["stop", "pause", "resume"]

@@ -11,10 +11,12 @@ The agent's sandbox is not trusted to grade itself, and neither is anything it w
 3. sorts each change (:mod:`dsec.rl.tamper`): source changes in the workspace are applied;
    changes to test configuration, start-up hooks, the runner or the interpreter are *tamper
    flags* and are not applied; test files the agent wrote (new ones, or tests added to a visible
-   test file) are not applied either, but only reported (``added_tests``): writing a regression
-   test is honest work, and only the manifest's tests from the hidden layer run;
-4. copies the applied changes in (:mod:`dsec.rl.transfer`: capped, names checked, links read
-   with the node's own tool) and scans their Python for references to the runner's internals,
+   test file) or deleted are not applied either, but only reported (``added_tests``,
+   ``deleted_tests``): writing a regression test is honest work, a deletion that is not applied
+   gains nothing, and only the manifest's tests from the hidden layer run; what
+   ``pip install -e .`` left in site-packages is ignored (:mod:`dsec.rl.tamper`);
+4. copies the applied changes in (:mod:`dsec.rl.transfer`: capped, names as bytes, links as
+   the edge read them on the host) and scans their Python for references to the runner's internals,
    exit handlers, process exit and the like (:mod:`dsec.rl.suspicious`);
 5. runs the manifest's tests with an interpreter and runner isolated from the workspace, each
    outcome leaving through a channel the tested code cannot rewrite after the fact
@@ -30,19 +32,20 @@ learning a 0 the agent did not earn.
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 from collections.abc import Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PlainSerializer
 
 from dsec.protocol.errors import DSecError, FileNotFound, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import Change, ChangeKind, CommandResult, FileType, SandboxState
 from dsec.rl.manifest import MANIFEST_PATH, Manifest, parse_manifest
 from dsec.rl.runner import plan_run, read_channel
 from dsec.rl.suspicious import scan_change
-from dsec.rl.tamper import HIDDEN_TEST, TEST_FILE, judge_all
+from dsec.rl.tamper import HIDDEN_TEST, RUNNER, TEST_FILE, judge_all
 from dsec.rl.transfer import CopyLimits, copy_changes
 from dsec.sdk.args import DSecContainerRunArgs
 from dsec.sdk.client import DSecClient, Sandbox
@@ -59,6 +62,15 @@ _RUNNER_MODULES = frozenset({"pytest", "_pytest", "py", "pluggy", "iniconfig", "
 FORGED = "a test ID the manifest does not name was reported (a forged report)"
 
 
+def _shown(path: str) -> str:
+    """A file name as JSON text: the agent's bytes that are not UTF-8 as ``\\xNN`` escapes
+    (names are surrogateescape ``str`` in memory, which JSON encoders refuse)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+Name = Annotated[str, PlainSerializer(_shown, when_used="json")]
+
+
 class TestCase(BaseModel):
     name: str
     outcome: Outcome
@@ -67,18 +79,18 @@ class TestCase(BaseModel):
 
 
 class TamperFlag(BaseModel):
-    path: str
+    path: Name
     kind: ChangeKind | None  # None: not a file change (a forged report)
     reason: str
 
 
 class Dropped(BaseModel):
-    path: str
+    path: Name
     reason: str
 
 
 class Suspicious(BaseModel):
-    path: str
+    path: Name
     line: int
     col: int
     what: str
@@ -92,10 +104,11 @@ class GradeResult(BaseModel):
     tests: list[TestCase] = Field(default_factory=list)  # one per manifest ID, in its order
     tamper: list[TamperFlag] = Field(default_factory=list)  # zero the reward (zero_on_tamper)
     suspicious: list[Suspicious] = Field(default_factory=list)  # zero the reward when strict
-    added_tests: list[str] = Field(default_factory=list)  # test files the agent wrote: not applied
+    added_tests: list[Name] = Field(default_factory=list)  # test files the agent wrote: not applied
+    deleted_tests: list[Name] = Field(default_factory=list)  # test paths the agent removed: not applied
     dropped: list[Dropped] = Field(default_factory=list)  # not applied, and why (no penalty)
-    applied: list[str] = Field(default_factory=list)  # paths copied into the clean room
-    ignored: list[str] = Field(default_factory=list)
+    applied: list[Name] = Field(default_factory=list)  # paths copied into the clean room
+    ignored: list[Name] = Field(default_factory=list)
     extra: list[str] = Field(default_factory=list)  # reported IDs the manifest does not name
     exit_code: int | None = None
     timed_out: bool = False
@@ -229,8 +242,13 @@ async def _grade_in(
     )
     to_apply = []
     for change, verdict in zip(changes, verdicts, strict=True):
-        if verdict.action == "tamper" and _wrote_a_test(change, verdict.reason):
+        test_work = _test_work(change, verdict.reason, hidden) if verdict.action == "tamper" else None
+        if test_work == "added":
             result.added_tests.append(change.path)  # the agent's own test: honest, inert here
+        elif test_work == "deleted":
+            result.deleted_tests.append(change.path)  # not applied: the task's copy runs
+        elif test_work == "dir" or (verdict.reason == RUNNER and _made_a_dir(change)):
+            result.ignored.append(change.path)  # a directory alone runs nothing
         elif verdict.action == "tamper":
             result.tamper.append(TamperFlag(path=change.path, kind=change.kind, reason=verdict.reason))
             if allow_tamper:
@@ -275,16 +293,33 @@ async def _grade_in(
     return result
 
 
-def _wrote_a_test(change: Change, reason: str) -> bool:
-    """A test file the agent wrote or edited (a new test, or one added to a visible test file
-    the hidden layer replaces). Never applied, so it cannot change what the manifest's tests do;
-    writing tests is what an honest agent should do, so it is reported, not penalised. Deleting
-    a test, or replacing a hidden path's type, stays a tamper flag."""
-    return (
-        reason in (TEST_FILE, HIDDEN_TEST)
-        and change.kind is not ChangeKind.deleted
-        and change.type is FileType.file
-    )
+def _test_work(change: Change, reason: str, hidden: Sequence[str]) -> str | None:
+    """How a tamper verdict on a test path is honest work, if it is: ``added`` (a test file the
+    agent wrote or edited), ``deleted`` (a test file or directory it removed), ``dir`` (a
+    directory it made for its tests); None: not test work, a flag.
+
+    None of these is applied, so none can change what the manifest's tests do: the grading
+    sandbox has the task's visible tests and the hidden layer's files as they were, whatever the
+    agent wrote or removed. Writing tests is what an honest agent should do, and deleting one
+    (a stale visible test, a test file the agent replaced) gains nothing once it is not applied,
+    so both are reported, not penalised. Replacing a hidden file by a directory or a link, or
+    a test file by a link, stays a flag."""
+    if reason not in (TEST_FILE, HIDDEN_TEST):
+        return None
+    if change.kind is ChangeKind.deleted:
+        return "deleted"
+    if change.type is FileType.file:
+        return "added"
+    if change.type is FileType.dir and change.path not in hidden:
+        return "dir"
+    return None
+
+
+def _made_a_dir(change: Change) -> bool:
+    """A directory the agent made in the runner's locations (``pip install`` makes
+    ``/usr/local/lib/python3.X/dist-packages``): never copied, and empty of any effect; what the
+    agent put in it is judged file by file."""
+    return change.kind is ChangeKind.added and change.type is FileType.dir
 
 
 def _shadows(change: Change, man: Manifest, workdir: str) -> bool:

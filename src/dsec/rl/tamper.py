@@ -72,6 +72,13 @@ _TEST_CONFIG_FILES = frozenset(
 _TEST_DIRS = frozenset({"tests", "test", "testing"})
 _TEST_FILE_GLOBS = ("test_*.py", "*_test.py", "tests.py")  # pytest's default python_files, and Django's
 _PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
+INSTALL_RECORD = (
+    "what an install of the workspace left in site-packages"
+    " (never copied: the grader's runner imports the workspace itself)"
+)
+# What `pip install -e .` (PEP 660 or the older `setup.py develop`) writes directly in a
+# site-packages directory: its import hook (.pth and finder), and the distribution's metadata.
+_INSTALL_RECORD_GLOBS = ("__editable__.*.pth", "__editable___*_finder.py", "*.egg-link", "easy-install.pth")
 
 # Where the interpreter, the test runner and the dynamic loader live, as per-component globs
 # from the root. A path at or below one of these is the machinery that runs the tests.
@@ -151,6 +158,8 @@ class _Judge:
                 return verdict("tamper", PROTECTED)
             return verdict("apply")
 
+        if _install_record(parts):
+            return verdict("ignore", INSTALL_RECORD)
         if _PACKAGE_DIRS.intersection(parts) or any(_glob_prefix(p, parts) for p in _RUNNER_PREFIXES):
             return verdict("tamper", RUNNER)
         hook = _startup_hook(parts)
@@ -194,7 +203,8 @@ def judge(
     ``test_*.py``, ``*_test.py``, ``tests.py``), site-packages and ``extra_protected`` matches
     are tamper; the rest applies. Outside it: the interpreter, runner and loader locations
     (/usr/bin, /usr/lib/python3*, any site-packages, /etc/ld.so.preload...), start-up hooks and
-    ``conftest.py`` anywhere, and ``extra_protected`` matches are tamper; the rest is ignored.
+    ``conftest.py`` anywhere, and ``extra_protected`` matches are tamper; the rest is ignored,
+    as is what ``pip install -e .`` writes directly in a site-packages directory (checked first).
 
     A path (or workdir, or hidden test path) that is not absolute or has a ``..`` component
     raises InvalidRequest.
@@ -237,6 +247,22 @@ def _under(path: tuple[str, ...], root: tuple[str, ...]) -> bool:
 
 def _glob_prefix(prefix: tuple[str, ...], parts: tuple[str, ...]) -> bool:
     return len(parts) >= len(prefix) and all(fnmatchcase(p, g) for p, g in zip(parts, prefix, strict=False))
+
+
+def _install_record(parts: tuple[str, ...]) -> bool:
+    """A file an install of the workspace leaves right in a site-packages directory (its
+    ``.pth`` and finder, an ``.egg-link``, a ``*.dist-info``/``*.egg-info`` tree).
+
+    Never copied into the grading sandbox, whatever it holds, so an honest ``pip install -e .``
+    costs nothing and a hostile finder or ``.pth`` under such a name never runs there: the
+    grader's runner reads only the image's own site directories."""
+    for i, part in enumerate(parts[:-1]):
+        if part in _PACKAGE_DIRS:
+            entry = parts[i + 1]
+            if entry.endswith(_METADATA_SUFFIXES):
+                return True
+            return len(parts) == i + 2 and any(fnmatchcase(entry, g) for g in _INSTALL_RECORD_GLOBS)
+    return False
 
 
 def _startup_hook(parts: tuple[str, ...]) -> str:

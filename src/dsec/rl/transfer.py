@@ -1,19 +1,24 @@
 """Copying an agent's changes into a grading sandbox without trusting anything of the agent's.
 
-* File names are checked before anything is done with them: a name the file API cannot carry
-  (not UTF-8) is dropped and reported, so one odd name never makes an episode ungradable.
-* Files are read through the file API (host side) with caps on how many, how large each
-  (the apparent size: a sparse file counts at the size it claims) and how large in all; a file
-  that grows while it is read is cut off at the cap and dropped, never held whole.
-* Symbolic links are read with the node's own static busybox (``/.dsec/busybox``: read-only in
-  every container sandbox, so not the agent's ``readlink`` from its ``PATH``), with ``--`` before
-  the agent-chosen path, a fixed environment and a timeout, and recreated in the grading
-  sandbox the same way. They are applied after every file, so no write follows one.
+* File names are bytes end to end: the change listing and the file API carry a name that is
+  not UTF-8 exactly (``path_b64`` on the wire), so an odd name is copied like any other.
+* Files are read through the file API (host side) with caps on how many entries, how large
+  each file (the apparent size: a sparse file counts at the size it claims) and how large in
+  all; a file that grows while it is read is cut off at the cap and dropped, never held whole.
+* Symbolic links are never read by running anything in the agent's sandbox: the listing
+  carries each link's target, read by the edge from the sandbox's writable layer on the host
+  (``openat2`` beneath the layer, the link itself never followed), the same for containers and
+  microVMs. They are recreated in the grading sandbox by the node's static busybox
+  (``/.dsec/busybox``, read-only in every container sandbox) with a fixed environment and a
+  timeout; target and name reach ``ln -s --`` through ``xargs -0`` from stdin, so their bytes
+  are never text on a command line and never an option. Links are applied after every file, so
+  no write follows one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 from dsec.protocol.errors import DSecError, FileNotFound
@@ -42,14 +47,6 @@ class Copied:
     contents: dict[str, bytes] = field(default_factory=dict)  # applied files, for the scan
 
 
-def _transferable(path: str) -> bool:
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _order(change: Change) -> int:
     if change.kind is ChangeKind.deleted:
         return 0
@@ -62,34 +59,34 @@ async def copy_changes(agent: Sandbox, room: Sandbox, changes: list[Change], lim
     Errors of the room's file API propagate (the caller decides whether the room died); what is
     wrong with one of the agent's files only drops that file."""
     out = Copied()
-    total = files = 0
+    total = made = 0
     # Deletions first (a replaced directory is deleted, then made again), then directories,
     # files, and links last.
     for change in sorted(changes, key=lambda c: (_order(c), c.path)):
         path = change.path
-        if not _transferable(path):
-            out.dropped.append((path, "file name is not UTF-8: the file API cannot carry it"))
-            continue
+        if change.kind is not ChangeKind.deleted:
+            if made >= limits.max_files:
+                out.dropped.append(
+                    (path, f"more than {limits.max_files} files, directories and links changed")
+                )
+                continue
+            made += 1
         if change.kind is ChangeKind.deleted:
             with contextlib.suppress(FileNotFound):
                 await room.remove(path, recursive=True)
         elif change.type is FileType.dir:
             await room.mkdir(path, parents=True)
         elif change.type is FileType.file:
-            if files >= limits.max_files:
-                out.dropped.append((path, f"more than {limits.max_files} files changed"))
-                continue
             cap = min(limits.max_file_bytes, limits.max_total_bytes - total)
             data, mode, why = await _read_capped(agent, path, cap)
             if data is None:
                 out.dropped.append((path, why))
                 continue
-            files += 1
             total += len(data)
             await room.write_file(path, data, mode=mode)
             out.contents[path] = data
         elif change.type is FileType.symlink:
-            why = await _copy_link(agent, room, path)
+            why = await _copy_link(room, path, change.target)
             if why:
                 out.dropped.append((path, why))
                 continue
@@ -121,24 +118,20 @@ async def _read_capped(agent: Sandbox, path: str, cap: int) -> tuple[bytes | Non
     return bytes(data), st.mode & 0o777, ""  # no set-id bits into the grading sandbox
 
 
-async def _copy_link(agent: Sandbox, room: Sandbox, path: str) -> str:
+async def _copy_link(room: Sandbox, path: str, target: str | None) -> str:
     """Recreate the link at ``path`` in ``room``; '' on success, else why it was dropped."""
-    try:
-        read = await agent.exec(
-            [NODE_BUSYBOX, "readlink", "-n", "--", path], env=_TOOL_ENV, timeout=_TOOL_TIMEOUT
-        )
-    except DSecError as exc:
-        return f"link target unreadable: {exc}"
-    target = read.stdout
-    if read.exit_code != 0 or read.timed_out or not target:
-        return "link target unreadable (the node's busybox failed or is missing)"
-    if "\ufffd" in target or "\0" in target or len(target.encode()) > _LINK_MAX:
-        return "link target is not a UTF-8 path the grader can recreate"
+    if not target:
+        return "link target unreadable (the link changed while the changes were listed)"
+    if len(os.fsencode(target)) > _LINK_MAX:
+        return f"link target longer than {_LINK_MAX} bytes"
     with contextlib.suppress(FileNotFound):
         await room.remove(path, recursive=True)
     made = await room.exec(
-        [NODE_BUSYBOX, "ln", "-s", "--", target, path], env=_TOOL_ENV, timeout=_TOOL_TIMEOUT
+        [NODE_BUSYBOX, "xargs", "-0", NODE_BUSYBOX, "ln", "-s", "--"],
+        stdin=os.fsencode(target) + b"\0" + os.fsencode(path) + b"\0",
+        env=_TOOL_ENV,
+        timeout=_TOOL_TIMEOUT,
     )
-    if made.exit_code != 0:
+    if made.exit_code != 0 or made.timed_out:
         return f"link could not be recreated: {made.stderr.strip()[:200]}"
     return ""

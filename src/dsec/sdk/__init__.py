@@ -2,12 +2,17 @@
 generated from it by :mod:`dsec.sdk._sync`)."""
 
 from dsec.sdk import client as _aio
+from dsec.sdk._pty import Pty
 from dsec.sdk._sync import SyncWrapper
 from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
 from dsec.sdk.client import DSecClient, ExecChunk, Sandbox
 
 
-class SyncSandbox(SyncWrapper, async_cls=_aio.Sandbox):
+class SyncPty(SyncWrapper, async_cls=Pty):
+    """Blocking handle on a program on a terminal: the methods of :class:`Pty`, without ``await``."""
+
+
+class SyncSandbox(SyncWrapper, async_cls=_aio.Sandbox, wrap=[SyncPty]):
     """Blocking handle on one sandbox: the methods of :class:`Sandbox`, without ``await``."""
 
 
@@ -22,6 +27,8 @@ __all__ = [
     "DSecMicroVMRunArgs",
     "DSecVMRunArgs",
     "ExecChunk",
+    "Pty",
     "Sandbox",
+    "SyncPty",
     "SyncSandbox",
 ]

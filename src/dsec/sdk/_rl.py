@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.files import path_query
 from dsec.protocol.models import (
     BulkAction,
     BulkResult,
@@ -53,7 +54,7 @@ class SandboxRlCalls:
     async def changes(self, under: str = "/") -> list[Change]:
         """Paths this sandbox added, modified or deleted relative to its layers, below ``under``
         (read on the host from its writable layer: the sandbox cannot hide a change)."""
-        body = await self._t.request("GET", self._base + "/changes", params={"under": under})
+        body = await self._t.request("GET", self._base + "/changes", params=path_query("under", under))
         return [Change.model_validate(x) for x in body]
 
     async def pack_diff(

@@ -7,8 +7,9 @@ Errors come back typed: the server's ``{"error": {"code": ...}}`` body becomes t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,33 @@ async def file_chunks(path: Path) -> AsyncIterator[bytes]:
         fh.close()
 
 
+async def _closed_with_its_loop(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    try:
+        yield
+    finally:
+        await session.close()
+
+
+def _close_with_loop(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    """Tie ``session`` to the running loop's end, for clients nobody closes (the paper's
+    Listing 1, a script's ``DSec()``): an async generator started on a loop is registered
+    with it, and ``asyncio.run()`` (the sync portal's loop likewise) closes every one still
+    open before it closes the loop; one dropped earlier is closed on its loop when collected.
+    Closing it closes the session, so aiohttp has nothing left to warn about."""
+    closer = _closed_with_its_loop(session)
+    # Run it to its first yield without awaiting: asend() is where the loop's hooks see it.
+    with contextlib.suppress(StopIteration):
+        closer.asend(None).send(None)
+    return closer
+
+
 class Transport:
     def __init__(self, url: str, api_key: str, *, timeout: float) -> None:
         self.url = url
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self._timeout = timeout
         self._session: aiohttp.ClientSession | None = None
+        self._closer: AsyncGenerator[None, None] | None = None
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -43,12 +65,16 @@ class Transport:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
                 connector=aiohttp.TCPConnector(limit=0),
             )
+            self._closer = _close_with_loop(self._session)
         return self._session
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        session, closer = self._session, self._closer
+        self._session = self._closer = None
+        if session is not None:
+            await session.close()
+        if closer is not None:
+            await closer.aclose()
 
     async def _raise_for(self, resp: aiohttp.ClientResponse) -> None:
         if resp.status < 400:

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dsec.protocol.models import ContainerSpec, Hardware, MicroVMSpec, VMSpec, invalid_request
+from dsec.protocol.models import ContainerSpec, Hardware, MicroVMSpec, NetworkRules, VMSpec, invalid_request
 
 
 class DSecContainerRunArgs(BaseModel):
@@ -27,7 +27,7 @@ class DSecContainerRunArgs(BaseModel):
     pause_after_idle_s: float | None = None  # idle seconds before it pauses itself
     lease_s: float | None = None  # a job lease (needs labels["job"]); renew with client.renew_lease
     lease_grace_s: float = 3600  # how long a lapsed lease's sandboxes stay paused before reclaim
-    network_rules: dict[str, bool] = Field(default_factory=dict)
+    network_rules: NetworkRules = Field(default_factory=dict)
     init_user: str = "root"
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from dsec.images.dockerfile import BuildPlan, Step, parse, resolve_workdir
 from dsec.protocol.errors import BuildFailed, InvalidRequest
-from dsec.protocol.models import CommandResult, LayerInfo
+from dsec.protocol.models import CommandResult, LayerInfo, NetworkRules
 from dsec.sdk.args import DSecContainerRunArgs
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class Builder:
         self.step_timeout = step_timeout
         self.env: dict[str, str] = {}
         self.workdir = "/"
-        self.granted: dict[str, bool] = {}
+        self.granted: NetworkRules = {}
         self.network_on = True
 
     async def run(self, ref: str, args: DSecContainerRunArgs, exclude: list[str]) -> LayerInfo:

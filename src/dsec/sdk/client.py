@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+from dsec.protocol.files import path_query
 from dsec.protocol.models import (
     BatchCreateRequest,
     CommandResult,
@@ -29,6 +30,7 @@ from dsec.protocol.models import (
     ExecRequest,
     FileStat,
     LayerInfo,
+    NetworkRules,
     NetworkRulesRequest,
     SandboxInfo,
     ShellRequest,
@@ -37,6 +39,7 @@ from dsec.sdk._display import SandboxDisplayCalls
 from dsec.sdk._fncall import FnCalls
 from dsec.sdk._layers import LayerCalls
 from dsec.sdk._projects import ProjectCalls
+from dsec.sdk._pty import SandboxPtyCalls
 from dsec.sdk._rl import JobCalls, SandboxRlCalls
 from dsec.sdk._transport import Transport, file_chunks
 from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
@@ -50,7 +53,7 @@ class ExecChunk:
     data: bytes
 
 
-class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
+class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
     """A handle on one sandbox. Cheap to create; holds no server-side state."""
 
     def __init__(self, transport: Transport, info: SandboxInfo) -> None:
@@ -81,10 +84,10 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
         self.info = SandboxInfo.model_validate(await self._t.request("DELETE", self._base))
         return self.info
 
-    async def set_network_rules(self, rules: dict[str, bool]) -> SandboxInfo:
+    async def set_network_rules(self, rules: NetworkRules) -> SandboxInfo:
         """Replace this sandbox's network permissions (names the node's operator configured,
         e.g. ``{"pypi": True}``); they are in force in the kernel when this returns."""
-        body = NetworkRulesRequest(network_rules=rules).model_dump()
+        body = NetworkRulesRequest(network_rules=rules).model_dump(mode="json")
         raw = await self._t.request("PUT", self._base + "/network", json_body=body)
         self.info = SandboxInfo.model_validate(raw)
         return self.info
@@ -204,7 +207,9 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
 
     async def read_stream(self, path: str) -> AsyncIterator[bytes]:
         """Yield a file's content in chunks, without holding it in memory."""
-        async for chunk in self._t.stream("GET", self._base + "/files/content", params={"path": path}):
+        async for chunk in self._t.stream(
+            "GET", self._base + "/files/content", params=path_query("path", path)
+        ):
             yield chunk
 
     async def read_file(self, path: str) -> bytes:
@@ -214,7 +219,10 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
         if isinstance(data, str):
             data = data.encode()
         body = await self._t.request(
-            "PUT", self._base + "/files/content", params={"path": path, "mode": f"{mode:o}"}, data=data
+            "PUT",
+            self._base + "/files/content",
+            params={**path_query("path", path), "mode": f"{mode:o}"},
+            data=data,
         )
         return FileStat.model_validate(body)
 
@@ -228,7 +236,7 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
         body = await self._t.request(
             "PUT",
             self._base + "/files/content",
-            params={"path": path, "mode": f"{mode:o}"},
+            params={**path_query("path", path), "mode": f"{mode:o}"},
             data=file_chunks(local),
         )
         return FileStat.model_validate(body)
@@ -252,26 +260,26 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls):
 
     async def stat(self, path: str) -> FileStat:
         return FileStat.model_validate(
-            await self._t.request("GET", self._base + "/files/stat", params={"path": path})
+            await self._t.request("GET", self._base + "/files/stat", params=path_query("path", path))
         )
 
     async def list_dir(self, path: str) -> list[FileStat]:
-        body = await self._t.request("GET", self._base + "/files/list", params={"path": path})
+        body = await self._t.request("GET", self._base + "/files/list", params=path_query("path", path))
         return [FileStat.model_validate(x) for x in body]
 
     async def mkdir(self, path: str, *, parents: bool = True) -> FileStat:
-        params = {"path": path, "parents": "true" if parents else "false"}
+        params = {**path_query("path", path), "parents": "true" if parents else "false"}
         return FileStat.model_validate(
             await self._t.request("POST", self._base + "/files/mkdir", params=params)
         )
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        params = {"path": path, "recursive": "true" if recursive else "false"}
+        params = {**path_query("path", path), "recursive": "true" if recursive else "false"}
         await self._t.request("DELETE", self._base + "/files", params=params)
 
     async def move(self, source: str, destination: str) -> FileStat:
         """Rename a file or directory inside the sandbox (replaces a file at ``destination``)."""
-        params = {"source": source, "destination": destination}
+        params = {**path_query("source", source), **path_query("destination", destination)}
         return FileStat.model_validate(
             await self._t.request("POST", self._base + "/files/move", params=params)
         )
@@ -354,7 +362,7 @@ class DSecClient(ProjectCalls, FnCalls, JobCalls, LayerCalls):
         cpu_cores_limit: float = 2,
         step_timeout: float = 3600,
         progress: Callable[[BuildEvent], None] | None = None,
-        network_rules: dict[str, bool] | None = None,
+        network_rules: NetworkRules | None = None,
     ) -> LayerInfo:
         """Build layer ``ref`` from a Dockerfile subset (FROM, RUN, COPY, ENV, WORKDIR).
 

@@ -266,6 +266,10 @@ async def pump(
             except StopAsyncIteration:
                 return await stream.end()
             await stream.send(wrap(item))
+    except SandboxNotFound as exc:
+        if not stream.response.prepared:
+            raise  # before the stream: E2B's proxy answers for the missing sandbox (a 502)
+        return await stream.end(from_dsec(exc))
     except DSecError as exc:
         return await stream.end(from_dsec(exc))
     except ConnectError as exc:

@@ -35,7 +35,8 @@ from dsec.apiserver.e2b.envd_files import FilesystemService, download, upload
 from dsec.apiserver.e2b.envd_process import ProcessService
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
-from dsec.protocol.errors import DSecError, InvalidRequest
+from dsec.protocol.errors import DSecError, InvalidRequest, SandboxNotFound
+from dsec.protocol.models import SandboxState
 
 # Requests under these paths carry no API key: they are authorized by the sandbox's envd
 # access token (``X-Access-Token``) for the sandbox named in ``E2b-Sandbox-Id``.
@@ -43,6 +44,8 @@ ENVD_PATH_PREFIXES = ("/health", "/files", "/process.Process/", "/filesystem.Fil
 SANDBOX_HEADER = "E2b-Sandbox-Id"
 TOKEN_HEADER = "X-Access-Token"
 _INIT_USERS = 100_000
+_ID_SHOWN = 100
+_ALIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
 
 
 def is_envd_path(path: str) -> bool:
@@ -78,6 +81,15 @@ def _user(request: web.Request) -> str | None:
     except (binascii.Error, UnicodeDecodeError) as exc:
         raise InvalidRequest("Authorization: Basic must carry base64 of 'user:'") from exc
     return name or None
+
+
+def sandbox_gone(request: web.Request) -> web.Response:
+    """What E2B's proxy answers in envd's place for a sandbox that does not exist (any more):
+    502 with this JSON. The SDKs take a 502 from ``/health`` as "not running" and read
+    "was not found" in the message to tell a killed sandbox from an unreachable one."""
+    sandbox_id = request.headers.get(SANDBOX_HEADER, "")[:_ID_SHOWN]
+    body = {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502}
+    return web.json_response(body, status=502)
 
 
 def _files_error(exc: DSecError) -> web.Response:
@@ -140,15 +152,21 @@ class EnvdRoutes:
         if SANDBOX_HEADER in request.headers:
             try:
                 link, sandbox_id = self._sandbox(request)
-                await link.get(sandbox_id)
+                info = await link.get(sandbox_id)
+            except SandboxNotFound:
+                return sandbox_gone(request)
             except DSecError as exc:
                 return _files_error(exc)
+            if info.state not in _ALIVE:
+                return sandbox_gone(request)
         return web.Response(status=204)
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:
         try:
             link, sandbox_id = self._sandbox(request)
             return await download(request, link, sandbox_id, await self._user_of(request, link, sandbox_id))
+        except SandboxNotFound:
+            return sandbox_gone(request)
         except DSecError as exc:
             return _files_error(exc)
 
@@ -156,6 +174,8 @@ class EnvdRoutes:
         try:
             link, sandbox_id = self._sandbox(request)
             return await upload(request, link, sandbox_id, await self._user_of(request, link, sandbox_id))
+        except SandboxNotFound:
+            return sandbox_gone(request)
         except DSecError as exc:
             return _files_error(exc)
 
@@ -180,6 +200,8 @@ class EnvdRoutes:
             if unary is None:
                 raise ConnectError("unimplemented", f"process.Process/{method} is not served")
             return unary_response(await unary(await read_unary(request), link, sandbox_id))
+        except SandboxNotFound:
+            return sandbox_gone(request)
         except DSecError as exc:
             return unary_error(from_dsec(exc))
         except ConnectError as exc:
@@ -208,6 +230,8 @@ class EnvdRoutes:
             if unary is None:
                 raise ConnectError("unimplemented", f"filesystem.Filesystem/{method} is not served")
             return unary_response(await unary(await read_unary(request), link, sandbox_id, user))
+        except SandboxNotFound:
+            return sandbox_gone(request)
         except DSecError as exc:
             return unary_error(from_dsec(exc))
         except ConnectError as exc:

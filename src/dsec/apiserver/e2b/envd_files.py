@@ -15,30 +15,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
+import re
 import secrets
-import stat
 import time
-import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import BodyPartReader, web
 
 from dsec.apiserver._http import stream_bytes
 from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, pump
+from dsec.apiserver.e2b.envd_entries import Owners, entries
 from dsec.edge.link import EdgeLink
 from dsec.protocol.errors import DSecError, FileNotFound, InvalidRequest
 from dsec.protocol.models import FileStat, FileType
 from dsec.protocol.processes import WatchEvent
 
 _CHUNK = 1 << 20
-_NAMES_MAX = 1 << 20
 _MAX_DEPTH = 16
 _MAX_ENTRIES = 100_000
 _WATCHER_EVENTS = 10_000  # kept per polling watcher between polls
 _WATCHER_IDLE_S = 600.0  # a polling watcher nobody asked for in this long is dropped
-_TYPES = {FileType.file: "FILE_TYPE_FILE", FileType.dir: "FILE_TYPE_DIRECTORY"}
+# A gzip upload may decode to this many times its encoded size, or to the floor, whichever is
+# more; a body without a length to _GZIP_MAX. Files compress 2-10x, a bomb of zeros 1000x.
+_GZIP_RATIO = 64
+_GZIP_FLOOR = 64 << 20
+_GZIP_MAX = 16 << 30
+_ENTRY_EVENTS = ("create", "write", "chmod")  # envd's opCarriesEntry: the entry still exists
+# The edge writes NAME through a temporary ".NAME.dsec-<16 hex>" in the same directory
+# (executor/files.py, NAME cut to 32 characters) renamed over NAME at the end.
+_UPLOAD_TEMP = re.compile(r"(?:^|/)\.[^/]{0,32}\.dsec-[0-9a-f]{16}$")
+_UPLOADS_TRACKED = 10_000
+METADATA_PREFIX = "user.e2b."  # envd's extended attributes of file metadata
+_METADATA_HEADER = "x-metadata-"
+_METADATA_KEY_MAX = 255 - len(METADATA_PREFIX)
+_METADATA_TOTAL_MAX = 4096
 _EVENTS = {
     "create": "EVENT_TYPE_CREATE",
     "write": "EVENT_TYPE_WRITE",
@@ -61,55 +72,6 @@ def absolute(path: str, user: str) -> str:
     return posixpath.normpath(path if path.startswith("/") else posixpath.join(home_of(user), path))
 
 
-async def _names(link: EdgeLink, sandbox_id: str, path: str) -> dict[int, str]:
-    """id -> name from an /etc/passwd-style file in the sandbox ({} if it has none)."""
-    data = bytearray()
-    try:
-        async for chunk in link.read_stream(sandbox_id, path):
-            data += chunk
-            if len(data) > _NAMES_MAX:
-                return {}
-    except (FileNotFound, InvalidRequest):
-        return {}
-    out: dict[int, str] = {}
-    for line in data.decode(errors="replace").splitlines():
-        parts = line.split(":")
-        if len(parts) >= 3 and parts[2].isdigit():
-            out.setdefault(int(parts[2]), parts[0])
-    return out
-
-
-class Owners:
-    def __init__(self, users: dict[int, str], groups: dict[int, str]) -> None:
-        self.users, self.groups = users, groups
-
-    @classmethod
-    async def of(cls, link: EdgeLink, sandbox_id: str) -> Owners:
-        users, groups = await asyncio.gather(
-            _names(link, sandbox_id, "/etc/passwd"), _names(link, sandbox_id, "/etc/group")
-        )
-        return cls(users, groups)
-
-    def entry(self, info: FileStat) -> dict[str, Any]:
-        """A FileStat as envd's ``EntryInfo`` (proto JSON: defaults left out)."""
-        mode = info.mode & 0o7777
-        kind = {FileType.dir: stat.S_IFDIR, FileType.symlink: stat.S_IFLNK}.get(info.type, stat.S_IFREG)
-        out: dict[str, Any] = {
-            "name": info.name,
-            "type": _TYPES.get(info.type, "FILE_TYPE_FILE"),
-            "path": info.path,
-            "size": str(info.size),
-            "mode": mode,
-            "permissions": stat.filemode(kind | mode),
-            "owner": self.users.get(info.uid, str(info.uid)),
-            "group": self.groups.get(info.gid, str(info.gid)),
-            "modifiedTime": datetime.fromtimestamp(info.mtime, UTC).isoformat().replace("+00:00", "Z"),
-        }
-        if info.type == FileType.symlink:
-            out["isSymlink"] = True
-        return out
-
-
 # -- /files -----------------------------------------------------------------------------------
 
 
@@ -119,27 +81,77 @@ async def download(request: web.Request, link: EdgeLink, sandbox_id: str, user: 
     return await stream_bytes(request, link.read_stream(sandbox_id, path), disposition)
 
 
-async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    inflate = zlib.decompressobj(wbits=31)
-    try:
+class _Decoded:
+    """aiohttp has decoded a gzip body already (``Content-Encoding``): a second gunzip failed
+    every upload. What bounds a bomb is the decoded size, over all files of the body: past the
+    limit the upload fails (the edge's writes are atomic: the file being written is left out)."""
+
+    def __init__(self, request: web.Request) -> None:
+        gzip = request.headers.get("Content-Encoding", "").strip().lower() == "gzip"
+        sent = request.content_length
+        bound = _GZIP_MAX if sent is None else min(_GZIP_MAX, max(_GZIP_FLOOR, _GZIP_RATIO * sent))
+        self.limit = bound if gzip else None
+        self.seen = 0
+
+    async def bound(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
-            if out := inflate.decompress(chunk):
-                yield out
-        if tail := inflate.flush():
-            yield tail
-    except zlib.error as exc:
-        raise InvalidRequest(f"the gzip-encoded body is corrupt: {exc}") from exc
+            self.seen += len(chunk)
+            if self.limit is not None and self.seen > self.limit:
+                raise InvalidRequest(f"the gzip-encoded body decodes to more than {self.limit} bytes")
+            yield chunk
 
 
-def _written(info: FileStat) -> dict[str, Any]:
-    return {"name": info.name, "type": "dir" if info.type == FileType.dir else "file", "path": info.path}
+def _written(info: FileStat, metadata: dict[str, str]) -> dict[str, Any]:
+    kind = "dir" if info.type == FileType.dir else "file"
+    out: dict[str, Any] = {"name": info.name, "type": kind, "path": info.path}
+    if metadata:
+        out["metadata"] = metadata
+    return out
+
+
+def upload_metadata(request: web.Request) -> dict[str, str]:
+    """envd 0.6.2's file metadata: each ``X-Metadata-<key>`` header becomes the ``user.e2b.<key>``
+    extended attribute of every uploaded file (keys lowercased), checked as envd does."""
+    found: dict[str, str] = {}
+    total = 0
+    for name, value in request.headers.items():
+        if not name.lower().startswith(_METADATA_HEADER):
+            continue
+        key = name[len(_METADATA_HEADER) :].lower()
+        if not key or key in found:  # a repeated header: envd keeps the first value
+            continue
+        if len(key) > _METADATA_KEY_MAX:
+            raise InvalidRequest(f"invalid metadata: key {key[:64]!r} exceeds {_METADATA_KEY_MAX} bytes")
+        for what, text in (("key", key), (f"value for key {key!r}", value)):
+            if not (text.isascii() and text.isprintable()):
+                raise InvalidRequest(f"invalid metadata: {what} contains non-printable-ASCII characters")
+        found[key] = value
+        total += len(METADATA_PREFIX) + len(key) + len(value)
+    if total > _METADATA_TOTAL_MAX:
+        raise InvalidRequest(
+            f"invalid metadata: total metadata size {total} exceeds {_METADATA_TOTAL_MAX} bytes"
+        )
+    return found
 
 
 async def upload(request: web.Request, link: EdgeLink, sandbox_id: str, user: str) -> web.Response:
     """Octet-stream (one file, ``?path=``) or multipart (one part per file, each named by its
     filename, or by ``?path=`` when there is one); streamed to the edge, never held whole."""
     ctype = request.content_type
+    decoded = _Decoded(request)
+    metadata = upload_metadata(request)
     written: list[dict[str, Any]] = []
+
+    async def write(path: str, chunks: AsyncIterator[bytes]) -> None:
+        info = await link.write_stream(sandbox_id, path, decoded.bound(chunks))
+        kept = metadata
+        if metadata:
+            try:
+                await link.set_xattrs(sandbox_id, path, METADATA_PREFIX, metadata)
+            except InvalidRequest:
+                kept = {}  # envd too: the file stays, its answer shows no metadata kept
+        written.append(_written(info, kept))
+
     if ctype == "multipart/form-data":
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
@@ -148,13 +160,9 @@ async def upload(request: web.Request, link: EdgeLink, sandbox_id: str, user: st
             name = request.query.get("path") or part.filename
             if not name:
                 raise InvalidRequest("each file part needs a filename (its path) or ?path=")
-            written.append(_written(await link.write_stream(sandbox_id, absolute(name, user), _part(part))))
+            await write(absolute(name, user), _part(part))
     else:
-        body: AsyncIterator[bytes] = request.content.iter_chunked(_CHUNK)
-        if request.headers.get("Content-Encoding", "").lower() == "gzip":
-            body = _gunzip(body)
-        path = absolute(request.query.get("path", ""), user)
-        written.append(_written(await link.write_stream(sandbox_id, path, body)))
+        await write(absolute(request.query.get("path", ""), user), request.content.iter_chunked(_CHUNK))
     return web.json_response(written)
 
 
@@ -166,10 +174,62 @@ async def _part(part: BodyPartReader) -> AsyncIterator[bytes]:
 # -- filesystem.Filesystem ----------------------------------------------------------------------
 
 
+class _UploadEvents:
+    """envd writes an upload in place (open, truncate, write); the edge writes a temporary and
+    renames it over the file. A watcher sees envd's events: the temporary's own are dropped,
+    and its rename onto NAME becomes CREATE NAME, CHMOD NAME (envd's chown) and, when data was
+    written, WRITE NAME. Only names of the edge's form are taken for temporaries."""
+
+    def __init__(self) -> None:
+        self._wrote: dict[str, bool] = {}
+        self._renamed: tuple[str, bool] | None = None  # (its directory, whether it was written)
+
+    def translate(self, event: WatchEvent) -> list[WatchEvent]:
+        renamed, self._renamed = self._renamed, None
+        if _UPLOAD_TEMP.search(event.name):
+            if event.t == "create" and len(self._wrote) < _UPLOADS_TRACKED:
+                self._wrote[event.name] = False
+            elif event.t == "write" and event.name in self._wrote:
+                self._wrote[event.name] = True
+            elif event.t in ("rename", "remove"):
+                wrote = self._wrote.pop(event.name, True)
+                if event.t == "rename":
+                    self._renamed = (posixpath.dirname(event.name), wrote)
+            return []
+        if renamed is not None and event.t == "create" and posixpath.dirname(event.name) == renamed[0]:
+            then = ("chmod", "write") if renamed[1] else ("chmod",)
+            return [event, *(event.model_copy(update={"t": t}) for t in then)]
+        return [event]
+
+
+async def envd_events(
+    events: AsyncGenerator[WatchEvent, None], link: EdgeLink, sandbox_id: str, root: str, include_entry: bool
+) -> AsyncGenerator[dict[str, Any] | None, None]:
+    """None once the watch is in place, then envd's ``FilesystemEvent`` messages; with
+    ``include_entry`` an event of an entry that still exists carries it (best effort, as envd)."""
+    uploads = _UploadEvents()
+    owners: Owners | None = None
+    try:
+        async for raw in events:
+            if raw.t == "start":
+                yield None
+                continue
+            for event in uploads.translate(raw):
+                out: dict[str, Any] = {"name": event.name, "type": _EVENTS[event.t]}
+                if include_entry and event.t in _ENTRY_EVENTS:
+                    owners = owners or await Owners.of(link, sandbox_id)
+                    with contextlib.suppress(DSecError):
+                        info = await link.stat(sandbox_id, posixpath.join(root, event.name))
+                        [out["entry"]] = await entries(link, sandbox_id, owners, [info])
+                yield out
+    finally:
+        await events.aclose()
+
+
 class _Watcher:
     """A polling watcher: the events of one ``watch_dir`` stream, kept until asked for."""
 
-    def __init__(self, events: AsyncGenerator[WatchEvent, None]) -> None:
+    def __init__(self, events: AsyncGenerator[dict[str, Any] | None, None]) -> None:
         self.events = events
         self.pending: list[dict[str, Any]] = []
         self.error: ConnectError | None = None
@@ -179,20 +239,26 @@ class _Watcher:
     async def run(self) -> None:
         try:
             async for event in self.events:
-                if event.t != "start" and len(self.pending) < _WATCHER_EVENTS:
-                    self.pending.append(_fs_event(event))
+                if event is not None and len(self.pending) < _WATCHER_EVENTS:
+                    self.pending.append(event)
         except DSecError as exc:
             self.error = from_dsec(exc)
         finally:
             await self.events.aclose()
 
 
-def _watch_message(event: WatchEvent) -> dict[str, Any]:
-    return {"start": {}} if event.t == "start" else {"filesystem": _fs_event(event)}
+def _watch_message(event: dict[str, Any] | None) -> dict[str, Any]:
+    return {"start": {}} if event is None else {"filesystem": event}
 
 
-def _fs_event(event: WatchEvent) -> dict[str, Any]:
-    return {"name": event.name, "type": _EVENTS[event.t]}
+def _depth(msg: dict[str, Any]) -> int:
+    raw = field(msg, "depth", 0) or 1
+    # proto3 JSON may carry an integer as a string; 1e400 or a list is no depth (was a 500).
+    digits = isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) < 6
+    depth = int(raw) if isinstance(raw, int) or digits else 0
+    if not 1 <= depth <= _MAX_DEPTH:
+        raise ConnectError("invalid_argument", f"depth must be between 1 and {_MAX_DEPTH}")
+    return depth
 
 
 class FilesystemService:
@@ -201,43 +267,49 @@ class FilesystemService:
 
     async def stat(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str) -> dict[str, Any]:
         info = await link.stat(sandbox_id, absolute(field(msg, "path", ""), user))
-        return {"entry": (await Owners.of(link, sandbox_id)).entry(info)}
+        [entry] = await entries(link, sandbox_id, await Owners.of(link, sandbox_id), [info])
+        if info.type == FileType.file:
+            with contextlib.suppress(FileNotFound, InvalidRequest):  # gone or replaced meanwhile
+                if metadata := await link.xattrs(sandbox_id, info.path, METADATA_PREFIX):
+                    entry["metadata"] = metadata
+        return {"entry": entry}
 
     async def list_dir(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
     ) -> dict[str, Any]:
-        raw = field(msg, "depth", 0) or 1
-        # proto3 JSON may carry an integer as a string; 1e400 or a list is no depth (was a 500).
-        digits = isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) < 6
-        depth = int(raw) if isinstance(raw, int) or digits else 0
-        if not 1 <= depth <= _MAX_DEPTH:
-            raise ConnectError("invalid_argument", f"depth must be between 1 and {_MAX_DEPTH}")
+        """envd walks depth first in name order (Go's WalkDir): each directory's entries follow
+        it. Fetched a level at a time, all of a level's directories at once, then ordered."""
+        depth = _depth(msg)
         root = absolute(field(msg, "path", ""), user)
         top = await link.stat(sandbox_id, root)
         if top.type != FileType.dir:
             raise ConnectError("invalid_argument", f"path is not a directory: {root}")
         owners = await Owners.of(link, sandbox_id)
-        entries: list[dict[str, Any]] = []
-        level = [root]
+        below: dict[str, list[FileStat]] = {}
+        level, count = [root], 0
         for step in range(depth):
-            below: list[str] = []
             listings = (link.list_dir(sandbox_id, d) for d in level)
             found = await asyncio.gather(*listings, return_exceptions=True)
-            for listing in found:
+            folders, level = level, []
+            for folder, listing in zip(folders, found, strict=True):
                 # A deep listing of / reaches /proc: the file API refuses kernel file systems,
                 # which a walk skips (the directory itself is listed), as it never enters them.
                 if isinstance(listing, InvalidRequest) and listing.reason == "kernel_fs" and step:
                     continue
                 if isinstance(listing, BaseException):
                     raise listing
-                for info in listing:
-                    entries.append(owners.entry(info))
-                    if info.type == FileType.dir:
-                        below.append(info.path)
-            if len(entries) > _MAX_ENTRIES:
+                below[folder] = listing
+                count += len(listing)
+                level.extend(i.path for i in listing if i.type == FileType.dir)
+            if count > _MAX_ENTRIES:
                 raise ConnectError("resource_exhausted", f"more than {_MAX_ENTRIES} entries below {root}")
-            level = below
-        return {"entries": entries}
+        ordered: list[FileStat] = []
+        stack = list(reversed(below.get(root, [])))
+        while stack:
+            info = stack.pop()
+            ordered.append(info)
+            stack.extend(reversed(below.get(info.path, [])))
+        return {"entries": await entries(link, sandbox_id, owners, ordered)}
 
     async def make_dir(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
@@ -256,25 +328,32 @@ class FilesystemService:
         return {"entry": (await Owners.of(link, sandbox_id)).entry(info)}
 
     async def remove(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str) -> dict[str, Any]:
-        await link.remove(sandbox_id, absolute(field(msg, "path", ""), user), recursive=True)
+        # envd's Remove is Go's RemoveAll: a path that is not there is removed already.
+        with contextlib.suppress(FileNotFound):
+            await link.remove(sandbox_id, absolute(field(msg, "path", ""), user), recursive=True)
         return {}
+
+    @staticmethod
+    def _events(
+        msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
+    ) -> AsyncGenerator[dict[str, Any] | None, None]:
+        path = absolute(field(msg, "path", ""), user)
+        events = link.watch_dir(sandbox_id, path, bool(field(msg, "recursive", False)))
+        return envd_events(events, link, sandbox_id, path, bool(field(msg, "includeEntry", False)))
 
     async def watch_dir(
         self, request: web.Request, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
     ) -> web.StreamResponse:
-        stream = ServerStream(request)
-        path = absolute(field(msg, "path", ""), user)
-        events = link.watch_dir(sandbox_id, path, bool(field(msg, "recursive", False)))
-        return await pump(stream, events, _watch_message, {"keepalive": {}})
+        events = self._events(msg, link, sandbox_id, user)
+        return await pump(ServerStream(request), events, _watch_message, {"keepalive": {}})
 
     async def create_watcher(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
     ) -> dict[str, Any]:
         self._expire()
-        path = absolute(field(msg, "path", ""), user)
-        events = link.watch_dir(sandbox_id, path, bool(field(msg, "recursive", False)))
+        events = self._events(msg, link, sandbox_id, user)
         first = await anext(events)  # the watch is in place (or the error is the answer)
-        assert first.t == "start", first
+        assert first is None, first
         watcher = _Watcher(events)
         watcher.task = asyncio.create_task(watcher.run())
         watcher_id = secrets.token_hex(8)

@@ -12,17 +12,60 @@ import asyncio
 import base64
 import contextlib
 import signal as signals
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, pump, timeout_s
 from dsec.edge.link import EdgeLink
-from dsec.protocol.errors import DSecError
+from dsec.protocol.errors import DSecError, SandboxNotFound
+from dsec.protocol.models import SandboxState
 from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize
 
 _KILL_WAIT_S = 5.0
+_DEADLINE_ERROR = "timeout"  # a ProcessEvent end's error for a process killed at its timeout
+_ALIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
+
+
+class SandboxCut(Exception):
+    """The sandbox went while a stream was open. E2B's proxy loses envd with the sandbox's VM
+    and drops the connection mid-stream; the SDKs then probe ``/health`` (a 502) and raise
+    their "sandbox was killed" TimeoutException. The handler drops the connection the same way."""
+
+
+async def _sandbox_gone(link: EdgeLink, sandbox_id: str) -> bool:
+    try:
+        return (await link.get(sandbox_id)).state not in _ALIVE
+    except SandboxNotFound:
+        return True
+
+
+async def envd_ends(
+    events: AsyncGenerator[ProcessEvent, None], link: EdgeLink, sandbox_id: str, deadline: bool
+) -> AsyncGenerator[ProcessEvent, None]:
+    """``events`` with their ends as envd's: a process killed at its Start's
+    ``Connect-Timeout-Ms`` ends the call with ``deadline_exceeded`` and no end event (envd's
+    request context expires with the process's), and one killed by its sandbox's stop cuts
+    the connection (:class:`SandboxCut`)."""
+    started = False
+    try:
+        async for event in events:
+            if event.t == "end" and event.error:
+                if deadline and event.error == _DEADLINE_ERROR:
+                    raise ConnectError("deadline_exceeded", "context deadline exceeded")
+                if await _sandbox_gone(link, sandbox_id):
+                    raise SandboxCut(event.error)
+            started = True
+            yield event
+    except SandboxNotFound as exc:
+        if started:
+            raise SandboxCut(str(exc)) from exc
+        raise
+    finally:
+        await events.aclose()
+
+
 _SIGNALS = {"SIGNAL_SIGTERM": signals.SIGTERM, "SIGNAL_SIGKILL": signals.SIGKILL, 15: 15, 9: 9}
 
 
@@ -131,6 +174,18 @@ async def select(link: EdgeLink, sandbox_id: str, msg: dict[str, Any] | None) ->
     raise ConnectError("not_found", f"no running process tagged {tag!r}")
 
 
+async def _pump_or_cut(
+    stream: ServerStream, events: AsyncGenerator[ProcessEvent, None]
+) -> web.StreamResponse:
+    try:
+        return await pump(stream, events, _wrap, _KEEPALIVE)
+    except SandboxCut:
+        # What was sent is flushed; the stream's end never comes, as when E2B's proxy loses envd.
+        if stream.request.protocol is not None:
+            stream.request.protocol.force_close()
+        return stream.response
+
+
 class ProcessService:
     """The unary and streaming handlers, each given the request's sandbox, link and user."""
 
@@ -142,7 +197,8 @@ class ProcessService:
             req = start_request(msg, user, timeout_s(request))
         except ConnectError as exc:
             return await stream.end(exc)
-        return await pump(stream, link.start_process(sandbox_id, req), _wrap, _KEEPALIVE)
+        events = envd_ends(link.start_process(sandbox_id, req), link, sandbox_id, req.timeout is not None)
+        return await _pump_or_cut(stream, events)
 
     async def connect(
         self, request: web.Request, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str | None
@@ -154,7 +210,8 @@ class ProcessService:
             return await stream.end(exc)
         except DSecError as exc:
             return await stream.end(from_dsec(exc))
-        return await pump(stream, link.connect_process(sandbox_id, pid), _wrap, _KEEPALIVE)
+        events = envd_ends(link.connect_process(sandbox_id, pid), link, sandbox_id, False)
+        return await _pump_or_cut(stream, events)
 
     async def list(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str) -> dict[str, Any]:
         return {"processes": [info_wire(i) for i in await link.list_processes(sandbox_id)]}

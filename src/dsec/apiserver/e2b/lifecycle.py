@@ -50,12 +50,14 @@ from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import Conflict, InvalidRequest, LayerNotFound, SandboxNotFound
+from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec, DeadlineAction, SandboxInfo, SandboxState, invalid_request
 
 NEXT_TOKEN_HEADER = "X-Next-Token"
 BASE_TEMPLATE = "base"  # what the SDKs send when the caller names no template
 LAYER_SEPARATOR = "+"  # "base:1+ws:3": an ordered layer list, base first
 _MAX_PAGE = 1000
+_ID_SHOWN = 100  # characters of a bad ID quoted back
 _NO_END = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)  # endAt of a sandbox without a deadline
 _LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
 
@@ -70,6 +72,11 @@ def template_refs(template_id: str, default: str) -> list[str]:
     if not all(refs):
         raise InvalidRequest(f"template {template_id!r}: empty layer name in a {LAYER_SEPARATOR!r} list")
     return refs
+
+
+def not_found_message(sandbox_id: str) -> str:
+    """E2B API's answer for a sandbox that is gone or never was (the ID cut to a sane length)."""
+    return f"Sandbox {sandbox_id[:_ID_SHOWN]!r} doesn't exist or you don't have access to it"
 
 
 def _when(ts: float) -> dt.datetime:
@@ -226,11 +233,18 @@ class LifecycleRoutes:
     # -- one sandbox ----------------------------------------------------------------------------
 
     async def _live(self, request: web.Request) -> tuple[EdgeLink, SandboxInfo]:
-        """The running or paused sandbox the request names, if its key may see it."""
+        """The running or paused sandbox the request names, if its key may see it. Not found
+        (404, E2B's words) also for an ID that is no DSec ID: it names no sandbox, and the SDKs
+        take a 404 as an answer (``kill`` returns False) where a 400 raises."""
+        raw = request.match_info["id"]
+        try:
+            SandboxId.parse(raw)
+        except InvalidRequest:
+            raise SandboxNotFound(not_found_message(raw)) from None
         link, sid = await self.sandboxes.owned(request)
         info = await link.get(sid)
         if info.state not in _LIVE:
-            raise SandboxNotFound(f"sandbox {sid} is {info.state.value}")
+            raise SandboxNotFound(not_found_message(sid))
         return link, info
 
     async def get(self, request: web.Request) -> web.Response:
@@ -292,8 +306,19 @@ class LifecycleRoutes:
         return web.Response(status=204)
 
     async def set_timeout(self, request: web.Request) -> web.Response:
+        """E2B's API sets the end to now + timeout, shorter or longer (``KeepAliveFor`` with
+        ``allowShorter``): 0 ends the sandbox now, as its deadline would (kill, or pause with
+        ``autoPause``), not "no deadline"."""
         req = await read_body(request, TimeoutRequest)
-        return await self._set(request, lambda _: req.timeout)
+        if req.timeout > 0:
+            return await self._set(request, lambda _: req.timeout)
+        link, info = await self._live(request)
+        if info.on_deadline == "pause":
+            if info.state is not SandboxState.paused:
+                await link.pause(info.id)
+        else:
+            await self._stop(link, info.id)
+        return web.Response(status=204)
 
     async def refresh(self, request: web.Request) -> web.Response:
         req = await read_body(request, RefreshRequest)

@@ -55,7 +55,7 @@ class ResumeSandbox(_In):
 
 
 class TimeoutRequest(_In):
-    timeout: int = Field(ge=0, le=366 * 86400)
+    timeout: int = Field(ge=-366 * 86400, le=366 * 86400)  # E2B's API takes below 0 as 0
 
 
 class RefreshRequest(_In):

@@ -34,6 +34,7 @@ from dsec.backends.container import (
     gvisor,
     gvisor_exec,
     init,
+    nodefs,
     oci,
     rootfs,
     spares,
@@ -115,8 +116,12 @@ class ContainerBackend:
         runtime: str = "crun",
         disk_quota_mb: int | None = None,
         spare_cgroups: int = spares.PER_BUCKET,
+        node: str | None = None,
     ) -> None:
         self.data_dir = data_dir
+        self.node = node
+        # The node's own parent cgroup (two nodes on one host never share one: cgroups.py).
+        self.cgroup_parent = cgroups.parent_name(node, data_dir)
         self.runtime = shutil.which(runtime) or runtime
         self.state_dir = data_dir / "run" / runtime
         self.runtime_dir = data_dir / "runtime"  # read-only tools bind-mounted at /.dsec
@@ -128,7 +133,9 @@ class ContainerBackend:
         # runtime="gvisor" sandboxes (gvisor.py): runsc, when the node has a working one.
         self.gvisor = gvisor.GVisor(data_dir)
         # Destroyed sandboxes' cgroups, kept for the next creates (spares.py); 0: none kept.
-        self.spares = spares.SpareCgroups(spare_cgroups)
+        self.spares = spares.SpareCgroups(self.cgroup_parent, spare_cgroups)
+        # The runtime directory's own tmpfs and the node's LXCFS (nodefs.py).
+        self.nodefs = nodefs.NodeFs(data_dir, self.runtime_dir)
 
     def _cmd(self, *args: str) -> list[str]:
         return [self.runtime, "--root", str(self.state_dir), *args]
@@ -142,8 +149,9 @@ class ContainerBackend:
         if not Path(self.runtime).exists():
             raise InfraFailure(f"OCI runtime {self.runtime!r} not found: install crun", reason="runtime")
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        self.nodefs.prepare()  # before anything is written into the runtime directory
         (self.runtime_dir / oci.EMPTY_DIR).mkdir(mode=0o555, exist_ok=True)
+        nodefs.make_sys_skeleton(self.runtime_dir / oci.SYS_SKELETON)
         busybox = Path("/bin/busybox")
         target = self.runtime_dir / "busybox"
         if not busybox.exists():
@@ -158,10 +166,11 @@ class ContainerBackend:
             target.with_suffix(".tmp").write_bytes(runner)
             target.with_suffix(".tmp").replace(target)
         cgroups.fix_hybrid_layout()
-        cgroups.prepare_cpuset_parent()
-        cgroups.prepare_buckets()
+        cgroups.register_parent(self.node, self.cgroup_parent)
+        cgroups.prepare_cpuset_parent(self.cgroup_parent)
+        cgroups.prepare_buckets(self.cgroup_parent)
         self.spares.clear()  # an earlier edge's: a cache, never adopted
-        cgroups.adopt()  # its sandboxes that run in another bucket's spares
+        cgroups.adopt(self.cgroup_parent, self.node)  # where its running sandboxes are
         _raise_nofile_limit()
         _raise_pid_max()
         _own_socket_tables()
@@ -199,6 +208,10 @@ class ContainerBackend:
             d.mkdir(parents=True, exist_ok=True)
         # A destroyed sandbox's cgroups, if the node keeps some (spares.py): crun then makes none.
         kept_quota = None if on_gvisor else self.spares.take(ctx.sandbox_id)
+        if not on_gvisor and not self.nodefs.lxcfs.healthy():  # its files are bound below
+            await asyncio.to_thread(self.nodefs.lxcfs.ensure)
+        if not cgroups.is_placed(ctx.sandbox_id):  # no spare: crun makes them in its ID's bucket
+            cgroups.place(ctx.sandbox_id, cgroups.hashed_bucket(ctx.sandbox_id, self.cgroup_parent))
         config = oci.build_config(
             sandbox_id=ctx.sandbox_id,
             spec=ctx.spec,
@@ -209,6 +222,8 @@ class ContainerBackend:
             nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
             resolv_conf=self._resolv_conf(ctx.nameserver),
             cpu_quota_set=kept_quota == oci.cpu_quota(ctx.spec),
+            # runsc answers /proc from its sentry: LXCFS's files are crun's only.
+            lxcfs=None if on_gvisor else self.nodefs.lxcfs.path,
         )
         if on_gvisor:
             config = self.gvisor.adapt_config(config, root, ctx.link)
@@ -495,12 +510,18 @@ class ContainerBackend:
 
     async def detach(self) -> None:
         # The edge holds no connection to a container (its pipes are the sessions'); spare
-        # cgroups are a cache of this edge's.
+        # cgroups are a cache of this edge's. Its empty buckets go too (no create is in flight
+        # now; the next start makes them again): a node that ran no sandbox leaves no parent.
         await asyncio.to_thread(self.spares.clear)
+        await asyncio.to_thread(cgroups.remove_parents, self.cgroup_parent)
+        if not await self.leftovers():  # no sandbox binds the node's file systems any more
+            await asyncio.to_thread(self.nodefs.release)
 
     async def release_node(self) -> None:
         await asyncio.to_thread(self.spares.clear)
-        cgroups.remove_parents()
+        if not await self.leftovers():
+            await asyncio.to_thread(self.nodefs.release)
+        cgroups.remove_parents(self.cgroup_parent)
         await self.volumes.release()
 
     async def leftovers(self) -> list[str]:

@@ -19,42 +19,99 @@ from dsec.protocol.errors import InfraFailure
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNIFIED = CGROUP_ROOT / "unified"
 _CPUSET = CGROUP_ROOT / "cpuset"
-PARENT = "dsec"
-# A sandbox's cgroup is dsec/<bucket>/<id>, not dsec/<id>: creating a cpuset walks every sibling
-# (cpuset_css_online with clone_children; crun's own cpus write walks them too, and rebuilds the
-# scheduler domains): perf at 8,000 held sandboxes, ~3 ms of each create, now over ~125 siblings.
+_MEMORY = CGROUP_ROOT / "memory"
+# Every node's sandboxes sit under a parent of its own, named after the node and its data
+# directory (:func:`parent_name`), so two nodes on one host never count, clear or remove each
+# other's cgroups. Edges before that shared one parent, ``dsec``: their sandboxes are still
+# found there (:func:`adopt`, :func:`rel`) and left to end there.
+LEGACY_PARENT = "dsec"
+# A sandbox's cgroup is <parent>/<bucket>/<id>, not <parent>/<id>: creating a cpuset walks every
+# sibling (cpuset_css_online with clone_children; crun's own cpus write walks them too, and
+# rebuilds the scheduler domains): perf at 8,000 held sandboxes, ~3 ms of each create, now over
+# ~125 siblings.
 BUCKETS = 64
 
 
-# Sandboxes whose cgroups are not in their ID's bucket: they took a destroyed sandbox's spare
-# cgroups from another (spares.py). Found again by a scan when an edge starts (:func:`adopt`).
+# Where each sandbox this process knows has its cgroups (``<parent>/<bucket>``): set by the
+# create that makes them (:func:`place`) and by the scan of an edge that starts (:func:`adopt`).
 _placed: dict[str, str] = {}
+# The parent of each node that runs in this process, by node name ("": a backend told no name):
+# where an ID nobody placed is looked for first.
+_node_parents: dict[str, str] = {}
+
+
+def parent_name(node: str | None, data_dir: Path) -> str:
+    """The node's parent cgroup: ``dsec-<node>-<8 hex of its data directory>`` (``dsec-<hex>``
+    for a backend that is told no node name). Node names are at most 40 characters
+    (protocol.ids), so this stays far below the 255 a cgroup name may have; two nodes named alike
+    on two data directories differ by the hash."""
+    digest = data_dir_digest(data_dir)
+    return f"{LEGACY_PARENT}-{node}-{digest}" if node else f"{LEGACY_PARENT}-{digest}"
+
+
+def data_dir_digest(data_dir: Path) -> str:
+    """8 hex characters of the data directory's resolved path: what tells apart two nodes named
+    alike on one host in every host-wide name they make."""
+    return hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+
+
+def register_parent(node: str | None, parent: str) -> None:
+    """``node``'s sandboxes are under ``parent`` (for IDs looked up before they were placed)."""
+    _node_parents[node or ""] = parent
+
+
+def _node_of(sandbox_id: str) -> str:
+    """The node part of ``sb-<node>-<epoch>-<tag>`` (empty for any other form)."""
+    head = sandbox_id.rsplit("-", 2)[0]
+    return head[3:] if head.startswith("sb-") and sandbox_id.count("-") >= 3 else ""
 
 
 def rel(sandbox_id: str) -> str:
-    """The sandbox's cgroup path below every hierarchy's root (``dsec/<bucket>/<id>``: the
-    bucket its ID hashes to, unless it was placed in another); a sandbox made before buckets
-    (``dsec/<id>``, still running after an edge upgrade) keeps its."""
-    bucket = _placed.get(sandbox_id)
-    if bucket is not None:
-        return f"{bucket}/{sandbox_id}"
-    if (CGROUP_ROOT / "memory" / PARENT / sandbox_id).is_dir():
-        return f"{PARENT}/{sandbox_id}"
-    return f"{hashed_bucket(sandbox_id)}/{sandbox_id}"
+    """The sandbox's cgroup path below every hierarchy's root (``<parent>/<bucket>/<id>``:
+    where it was placed or adopted, else found by a look into each node's parent; a sandbox
+    made before buckets, ``dsec/<id>``, still running after an edge upgrade, keeps its)."""
+    where = _placed.get(sandbox_id)
+    if where is not None:
+        return f"{where}/{sandbox_id}"
+    if (_MEMORY / LEGACY_PARENT / sandbox_id).is_dir():
+        return f"{LEGACY_PARENT}/{sandbox_id}"
+    bucket = _bucket(sandbox_id)
+    own = _node_parents.get(_node_of(sandbox_id)) or _node_parents.get("")
+    for parent in [p for p in (own,) if p] + [p for p in parents() if p != own]:
+        if (_MEMORY / parent / bucket / sandbox_id).is_dir():
+            return f"{parent}/{bucket}/{sandbox_id}"
+    return f"{own or LEGACY_PARENT}/{bucket}/{sandbox_id}"
 
 
-def hashed_bucket(sandbox_id: str) -> str:
-    """``dsec/<bucket>`` of the sandbox's ID."""
-    bucket = int.from_bytes(hashlib.sha256(sandbox_id.encode()).digest()[:4], "big") % BUCKETS
-    return f"{PARENT}/{bucket:02x}"
+def parents() -> list[str]:
+    """Every node's parent on this host (the legacy shared one included), from the memory
+    hierarchy."""
+    try:
+        return sorted(
+            d.name
+            for d in _MEMORY.iterdir()
+            if (d.name == LEGACY_PARENT or d.name.startswith(LEGACY_PARENT + "-")) and d.is_dir()
+        )
+    except OSError:
+        return []
+
+
+def _bucket(sandbox_id: str) -> str:
+    return f"{int.from_bytes(hashlib.sha256(sandbox_id.encode()).digest()[:4], 'big') % BUCKETS:02x}"
+
+
+def hashed_bucket(sandbox_id: str, parent: str) -> str:
+    """``<parent>/<bucket>`` of the sandbox's ID."""
+    return f"{parent}/{_bucket(sandbox_id)}"
 
 
 def place(sandbox_id: str, bucket: str) -> None:
-    """Have the sandbox's cgroups be in ``bucket`` (``dsec/<bucket>``) rather than its ID's."""
-    if bucket == hashed_bucket(sandbox_id):
-        _placed.pop(sandbox_id, None)
-    else:
-        _placed[sandbox_id] = bucket
+    """The sandbox's cgroups are (to be) in ``bucket`` (``<parent>/<bucket>``)."""
+    _placed[sandbox_id] = bucket
+
+
+def is_placed(sandbox_id: str) -> bool:
+    return sandbox_id in _placed
 
 
 def forget(sandbox_id: str) -> None:
@@ -62,19 +119,32 @@ def forget(sandbox_id: str) -> None:
     _placed.pop(sandbox_id, None)
 
 
-def adopt() -> int:
-    """Find the sandboxes an earlier edge placed outside their ID's bucket (one listing of
-    each bucket of the memory hierarchy); how many."""
+def adopt(parent: str, node: str | None) -> int:
+    """Learn where the sandboxes an earlier edge of this node left run: every one in the node's
+    parent (one listing of each bucket of the memory hierarchy), and, of the legacy shared
+    parent, those whose ID names ``node``. How many."""
     found = 0
     with contextlib.suppress(OSError):
-        for bucket in (CGROUP_ROOT / "memory" / PARENT).iterdir():
-            if not bucket.is_dir() or len(bucket.name) != 2:
+        for bucket in (_MEMORY / parent).iterdir():
+            if bucket.is_dir() and len(bucket.name) == 2:
+                for d in bucket.iterdir():
+                    if d.is_dir() and d.name.startswith("sb-"):
+                        _placed[d.name] = f"{parent}/{bucket.name}"
+                        found += 1
+    if not node:
+        return found
+    with contextlib.suppress(OSError):
+        for entry in (_MEMORY / LEGACY_PARENT).iterdir():
+            if not entry.is_dir():
                 continue
-            where = f"{PARENT}/{bucket.name}"
-            for d in bucket.iterdir():
-                if d.is_dir() and where != hashed_bucket(d.name):
-                    _placed[d.name] = where
-                    found += 1
+            if len(entry.name) == 2:
+                for d in entry.iterdir():
+                    if d.is_dir() and _node_of(d.name) == node:
+                        _placed[d.name] = f"{LEGACY_PARENT}/{entry.name}"
+                        found += 1
+            elif _node_of(entry.name) == node:
+                _placed[entry.name] = LEGACY_PARENT
+                found += 1
     return found
 
 
@@ -102,36 +172,36 @@ def fix_hybrid_layout() -> list[str]:
     return moved
 
 
-def prepare_cpuset_parent() -> bool:
+def prepare_cpuset_parent(parent: str) -> bool:
     """Have the kernel give each new sandbox cpuset its parent's CPUs and memory nodes
     (``cgroup.clone_children``); True if set. crun writes both into every new cpuset, and a
     write that changes them checks every sibling and rebuilds the scheduler domains, which walk
     every cpuset: perf at 3,000 held sandboxes, ~3 ms of each create. Once the kernel has copied
     them, crun's write is the same value, which the kernel returns from at once."""
     root = CGROUP_ROOT / "cpuset"
-    parent = root / PARENT
+    made = root / parent
     if not (root / "cpuset.cpus").exists():
         return False
     try:
-        parent.mkdir(exist_ok=True)
+        made.mkdir(exist_ok=True)
         for name in ("cpuset.cpus", "cpuset.mems"):  # a parent made here starts empty
-            if not (parent / name).read_text().strip():
-                (parent / name).write_text((root / name).read_text())
-        (parent / "cgroup.clone_children").write_text("1")
+            if not (made / name).read_text().strip():
+                (made / name).write_text((root / name).read_text())
+        (made / "cgroup.clone_children").write_text("1")
     except OSError:
         return False
     return True
 
 
-def prepare_buckets() -> None:
-    """Make the buckets below ``dsec`` in every hierarchy now, while the node starts: a cpuset
+def prepare_buckets(parent: str) -> None:
+    """Make the buckets below ``parent`` in every hierarchy now, while the node starts: a cpuset
     bucket made by crun with the first sandbox in it costs that create a cpus write and a
     rebuild of the scheduler domains. Made after :func:`prepare_cpuset_parent`, so each cpuset
     bucket copies its parent's CPUs and passes the copying on to its sandboxes."""
     for c in hierarchies():
         for bucket in range(BUCKETS):
             with contextlib.suppress(FileExistsError):
-                (c / PARENT / f"{bucket:02x}").mkdir(parents=True)
+                (c / parent / f"{bucket:02x}").mkdir(parents=True)
 
 
 def v1_controllers() -> list[Path]:
@@ -228,15 +298,16 @@ def rmdir(d: Path) -> None:
     d.rmdir()
 
 
-def remove_parents() -> None:
-    """Remove the empty ``dsec`` parent cgroups and their buckets (when the edge stops with no
+def remove_parents(parent: str) -> None:
+    """Remove the node's empty parent cgroups and their buckets (when the edge stops with no
     sandboxes left; a bucket is not removed when its last sandbox goes: a create may be making
-    its next one in it at that moment)."""
+    its next one in it at that moment). The legacy shared parent is another node's as much as
+    this one's: left."""
     for c in hierarchies():
         with contextlib.suppress(OSError):
-            for bucket in (c / PARENT).iterdir():
+            for bucket in (c / parent).iterdir():
                 if bucket.is_dir() and len(bucket.name) == 2:
                     with contextlib.suppress(OSError):
                         rmdir(bucket)
         with contextlib.suppress(OSError):
-            (c / PARENT).rmdir()
+            (c / parent).rmdir()

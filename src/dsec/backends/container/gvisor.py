@@ -4,8 +4,8 @@ The sandbox's processes run on gVisor's user-space kernel (the *sentry*); the ho
 only the sentry, its ptrace stubs and the *gofer* that serves the root file system. The rest of
 the container backend stays as it is: the same bundle and overlay root (runsc's gofer writes
 through to the overlay's upper directory, so pack, changes and disk quotas read the same
-place), the same cgroups (runsc puts sentry and gofer in ``/dsec/<bucket>/<id>``: memory accounting,
-page-out, OOM counts and the freezer work unchanged).
+place), the same cgroups (runsc puts sentry and gofer in ``/<node's parent>/<bucket>/<id>``:
+memory accounting, page-out, OOM counts and the freezer work unchanged).
 
 What differs is everything that entered the sandbox's namespaces: processes inside are not host
 processes, so they start through ``runsc exec`` (:mod:`.gvisor_exec`: it relays their stdio

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from dsec.backends.base import DEFAULT_PATH, User
+from dsec.backends.container import nodefs
 from dsec.backends.container.seccomp import seccomp_profile
 from dsec.protocol.models import ContainerSpec
 
@@ -61,6 +62,8 @@ INIT = "/.dsec/dsec-init"
 
 
 EMPTY_DIR = "empty"  # in the runtime directory: what masked directories show
+# In the runtime directory: /sys with only the file LXCFS answers (an empty file to bind over).
+SYS_SKELETON = "sys"
 
 
 def _empty_bind(destination: str, runtime_dir: str) -> dict[str, Any]:
@@ -70,6 +73,14 @@ def _empty_bind(destination: str, runtime_dir: str) -> dict[str, Any]:
         "source": f"{runtime_dir}/{EMPTY_DIR}",
         "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
     }
+
+
+def _lxcfs_binds(lxcfs: str) -> list[dict[str, Any]]:
+    """LXCFS's files over the kernel's: each read answers with the reader's cgroup limits."""
+    files = [(f"/proc/{name}", f"{lxcfs}/proc/{name}") for name in nodefs.LXCFS_PROC_FILES]
+    files.append((f"/sys/{nodefs.CPU_ONLINE}", f"{lxcfs}/sys/{nodefs.CPU_ONLINE}"))
+    opts = ["bind", "ro", "nosuid", "nodev", "noexec"]
+    return [{"destination": dst, "type": "bind", "source": src, "options": opts} for dst, src in files]
 
 
 # cgroup v1 weights: best-effort gets the minimum, so under contention it yields ~500:1.
@@ -96,9 +107,11 @@ def build_config(
     nofile: int = 65536,
     resolv_conf: str | None = None,
     cpu_quota_set: bool = False,
+    lxcfs: str | None = None,
 ) -> dict[str, Any]:
     """``cpu_quota_set``: the sandbox's cgroups are a spare's that has its quota already
-    (spares.py), so crun is not told to write it."""
+    (spares.py), so crun is not told to write it. ``lxcfs``: the node's LXCFS mount
+    (nodefs.py), whose files then stand for /proc's and /sys's CPU and memory views."""
     memory = spec.memory_limit_mb * 1024 * 1024
     caps = list(CAPABILITIES)
     return {
@@ -137,8 +150,13 @@ def build_config(
             },
             # No sysfs: nothing there is a sandbox's own business except its network devices,
             # which /proc/net shows too.
-            _empty_bind("/sys", runtime_dir),
+            (
+                {**_empty_bind("/sys", runtime_dir), "source": f"{runtime_dir}/{SYS_SKELETON}"}
+                if lxcfs
+                else _empty_bind("/sys", runtime_dir)
+            ),
             *(_empty_bind(d, runtime_dir) for d in MASKED_DIRS if os.path.isdir(d)),
+            *(_lxcfs_binds(lxcfs) if lxcfs else []),
             {
                 "destination": "/.dsec",
                 "type": "bind",

@@ -43,9 +43,11 @@ MAX_LEFT_CHARGED = 1 << 20  # bytes of kernel objects a spare's memory cgroup ma
 
 
 class SpareCgroups:
-    """Spare sets of v1 cgroups, per bucket, known to this edge only (a restart removes them)."""
+    """Spare sets of v1 cgroups, per bucket of the node's parent cgroup, known to this edge only
+    (a restart removes them)."""
 
-    def __init__(self, per_bucket: int = PER_BUCKET) -> None:
+    def __init__(self, parent: str, per_bucket: int = PER_BUCKET) -> None:
+        self.parent = parent
         self.per_bucket = per_bucket
         self._free: dict[str, list[str]] = defaultdict(list)
         # Names no other edge's spares have (tests run several nodes on one host).
@@ -61,7 +63,7 @@ class SpareCgroups:
         another bucket's (it is then placed there: :func:`cgroups.place`); the CPU quota
         (microseconds per period) the spare keeps. None when there was no spare, or it could not
         be taken whole (what was renamed is the sandbox's then, crun makes the rest)."""
-        bucket = cgroups.hashed_bucket(sandbox_id)
+        bucket = cgroups.hashed_bucket(sandbox_id, self.parent)
         if not self._free.get(bucket):
             bucket = max(self._free, key=lambda b: len(self._free[b]), default=bucket)
             if not self._free.get(bucket):
@@ -91,7 +93,9 @@ class SpareCgroups:
         whatever is not kept, the caller removes as before."""
         rel = cgroups.rel(sandbox_id)
         where = _split(rel)
-        if where is None or len(self._free[where[0]]) >= self.per_bucket:
+        if where is None or not where[0].startswith(f"{self.parent}/"):
+            return False  # made before buckets, or under the legacy shared parent
+        if len(self._free[where[0]]) >= self.per_bucket:
             return False
         unfit = _unfit(rel)
         if unfit is not None:
@@ -112,12 +116,12 @@ class SpareCgroups:
         return True
 
     def clear(self) -> int:
-        """Remove every spare set on the node, this edge's and any an earlier one left."""
+        """Remove every spare set in the node's parent, this edge's and any an earlier one left."""
         self._free.clear()
         removed = 0
         for h in cgroups.v1_controllers():
             with contextlib.suppress(OSError):
-                for bucket in (h / cgroups.PARENT).iterdir():
+                for bucket in (h / self.parent).iterdir():
                     with contextlib.suppress(OSError):
                         for d in bucket.glob(f"{PREFIX}*"):
                             with contextlib.suppress(OSError):
@@ -126,14 +130,14 @@ class SpareCgroups:
         return removed
 
 
-def spare_dirs() -> list[Path]:
-    """Every spare cgroup directory on the node (for tests and diagnostics)."""
-    return sorted(p for h in cgroups.v1_controllers() for p in h.glob(f"{cgroups.PARENT}/*/{PREFIX}*"))
+def spare_dirs(parent: str) -> list[Path]:
+    """Every spare cgroup directory in the node's parent (for tests and diagnostics)."""
+    return sorted(p for h in cgroups.v1_controllers() for p in h.glob(f"{parent}/*/{PREFIX}*"))
 
 
 def _split(rel: str) -> tuple[str, str] | None:
-    """``dsec/<bucket>/<id>`` as (``dsec/<bucket>``, ``<id>``); None for a sandbox made before
-    buckets (``dsec/<id>``), whose cgroups are not kept."""
+    """``<parent>/<bucket>/<id>`` as (``<parent>/<bucket>``, ``<id>``); None for a sandbox made
+    before buckets (``dsec/<id>``), whose cgroups are not kept."""
     parent, _, name = rel.rpartition("/")
     return (parent, name) if parent.count("/") == 1 else None
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
@@ -40,6 +43,42 @@ _READY_TIMEOUT_S = 60.0  # preloading heavy modules (numpy, torch) takes a while
 _ANSWER_MARGIN_S = 30.0  # beyond the task's own timeouts: cleanup, compiling, fetching files
 _LINE_LIMIT = 256 << 20
 _CLOSE_TIMEOUT_S = 5.0  # a result carries at most two capped streams and fetched files
+# Each pool sandbox runs its calls as a uid of its own: RLIMIT_NPROC counts a uid's processes
+# and threads across the whole node (sandboxes have no user namespace), so with one shared uid
+# a call's threads would count against every other sandbox's call at the same moment. Each edge
+# process takes a slot of uids no other process on the host holds (a `dsec up` beside the tests:
+# a runner kills every process of its call uid after each call), by a lock it holds for life.
+_CALL_UID_SPAN = 1 << 16
+_CALL_UID_SLOTS = 2000  # 1.9e9 + 2000 x 65,536 stays below 2^31
+_CALL_UID_CLAIMS = Path("/run/dsec/fncall-uids")
+_call_uid_base: int | None = None
+_call_uids_in_use: set[int] = set()
+
+
+def _claim_call_uid_slot() -> int:
+    start = os.getpid() % _CALL_UID_SLOTS
+    with contextlib.suppress(OSError):
+        _CALL_UID_CLAIMS.mkdir(parents=True, exist_ok=True)
+        for i in range(_CALL_UID_SLOTS):
+            slot = (start + i) % _CALL_UID_SLOTS
+            fd = os.open(_CALL_UID_CLAIMS / str(slot), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return slot  # fd stays open (and locked) until the process ends
+    return start
+
+
+def _take_call_uid() -> int:
+    global _call_uid_base
+    if _call_uid_base is None:
+        _call_uid_base = 1_900_000_000 + _claim_call_uid_slot() * _CALL_UID_SPAN
+    base = _call_uid_base
+    uid = next(u for u in range(base, base + _CALL_UID_SPAN) if u not in _call_uids_in_use)
+    _call_uids_in_use.add(uid)
+    return uid
 
 
 @dataclass
@@ -48,6 +87,8 @@ class PoolConfig:
 
     name: str = "default"
     image: str = "debian:bookworm-cc"  # the base with gcc and g++: every language works
+    # Instead of image: a layer list, base first (the python runtime on the toolchain base).
+    layers: list[str] = field(default_factory=list)
     size: int = 2
     max_calls: int = 500  # then the sandbox is replaced, whatever cleanup says
     memory_mb: int = 4096  # the sandbox's cgroup; each call also has its own address-space limit
@@ -64,9 +105,10 @@ class WorkerLost(Exception):
 
 
 class Worker:
-    def __init__(self, sandbox_id: str, proc: SandboxProcess) -> None:
+    def __init__(self, sandbox_id: str, proc: SandboxProcess, call_uid: int) -> None:
         self.sandbox_id = sandbox_id
         self.proc = proc
+        self.call_uid = call_uid
         self.calls = 0
         self._buffer = bytearray()
         self._stderr = asyncio.create_task(self._drain_stderr())
@@ -124,6 +166,7 @@ class Worker:
         return line
 
     async def close(self) -> None:
+        _call_uids_in_use.discard(self.call_uid)
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
@@ -154,7 +197,7 @@ class FnPool:
         c = self.config
         return ContainerSpec.model_validate(
             {
-                "image": c.image,
+                **({"layers": c.layers} if c.layers else {"image": c.image}),
                 "memory_limit_mb": c.memory_mb,
                 "cpu_cores_limit": c.cpu_cores,
                 "pids_limit": c.pids,
@@ -183,17 +226,25 @@ class FnPool:
 
     async def _add(self) -> None:
         info = await self.edge.create(self.spec())
+        call_uid = _take_call_uid()
         try:
             argv = ["python3", RUNNER_IN_SANDBOX, "--workdir", "/tmp/fncall"]
+            argv += ["--uid", str(call_uid), "--gid", str(call_uid)]
             if self.config.preload:
                 argv += ["--preload", ",".join(self.config.preload)]
             if self.edge.ksm.running:
                 argv += ["--mergeable", str(self._hash_seed)]
             proc = await self.edge.spawn_service(info.id, argv)
-            worker = Worker(info.id, proc)
+        except BaseException:
+            _call_uids_in_use.discard(call_uid)
+            await self.edge.stop(info.id, reason="fncall runner failed to start")
+            raise
+        worker = Worker(info.id, proc, call_uid)
+        try:
             await worker.ready()
         except BaseException:
             await self.edge.stop(info.id, reason="fncall runner failed to start")
+            await worker.close()
             raise
         if self.closed:
             await self._retire(worker, "pool closed")

@@ -37,9 +37,9 @@ The call uid must belong to calls alone: every process of it is killed after eac
 RLIMIT_NPROC counts all of its processes and threads. ``--scrub`` must name every directory,
 outside the call dir, where that uid can create files (with the pool's layers read-only: the
 tmpfs ones). Per process of a call: RLIMIT_AS = memory_limit_mb (compilers: at least 1 GiB),
-RLIMIT_CPU = ceil(run_timeout_s) + 1 s (SIGXCPU; SIGKILL a second later), RLIMIT_NPROC 64,
-RLIMIT_FSIZE 256 MiB, RLIMIT_NOFILE 256, no core files; the wall-clock timeout is the
-runner's, which kills the call's session.
+RLIMIT_CPU = ceil(run_timeout_s) + 1 s (SIGXCPU; SIGKILL a second later), RLIMIT_NPROC 2048
+(processes and threads), RLIMIT_FSIZE 256 MiB, RLIMIT_NOFILE 1024, no core files; the
+wall-clock timeout is the runner's, which kills the call's session.
 """
 
 from __future__ import annotations
@@ -75,25 +75,59 @@ RUN_ARGV["cpp"] = RUN_ARGV["c"]
 RESERVED = frozenset([*SOURCE.values(), "main"])  # input files may not take these names
 # field: (type, default, min, max); dsec.protocol.fncall.FnTask declares the same (a test checks).
 BOUNDS: dict[str, tuple[type, float, float, float]] = {
-    "compile_timeout_s": (float, 30.0, 0.1, 300.0),
-    "run_timeout_s": (float, 10.0, 0.1, 300.0),
-    "memory_limit_mb": (int, 256, 32, 16384),
+    "compile_timeout_s": (float, 30.0, 0.1, 3600.0),
+    "run_timeout_s": (float, 10.0, 0.1, 3600.0),
+    "memory_limit_mb": (int, 256, 32, 16384),  # null: no address-space limit (NULLABLE)
     "max_output_bytes": (int, 1 << 20, 1, 64 << 20),
 }
+NULLABLE = frozenset({"memory_limit_mb"})
 MAX_CODE = 1 << 20  # bytes of UTF-8
 MAX_STDIN = 16 << 20
 MAX_EXPECTED = 16 << 20
-MAX_FILES = 64  # input files, and paths to fetch
+MAX_FILES = 4096  # input files, and paths to fetch
 MAX_FILES_BYTES = 32 << 20  # all input files together, decoded
 MAX_FETCH_BYTES = 32 << 20  # all fetched files together
 MAX_PATH = 512
 MAX_LINE = 64 << 20
-NPROC, NOFILE, FSIZE = 64, 256, 256 << 20  # per call: processes+threads of the uid, fds, file size
+# Per call: processes+threads of the call uid (RLIMIT_NPROC counts threads; real programs start
+# a thread pool per core, graders 100s of threads), fds, file size. The pool sandbox's pids
+# cgroup is the hard bound; NPROC stays below it so the runner can always fork its killer.
+NPROC, NOFILE, FSIZE = 2048, 1024, 256 << 20
+# Absolute paths: not under these (dsec.protocol.fncall.SYSTEM_DIRS says why; a test keeps them equal).
+SYSTEM_DIRS = frozenset(
+    {
+        "proc",
+        "sys",
+        "dev",
+        ".dsec",
+        "etc",
+        "usr",
+        "bin",
+        "sbin",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "boot",
+        "run",
+        "var",
+    }
+)
+OPEN_SYSTEM_DIRS = ("/dev/shm/", "/var/tmp/")
 COMPILE_MEMORY_MB = 1024  # compilers need more address space than most programs they build
 KILL_ROUNDS = 50
 # A failing program with one of these in the tail of its stderr ran out of memory (FnResult doc).
 MEMORY_RE = re.compile(rb"std::bad_alloc|MemoryError|[Cc]annot allocate|[Oo]ut of memory")
-ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+# USER and LOGNAME: the call uid has no passwd entry, and getpass.getuser() (cache dirs of
+# torch, matplotlib) asks the environment first. MPLBACKEND: a call has no display, and
+# Debian's matplotlibrc names a GUI backend.
+ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
+    "MPLBACKEND": "Agg",
+}
 CLONE_NEWIPC, CLONE_NEWNET = 0x08000000, 0x40000000
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 MADV_MERGEABLE, ADDR_NO_RANDOMIZE, PER_QUERY = 12, 0x0040000, 0xFFFFFFFF
@@ -166,15 +200,20 @@ class Task:
     expected_stdout: str | None
     compile_timeout_s: float
     run_timeout_s: float
-    memory_limit_mb: int
+    memory_limit_mb: int | None
     max_output_bytes: int
 
 
-def check_path(p: object) -> str:
-    if not isinstance(p, str) or not 0 < len(p) <= MAX_PATH or "\0" in p or p.startswith("/"):
-        raise TaskError(f"bad path {p!r}: give a relative path of 1-{MAX_PATH} characters")
-    if any(part in ("", ".", "..") for part in p.split("/")):
+def check_path(p: object, workdir: str = "/tmp/fncall") -> str:
+    if not isinstance(p, str) or not 0 < len(p) <= MAX_PATH or "\0" in p:
+        raise TaskError(f"bad path {p!r}: give a path of 1-{MAX_PATH} characters")
+    parts = p[1:].split("/") if p.startswith("/") else p.split("/")
+    if any(part in ("", ".", "..") for part in parts):
         raise TaskError(f"bad path {p!r}: empty, '.' and '..' components are refused")
+    if p.startswith("/"):
+        system = parts[0] in SYSTEM_DIRS and not p.startswith(OPEN_SYSTEM_DIRS)
+        if len(parts) < 2 or system or (p + "/").startswith(workdir + "/"):
+            raise TaskError(f"bad path {p!r}: absolute paths in system directories are refused")
     return p
 
 
@@ -197,6 +236,9 @@ def parse_task(obj: Any) -> Task:
     limits: dict[str, Any] = {}
     for name, (typ, default, lo, hi) in BOUNDS.items():
         v = obj.get(name, default)
+        if v is None and name in NULLABLE:
+            limits[name] = None
+            continue
         ok_type = (int, float) if typ is float else int
         if isinstance(v, bool) or not isinstance(v, ok_type) or not lo <= v <= hi:
             raise TaskError(f"{name} must be a {typ.__name__} in [{lo}, {hi}]")
@@ -254,8 +296,9 @@ def _exit_code(status: int) -> tuple[int | None, int | None]:
     return (os.WEXITSTATUS(status), None) if os.WIFEXITED(status) else (None, os.WTERMSIG(status))
 
 
-def _limits(memory_mb: int, cpu_s: float) -> list[list[int]]:
-    mem, cpu = memory_mb << 20, math.ceil(cpu_s) + 1
+def _limits(memory_mb: int | None, cpu_s: float) -> list[list[int]]:
+    mem = resource.RLIM_INFINITY if memory_mb is None else memory_mb << 20
+    cpu = math.ceil(cpu_s) + 1
     return [
         [resource.RLIMIT_AS, mem, mem],
         [resource.RLIMIT_CPU, cpu, cpu + 1],  # SIGXCPU first, SIGKILL a second later
@@ -468,12 +511,18 @@ def _remove(path: str) -> None:
             return
 
 
-def _fetch(cdir: str, paths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Read the fetch_files back; no process of the call is alive, so the checks cannot race."""
+def _fetch(cdir: str, paths: list[str], uid: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Read the fetch_files back; no process of the call is alive, so the checks cannot race.
+    An absolute path comes back only if the call uid owns it: the call brings back what it
+    wrote or was given, never a file of the pool sandbox's own."""
     root, files, errors, total = os.path.realpath(cdir), {}, {}, 0
     for rel in paths:
         full = os.path.join(root, rel)
-        if os.path.commonpath([os.path.realpath(full), root]) != root:
+        if rel.startswith("/"):
+            if os.path.realpath(os.path.dirname(rel)) != os.path.dirname(rel):
+                errors[rel] = "a link on the way"
+                continue
+        elif os.path.commonpath([os.path.realpath(full), root]) != root:
             errors[rel] = "escapes the call directory"
             continue
         try:
@@ -485,6 +534,8 @@ def _fetch(cdir: str, paths: list[str]) -> tuple[dict[str, str], dict[str, str]]
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 errors[rel] = "not a regular file"
+            elif rel.startswith("/") and st.st_uid != uid:
+                errors[rel] = "not the call's: an absolute path comes back only if the call made it"
             elif total + st.st_size > MAX_FETCH_BYTES:
                 errors[rel] = f"too large: all fetched files together are capped at {MAX_FETCH_BYTES} bytes"
             else:
@@ -506,6 +557,16 @@ class Runner:
         self.root = os.geteuid() == 0
         self.uid, self.gid = (uid, gid) if self.root else (os.getuid(), os.getgid())
         self.scrub, self.calls, self.proven_dead = scrub, 0, False
+        # This call's absolute paths: directories made for it, ones opened to it (with their
+        # modes before), and every directory holding such a path (scanned for the uid's entries).
+        self.made_dirs: list[str] = []
+        self.opened_dirs: list[tuple[str, int]] = []
+        self.abs_parents: set[str] = set()
+        if self.root and not os.path.isdir("/dev/shm"):
+            # POSIX semaphores and shared memory (multiprocessing's SemLock) live there; the
+            # sandbox's /dev is a small tmpfs of its own, and --scrub empties it after each call.
+            os.makedirs("/dev/shm", exist_ok=True)
+            os.chmod("/dev/shm", 0o1777)
         os.makedirs(workdir, exist_ok=True)
         os.chmod(workdir, 0o711)  # calls may pass through to their dir, not list or write here
         self.workdir = os.path.realpath(workdir)
@@ -666,6 +727,7 @@ class Runner:
         self.proven_dead = False
         if cdir is not None:
             _remove(cdir)
+        absolute_undone = self._close_absolute()
         for entry in os.listdir(self.workdir):
             _remove(os.path.join(self.workdir, entry))
         scrubbed = True
@@ -678,11 +740,68 @@ class Runner:
             for path in mine:
                 _remove(path)
                 scrubbed = scrubbed and not os.path.lexists(path)
-        return procs_gone and scrubbed and not os.listdir(self.workdir) and not self.zygote_dead
+        clean = procs_gone and scrubbed and absolute_undone and not self.zygote_dead
+        return clean and not os.listdir(self.workdir)
+
+    def _uid_entries(self, d: str) -> list[str]:
+        try:
+            with os.scandir(d) as it:
+                return [e.path for e in it if e.stat(follow_symlinks=False).st_uid == self.uid]
+        except OSError:
+            return []
+
+    def _open_absolute(self, t: Task) -> None:
+        """Let the call write its absolute paths, for this call only (``_close_absolute`` undoes it):
+        missing directories are made and given to the call uid; an existing one it cannot write
+        is opened to it, sticky, so what was there stays out of its reach."""
+        for path in [p for p in [*t.files, *t.fetch_files] if p.startswith("/")]:
+            if (path + "/").startswith(self.workdir + "/"):
+                raise TaskError(f"bad path {path!r}: the runner's own directory")
+            parent, missing = os.path.dirname(path), []
+            while not os.path.lexists(parent):
+                missing.append(parent)
+                parent = os.path.dirname(parent)
+            st = os.lstat(parent)
+            if not stat.S_ISDIR(st.st_mode) or os.path.realpath(parent) != parent:
+                raise TaskError(f"bad path {path!r}: {parent} is not a directory (or is a link)")
+            self.abs_parents.add(parent)
+            if missing:
+                self.made_dirs.append(missing[-1])
+                for d in reversed(missing):
+                    os.mkdir(d, 0o755)
+                    if self.root:
+                        os.lchown(d, self.uid, self.gid)
+            elif self.root and st.st_uid != self.uid and not st.st_mode & stat.S_IWOTH:
+                if parent not in (d for d, _ in self.opened_dirs):
+                    self.opened_dirs.append((parent, stat.S_IMODE(st.st_mode)))
+                    os.chmod(parent, stat.S_IMODE(st.st_mode) | stat.S_ISVTX | stat.S_IWOTH | stat.S_IXOTH)
+        for path, data in t.files.items():
+            if path.startswith("/"):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                with open(fd, "wb") as f:
+                    f.write(data)
+                if self.root:
+                    os.lchown(path, self.uid, self.gid)
+
+    def _close_absolute(self) -> bool:
+        """Remove what the call made at its absolute paths; True when that is proven done."""
+        for d in self.made_dirs:
+            _remove(d)
+        for d in self.abs_parents:
+            for path in self._uid_entries(d):
+                _remove(path)
+        for d, mode in self.opened_dirs:
+            os.chmod(d, mode)
+        undone = not any(os.path.lexists(d) for d in self.made_dirs)
+        undone = undone and all(stat.S_IMODE(os.lstat(d).st_mode) == m for d, m in self.opened_dirs)
+        undone = undone and not any(self._uid_entries(d) for d in self.abs_parents)
+        self.made_dirs, self.opened_dirs, self.abs_parents = [], [], set()
+        return undone
 
     def _prepare(self, cdir: str, t: Task) -> None:
         os.mkdir(cdir, 0o700)
-        for rel, data in [*t.files.items(), (SOURCE[t.language], t.code.encode())]:
+        relative = [(p, d) for p, d in t.files.items() if not p.startswith("/")]
+        for rel, data in [*relative, (SOURCE[t.language], t.code.encode())]:
             path = os.path.join(cdir, rel)
             os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb") as f:
@@ -698,11 +817,13 @@ class Runner:
         cdir = os.path.join(self.workdir, f"call-{self.calls}-{secrets.token_hex(8)}")
         try:
             self._prepare(cdir, t)
+            self._open_absolute(t)
             argv = RUN_ARGV[t.language]
             if t.language in ("c", "cpp"):
                 cc = ["gcc", "-std=c17"] if t.language == "c" else ["g++", "-std=c++17"]
                 cc += ["-O2", "-o", "main", SOURCE[t.language], "-lm"]
-                limits = _limits(max(t.memory_limit_mb, COMPILE_MEMORY_MB), t.compile_timeout_s)
+                memory = None if t.memory_limit_mb is None else max(t.memory_limit_mb, COMPILE_MEMORY_MB)
+                limits = _limits(memory, t.compile_timeout_s)
                 comp = self.spawn(cc, cdir, limits, b"", t.compile_timeout_s, t.max_output_bytes)
                 res["compile_time_s"] = comp.wall_s
                 if comp.marker.startswith(b"E"):
@@ -718,7 +839,9 @@ class Runner:
             if run.marker.startswith(b"E"):
                 raise CallFailed(run.marker[1:].decode(errors="replace"))
             self._classify(res, run, t)
-            res["files"], res["fetch_errors"] = _fetch(cdir, t.fetch_files)
+            res["files"], res["fetch_errors"] = _fetch(cdir, t.fetch_files, self.uid)
+        except TaskError as exc:
+            res.update(status="internal_error", stderr=f"invalid task: {exc}")
         except (CallFailed, OSError) as exc:
             res.update(status="internal_error", stderr=f"runner: {exc}")
         finally:
@@ -738,7 +861,12 @@ class Runner:
         elif code != 0 and (
             (run.marker[:1] == b"S" and b"M" in run.marker[1:])
             or MEMORY_RE.search(run.err.tail)
-            or (killed and run.maxrss_kib * 1024 >= 0.9 * (t.memory_limit_mb << 20))
+            or (killed and t.memory_limit_mb is None)  # only the sandbox's cgroup OOM kills it then
+            or (
+                killed
+                and t.memory_limit_mb is not None
+                and run.maxrss_kib * 1024 >= 0.9 * (t.memory_limit_mb << 20)
+            )
         ):
             status = "memory_exceeded"
         elif code != 0:

@@ -45,7 +45,8 @@ AgentAddr = Path | VsockAddr
 
 
 def cstr(text: str) -> bytes:
-    data = text.encode()
+    # A file name that is not UTF-8 is a surrogateescape str here: sent as its own bytes.
+    data = os.fsencode(text)
     if b"\0" in data:
         raise ValueError("a string sent to the guest agent cannot contain NUL")
     return data + b"\0"

@@ -22,7 +22,7 @@ from dsec.backends.microvm.channel import (
 )
 from dsec.executor._paths import _file_type, _map_oserror, _normalize
 from dsec.executor.file_ops import DEFAULT_FILE_MODE
-from dsec.protocol.errors import FileNotFound
+from dsec.protocol.errors import FileNotFound, InvalidRequest
 from dsec.protocol.models import FileStat
 
 ChannelOf = Callable[[], Awaitable[AgentChannel]]
@@ -106,6 +106,13 @@ class VmFileOps:
     async def remove(self, path: str, recursive: bool = False) -> None:
         full = _normalize(path, "/")
         await self._fop(OP_REMOVE, struct.pack("<B", int(recursive)) + cstr(full), full)
+
+    async def set_xattrs(self, path: str, prefix: str, attrs: dict[str, str]) -> None:
+        if attrs:  # the guest agent has no call for them
+            raise InvalidRequest("extended attributes are not served on microVM sandboxes")
+
+    async def xattrs(self, path: str, prefix: str) -> dict[str, str]:
+        return {}
 
     async def move(self, source: str, destination: str) -> FileStat:
         src, dst = _normalize(source, "/"), _normalize(destination, "/")
