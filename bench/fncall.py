@@ -1,6 +1,6 @@
 """FnCall calls per second and latency, against running the same code in a container sandbox.
 
-    .venv/bin/python bench/fncall.py [--calls 400] [--concurrency 1,4,16] [--pool-size 2]
+    .venv/bin/python bench/fncall.py [--calls 400] [--concurrency 1,4,16] [--pool-size 2] [--preload numpy]
 
 Runs an embedded node with one FnCall pool on a scratch data directory that shares the layer
 store of `dsec up` (`debian:bookworm-cc` must exist: `./setup.sh up` or `dsec base` builds it).
@@ -119,12 +119,16 @@ async def main() -> None:
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     ap.add_argument("--run-code", default="1,4,16,64", help="concurrencies for /run_code ('' to skip)")
     ap.add_argument("--only-run-code", action="store_true")
+    preload_help = "modules the pool preloads (`dsec up`'s default pool: numpy); '' for none"
+    ap.add_argument("--preload", default="", help=preload_help)
     a = ap.parse_args()
     levels = [int(c) for c in a.concurrency.split(",")]
 
-    pool = PoolConfig(size=a.pool_size, image=TOOLCHAIN_REF, max_calls=100_000)
+    preload = [m for m in a.preload.split(",") if m]
+    pool = PoolConfig(size=a.pool_size, image=TOOLCHAIN_REF, max_calls=100_000, preload=preload)
     print(
         f"cores {os.cpu_count()}  python {sys.version.split()[0]}  pool of {a.pool_size} on {TOOLCHAIN_REF}"
+        f"  preloading {preload or 'nothing'}"
     )
     async with scratch_node("fncall", a.layers, lambda scratch: {"fncall_pools": [pool]}) as node:
         sf_levels = [int(c) for c in a.run_code.split(",") if c]

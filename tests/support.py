@@ -59,7 +59,9 @@ def dsec_env(config: Path) -> dict[str, str]:
     return env
 
 
-def start_dsec_up(data_dir: Path, layer_dir: Path, config: Path, node: str) -> subprocess.Popen[bytes]:
+def start_dsec_up(
+    data_dir: Path, layer_dir: Path, config: Path, node: str, *options: str
+) -> subprocess.Popen[bytes]:
     """`dsec up` as a user runs it, on a free port; returns once it wrote its config file."""
     config.unlink(missing_ok=True)
     proc = subprocess.Popen(
@@ -79,6 +81,7 @@ def start_dsec_up(data_dir: Path, layer_dir: Path, config: Path, node: str) -> s
             "host",
             "--no-microvm",
             "--no-vm",
+            *options,
         ],
         env=dsec_env(config),
         stdout=subprocess.PIPE,

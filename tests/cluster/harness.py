@@ -32,6 +32,8 @@ NODES = ("edge1", "edge2", "edge3")  # one per network namespace
 EDGE_PORT = 8643  # the same on every edge: each has a network namespace of its own
 HEARTBEAT_S = 0.5
 WATCH_INTERVAL_S = 0.2
+# Ten missed heartbeats: the checks made right after an edge is killed still see it unreachable.
+NODE_LOST_AFTER_S = 10 * HEARTBEAT_S
 CLIENT_TIMEOUT_S = 60.0
 
 
@@ -126,6 +128,7 @@ class Cluster:
             "--secret-file", str(self.secret_file),
             "--scratch", str(scratch),
             "--watch-interval", str(WATCH_INTERVAL_S),
+            "--node-lost-after", str(NODE_LOST_AFTER_S),
         ]  # fmt: skip
         proc = self._start(f"api{index}", argv)
         self.apis[index] = proc

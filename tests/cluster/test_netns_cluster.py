@@ -20,7 +20,9 @@ import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, Sandbox, SandboxState
 from dsec.iam import IamStore, NodeRecord
+from dsec.protocol.errors import InfraReason
 from dsec.protocol.fncall import FnResult
+from dsec.rl import fault_of
 from tests.support import eventually
 
 from .harness import HEARTBEAT_S, Cluster, epoch_of, free_port, node_of
@@ -97,6 +99,19 @@ async def _create(client: DSecClient, image: str, **labels: str) -> Sandbox:
     return await client.run_container(DSecContainerRunArgs(container_image=image, labels=labels))
 
 
+async def _exists(sb: Sandbox, path: str) -> bool:
+    # exec, not the session: the command being waited for holds the default session.
+    return (await sb.exec(["test", "-e", path])).exit_code == 0
+
+
+async def _get_says_lost(client: DSecClient, sandbox_id: str) -> bool:
+    try:
+        await client.get(sandbox_id)
+    except InfraFailure as exc:
+        return exc.reason == InfraReason.node_lost
+    raise AssertionError(f"{sandbox_id} answered on a killed node")
+
+
 async def _registry(iam: IamStore) -> dict[str, NodeRecord]:
     return {record.node: record for record in await iam.list_nodes()}
 
@@ -133,6 +148,8 @@ async def test_a_cluster_of_processes_survives_losing_an_edge_then_an_apiserver(
         victim = "edge2"
         doomed = next(sb for sid, sb in made.items() if node_of(sid) == victim)
         await doomed.write_file("/root/before-kill.txt", "written before the kill\n")
+        in_flight = asyncio.create_task(doomed.run_shell("touch /root/started; sleep 1000", timeout=600))
+        await eventually(functools.partial(_exists, doomed, "/root/started"), "the command to start")
         cluster.edges[victim].kill()
         for client in apis:
             with pytest.raises(InfraFailure) as lost:
@@ -147,6 +164,14 @@ async def test_a_cluster_of_processes_survives_losing_an_edge_then_an_apiserver(
                 assert node_of(sb.id) in nodes - {victim}
             call = await client.fncall({"language": "bash", "code": "echo still"})
             assert call.stdout == "still\n"
+        # Once no heartbeat came for NODE_LOST_AFTER_S the cluster declares the node lost: the
+        # command cut by the kill, and every later request on its sandboxes, says so.
+        with pytest.raises(InfraFailure) as cut:
+            await in_flight
+        assert cut.value.reason == InfraReason.node_lost and victim in cut.value.message, cut.value
+        assert fault_of(cut.value) == "infra"
+        for client in apis:
+            await eventually(functools.partial(_get_says_lost, client, doomed.id), "the node to be lost")
 
         # 3. It comes back on the same data directory: same epoch, its sandboxes re-adopted.
         restarted_at = time.time()

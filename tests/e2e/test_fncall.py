@@ -230,9 +230,12 @@ async def test_sandboxfusion_clients_only_change_their_url(fn_node: EmbeddedNode
 
 
 def runner_pids(sandbox_id: str) -> list[int]:
-    """The pool runner of a sandbox and its zygote (a fork of it: the same command line)."""
+    """The pool runner of a sandbox and its zygote (a fork of it: the same command line); not
+    the zygote's own fork waiting for the next call, whose pages are the zygote's until it runs."""
     procs = (cgroups.sandbox_dir("memory", sandbox_id) / "cgroup.procs").read_text().split()
-    return [int(p) for p in procs if b"runner.py" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    runners = {int(p) for p in procs if b"runner.py" in Path(f"/proc/{p}/cmdline").read_bytes()}
+    parent = {p: int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in runners}
+    return sorted(p for p in runners if parent[p] not in runners or parent[parent[p]] not in runners)
 
 
 def ksm_merging_bytes(pid: int) -> int:

@@ -242,6 +242,29 @@ def test_a_background_process_does_not_survive_into_the_next_call(runner: Runner
     assert second.stdout.startswith("True"), second.stdout
 
 
+# clone(CLONE_PARENT): the new process is the zygote's child, not the call's (x86_64 numbers).
+SIBLING_OF_THE_CALL = """
+import ctypes, os, time
+pid = ctypes.CDLL(None).syscall(56, 0x8000 | 17, 0, 0, 0, 0)
+if pid == 0:
+    time.sleep(1000)
+    os._exit(0)
+print(pid > 0, os.getppid() == int(open(f'/proc/{pid}/stat').read().split()[3]))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="raw clone syscall number")
+def test_a_sibling_of_the_call_is_not_taken_for_a_clean_end(runner: Runner, workdir: Path) -> None:
+    # The fast proof (no child of the call left under the runner or the zygote) must see it.
+    first = runner.call(language="python", code=SIBLING_OF_THE_CALL)
+    assert first.stdout == "True True\n", first
+    alive = [p for p in procs_of(runner.uid) if Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
+    assert alive == []
+    assert not first.clean or procs_of(runner.uid) == []
+    second = runner.call(language="python", code=LIST_MY_PROCESSES)
+    assert second.stdout.startswith("True"), second.stdout
+
+
 def test_a_call_cannot_reach_the_runner(runner: Runner) -> None:
     code = """
 import os, signal

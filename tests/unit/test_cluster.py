@@ -15,6 +15,7 @@ import pytest
 from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, QuotaExceeded, SandboxNotFound
 from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer, EdgeNode
 from dsec.apiserver.embedded import NodeConfig
+from dsec.apiserver.remote_edge import RemoteEdgeLink
 from dsec.backends.fake import FakeBackend
 from dsec.iam import open_iam_store
 from dsec.images.store import LayerStore
@@ -41,8 +42,15 @@ class Cluster:
     edges: dict[str, EdgeNode] = field(default_factory=dict)
     stopped: dict[str, EdgeNode] = field(default_factory=dict)
 
-    async def api(self) -> ClusterApiServer:
-        cfg = ApiServerConfig(SECRET, self.store, self.iam_url, port=0, watch_interval_s=0.2)
+    async def api(self, node_lost_after_s: float = 30.0) -> ClusterApiServer:
+        cfg = ApiServerConfig(
+            SECRET,
+            self.store,
+            self.iam_url,
+            port=0,
+            watch_interval_s=0.2,
+            node_lost_after_s=node_lost_after_s,
+        )
         api = ClusterApiServer(cfg)
         await api.start()
         self.apis.append(api)
@@ -128,6 +136,30 @@ async def test_apiservers_route_by_id_and_survive_a_lost_edge(cluster: Cluster) 
             return set(nodes) == {"e1", "e2"} and nodes["e2"].get("running") == len(lost)
 
         await eventually(e2_load, "the nodes listing shows the re-adopted sandboxes")
+
+
+async def _says_lost(client: DSecClient, sandbox_id: str) -> bool:
+    try:
+        await client.get(sandbox_id)
+    except InfraFailure as exc:
+        assert exc.reason in ("edge_unreachable", "node_lost"), exc
+        return exc.reason == "node_lost"
+    raise AssertionError(f"{sandbox_id} answered while its edge was down")
+
+
+async def test_a_node_not_heard_from_is_lost_until_it_comes_back(cluster: Cluster) -> None:
+    api = await cluster.api(node_lost_after_s=1.0)
+    edge = await cluster.edge("e1")
+    await eventually(partial(knows, api, "e1"), "the apiserver sees e1")
+    async with cluster.client(0) as client:
+        sb = await client.run_container(DSecContainerRunArgs(container_image=TINY))
+        await cluster.down("e1")  # its heartbeats stop; its sandboxes keep running
+        await eventually(partial(_says_lost, client, sb.id), "e1 to be declared lost")
+        link = api.links["e1"]
+        assert isinstance(link, RemoteEdgeLink) and link.view.lost
+        await cluster.edge("e1", edge.config.port)
+        assert (await (await client.get(sb.id)).run_shell("echo back")).stdout == "back\n"
+        await eventually(lambda: not link.view.lost, "e1 to be found again")
 
 
 async def test_a_node_that_lost_its_state_gets_a_new_epoch(cluster: Cluster) -> None:

@@ -11,7 +11,7 @@ the layer store (a shared mount) are what they share.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -20,6 +20,7 @@ from dsec.apiserver.e2b import E2BOptions
 from dsec.apiserver.e2b.front import DEFAULT_TEMPLATE
 from dsec.apiserver.e2b.tokens import secret_from_cluster
 from dsec.apiserver.embedded import NodeConfig, open_layer_store, vm_backends
+from dsec.apiserver.layer_access import LayerLimits
 from dsec.apiserver.membership import Membership
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
@@ -98,6 +99,9 @@ class ApiServerConfig:
     watch_interval_s: float = 1.0  # how often the registry is read and every edge polled
     placement_k: int = 2
     e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means
+    # A node not heard from for this long is lost: work on its sandboxes answers node_lost.
+    node_lost_after_s: float = 30.0
+    layer_limits: LayerLimits = field(default_factory=LayerLimits)  # caps on one layer import
 
 
 class ClusterApiServer:
@@ -117,12 +121,18 @@ class ClusterApiServer:
     async def start(self) -> str:
         self.iam = await open_iam_store(self.config.iam_url)
         self.membership = Membership(
-            self.iam, self.config.secret, self.links, interval_s=self.config.watch_interval_s
+            self.iam,
+            self.config.secret,
+            self.links,
+            interval_s=self.config.watch_interval_s,
+            lost_after_s=self.config.node_lost_after_s,
         )
         await self.membership.start()
         # Every apiserver derives the same envd token secret: any of them checks any token.
         e2b = E2BOptions(secret_from_cluster(self.config.secret), self.config.e2b_template)
-        self.api = ApiServer(self.links, self.placement, self.store, self.iam, e2b=e2b)
+        self.api = ApiServer(
+            self.links, self.placement, self.store, self.iam, e2b=e2b, layer_limits=self.config.layer_limits
+        )
         await self.watcher.start()
         app = self.api.app()
         self.membership.register_routes(app)

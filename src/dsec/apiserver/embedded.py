@@ -18,6 +18,7 @@ from dsec.apiserver.app import ApiServer
 from dsec.apiserver.e2b import E2BOptions
 from dsec.apiserver.e2b.front import DEFAULT_TEMPLATE
 from dsec.apiserver.e2b.tokens import secret_from_file
+from dsec.apiserver.layer_access import LayerLimits
 from dsec.apiserver.vm_images import vm_image_store
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
@@ -59,6 +60,7 @@ class NodeConfig:
     agent_channel: str = "auto"
     vm: bool = False  # also run full VMs (q35 with a display; Debian's full kernel is fetched)
     e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means here
+    layer_limits: LayerLimits = field(default_factory=LayerLimits)  # caps on one layer import
 
 
 def open_layer_store(config: NodeConfig) -> LayerStore:
@@ -147,7 +149,14 @@ class EmbeddedNode:
         e2b = E2BOptions(
             secret_from_file(self.config.data_dir / "e2b-token-secret"), self.config.e2b_template
         )
-        self.api = ApiServer({self.config.node: self.link}, self.placement, self.store, self.iam, e2b=e2b)
+        self.api = ApiServer(
+            {self.config.node: self.link},
+            self.placement,
+            self.store,
+            self.iam,
+            e2b=e2b,
+            layer_limits=self.config.layer_limits,
+        )
         await self.edge.start(self._register)
         await self.watcher.start()
         self._runner, self.url = await listen(self.api.app(), self.config.host, self.config.port)

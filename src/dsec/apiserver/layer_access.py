@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from dsec.iam import Principal, can_access
 from dsec.images.owners import Viewer
 from dsec.images.store import LayerStore
+from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import ContainerSpec
 
 _MIB = 1 << 20
+_MAX_UPLOAD = 1 << 40  # 1 TiB: past any image; the body is spooled to the store's disk
+_MAX_EXPAND = 4 << 40
+_MAX_RATIO = 10_000
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,33 @@ class LayerLimits:
     max_expand_bytes: int = 64 << 30
     expand_ratio: int = 100
     expand_floor_bytes: int = 64 * _MIB
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("upload", self.max_upload_bytes, _MIB, _MAX_UPLOAD),
+            ("expand", self.max_expand_bytes, _MIB, _MAX_EXPAND),
+            ("ratio", self.expand_ratio, 1, _MAX_RATIO),
+            ("floor", self.expand_floor_bytes, 0, self.max_expand_bytes),
+        )
+        for name, value, low, high in checks:
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidRequest(f"layer limit {name}: {value!r} is not an integer from {low} to {high}")
+
+    @classmethod
+    def parse(cls, text: str) -> LayerLimits:
+        """``upload=MiB,expand=MiB,ratio=N,floor=MiB`` (any subset; the rest keep defaults)."""
+        keys = {"upload": "max_upload_bytes", "expand": "max_expand_bytes", "floor": "expand_floor_bytes"}
+        values: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in (*keys, "ratio") or not value.isdigit() or len(value) > 12:
+                why = f"{item!r} is not upload=MiB, expand=MiB, ratio=N or floor=MiB"
+                raise InvalidRequest(f"layer limits: {why}")
+            if key == "ratio":
+                values["expand_ratio"] = int(value)
+            else:
+                values[keys[key]] = int(value) * _MIB
+        return cls(**values)
 
     def expand_cap(self, upload_bytes: int) -> int:
         return min(self.max_expand_bytes, max(self.expand_floor_bytes, self.expand_ratio * upload_bytes))

@@ -5,7 +5,9 @@ Edges register (and heartbeat) through any apiserver, which records them in the 
 every ``interval_s`` into its map of links, so a node registered through one instance is
 known to all within an interval and an apiserver that restarts knows every node after its
 first read: nothing here is durable. A link's epoch comes from the registry, which is what
-lets an apiserver refuse an ID of a replaced incarnation without asking the edge.
+lets an apiserver refuse an ID of a replaced incarnation without asking the edge. A node not
+heard from (no registration or heartbeat) for ``lost_after_s`` is declared lost, and work on its
+sandboxes answers ``node_lost`` (``apiserver/node_verdict.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,13 +41,20 @@ class Registration(BaseModel):
 
 class Membership:
     def __init__(
-        self, iam: IamStore, secret: str, links: dict[str, EdgeLink], *, interval_s: float = 1.0
+        self,
+        iam: IamStore,
+        secret: str,
+        links: dict[str, EdgeLink],
+        *,
+        interval_s: float = 1.0,
+        lost_after_s: float = 30.0,
     ) -> None:
         self.iam = iam
         self._secret_text = check_secret(secret)
         self._secret = self._secret_text.encode()
         self.links = links  # shared with the routes, the watcher and tenancy: updated in place
         self.interval_s = interval_s
+        self.lost_after_s = lost_after_s
         self._task: asyncio.Task[None] | None = None
 
     def register_routes(self, app: web.Application) -> None:
@@ -54,23 +64,28 @@ class Membership:
         require_cluster_secret(request, self._secret)
         reg: Registration = await read_body(request, Registration)
         record = await self.iam.register_node(reg.node, reg.url, reg.epoch, heartbeat=reg.heartbeat)
-        self._apply(record)  # this instance knows at once; the others at their next read
+        self._apply(record, time.time())  # this instance knows at once; the others at their next read
         if not reg.heartbeat or record.epoch != reg.epoch:
             log.info("edge %s registered at %s with epoch %d", record.node, record.url, record.epoch)
         return respond({"node": record.node, "epoch": record.epoch, "url": record.url})
 
-    def _apply(self, record: NodeRecord) -> None:
+    def _apply(self, record: NodeRecord, read_at: float) -> None:
         link = self.links.get(record.node)
+        if link is None:
+            link = RemoteEdgeLink(record.url, self._secret_text, record.node, epoch=record.epoch)
+            self.links[record.node] = link
         if isinstance(link, RemoteEdgeLink):
-            link.follow(record.url, record.epoch)
-        elif link is None:
-            self.links[record.node] = RemoteEdgeLink(
-                record.url, self._secret_text, record.node, epoch=record.epoch
-            )
+            was_lost = link.view.lost
+            link.view.lost_after_s, link.view.read_interval_s = self.lost_after_s, self.interval_s
+            link.follow(record.url, record.epoch, record.last_seen, read_at)
+            if link.view.lost != was_lost:
+                log.warning("edge %s is %s", record.node, "lost" if link.view.lost else "back")
 
     async def refresh(self) -> None:
-        for record in await self.iam.list_nodes():
-            self._apply(record)
+        records = await self.iam.list_nodes()
+        read_at = time.time()  # only a read that succeeded judges how long a node was silent
+        for record in records:
+            self._apply(record, read_at)
 
     async def start(self) -> None:
         await self.refresh()

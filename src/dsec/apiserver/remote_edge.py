@@ -4,8 +4,9 @@ It speaks the routes of :mod:`dsec.edge.server`. Errors come back as the same DS
 edge raised, so the apiserver cannot tell a remote edge from a local one; what only a network
 adds is classified: an edge that cannot be reached, or that stops answering mid-stream, is
 ``InfraFailure(reason="edge_unreachable")`` naming the node (a trainer masks it; placement may
-try another node). An answer that is not a DSec edge's is ``InfraFailure(reason="protocol")``,
-never a validation error that would read as the caller's mistake.
+try another node), or ``node_lost`` when the cluster's registry says the node is gone
+(:mod:`dsec.apiserver.node_verdict`). An answer that is not a DSec edge's is
+``InfraFailure(reason="protocol")``, never a validation error that would read as the caller's mistake.
 
 Nothing is retried here: a create or a command the edge may already have received must not
 run twice. Retrying is the caller's decision (placement retries creates on another node).
@@ -13,6 +14,7 @@ run twice. Retrying is the caller's decision (placement retries creates on anoth
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
@@ -23,6 +25,7 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from dsec.apiserver.node_verdict import NODE_LOST, NodeView
 from dsec.apiserver.remote_processes import RemoteProcesses
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
@@ -78,7 +81,7 @@ def never_reached_edge(exc: BaseException) -> bool:
         return False
     # A starting edge refuses everything until it has re-adopted its sandboxes (EdgeServer).
     return exc.reason == STARTING_REASON or (
-        exc.reason == "edge_unreachable" and isinstance(exc.__cause__, _NOT_SENT)
+        exc.reason in ("edge_unreachable", NODE_LOST) and isinstance(exc.__cause__, _NOT_SENT)
     )
 
 
@@ -107,15 +110,21 @@ class RemoteEdgeLink(RemoteProcesses):
         self._control_timeout = control_timeout
         self._epoch = epoch
         self._session: aiohttp.ClientSession | None = None
+        self.view = NodeView(node)  # the registry's word on the node, kept by the membership
 
     @property
     def epoch(self) -> int | None:
         return self._epoch
 
-    def follow(self, url: str, epoch: int) -> None:
-        """The registry says where the node is now and under which epoch."""
+    def follow(
+        self, url: str, epoch: int, last_seen: float | None = None, read_at: float | None = None
+    ) -> None:
+        """The registry says where the node is now, under which epoch, and when it last heard
+        from it (read at ``read_at``): calls in flight on a node now lost are cut."""
         self.url = url.rstrip("/")
         self._epoch = epoch
+        if last_seen is not None and read_at is not None:
+            self.view.update(epoch, last_seen, read_at)
 
     def _http(self) -> aiohttp.ClientSession:
         # Created on first use: a ClientSession belongs to the event loop it was made in.
@@ -156,6 +165,7 @@ class RemoteEdgeLink(RemoteProcesses):
                 reason="edge_misconfigured",
             )
         self._epoch = int(epoch)
+        self.view.heard()  # it answered: alive, whatever the registry says
 
     @asynccontextmanager
     async def _call(
@@ -177,6 +187,9 @@ class RemoteEdgeLink(RemoteProcesses):
         timeout = aiohttp.ClientTimeout(
             total=self._control_timeout if quick else None, sock_connect=self._connect_timeout
         )
+        # A create is never cut: one the node made as it changed epoch would run unknown to all.
+        creates = method == "POST" and (path == "/sandboxes" or path.endswith("/fork-local"))
+        task = None if creates else self.view.begin()
         try:
             async with self._http().request(
                 method,
@@ -197,8 +210,20 @@ class RemoteEdgeLink(RemoteProcesses):
                 yield resp
         except DSecError:
             raise
+        except asyncio.CancelledError:
+            if self.view.was_cut(task):
+                raise self.view.lost_error(what) from None
+            raise
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise self._unreachable(what, exc) from exc
+            started_epoch = self.view.started_epoch(task)
+            self.view.end(task)  # before any await: from here on nothing cuts this task
+            if isinstance(exc, _NOT_SENT):
+                gone = self.view.lost_error(what) if self.view.lost else self._unreachable(what, exc)
+                raise gone from exc
+            lost = await self.view.after_break(what, started_epoch)
+            raise (lost or self._unreachable(what, exc)) from exc
+        finally:
+            self.view.end(task)
 
     def _parse_list(self, adapter: TypeAdapter[list[T]], data: bytes) -> list[T]:
         try:
@@ -367,6 +392,7 @@ class RemoteEdgeLink(RemoteProcesses):
         except ValidationError as exc:
             raise invalid_request(exc) from exc
         path = self._sandbox(sandbox_id, "/exec")
+        started_epoch = self.view.epoch
         async with self._call("POST", path, data=req.model_dump_json(), headers=_JSON) as resp:
             # Closing this generator closes the response: the edge sees the hang-up and kills
             # the process tree.
@@ -374,10 +400,7 @@ class RemoteEdgeLink(RemoteProcesses):
                 yield event
                 if event.t == "exit":
                     return
-        raise InfraFailure(
-            f"edge {self.node!r} at {self.url} ended an exec stream without its exit",
-            reason="edge_unreachable",
-        )
+        raise await self.view.ended_early("an exec stream", self.url, started_epoch)
 
     async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
         return self._parse(

@@ -27,6 +27,9 @@ from dsec.protocol.processes import (
     WatchEvent,
 )
 
+if TYPE_CHECKING:
+    from dsec.apiserver.node_verdict import NodeView
+
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 _INFOS = TypeAdapter(list[ProcessInfo])
@@ -37,6 +40,7 @@ class RemoteProcesses:
     if TYPE_CHECKING:
         node: str
         url: str
+        view: NodeView
 
         def _call(
             self,
@@ -73,15 +77,13 @@ class RemoteProcesses:
     async def _process_events(
         self, method: str, path: str, data: str | None
     ) -> AsyncGenerator[ProcessEvent, None]:
+        started_epoch = self.view.epoch
         async with self._call(method, path, data=data, headers=_JSON) as resp:
             async for event in self._lines(resp, ProcessEvent):
                 yield event
                 if event.t == "end":
                     return
-        raise InfraFailure(
-            f"edge {self.node!r} at {self.url} ended a process stream without its end",
-            reason="edge_unreachable",
-        )
+        raise await self.view.ended_early("a process stream", self.url, started_epoch)
 
     def start_process(self, sandbox_id: str, req: ProcessStart) -> AsyncGenerator[ProcessEvent, None]:
         return self._process_events("POST", self._sandbox(sandbox_id, "/processes"), req.model_dump_json())

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from dsec.apiserver.layer_access import LayerLimits
 from dsec.cli._common import _fail
 from dsec.density.swap import SwapConfig
 from dsec.netpolicy.config import EgressConfig
@@ -74,6 +75,14 @@ DefaultDiskOption = Annotated[
         " sandboxes write unbounded)",
     ),
 ]
+LayerLimitsOption = Annotated[
+    str,
+    typer.Option(
+        help="caps on one layer import (413 past any): upload=MiB (the body, default 16384),"
+        " expand=MiB (what it unpacks to, default 65536), ratio=N and floor=MiB (the expansion cap"
+        " is also max(floor, N x the upload): defaults 100 and 64), comma-separated; e.g. upload=2048"
+    ),
+]
 DEFAULT_DISK_LIMIT_MB = 10 * 1024  # a roomy workspace; past it writes fail inside with EDQUOT
 
 
@@ -91,6 +100,13 @@ def _admission(text: str) -> dict[str, Any]:
             raise _fail(InvalidRequest(why))
         out[keys[key]] = int(number) if key == "reserve" else number
     return out
+
+
+def _layer_limits(text: str) -> LayerLimits:
+    try:
+        return LayerLimits.parse(text)
+    except DSecError as exc:
+        raise _fail(InvalidRequest(f"--layer-limits: {exc.message}")) from None
 
 
 def _swap(text: str) -> SwapConfig:

@@ -23,11 +23,13 @@ from dsec.cli._node_options import (
     DefaultDiskOption,
     EgressOption,
     KsmOption,
+    LayerLimitsOption,
     MicroVMOption,
     SwapOption,
     VMOption,
     _admission,
     _egress,
+    _layer_limits,
     _swap,
 )
 from dsec.cli.down import down
@@ -59,7 +61,10 @@ PoolsFile = Annotated[
 ]
 E2BTemplate = Annotated[
     str,
-    typer.Option(envvar="DSEC_E2B_TEMPLATE", help="the layers E2B's default template ('base') means"),
+    typer.Option(
+        envvar="DSEC_E2B_TEMPLATE",
+        help="the layers E2B's default template ('base') means (e2b:base: debian:bookworm until built)",
+    ),
 ]
 DataDir = Annotated[
     Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="all node state lives here")
@@ -91,11 +96,12 @@ def up(
     egress: EgressOption = None,
     admission: AdmissionOption = "",
     default_disk_limit_mb: DefaultDiskOption = DEFAULT_DISK_LIMIT_MB,
+    layer_limits: LayerLimitsOption = "",
     microvm: MicroVMOption = True,
     vm: VMOption = True,
     microvm_accel: AccelOption = None,
     agent_channel: AgentChannelOption = "auto",
-    e2b_template: E2BTemplate = "debian:bookworm",
+    e2b_template: E2BTemplate = "e2b:base",
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -124,6 +130,7 @@ def up(
         microvm_accel=microvm_accel,
         agent_channel=agent_channel,
         e2b_template=e2b_template,
+        layer_limits=_layer_limits(layer_limits),
     )
     if base:
         _ensure_base(open_layer_store(node_cfg))
@@ -260,7 +267,17 @@ def apiserver_cmd(
         float, typer.Option(help="seconds between reads of the registry and polls of the edges")
     ] = 1.0,
     placement_k: Annotated[int, typer.Option(min=1, help="power of k choices")] = 2,
-    e2b_template: E2BTemplate = "debian:bookworm",
+    e2b_template: E2BTemplate = "e2b:base",
+    node_lost_after: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            max=86_400.0,
+            help="seconds without a heartbeat after which a node is lost: work on its sandboxes"
+            " answers InfraFailure node_lost (keep it above the edges' --heartbeat and clock skew)",
+        ),
+    ] = 30.0,
+    layer_limits: LayerLimitsOption = "",
 ) -> None:
     """Run a stateless apiserver over the edges that register with the cluster (run several)."""
     from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer
@@ -268,6 +285,8 @@ def apiserver_cmd(
     from dsec.images.blobstore import SharedMountBlobStore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    limits = _layer_limits(layer_limits)  # a bad value stops here, before anything starts
 
     async def serve() -> None:
         store = LayerStore.over(SharedMountBlobStore(shared_layers), scratch=scratch)
@@ -280,6 +299,8 @@ def apiserver_cmd(
             watch_interval,
             placement_k,
             e2b_template,
+            node_lost_after,
+            limits,
         )
         server = ClusterApiServer(cfg)
         url = await server.start()
@@ -305,18 +326,30 @@ def _fncall_pools(path: Path | None, default_size: int) -> list[Any]:
 
 
 def _ensure_base(store: LayerStore) -> None:
-    from dsec.images.base import BASE_PACKAGES, TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
+    from dsec.images import base
 
-    for ref, packages in (("debian:bookworm", BASE_PACKAGES), (TOOLCHAIN_REF, TOOLCHAIN_PACKAGES)):
+    builds = (
+        ("debian:bookworm", base.BASE_PACKAGES, None, ""),
+        (base.TOOLCHAIN_REF, base.TOOLCHAIN_PACKAGES, None, ""),
+        (base.E2B_BASE_REF, base.E2B_PACKAGES, base.add_e2b_user, base.E2B_RECIPE),  # E2B's `base`
+    )
+    for ref, packages, customize, recipe in builds:
         started = time.monotonic()
         with console.status(f"base layer {ref} (debootstrap on first run, 1-2 min)"):
-            info = ensure_base_layer(store, ref, progress=lambda msg: console.log(msg), packages=packages)
+            info = base.ensure_base_layer(
+                store,
+                ref,
+                progress=lambda msg: console.log(msg),
+                packages=packages,
+                customize=customize,
+                recipe=recipe,
+            )
         console.print(f"base layer {ref} = {info.digest[:19]} ({time.monotonic() - started:.1f}s)")
 
 
 @app.command("base")
 def base_cmd(data_dir: DataDir = Path("/var/lib/dsec")) -> None:
-    """Build the base layers (Debian bookworm, and with compilers for FnCall) if missing."""
+    """Build the base layers (Debian bookworm, with compilers for FnCall, E2B's base) if missing."""
     try:
         _ensure_base(LayerStore(data_dir / "layers"))
     except DSecError as exc:

@@ -274,6 +274,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             "swap_free_bytes": free_swap_bytes(),
             "ksm": self.ksm.stats(),
             "capabilities": {name: b.capabilities() for name, b in self.backends.items()},
+            "network_permissions": sorted(self.egress.config.permissions),  # the names it offers
         }
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:

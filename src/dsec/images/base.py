@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -70,7 +71,16 @@ FNCALL_PYTHON_PACKAGES = (
 TOOLCHAIN_REF = "debian:bookworm-cc"
 TOOLCHAIN_PACKAGES = (*BASE_PACKAGES, "gcc", "g++", "libc6-dev", *FNCALL_PYTHON_PACKAGES)
 
+# E2B's base template for E2B clients: the base plus sudo, and E2B's `user` account (uid 1000,
+# home /home/user, passwordless sudo), whom commands run as by default.
+E2B_BASE_REF = "e2b:base"
+E2B_USER, E2B_UID = "user", 1000
+E2B_PACKAGES = (*BASE_PACKAGES, "sudo")
+# Part of the E2B base's recipe tag: a change to add_e2b_user must change this.
+E2B_RECIPE = "e2b-user-1"
+
 Progress = Callable[[str], None]
+Customize = Callable[[Path], None]
 
 
 def _first_uri_deb822(text: str) -> str | None:
@@ -206,10 +216,60 @@ def _remove_work_dir(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def recipe_ref(ref: str, suite: str, packages: tuple[str, ...]) -> str:
-    """The immutable tag of ``ref`` built from this suite and package list."""
+def _rewrite(path: Path, text: str) -> None:
+    """``path`` with new content and its old mode and owners (/etc/shadow is 0640 root:shadow)."""
+    st = path.lstat()
+    _write_fresh(path, text)
+    os.chown(path, st.st_uid, st.st_gid)
+    os.chmod(path, stat.S_IMODE(st.st_mode))
+
+
+def _append(path: Path, line: str) -> None:
+    text = path.read_text()
+    _rewrite(path, text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
+
+
+def _add_member(path: Path, group: str, member: str) -> None:
+    """``member`` added to ``group``'s line of /etc/group or /etc/gshadow (last field)."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        fields = line.split(":")
+        if fields[0] == group:
+            fields[-1] = ",".join([m for m in fields[-1].split(",") if m] + [member])
+            lines[i] = ":".join(fields)
+    _rewrite(path, "\n".join(lines) + "\n")
+
+
+def add_e2b_user(root: Path) -> None:
+    """E2B's ``user`` in a debootstrapped tree: uid/gid 1000, home /home/user (from /etc/skel),
+    bash, in group sudo, passwordless sudo. Written as useradd would, without running the
+    tree's own tools (no chroot needed)."""
+    etc = root / "etc"
+    _append(etc / "passwd", f"{E2B_USER}:x:{E2B_UID}:{E2B_UID}::/home/{E2B_USER}:/bin/bash")
+    _append(etc / "group", f"{E2B_USER}:x:{E2B_UID}:")
+    _append(etc / "shadow", f"{E2B_USER}:*:19000:0:99999:7:::")  # no password: sudo asks none
+    _append(etc / "gshadow", f"{E2B_USER}:!::")
+    _add_member(etc / "group", "sudo", E2B_USER)
+    _add_member(etc / "gshadow", "sudo", E2B_USER)
+    (etc / "sudoers.d").mkdir(exist_ok=True)
+    rule = etc / "sudoers.d" / E2B_USER
+    _write_fresh(rule, f"{E2B_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n")
+    os.chmod(rule, 0o440)  # sudo ignores a rule file others may write
+    home = root / "home" / E2B_USER
+    home.mkdir(parents=True, exist_ok=False)
+    shutil.copytree(root / "etc/skel", home, dirs_exist_ok=True, symlinks=True)
+    os.chmod(home, 0o755)
+    for dirpath, dirs, files in os.walk(home):
+        for name in [dirpath, *(os.path.join(dirpath, n) for n in dirs + files)]:
+            os.lchown(name, E2B_UID, E2B_UID)
+
+
+def recipe_ref(ref: str, suite: str, packages: tuple[str, ...], extra: str = "") -> str:
+    """The immutable tag of ``ref`` built from this suite and package list (and ``extra``, what
+    a customization of the tree calls its version)."""
     name, version = parse_tag(ref)
-    recipe = hashlib.sha256(f"{suite}\n{' '.join(sorted(set(packages)))}".encode()).hexdigest()[:12]
+    text = f"{suite}\n{' '.join(sorted(set(packages)))}" + (f"\n{extra}" if extra else "")
+    recipe = hashlib.sha256(text.encode()).hexdigest()[:12]
     return f"{name}:{version}-{recipe}"
 
 
@@ -231,14 +291,17 @@ def ensure_base_layer(
     *,
     suite: str = "bookworm",
     packages: tuple[str, ...] = BASE_PACKAGES,
+    customize: Customize | None = None,
+    recipe: str = "",
 ) -> LayerInfo:
     """Return the base layer ``ref``, building it with debootstrap first if the store lacks
     this recipe's build (:func:`recipe_ref`); ``ref`` is then moved to it.
 
     A base layer is public (every project may use it); one found from before layers had
-    owners is marked public here.
+    owners is marked public here. ``customize`` changes the tree before it is imported;
+    ``recipe`` names that change (part of the recipe tag).
     """
-    built = recipe_ref(ref, suite, packages)
+    built = recipe_ref(ref, suite, packages, recipe)
     found = _current(store, ref, built)
     if found is not None:
         return found
@@ -265,6 +328,8 @@ def ensure_base_layer(
             # The target is still mounted-into if debootstrap left anything; clear that first.
             unmount_tree(target)
             slim_rootfs(target)
+            if customize is not None:
+                customize(target)
             try:
                 store.import_path(target, built)
             except InvalidRequest:

@@ -196,6 +196,9 @@ class Catalogue:
     def add_owner(self, digest: str, project: str) -> None:
         self.blobs.create_record(f"{OWNERS}/{digest_hex(digest)}/{_enc(project)}", b"")
 
+    def remove_owner(self, digest: str, project: str) -> None:
+        self.blobs.delete_record(f"{OWNERS}/{digest_hex(digest)}/{_enc(project)}")
+
     def set_public(self, digest: str) -> None:
         self.blobs.create_record(f"{PUBLIC}/{digest_hex(digest)}", b"")
 

@@ -148,11 +148,15 @@ class InfraReason(StrEnum):
 
     ``stopped``: another request stopped the sandbox while the command ran. ``reclaimed``: the
     platform reclaimed it (idle TTL, lease expiry, ``max_lifetime_s``). ``node_lost``: its node
-    went away; reserved, as the apiserver cannot yet tell a dead node from an unreachable one:
-    a node that stops answering (mid-command too) is ``InfraFailure(reason="edge_unreachable")``
-    and one that came back under a new epoch answers ``SandboxNotFound(reason="stale_epoch")``,
-    both ``infra`` to ``fault_of``. ``grading_sandbox_lost``: a clean-room grading sandbox
-    (``dsec.rl.grade``) ended or vanished under the grader.
+    went away: the cluster's registry has not heard from it for ``dsec apiserver
+    --node-lost-after`` seconds (30 by default), or it came back under a new epoch while the
+    command ran. A command in flight then, and every later request on that node's sandboxes
+    that cannot reach it, answers ``InfraFailure(reason="node_lost")``; the sandboxes may come
+    back if the node returns with its state. A node that merely cannot be reached while it still
+    heartbeats is ``InfraFailure(reason="edge_unreachable")``, and a request naming a sandbox of
+    an earlier epoch answers ``SandboxNotFound(reason="stale_epoch")``: all ``infra`` to
+    ``fault_of``. ``grading_sandbox_lost``: a clean-room grading sandbox (``dsec.rl.grade``)
+    ended or vanished under the grader.
     """
 
     stopped = "stopped"

@@ -33,6 +33,7 @@ from dsec.apiserver.e2b.connect import (
 )
 from dsec.apiserver.e2b.envd_files import FilesystemService, download, upload
 from dsec.apiserver.e2b.envd_process import ProcessService
+from dsec.apiserver.e2b.lifecycle import auto_resumes
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.protocol.errors import DSecError, InvalidRequest, SandboxNotFound
@@ -159,6 +160,17 @@ class EnvdRoutes:
                 return _files_error(exc)
             if info.state not in _ALIVE:
                 return sandbox_gone(request)
+            if info.state is SandboxState.paused:
+                # E2B's proxy finds no running sandbox and resumes it only if it was created with
+                # autoResume; otherwise it answers as for one that is gone (is_running() False).
+                if not auto_resumes(info):
+                    return sandbox_gone(request)
+                try:
+                    await link.resume(sandbox_id)
+                except SandboxNotFound:
+                    return sandbox_gone(request)
+                except DSecError as exc:
+                    return _files_error(exc)
         return web.Response(status=204)
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:

@@ -39,7 +39,6 @@ _UNSUPPORTED = (
     ("/v2/sandboxes/{id}/logs", "sandbox logs are not supported by DSec"),
     ("/sandboxes/{id}/fork", "fork through the E2B API is not supported: use DSec's sandbox.fork()"),
     ("/sandboxes/{id}/snapshots", "snapshots are not supported by DSec: use DSec's pack_diff()"),
-    ("/sandboxes/{id}/network", "network updates through the E2B API are not supported by DSec"),
     ("/snapshots{tail:.*}", "snapshots are not supported by DSec"),
     ("/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),
     ("/v2/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),

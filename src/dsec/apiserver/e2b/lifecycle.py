@@ -11,6 +11,7 @@ Routes (what the official SDKs 2.34 and 2.63 call; bodies in :mod:`.models`)::
     POST   /sandboxes/{id}/pause                     -> 204 (409: already paused)
     POST   /sandboxes/{id}/timeout                   TimeoutRequest -> 204
     POST   /sandboxes/{id}/refreshes                 RefreshRequest -> 204
+    PUT    /sandboxes/{id}/network                   NetworkUpdate -> 204 (:mod:`.network`)
 
 A ``templateID`` names a DSec environment (:func:`template_refs`). ``timeout`` is an edge
 deadline (``set_deadline``) that stops the sandbox, or pauses it with ``autoPause``; only
@@ -34,10 +35,12 @@ from pydantic import ValidationError
 
 from dsec.apiserver._http import PRINCIPAL, read_body
 from dsec.apiserver.e2b.models import (
+    AUTO_RESUME_LABEL,
     ConnectSandbox,
     E2BState,
     Lifecycle,
     ListedSandbox,
+    NetworkUpdate,
     NewSandbox,
     RefreshRequest,
     ResumeSandbox,
@@ -45,9 +48,11 @@ from dsec.apiserver.e2b.models import (
     SandboxDetail,
     TimeoutRequest,
 )
+from dsec.apiserver.e2b.network import INTERNET, to_info, to_rules
 from dsec.apiserver.e2b.tokens import EnvdTokens
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
+from dsec.images.base import E2B_BASE_REF, E2B_USER
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import Conflict, InvalidRequest, LayerNotFound, SandboxNotFound
 from dsec.protocol.ids import SandboxId
@@ -55,11 +60,13 @@ from dsec.protocol.models import ContainerSpec, DeadlineAction, SandboxInfo, San
 
 NEXT_TOKEN_HEADER = "X-Next-Token"
 BASE_TEMPLATE = "base"  # what the SDKs send when the caller names no template
+FALLBACK_TEMPLATE = "debian:bookworm"  # `base` when E2B's base layer is not built (yet)
 LAYER_SEPARATOR = "+"  # "base:1+ws:3": an ordered layer list, base first
 _MAX_PAGE = 1000
 _ID_SHOWN = 100  # characters of a bad ID quoted back
 _NO_END = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)  # endAt of a sandbox without a deadline
 _LIVE = (SandboxState.creating, SandboxState.running, SandboxState.paused)
+_OFFERS_TTL_S = 30.0  # how long a node's offered network permissions are taken as known
 
 
 def template_refs(template_id: str, default: str) -> list[str]:
@@ -108,8 +115,29 @@ def _listed(info: SandboxInfo) -> dict[str, Any]:
         "memory_mb": info.memory_limit_mb,
         "disk_size_mb": 0,  # DSec does not size a sandbox's disk unless disk_limit_mb is set
         "state": _state(info),
-        "metadata": info.labels,
+        "metadata": {k: v for k, v in info.labels.items() if k != AUTO_RESUME_LABEL},
     }
+
+
+def auto_resumes(info: SandboxInfo) -> bool:
+    """Whether E2B's proxy would resume this sandbox on traffic (``autoResume`` at create)."""
+    return info.labels.get(AUTO_RESUME_LABEL) == "true"
+
+
+def _started_after(request: web.Request) -> dt.datetime | None:
+    """``startedAfter``: an RFC 3339 time with its offset (E2B's API refuses one without),
+    compared at microseconds as E2B's API does (a sandbox's own ``startedAt`` fed back keeps
+    it in the list)."""
+    raw = request.query.get("startedAfter")
+    if raw is None:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(raw[:64])
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise InvalidRequest(f"startedAfter {raw[:64]!r} is not an RFC 3339 date-time with an offset")
+    return when
 
 
 def _cursor(info: SandboxInfo) -> str:
@@ -158,6 +186,7 @@ class LifecycleRoutes:
         self.store = store
         self.tokens = tokens
         self.default_template = default_template
+        self._offers: dict[str, tuple[float, bool]] = {}  # node -> (when learned, offers internet)
 
     def register(self, r: web.UrlDispatcher) -> None:
         for prefix in ("", "/v2"):
@@ -170,6 +199,7 @@ class LifecycleRoutes:
         r.add_post("/sandboxes/{id}/pause", self.pause)
         r.add_post("/sandboxes/{id}/timeout", self.set_timeout)
         r.add_post("/sandboxes/{id}/refreshes", self.refresh)
+        r.add_put("/sandboxes/{id}/network", self.update_network)
 
     # -- answers --------------------------------------------------------------------------------
 
@@ -186,8 +216,16 @@ class LifecycleRoutes:
 
     # -- create -------------------------------------------------------------------------------
 
+    async def _default(self) -> str:
+        """What ``base`` means: the configured template; E2B's base layer (``dsec base``
+        builds it) only once it is there, DSec's own base until then."""
+        if self.default_template != E2B_BASE_REF:
+            return self.default_template
+        built = await asyncio.to_thread(self.store.has_tag, E2B_BASE_REF)
+        return E2B_BASE_REF if built else FALLBACK_TEMPLATE
+
     async def _refs(self, template_id: str) -> list[str]:
-        refs = template_refs(template_id, self.default_template)
+        refs = template_refs(template_id, await self._default() if template_id == BASE_TEMPLATE else "")
         for ref in refs:
             try:
                 await asyncio.to_thread(self.store.resolve_image, ref)
@@ -201,6 +239,15 @@ class LifecycleRoutes:
             raise NotSupported("volume mounts are not supported by DSec")
         if req.mcp:
             raise NotSupported("MCP gateways are not supported by DSec")
+        if AUTO_RESUME_LABEL in (req.metadata or {}):
+            raise InvalidRequest(f"metadata key {AUTO_RESUME_LABEL!r} is kept for the sandbox's autoResume")
+        network = (req.network or NetworkUpdate()).model_copy(
+            update={"allow_internet_access": req.allow_internet_access}
+        )
+        to_rules(network, internet_offered=False)  # refuse what cannot be mapped before creating
+        labels = dict(req.metadata or {})
+        if req.auto_resume is not None and req.auto_resume.enabled:
+            labels[AUTO_RESUME_LABEL] = "true"
         refs = await self._refs(req.template_id)
         try:
             spec = ContainerSpec(
@@ -208,8 +255,11 @@ class LifecycleRoutes:
                 layers=refs if len(refs) > 1 else None,
                 cpu_cores_limit=2,
                 memory_limit_mb=1024,
-                labels=req.metadata or {},
+                labels=labels,
                 env=req.env_vars or {},
+                # envd runs a command as the template's default user when the SDK names none:
+                # E2B's base has `user`; DSec's layers have root alone.
+                init_user=E2B_USER if refs[0] == E2B_BASE_REF else "root",
             )
         except ValidationError as exc:
             raise InvalidRequest(f"metadata or envVars: {invalid_request(exc)}") from exc
@@ -219,12 +269,27 @@ class LifecycleRoutes:
         [info] = await self.sandboxes.create_many(principal, spec, 1, 120)
         link = self.sandboxes.links[info.node]
         try:
+            rules = to_rules(network, internet_offered=await self._offers_internet(link, info.node))
+            if rules:
+                info = await link.set_network_rules(info.id, rules)
             if req.timeout > 0:
                 info = await link.set_deadline(info.id, req.timeout, "pause" if req.auto_pause else "stop")
         except BaseException:
             await asyncio.shield(self._stop(link, info.id))
             raise
         return self._created(info, 201)
+
+    async def _offers_internet(self, link: EdgeLink, node: str) -> bool:
+        """Whether the node's operator offers the ``internet`` permission (its stats name the
+        permissions it offers), learned again every :data:`_OFFERS_TTL_S`."""
+        now = time.monotonic()
+        known = self._offers.get(node)
+        if known is None or now - known[0] > _OFFERS_TTL_S:
+            stats = await link.stats()
+            offered = stats.get("network_permissions")
+            known = (now, isinstance(offered, list) and INTERNET in offered)
+            self._offers[node] = known
+        return known[1]
 
     async def _stop(self, link: EdgeLink, sandbox_id: str) -> None:
         await link.stop(sandbox_id)
@@ -254,7 +319,8 @@ class LifecycleRoutes:
             {
                 **_listed(info),
                 "envd_access_token": self.tokens.issue(info.id),
-                "lifecycle": Lifecycle(on_timeout=on_timeout),
+                "lifecycle": Lifecycle(on_timeout=on_timeout, auto_resume=auto_resumes(info)),
+                "network": to_info(info.network_rules),
             }
         )
         return web.json_response(detail.wire())
@@ -320,6 +386,14 @@ class LifecycleRoutes:
             await self._stop(link, info.id)
         return web.Response(status=204)
 
+    async def update_network(self, request: web.Request) -> web.Response:
+        """E2B replaces the whole egress configuration; so are the sandbox's DSec rules."""
+        req = await read_body(request, NetworkUpdate)
+        link, info = await self._live(request)
+        rules = to_rules(req, internet_offered=await self._offers_internet(link, info.node))
+        await link.set_network_rules(info.id, rules)
+        return web.Response(status=204)
+
     async def refresh(self, request: web.Request) -> web.Response:
         req = await read_body(request, RefreshRequest)
         return await self._set(request, lambda info: req.duration or int(info.deadline_s or 0))
@@ -330,6 +404,7 @@ class LifecycleRoutes:
         labels = _metadata_filter(request.query.get("metadata"))
         states, limit = _states(request), _limit(request)
         template = request.query.get("template")
+        since = _started_after(request)
         descending = request.query.get("order", "desc") != "asc"
         links = list(self.sandboxes.links.values())
         answers = await asyncio.gather(*(ln.list_sandboxes(labels) for ln in links), return_exceptions=True)
@@ -340,6 +415,7 @@ class LifecycleRoutes:
             if i.state in _LIVE
             and _state(i) in states
             and (template is None or template == LAYER_SEPARATOR.join(i.refs))
+            and (since is None or _when(i.created_at) >= since)  # startedAt as the answers show it
         ]
         found.sort(key=lambda i: (i.created_at, i.id), reverse=descending)
         token = request.query.get("nextToken")

@@ -8,9 +8,9 @@ names are E2B's (``sandboxID``, ``memoryMB``...), kept by aliases.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from dsec.protocol.bounds import OsStr
 
@@ -18,6 +18,9 @@ from dsec.protocol.bounds import OsStr
 # octet-stream uploads, 0.6.2 file metadata, 0.6.4 is the newest both 2.34 and 2.63 know.
 ENVD_VERSION = "0.6.4"
 E2BState = Literal["running", "paused"]
+# The label that keeps a sandbox's ``autoResume`` (with the sandbox, so every apiserver and an
+# edge restart see it); E2B's answers leave it out of ``metadata``.
+AUTO_RESUME_LABEL = "e2b.autoResume"
 
 
 class _In(BaseModel):
@@ -31,12 +34,35 @@ class _Out(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
+# An allow_out/deny_out entry: an address, a range, a name (DSec: a permission name).
+NetworkEntry = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class NetworkUpdate(_In):
+    """``PUT /sandboxes/{id}/network`` (``update_network``): the whole egress configuration,
+    replaced. Also the egress part of a create's ``network``."""
+
+    allow_out: list[NetworkEntry] | None = Field(default=None, alias="allowOut", max_length=256)
+    deny_out: list[NetworkEntry] | None = Field(default=None, alias="denyOut", max_length=256)
+    rules: dict[str, Any] | None = None
+    egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
+    dns_servers: list[NetworkEntry] | None = Field(default=None, alias="dnsServers", max_length=256)
+    allow_internet_access: bool | None = None  # E2B's wire name, snake case
+
+
+class AutoResume(_In):
+    enabled: bool = False
+
+
 class NewSandbox(_In):
     """``POST /sandboxes`` (2.34) and ``POST /v2/sandboxes`` (2.63)."""
 
     template_id: OsStr = Field(alias="templateID", min_length=1, max_length=4096)  # a layer name: no NUL
     timeout: int = Field(default=15, ge=0, le=366 * 86400, description="seconds until stopped")
     auto_pause: bool = Field(default=False, alias="autoPause")
+    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
+    allow_internet_access: bool | None = None  # E2B's wire name, snake case
+    network: NetworkUpdate | None = None  # the ingress fields (public traffic, ports) are ignored
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
     mcp: dict[str, Any] | None = None
@@ -91,9 +117,15 @@ class ListedSandbox(_Out):
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
+class NetworkInfo(_Out):
+    allow_out: list[str] | None = Field(default=None, alias="allowOut")
+    deny_out: list[str] | None = Field(default=None, alias="denyOut")
+
+
 class SandboxDetail(ListedSandbox):
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
     lifecycle: Lifecycle | None = None
+    network: NetworkInfo | None = None
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:

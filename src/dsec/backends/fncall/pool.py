@@ -15,6 +15,7 @@ sandbox: calls are stateless, and the runner, not user code, is what died.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import json
@@ -181,7 +182,11 @@ class FnPool:
     def __init__(self, edge: Edge, config: PoolConfig) -> None:
         self.edge = edge
         self.config = config
-        self._idle: asyncio.Queue[Worker] = asyncio.Queue()
+        # Free workers, and calls waiting for one (oldest first). A freed worker goes straight
+        # to the oldest waiter: with an asyncio.Queue a call arriving meanwhile took it first
+        # and the woken waiter queued again at the back (p99 at 64 callers was 2x the p50).
+        self._idle: collections.deque[Worker] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
         self._workers: dict[str, Worker] = {}
         self._starting: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -250,7 +255,7 @@ class FnPool:
             await self._retire(worker, "pool closed")
             return
         self._workers[info.id] = worker
-        self._idle.put_nowait(worker)
+        self._release(worker)
 
     def _refill(self) -> None:
         if self.closed:
@@ -285,12 +290,7 @@ class FnPool:
 
     async def call(self, task: FnTask, *, queue_timeout_s: float = 60.0) -> FnResult:
         for attempt in (1, 2):
-            try:
-                worker = await asyncio.wait_for(self._idle.get(), queue_timeout_s)
-            except TimeoutError:
-                raise CapacityExhausted(
-                    f"fncall pool {self.config.name!r}: no sandbox free within {queue_timeout_s:g} s"
-                ) from None
+            worker = await self._take(queue_timeout_s)
             try:
                 result = await worker.call(task)
             except WorkerLost as exc:
@@ -307,15 +307,52 @@ class FnPool:
             elif worker.calls >= self.config.max_calls:
                 await self._recycle(worker, f"served {worker.calls} calls")
             else:
-                self._idle.put_nowait(worker)
+                self._release(worker)
             return result
         raise AssertionError("unreachable")
+
+    async def _take(self, timeout: float) -> Worker:
+        if self._idle:
+            return self._idle.popleft()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Worker] = loop.create_future()
+        self._waiters.append(waiter)
+
+        def expire() -> None:
+            if not waiter.done():
+                waiter.set_exception(TimeoutError())
+
+        expired = loop.call_later(timeout, expire)
+        try:
+            return await waiter
+        except TimeoutError:
+            raise CapacityExhausted(
+                f"fncall pool {self.config.name!r}: no sandbox free within {timeout:g} s"
+            ) from None
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release(waiter.result())  # handed over as this call was cancelled: pass it on
+            raise
+        finally:
+            expired.cancel()
+            if not waiter.done() or waiter.cancelled() or waiter.exception() is not None:
+                waiter.cancel()  # never handed a worker: still queued
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+
+    def _release(self, worker: Worker) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(worker)
+                return
+        self._idle.append(worker)
 
     def stats(self) -> dict[str, Any]:
         return {
             "size": self.config.size,
             "ready": len(self._workers),
-            "idle": self._idle.qsize(),
+            "idle": len(self._idle),
             "recycled": self.recycled,
             "languages": self.config.languages,
             **({"error": self.error} if self.error else {}),

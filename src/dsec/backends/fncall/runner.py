@@ -26,9 +26,12 @@ Isolation of a call:
 - The child: its own session (one killpg reaches its tree), its own network and IPC
   namespaces when the runner may create them, a fresh 0700 call dir as cwd, rlimits, then the
   unprivileged call uid with no_new_privs; stdin from a memfd, output to pipes read here.
-- After it: kill(-1, SIGKILL) from a helper running as the call uid (the kernel signals every
-  process of the uid while holding the task list lock, so a fork bomb cannot outrun it), reap
-  (the runner is the subreaper of orphans), repeat until /proc shows no process of the uid;
+- After it: when neither the runner nor the zygote has a child of the call left (every process
+  of a call descends from its first one, and orphans come to the runner, the subreaper), none
+  is alive and none can start: proven without a fork. Otherwise kill(-1, SIGKILL) from a
+  helper running as the call uid (the kernel signals every process of the uid while holding
+  the task list lock, so a fork bomb cannot outrun it), reap (the runner is the subreaper of
+  orphans), repeat until /proc shows no process of the uid;
   then fetch files, remove the call dir and the uid's entries in the scrub dirs, and verify
   all of that: the result's ``clean``. Not root: calls run as the runner's own uid, which only
   the process group kill can clean after, so every result says ``clean: false``.
@@ -312,35 +315,126 @@ def _limits(memory_mb: int | None, cpu_s: float) -> list[list[int]]:
 # ---------------------------------------------------------------- zygote and call processes
 
 
-def _zygote(sock: socket.socket) -> NoReturn:
-    """Fork one call process per request; report its pid, then its wait status and rusage."""
+def _zygote(sock: socket.socket, netns: bool, root: bool) -> NoReturn:
+    """Fork one call process per request; report its pid, then its wait status and rusage.
+
+    The process for the next call is forked ahead (``_spare``), right after the last one was
+    reaped, while the runner cleans up and the edge answers: the fork, the new session and
+    namespaces are then off the next call's path. It is forked from this zygote, which holds
+    no task, and learns its request only when the call starts."""
+    spare: tuple[int, socket.socket | None, str] = (-1, None, "")
+    code = 1
     try:
         null = os.open(os.devnull, os.O_RDWR)  # calls must never reach the edge's pipe
         os.dup2(null, 0)
         os.dup2(null, 1)
+        # A process the call made with clone(CLONE_PARENT) is this zygote's child: reaped as soon
+        # as it ends (the runner's cleanup kills it), or it would stay a zombie of the call uid.
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        spare = _fork_spare(sock, netns, root)
         while True:
+            ready = select.select([sock.fileno(), wake_r], [], [])[0]
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+                spare = _reap_strays(spare)
+                if sock.fileno() not in ready:
+                    continue
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
             if not msg:
-                os._exit(0)
-            try:
-                pid = os.fork()
-            except OSError as exc:
-                sock.send(json.dumps({"error": f"fork: {exc}"}).encode())
-                pid = -1
-            if pid == 0:
-                _child(msg, fds, sock)
+                code = 0
+                break
+            if spare[0] < 0:
+                spare = _fork_spare(sock, netns, root)
+            (pid, chan, error), spare = spare, (-1, None, "")
+            if chan is not None:
+                try:
+                    socket.send_fds(chan, [msg], fds)
+                except OSError as exc:  # it died waiting: nothing of this call ran
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    pid, error = -1, f"fork: the waiting call process is gone ({exc})"
+                chan.close()
             for fd in fds:
                 os.close(fd)
-            if pid > 0:
+            if pid < 0:
+                sock.send(json.dumps({"error": error}).encode())
+            else:
                 sock.send(json.dumps({"pid": pid}).encode())
                 _, status, ru = os.wait4(pid, 0)
                 cpu = ru.ru_utime + ru.ru_stime
                 sock.send(json.dumps({"status": status, "maxrss": ru.ru_maxrss, "cpu": cpu}).encode())
+            spare = _fork_spare(sock, netns, root)
     finally:
+        try:
+            if spare[0] > 0:
+                os.kill(spare[0], signal.SIGKILL)
+                os.waitpid(spare[0], 0)
+        finally:
+            os._exit(code)
+
+
+def _reap_strays(spare: tuple[int, socket.socket | None, str]) -> tuple[int, socket.socket | None, str]:
+    """Reap every ended child of the zygote; the spare, if it is one of them, is forked anew later."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return spare
+        if pid == 0:
+            return spare
+        if pid == spare[0]:
+            if spare[1] is not None:
+                spare[1].close()
+            spare = (-1, None, "")
+
+
+def _fork_spare(sock: socket.socket, netns: bool, root: bool) -> tuple[int, socket.socket | None, str]:
+    """The next call's process, waiting for its request: (pid, channel to it, why not)."""
+    chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        chan.close()
+        theirs.close()
+        return -1, None, f"fork: {exc}"
+    if pid == 0:
+        sock.close()
+        chan.close()
+        _spare(theirs, netns, root)
+    theirs.close()
+    return pid, chan, ""
+
+
+def _spare(chan: socket.socket, netns: bool, root: bool) -> NoReturn:
+    """What a call process does before it has a request: nothing of any task is known yet."""
+    early: BaseException | None = None
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        if netns and _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET|CLONE_NEWIPC)")
+        if root:
+            try:
+                with open("/proc/self/oom_score_adj", "w") as f:  # an OOM kill takes a call, not the runner
+                    f.write("1000")
+            except OSError:
+                pass  # no /proc: a preference, not a requirement
+    except BaseException as exc:
+        early = exc
+    try:
+        msg, fds, _, _ = socket.recv_fds(chan, 1 << 16, 4)
+    except BaseException:
         os._exit(1)
+    if not msg:
+        os._exit(0)  # the zygote ended
+    _child(msg, fds, chan, early)
 
 
-def _child(msg: bytes, fds: list[int], sock: socket.socket) -> NoReturn:
+def _child(msg: bytes, fds: list[int], chan: socket.socket, early: BaseException | None) -> NoReturn:
     """Become the call: fds 0-3 from the runner, limits, the call uid; then exec or run Python.
 
     fd 3 is a close-on-exec status pipe: b"E<why>" when setup failed (an internal error),
@@ -348,24 +442,18 @@ def _child(msg: bytes, fds: list[int], sock: socket.socket) -> NoReturn:
     """
     code = 127
     try:
-        sock.close()
+        chan.close()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.set_inheritable(3, False)
         os.closerange(4, 1 << 20)
+        if early is not None:
+            raise early
         req = json.loads(msg)
-        os.setsid()
-        if req["netns"] and _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET|CLONE_NEWIPC)")
         os.chdir(req["cwd"])
         for res, soft, hard in req["limits"]:
             resource.setrlimit(res, (soft, hard))
         if req["uid"] is not None:
-            try:
-                with open("/proc/self/oom_score_adj", "w") as f:  # an OOM kill takes a call, not the runner
-                    f.write("1000")
-            except OSError:
-                pass  # no /proc: a preference, not a requirement
             os.setgroups([])
             os.setgid(req["gid"])
             os.setuid(req["uid"])
@@ -550,6 +638,22 @@ def _fetch(cdir: str, paths: list[str], uid: int) -> tuple[dict[str, str], dict[
     return files, errors
 
 
+def _all_root(pid: str) -> bool:
+    """Every uid of the process is 0: the zygote's spare, never a call's (no call gains root)."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        uids = next(line for line in f if line.startswith(b"Uid:"))
+    return uids.split()[1:] == [b"0"] * 4
+
+
+def _children(pid: int, tasks: list[str]) -> list[str]:
+    """The child pids of every thread of ``pid`` (zombies included)."""
+    found: list[str] = []
+    for tid in tasks:
+        with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+            found += f.read().decode().split()
+    return found
+
+
 class Runner:
     def __init__(
         self, workdir: str, uid: int, gid: int, scrub: list[str], mark: Callable[[], int] | None = None
@@ -576,10 +680,11 @@ class Runner:
         self.sock, zsock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         if mark is not None:
             mark()  # the zygote (every call's parent) inherits what is marked now
+        self.own_pid = os.getpid()
         self.zygote_pid = os.fork()
         if self.zygote_pid == 0:
             self.sock.close()
-            _zygote(zsock)
+            _zygote(zsock, self.private_net, self.root)
         zsock.close()
         self.zygote_dead = False
         if self.root and not self._try_in_child(self._kill_as_call_uid):
@@ -638,7 +743,7 @@ class Runner:
             os.lseek(mem, 0, os.SEEK_SET)
             uid = self.uid if self.root else None
             env = {**ENV, "HOME": cdir, "TMPDIR": cdir}
-            req: dict[str, Any] = {"argv": argv, "cwd": cdir, "limits": limits, "netns": self.private_net}
+            req: dict[str, Any] = {"argv": argv, "cwd": cdir, "limits": limits}
             req |= {"uid": uid, "gid": self.gid, "env": env}
             start = time.monotonic()  # from the request: the fork and setup count as the call's time
             socket.send_fds(self.sock, [json.dumps(req).encode()], [mem, out_w, err_w, st_w])
@@ -660,7 +765,8 @@ class Runner:
             report = self._recv(0.0)
             proc.wall_s = time.monotonic() - start
             proc.status, proc.maxrss_kib, proc.cpu_s = report["status"], report["maxrss"], report["cpu"]
-            self.proven_dead = self._kill_all(pid)  # background processes hold the pipes open
+            # Background processes would hold the pipes open: kill them, unless none is left.
+            self.proven_dead = self._none_left() or self._kill_all(pid)
             _pump(streams, time.monotonic() + 2.0)
             os.set_blocking(st_r, False)
             try:
@@ -689,6 +795,30 @@ class Runner:
                     return True
             time.sleep(0.001 * attempt)
         return False
+
+    def _none_left(self) -> bool:
+        """True when no process of the call can be alive, read without a fork or a /proc scan.
+
+        The call's first process is reaped (its children were reparented before it became a
+        zombie), and every process of a call descends from it: an orphan goes to the runner,
+        the subreaper above it, and ``clone(CLONE_PARENT)`` from the first process makes a
+        child of the zygote. So when the runner (any of its threads: numpy's BLAS pool may adopt
+        the orphan) has no child but the zygote, and the zygote none but its spare (all uids 0,
+        which no call can gain), zombies included, none of the call's processes exists and none
+        can start again. Anything else, or a thread of the runner changing meanwhile, falls
+        back to ``_kill_all``'s proof."""
+        if not self.root:
+            return False
+        try:
+            tasks = os.listdir(f"/proc/{self.own_pid}/task")
+            spares = _children(self.zygote_pid, os.listdir(f"/proc/{self.zygote_pid}/task"))
+            if len(spares) > 1 or not all(_all_root(pid) for pid in spares):
+                return False
+            if _children(self.own_pid, tasks) != [str(self.zygote_pid)]:
+                return False
+            return os.listdir(f"/proc/{self.own_pid}/task") == tasks
+        except OSError:
+            return False
 
     def _kill_as_call_uid(self) -> int:
         os.setgroups([])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from dsec.images.oci.compression import _decompressed, _hash_reader, _sniff
 from dsec.images.oci.manifest import Platform, _LayerPlan, _plan
 from dsec.images.oci.validation import _sha256_hex
 from dsec.images.owners import Viewer
+from dsec.images.refs import parse_tag
 from dsec.images.store import LayerStore
 from dsec.images.tarextract import extract_tar
 from dsec.images.whiteouts import oci_to_overlay
@@ -23,6 +25,7 @@ from dsec.protocol.models import LayerInfo
 
 Progress = Callable[[str, int, int], None]
 
+log = logging.getLogger("dsec.images.oci")
 LAYER_NAME = "dsec/oci-layer"  # bump (oci-layer2) if the conversion of a layer ever changes
 DEFAULT_PLATFORM = "linux/amd64"
 
@@ -83,17 +86,54 @@ def _layer_tar(
     return out, True
 
 
-def _store_layer(store: LayerStore, rootfs: Path, tag: str, payer: str) -> LayerInfo:
+def _store_layer(store: LayerStore, rootfs: Path, tag: str, payer: str) -> tuple[LayerInfo, bool]:
+    """The layer under cache tag ``tag``, and whether this call made that tag."""
     # The cache tag is the store's; the importer pays for the bytes (QuotaExceeded before any
     # blob is stored) and is recorded as an owner.
     try:
-        return store.import_path(rootfs, tag, payer=payer)
+        return store.import_path(rootfs, tag, payer=payer), True
     except InvalidRequest:
         # Someone imported the same layer meanwhile (with an equal image unless their
         # mkfs.erofs differs); theirs serves as well.
         if store.has_tag(tag):
-            return store.resolve(tag)
+            return store.resolve(tag), False
         raise
+
+
+class _Undo:
+    """What one import added to the store, to take back if the import fails part-way: an image
+    is imported whole or not at all (its earlier layers neither cached nor charged)."""
+
+    def __init__(self, store: LayerStore, owner: str) -> None:
+        self.store, self.owner = store, owner
+        self.tags: list[tuple[str, str]] = []  # (cache tag, digest) this import created
+        self.claims: list[str] = []  # digests this import made ``owner`` an owner of
+
+    def claim(self, digests: list[str]) -> None:
+        new = [d for d in dict.fromkeys(digests) if self.owner not in self.store.catalogue.owners(d)]
+        self.store.claim_charged(digests, self.owner)
+        self.claims += new
+
+    def run(self) -> None:
+        cat = self.store.catalogue
+        for digest in self.claims:
+            cat.remove_owner(digest, self.owner)
+        for tag, digest in reversed(self.tags):
+            name, version = parse_tag(tag)
+            rec = cat.get(name, version)
+            if rec is None or list(rec.digests) != [digest]:
+                continue
+            if any(r.ref != tag for r in cat.referrers(digest)):
+                continue  # other tags name the same bytes: the layer stays, and the cache serves it
+            cat.delete(name, version)
+            if cat.referrers(digest):
+                continue  # named meanwhile
+            # Nothing names it: its owner records (the importer's charge) and the blob go. A
+            # sandbox that mounted it meanwhile keeps its open file; gc takes a split layer's data.
+            for project in cat.owners(digest):
+                cat.remove_owner(digest, project)
+            self.store.blobs.delete(digest)
+        log.info("import rolled back: %d cached layers, %d owner claims", len(self.tags), len(self.claims))
 
 
 def drop_shadowed_duplicates(digests: list[str]) -> list[str]:
@@ -162,6 +202,8 @@ def import_oci(
             progress(stage, done, total)
 
     work = Path(tempfile.mkdtemp(prefix="oci-", dir=store.tmp_dir))
+    undo = _Undo(store, owner)
+    done = False
     try:
         with _open_source(path, work) as src:
             plans = _plan(src, image, wanted)
@@ -178,7 +220,7 @@ def import_oci(
                 if store.has_tag(tag):
                     report(f"{stage} cached", i, n)
                     digests.append(store.resolve(tag).digest)
-                    store.claim_charged(digests[-1:], owner)  # it brought these bytes: it may use them
+                    undo.claim(digests[-1:])  # it brought these bytes: it may use them
                     continue
                 report(f"{stage} {'extract' if kind == 'tar' else 'decompress'}", i, n)
                 tar, temporary = _layer_tar(src, plan, kind, work, max_bytes)
@@ -195,8 +237,12 @@ def import_oci(
                     if temporary:
                         tar.unlink()
                 report(f"{stage} mkfs", i, n)
-                digests.append(_store_layer(store, rootfs, tag, owner).digest)
-                store.claim_charged(digests[-1:], owner)
+                layer, created = _store_layer(store, rootfs, tag, owner)
+                if created:
+                    undo.tags.append((tag, layer.digest))
+                else:
+                    undo.claim([layer.digest])
+                digests.append(layer.digest)
                 shutil.rmtree(rootfs)
             report("layers imported", n, n)
         digests = drop_shadowed_duplicates(digests)
@@ -204,7 +250,9 @@ def import_oci(
             digests = merge_layers(store, digests, merge_below_bytes, progress=progress)
             store.claim_charged(digests, owner)
         report("tag", len(digests), len(digests))
-        return store.tag_image(ref, digests, owner=owner, viewer=viewer)
+        layers = store.tag_image(ref, digests, owner=owner, viewer=viewer)
+        done = True
+        return layers
     except TooLarge as err:
         if tight is not None:
             raise store.past_bound(tight, "a layer of this image") from err
@@ -213,3 +261,8 @@ def import_oci(
         raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if not done:
+            try:
+                undo.run()
+            except Exception as err:  # the import's own error is the answer; gc takes what is left
+                log.warning("rolling back the import of %s left some of it for gc: %s", ref, err)
