@@ -37,6 +37,10 @@ class Pty:
     ``exit_code`` is set once the output has ended: the program's exit status, or ``128 + N``
     for a death by signal N (what a shell reports)."""
 
+    pid: int
+    exit_code: int | None
+    error: str | None  # why it ended, when not by itself (its sandbox stopped)
+
     def __init__(
         self, transport: Transport, process_url: str, pid: int, events: AsyncGenerator[ProcessEvent, None]
     ) -> None:
@@ -44,8 +48,8 @@ class Pty:
         self._url = process_url
         self.pid = pid
         self._events = events
-        self.exit_code: int | None = None
-        self.error: str | None = None  # why it ended, when not by itself (its sandbox stopped)
+        self.exit_code = None
+        self.error = None
 
     def __repr__(self) -> str:
         return f"Pty(pid={self.pid}, exit_code={self.exit_code})"

@@ -56,6 +56,9 @@ class ExecChunk:
 class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
     """A handle on one sandbox. Cheap to create; holds no server-side state."""
 
+    info: SandboxInfo  # as last read from the server (``refresh()`` reads it again)
+    id: str
+
     def __init__(self, transport: Transport, info: SandboxInfo) -> None:
         self._t = transport
         self.info = info

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Final, Self
 
 from dsec.sdk._sync.iterators import SyncContextManager, SyncIterator
@@ -152,18 +152,7 @@ class _AttributeProxy:
         delattr(object.__getattribute__(instance, "_dsec_async"), self.name)
 
 
-if typing.TYPE_CHECKING:
-
-    class _SyncWrapperMeta(type):
-        # Type checkers only: class-level names of a generated class (classmethods, constants)
-        # are unknown statically, so let them be Any instead of errors.
-        def __getattr__(cls, name: str) -> Any: ...
-
-else:
-    _SyncWrapperMeta = type
-
-
-class SyncWrapper(metaclass=_SyncWrapperMeta):
+class SyncWrapper:
     """Base of every generated sync class; an instance wraps one async instance and a portal.
 
     Subclass it with class keywords to derive a sync class in a regular ``class`` statement
@@ -185,15 +174,6 @@ class SyncWrapper(metaclass=_SyncWrapperMeta):
     _dsec_portal_spec: ClassVar[Any] = None
     _dsec_wrap_map: ClassVar[dict[type, type[SyncWrapper]] | None] = None
     _dsec_type_cache: ClassVar[dict[type, type[SyncWrapper] | None]] = {}
-
-    if typing.TYPE_CHECKING:
-        # Installed at runtime only when the async class has the matching async protocol
-        # (__aenter__/__aexit__, __aiter__, __anext__); declared so that `with DSec() as d:` and
-        # `for x in wrapper` type-check. Any other attribute is Any through __getattr__.
-        def __enter__(self) -> Any: ...
-        def __exit__(self, *exc_info: object) -> Any: ...
-        def __iter__(self) -> Iterator[Any]: ...
-        def __next__(self) -> Any: ...
 
     def __init_subclass__(
         cls,
@@ -270,29 +250,57 @@ class SyncWrapper(metaclass=_SyncWrapperMeta):
         cache[t] = target
         return target
 
+    # -- what generated methods call (dsec.sdk._sync.codegen writes them) --------------------------
+
+    def _dsec_construct(self, *args: Any, **kwargs: Any) -> None:
+        owner = type(self)
+        target = owner._dsec_async_cls
+        if target is None:
+            raise TypeError(f"{owner.__name__} is not bound to an async class")
+        portal = owner._dsec_class_portal()
+        _bind(self, portal.run_sync(target, *unwrap(args), **unwrap(kwargs)), portal)
+
+    def _dsec_call(self, name: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run the async method ``name`` on the portal; the result converted for sync callers."""
+        obj = object.__getattribute__(self, "_dsec_async")
+        return _invoke(type(self), portal_of(self), getattr(obj, name), args, kwargs)
+
+    def _dsec_get(self, name: str) -> Any:
+        obj = object.__getattribute__(self, "_dsec_async")
+        return _convert(type(self), getattr(obj, name), portal_of(self))
+
+    def _dsec_set(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_dsec_async"), name, unwrap(value))
+
     # -- instance plumbing ------------------------------------------------------------------------
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names the sync class does not define: instance attributes of the
-        # async object, or methods of an async subclass. Methods come back as blocking callables.
-        if name.startswith("_dsec_") or (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(name)
-        try:
-            obj = object.__getattribute__(self, "_dsec_async")
-        except AttributeError:
-            raise AttributeError(name) from None
-        value = getattr(obj, name)
-        cls = type(self)
-        portal = portal_of(self)
-        if inspect.ismethod(value) or inspect.iscoroutinefunction(value) or inspect.isasyncgenfunction(value):
-            method = value
+    if not typing.TYPE_CHECKING:  # hidden from type checkers: the generated classes are typed
 
-            @functools.wraps(method)
-            def blocking(*args: Any, **kwargs: Any) -> Any:
-                return _invoke(cls, portal, method, args, kwargs)
+        def __getattr__(self, name: str) -> Any:
+            # Only reached for names the sync class does not define: instance attributes of the
+            # async object, or methods of an async subclass. Methods come back as blocking callables.
+            if name.startswith("_dsec_") or (name.startswith("__") and name.endswith("__")):
+                raise AttributeError(name)
+            try:
+                obj = object.__getattribute__(self, "_dsec_async")
+            except AttributeError:
+                raise AttributeError(name) from None
+            value = getattr(obj, name)
+            cls = type(self)
+            portal = portal_of(self)
+            if (
+                inspect.ismethod(value)
+                or inspect.iscoroutinefunction(value)
+                or inspect.isasyncgenfunction(value)
+            ):
+                method = value
 
-            return blocking
-        return _convert(cls, value, portal)
+                @functools.wraps(method)
+                def blocking(*args: Any, **kwargs: Any) -> Any:
+                    return _invoke(cls, portal, method, args, kwargs)
+
+                return blocking
+            return _convert(cls, value, portal)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Public names are set on the async instance (unless the sync class has a hand-written
