@@ -7,8 +7,10 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from dsec import DSecClient
-from tests.conftest import BASE, Sandboxes
+from dsec import DSecClient, DSecContainerRunArgs
+from tests.conftest import BASE, Sandboxes, node_config
+from tests.netpolicy.mirror import egress_config
+from tests.support import RestartedNode
 
 
 async def test_a_committed_sandbox_s_layer_names_every_permission_it_held(
@@ -38,3 +40,22 @@ async def test_a_built_layer_names_the_build_s_permissions(client: DSecClient, t
     assert info.network == ["mirror"]
     offline = await client.build_layer(dockerfile, tmp_path, f"{ref}-offline")
     assert offline.network == []
+
+
+async def test_a_permission_held_before_an_edge_restart_is_still_recorded(
+    base_layer: str, tmp_path: Path
+) -> None:
+    cfg = node_config(tmp_path, data_dir=tmp_path / "node")
+    cfg.edge["egress"] = egress_config(pool="10.236.0.0/24")  # beside the session's node
+    async with RestartedNode(cfg) as nodes:
+        async with DSecClient(nodes.node.url, nodes.node.api_key) as c:
+            sb = await c.run_container(
+                DSecContainerRunArgs(container_image=base_layer, network_rules={"mirror": True})
+            )
+            await sb.set_network_rules({"mirror": False, "other": True})  # mirror revoked
+        second = await nodes.restart()  # the edge forgets its memory; the sandbox runs on
+        async with DSecClient(second.url, second.api_key) as c:
+            again = await c.get(sb.id)
+            info = await again.commit(f"test/net-record-restart:{uuid.uuid4().hex[:12]}")
+            assert info.network == ["mirror", "other"]
+            await again.stop()

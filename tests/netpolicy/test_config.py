@@ -102,13 +102,15 @@ def test_learned_addresses_and_grants_apply_to_a_real_table(tmp_path: Path) -> N
         run(nft.ruleset("t", "10.250.0.1", "10.250.0.0/24", {}, [], [], {443: 16443}))
         run(nft.grant("t", *link, (), {("dsvx", "10.9.0.0/16", "tcp", 443)}, (False, True)))
         run(nft.learn("t", [(learned, 300)]))
-        run(nft.learn("t", [(learned, 600)], refresh=[learned]))
+        run(nft.learn("t", [(learned, 600)], refresh=[learned], rehold=[learned]))
         out = subprocess.run(
             ["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "t"], capture_output=True, text=True
         ).stdout
         assert '"dsvx" . 198.51.100.7 . tcp . 443 timeout 10m' in out, out
+        # Held for established connections a day longer than it is open to new ones.
+        assert '"dsvx" . 198.51.100.7 . tcp . 443 timeout 1d10m' in out, out
         assert '"dsvx" . 10.9.0.0/16 . tcp . 443' in out and 'elements = { "dsvx" }' in out
-        run(nft.unlearn("t", [learned]))
+        run(nft.unlearn("t", [learned], [learned]))
         run(nft.forget("t", *link, {("dsvx", "10.9.0.0/16", "tcp", 443)}, public=True))
         out = subprocess.run(
             ["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "t"], capture_output=True, text=True

@@ -54,7 +54,7 @@ class Recorder:
         self.scripts.append(script)
 
     def learned(self) -> str:
-        return "".join(s for s in self.scripts if " learned " in s)
+        return "".join(line for s in self.scripts for line in s.splitlines(True) if " learned " in line)
 
 
 @pytest.fixture
@@ -166,9 +166,13 @@ async def test_a_revoked_permission_takes_its_addresses_back() -> None:
     await adm.admit("dvx", "pkgs", [("dvx", "198.51.100.7", "tcp", 443)], 100)
     await adm.admit("dvx", "corp", [("dvx", "10.9.8.7", "tcp", 8443)], 100)
     rec.fail_next = True  # one element already gone from the kernel: the rest still go
+    before = len(rec.scripts)
     await adm.revoke("dvx", keep=lambda perm: perm == "corp")
-    assert 'delete element inet dsec_t learned { "dvx" . 198.51.100.7 . tcp . 443 }' in rec.scripts[-1]
-    assert "10.9.8.7" not in rec.scripts[-1]
+    after = "".join(rec.scripts[before:])
+    # From both sets: a revoke cuts established connections too, not only new ones.
+    assert 'delete element inet dsec_t learned { "dvx" . 198.51.100.7 . tcp . 443 }' in after
+    assert 'delete element inet dsec_t holding { "dvx" . 198.51.100.7 . tcp . 443 }' in after
+    assert "10.9.8.7" not in after
 
 
 def test_wildcards_match_names_below_only() -> None:
@@ -237,3 +241,18 @@ async def test_one_sandbox_cannot_fill_the_node_s_learned_set(monkeypatch: pytes
         assert await adm.admit("dvx", "pkgs", [("dvx", f"198.51.100.{i}", "tcp", 443)], 100)
     assert not await adm.admit("dvx", "pkgs", [("dvx", "198.51.100.9", "tcp", 443)], 100)
     assert await adm.admit("dvy", "pkgs", [("dvy", "198.51.100.9", "tcp", 443)], 100)  # its own budget
+
+
+async def test_a_full_link_lets_go_of_expired_addresses_held_for_established_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(names_module, "MAX_PER_LINK", 2)
+    rec = Recorder()
+    adm = Admissions("dsec_t", rec)
+    for i in range(2):  # answers that expired at once: held only for established connections
+        assert await adm.admit("dvx", "pkgs", [("dvx", f"198.51.100.{i}", "tcp", 8080)], 0)
+    assert await adm.admit("dvx", "pkgs", [("dvx", "198.51.100.9", "tcp", 8080)], 100)
+    released = "".join(rec.scripts)
+    assert 'delete element inet dsec_t holding { "dvx" . 198.51.100.0 . tcp . 8080 }' in released
+    assert 'delete element inet dsec_t holding { "dvx" . 198.51.100.1 . tcp . 8080 }' in released
+    assert "delete element inet dsec_t learned" not in released  # those expired in the kernel

@@ -4,8 +4,8 @@ simple page with real wheels, and as an npm packument with tarballs. It counts w
 (``GET /_stats``), so a test sees how often the proxy came upstream.
 
 In-process (``async with FakeRegistry() as up``) or as a process in a test's network namespace:
-``python -m tests.registry.fake_registry ADDRESS PORT NAME`` (NAME: the host its links name)
-prints ``ready`` once it listens.
+``python -m tests.registry.fake_registry ADDRESS PORT NAME [CERT KEY]`` (NAME: the host its
+links name; with CERT and KEY it serves HTTPS) prints ``ready`` once it listens.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import collections
 import hashlib
 import io
 import json
+import ssl
 import sys
 import tarfile
 import uuid
@@ -69,8 +70,15 @@ def wheel_name(version: str) -> str:
 
 
 class FakeRegistry:
-    def __init__(self, address: str = "127.0.0.1", port: int = 0, name: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "127.0.0.1",
+        port: int = 0,
+        name: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.address, self.port = address, port
+        self.tls = tls  # serves HTTPS with this context
         self.name = name or address  # what its absolute links name (the proxy's upstream origin)
         self.wheels = {wheel_name(v): wheel(v) for v in RELEASES}
         self.tarballs = {f"{PROJECT}-{v}.tgz": tarball(v) for v in NPM_RELEASES}
@@ -83,7 +91,7 @@ class FakeRegistry:
 
     @property
     def url(self) -> str:
-        return f"http://{self.name}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.name}:{self.port}"
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -189,7 +197,7 @@ class FakeRegistry:
     async def start(self) -> None:
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.address, self.port)
+        site = web.TCPSite(self._runner, self.address, self.port, ssl_context=self.tls)
         await site.start()
         if not self.port:
             self.port = self._runner.addresses[0][1]
@@ -208,11 +216,16 @@ class FakeRegistry:
         await self.close()
 
 
-async def _main(address: str, port: int, name: str) -> None:
-    async with FakeRegistry(address, port, name):
+async def _main(address: str, port: int, name: str, cert: str | None, key: str | None) -> None:
+    tls = None
+    if cert and key:
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(cert, key)
+    async with FakeRegistry(address, port, name, tls):
         print("ready", flush=True)
         await asyncio.Event().wait()
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+    tail = [*sys.argv[4:6], None, None]
+    asyncio.run(_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], tail[0], tail[1]))

@@ -39,7 +39,15 @@ CREATE TABLE IF NOT EXISTS leases (
     PRIMARY KEY (project, job)
 );
 CREATE TABLE IF NOT EXISTS links (sandbox_id TEXT PRIMARY KEY, idx INTEGER NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS network_held (
+    sandbox_id TEXT NOT NULL,
+    permission TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, permission)
+) WITHOUT ROWID;
 """
+# Distinct permissions (with their cutoffs) kept per sandbox: a sandbox cycling through dates
+# must not grow the journal without end; past this the newest ones are not recorded.
+MAX_HELD_PERMISSIONS = 256
 # Columns added after the first release: (name, declaration); added in place when missing.
 _ADDED_COLUMNS = (
     ("paused_at", "REAL"),
@@ -190,6 +198,10 @@ class Journal:
                 " RETURNING id",
                 (cutoff,),
             ).fetchall()
+            if rows:  # normally dropped at stop already
+                self._db.execute(
+                    "DELETE FROM network_held WHERE sandbox_id NOT IN (SELECT id FROM sandboxes)"
+                )
         return [str(r[0]) for r in rows]
 
     # -- job leases -------------------------------------------------------------------------
@@ -223,6 +235,33 @@ class Journal:
     def drop_link(self, sandbox_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM links WHERE sandbox_id=?", (sandbox_id,))
+
+    # -- network permissions a sandbox held (what a layer packed from it records) -------------
+
+    def network_held(self, sandbox_id: str) -> set[str]:
+        with self._lock:
+            rows = self._db.execute("SELECT permission FROM network_held WHERE sandbox_id=?", (sandbox_id,))
+            return {str(r[0]) for r in rows}
+
+    def add_network_held(self, sandbox_id: str, permissions: set[str]) -> None:
+        """Adds what is new; at most :data:`MAX_HELD_PERMISSIONS` per sandbox."""
+        with self._lock:
+            have = {
+                str(r[0])
+                for r in self._db.execute(
+                    "SELECT permission FROM network_held WHERE sandbox_id=?", (sandbox_id,)
+                )
+            }
+            room = max(0, MAX_HELD_PERMISSIONS - len(have))
+            new = sorted(permissions - have)[:room]
+            if new:
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO network_held VALUES(?, ?)", [(sandbox_id, p) for p in new]
+                )
+
+    def drop_network_held(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM network_held WHERE sandbox_id=?", (sandbox_id,))
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> Record:

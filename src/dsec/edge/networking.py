@@ -80,9 +80,8 @@ class Networking:
     def network_held(self, sandbox_id: str, rules: NetworkRules) -> list[str]:
         """Every permission the sandbox held since it started (with its cutoff), and ``rules``
         (what a layer packed from it records: a build's last step may run without network,
-        its earlier ones did not). Kept in memory: after an edge restart, from then on."""
-        held = self.__dict__.setdefault("_network_held", {}).get(sandbox_id, set())
-        return sorted(held | set(grants.describe(rules)))
+        its earlier ones did not). Kept in the journal, so an edge restart forgets none."""
+        return sorted(self.journal.network_held(sandbox_id) | set(grants.describe(rules)))
 
     def package_client_files(self, sandbox_id: str) -> list[str]:
         """The package clients' files the edge wrote into the sandbox (paths relative to /),
@@ -97,11 +96,11 @@ class Networking:
         return [p.lstrip("/") for p in registry_clients.ALL]
 
     def _note_network(self, sandbox_id: str, rules: NetworkRules) -> None:
-        history: dict[str, set[str]] = self.__dict__.setdefault("_network_held", {})
-        history.setdefault(sandbox_id, set()).update(grants.describe(rules))
+        if held := set(grants.describe(rules)):
+            self.journal.add_network_held(sandbox_id, held)
 
     def _forget_network(self, sandbox_id: str) -> None:
-        self.__dict__.setdefault("_network_held", {}).pop(sandbox_id, None)
+        self.journal.drop_network_held(sandbox_id)
 
     def _netns_pid(self, rec: Record) -> int | None:
         backend = self.backend_of(rec)

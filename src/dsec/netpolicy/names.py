@@ -51,15 +51,22 @@ def inside(address: str, node_addresses: frozenset[str]) -> bool:
     return address in node_addresses or any(ip in net for net in _NONPUBLIC)
 
 
+@dataclass
+class _Held:
+    until: float  # monotonic: the kernel's ``learned`` element expires then (new connections)
+    hold_until: float  # ... and its ``holding`` one (established connections)
+    permission: str
+
+
 class Admissions:
-    """Addresses learned from answers, per link: what the kernel's ``learned`` set holds and
-    until when (monotonic), and which permission admitted each (a revoked permission takes
-    its addresses back at once)."""
+    """Addresses learned from answers, per link: what the kernel's ``learned`` and ``holding``
+    sets hold and until when, and which permission admitted each (a revoked permission takes
+    its addresses back at once, established connections included)."""
 
     def __init__(self, table: str, apply: Callable[[str], Awaitable[None]]) -> None:
         self.table = table
         self._apply = apply
-        self._held: dict[str, dict[nft.Element, tuple[float, str]]] = {}
+        self._held: dict[str, dict[nft.Element, _Held]] = {}
 
     async def admit(
         self, ifname: str, permission: str, elements: Iterable[nft.Element], seconds: int
@@ -70,50 +77,70 @@ class Admissions:
         now = time.monotonic()
         held = self._held.setdefault(ifname, {})
         if len(held) >= MAX_PER_LINK:
-            for e in [e for e, (until, _) in held.items() if until <= now]:
+            for e in [e for e, h in held.items() if h.hold_until <= now]:
                 del held[e]  # expired in the kernel already
             if len(held) >= MAX_PER_LINK:
+                # Full of addresses only held for established connections: those go first
+                # (their connections are cut) before an answer goes without addresses.
+                stale = {e for e, h in held.items() if h.until <= now}
+                await self._unlearn([], stale)
+                for e in stale:
+                    del held[e]
+            if len(held) >= MAX_PER_LINK:
                 return False
-        fresh, refresh = [], []
+        fresh, refresh, rehold = [], [], []
         for e in elements:
-            until = held.get(e, (0.0, ""))[0]
-            if until - now > seconds / 2:
+            h = held.get(e)
+            if h is not None and h.until - now > seconds / 2:
                 continue  # admitted long enough already
             fresh.append((e, seconds))
-            if until - now > 1:
+            if h is not None and h.until - now > 1:
                 refresh.append(e)  # still in the set: replaced, to take the new timeout
+            if h is not None and h.hold_until - now > 1:
+                rehold.append(e)
         if not fresh:
             return True
         try:
-            await self._apply(nft.learn(self.table, fresh, refresh))
+            await self._apply(nft.learn(self.table, fresh, refresh, rehold))
         except InfraFailure:
             # One of them expired in the kernel between our look and the update: add alone.
             await self._apply(nft.learn(self.table, fresh))
         for e, s in fresh:
-            held[e] = (now + s, permission)
+            held[e] = _Held(now + s, now + s + nft.HOLD_S, permission)
         return True
 
     async def revoke(self, ifname: str, keep: Callable[[str], bool]) -> None:
         """Take back what permissions no longer granted (``keep(permission)`` False) admitted."""
         held = self._held.get(ifname, {})
         now = time.monotonic()
-        gone = [e for e, (_, perm) in held.items() if not keep(perm)]
-        live = [e for e in gone if held[e][0] - now > 1]  # the rest expire in the kernel by now
+        gone = [e for e, h in held.items() if not keep(h.permission)]
+        # The rest expired in the kernel by now.
+        live = [e for e in gone if held[e].until - now > 1]
+        holding = [e for e in gone if held[e].hold_until - now > 1]
         for e in gone:
             del held[e]
-        if not live:
+        await self._unlearn(live, holding)
+
+    async def _unlearn(self, learned: Iterable[nft.Element], holding: Iterable[nft.Element]) -> None:
+        learned, holding = sorted(learned), sorted(holding)
+        if not learned and not holding:
             return
         try:
-            await self._apply(nft.unlearn(self.table, live))
+            await self._apply(nft.unlearn(self.table, learned, holding))
         except InfraFailure:
-            for e in live:  # one had expired in the kernel already: the rest one by one
+            # One had expired in the kernel already: the rest one by one.
+            ones: list[tuple[list[nft.Element], list[nft.Element]]] = [([e], []) for e in learned]
+            ones += [([], [e]) for e in holding]
+            for one in ones:
                 try:
-                    await self._apply(nft.unlearn(self.table, [e]))
+                    await self._apply(nft.unlearn(self.table, *one))
                 except InfraFailure:
                     continue
 
-    def forget(self, ifname: str) -> None:
-        """The link is gone (its interface name never comes back); its elements expire."""
+    async def forget(self, ifname: str) -> None:
+        """The link is gone (its interface name never comes back): what it held goes now
+        rather than in :data:`~dsec.netpolicy.nft.HOLD_S`."""
+        await self.revoke(ifname, lambda _: False)
         self._held.pop(ifname, None)
 
 

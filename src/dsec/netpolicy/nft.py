@@ -8,14 +8,18 @@ element update, with no rule per sandbox to rewrite.
 What a link may reach is the union of four sets: ``allowed`` (fixed endpoints), ``ranges``
 (CIDR ranges, an interval set), ``learned`` (addresses the name server admitted from an
 upstream answer, each element expiring with the answer's TTL plus a grace) and ``public``
-(links granted every public address: anything not in ``nonpublic``).
+(links granted every public address: anything not in ``nonpublic``). ``holding`` keeps each
+learned element :data:`HOLD_S` longer: a connection opened while the address was learned
+stays up past the answer's expiry (as Cilium's toFQDNs: established flows are accepted),
+while a new one is refused; a revoke deletes from both.
 
 Base chains (``inet``: IPv4 and IPv6 alike):
 - input: from a link, only DNS (UDP and TCP) to the gateway, and the package registry proxy's
   ports (:mod:`dsec.registry.proxy`) of the registries the link is granted (set ``registry``:
   ``interface . port``); the node itself is otherwise unreachable;
-- forward: a link's packets must carry its own source address, then only allowed endpoints;
-  nothing is forwarded into a link but replies;
+- forward: a link's packets must carry its own source address, then established connections
+  to what it still holds, then only allowed endpoints; nothing is forwarded into a link but
+  replies;
 - output: the node opens nothing towards a sandbox but DNS replies;
 - prerouting: connections to learned addresses on 443 and 80 go to the name-checking proxy
   (:mod:`.sniproxy`), which the input chain lets them reach only through that redirect;
@@ -53,6 +57,9 @@ NONPUBLIC = (
     "198.18.0.0/15",
     "224.0.0.0/3",
 )
+
+# How long an established connection to a learned address outlives the address's answer.
+HOLD_S = 24 * 3600
 
 _TABLE = re.compile(r"[^A-Za-z0-9_]")
 
@@ -142,6 +149,10 @@ table inet {table} {{
     type ifname . ipv4_addr . inet_proto . inet_service
     flags timeout
   }}
+  set holding {{
+    type ifname . ipv4_addr . inet_proto . inet_service
+    flags timeout
+  }}
   set public {{
     type ifname
     {publics}
@@ -169,6 +180,7 @@ table inet {table} {{
     oifname @ifaces ct state established,related accept
     oifname @ifaces drop
     iifname @ifaces iifname . ip saddr != @links drop
+    iifname @ifaces ct state established iifname . ip daddr . meta l4proto . th dport @holding accept
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @allowed accept
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @ranges accept
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @learned accept
@@ -259,19 +271,33 @@ def forget(
     return "\n".join(lines) + "\n"
 
 
-def learn(table: str, elements: Iterable[tuple[Element, int]], refresh: Iterable[Element] = ()) -> str:
+def learn(
+    table: str,
+    elements: Iterable[tuple[Element, int]],
+    refresh: Iterable[Element] = (),
+    rehold: Iterable[Element] = (),
+) -> str:
     """Admit addresses an upstream answer gave, each for ``seconds`` (the kernel drops the
-    element then). An element still in the set is deleted and added again: ``add`` alone would
-    keep its old timeout."""
+    element then) and held for established connections :data:`HOLD_S` longer. An element still
+    in a set (``refresh``: in ``learned``, ``rehold``: in ``holding``) is deleted and added
+    again: ``add`` alone would keep its old timeout."""
     lines = [f"delete element inet {table} learned {{ {_allowed(e)} }}" for e in refresh]
+    lines += [f"delete element inet {table} holding {{ {_allowed(e)} }}" for e in rehold]
     for e, seconds in elements:
         lines.append(f"add element inet {table} learned {{ {_allowed(e)} timeout {max(1, seconds)}s }}")
+        lines.append(
+            f"add element inet {table} holding {{ {_allowed(e)} timeout {max(1, seconds) + HOLD_S}s }}"
+        )
     return "\n".join(lines) + "\n"
 
 
-def unlearn(table: str, elements: Iterable[Element]) -> str:
-    """Take admitted addresses back (a revoked grant or a stopped sandbox)."""
-    return "".join(f"delete element inet {table} learned {{ {_allowed(e)} }}\n" for e in elements)
+def unlearn(table: str, elements: Iterable[Element], held: Iterable[Element] = ()) -> str:
+    """Take admitted addresses back (a revoked grant or a stopped sandbox): ``elements`` from
+    ``learned``, ``held`` from ``holding`` (which cuts established connections to them)."""
+    return "".join(
+        [f"delete element inet {table} learned {{ {_allowed(e)} }}\n" for e in elements]
+        + [f"delete element inet {table} holding {{ {_allowed(e)} }}\n" for e in held]
+    )
 
 
 def drop_table(table: str) -> str:

@@ -263,7 +263,7 @@ class EgressPolicy:
             if link is None:
                 return
             await links.remove(link.ifname)
-            self.admissions.forget(link.ifname)
+            await self.admissions.forget(link.ifname)
             if self.proxy is not None:
                 try:
                     await self.proxy.update(link.checked_names, set())

@@ -9,7 +9,9 @@ permission's upstream names, so the cutoff cannot be walked around.
 
 from __future__ import annotations
 
+import ssl
 import urllib.parse
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -80,3 +82,21 @@ class CacheConfig(BaseModel):
     max_file_mb: int = Field(default=2_048, ge=1, le=65_536, description="the largest file the proxy fetches")
     max_index_mb: int = Field(default=64, ge=1, le=1024, description="the largest index/packument it parses")
     index_ttl_s: int = Field(default=300, ge=0, le=86_400, description="how long an index is reused")
+    ca_file: Path | None = Field(
+        default=None,
+        description="PEM file of certificate authorities the proxy trusts for upstream TLS besides the"
+        " system's (a private mirror, a workplace TLS proxy); upstream certificates are always verified",
+    )
+
+    @field_validator("ca_file")
+    @classmethod
+    def _ca_file(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return v
+        try:
+            ssl.create_default_context().load_verify_locations(cafile=str(v))
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"registry_cache.ca_file {str(v)[:200]!r}: no PEM certificates there ({exc})"
+            ) from exc
+        return v

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -54,8 +55,20 @@ class _Resolver(AbstractResolver):
 
 
 class Fetcher:
-    def __init__(self, upstream: Upstream, *, max_file: int, max_doc: int, doc_ttl_s: float) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        *,
+        max_file: int,
+        max_doc: int,
+        doc_ttl_s: float,
+        ca_file: Path | None = None,
+    ) -> None:
         self.upstream = upstream
+        # Verified always: the system's authorities, and the operator's own if named.
+        self._tls = ssl.create_default_context()
+        if ca_file is not None:
+            self._tls.load_verify_locations(cafile=str(ca_file))
         self.max_file, self.max_doc, self.doc_ttl_s = max_file, max_doc, doc_ttl_s
         self._session: aiohttp.ClientSession | None = None
         self._docs: OrderedDict[str, tuple[float, Any]] = OrderedDict()
@@ -65,7 +78,7 @@ class Fetcher:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(resolver=_Resolver(self.upstream), limit=64),
+                connector=aiohttp.TCPConnector(resolver=_Resolver(self.upstream), limit=64, ssl=self._tls),
                 timeout=aiohttp.ClientTimeout(total=900, sock_connect=15, sock_read=120),
                 headers={"User-Agent": USER_AGENT},
             )
@@ -115,7 +128,7 @@ class Fetcher:
                     )
                 body = await _read_bounded(resp, self.max_doc)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise UpstreamError(502, f"upstream unreachable: {exc}") from exc
+            raise _unreachable(exc) from exc
         try:
             return json.loads(body)
         except ValueError as exc:
@@ -139,8 +152,21 @@ class Fetcher:
                             raise UpstreamError(502, f"upstream file larger than {self.max_file} bytes")
                         out.write(chunk)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise UpstreamError(502, f"upstream unreachable: {exc}") from exc
+            raise _unreachable(exc) from exc
         return size
+
+
+def _unreachable(exc: BaseException) -> UpstreamError:
+    """What the sandbox's client is told (a 502 with this text): a certificate the proxy does
+    not trust is named as such, not as a network failure."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        why = getattr(exc.certificate_error, "verify_message", None) or exc.certificate_error
+        return UpstreamError(
+            502, f"upstream {exc.host}:{exc.port} presented a TLS certificate the proxy does not trust: {why}"
+        )
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return UpstreamError(502, f"upstream TLS failed: {exc}")
+    return UpstreamError(502, f"upstream unreachable: {exc}")
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:

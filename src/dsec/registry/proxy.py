@@ -93,6 +93,7 @@ class RegistryProxy:
             max_file=cache.max_file_mb << 20,
             max_doc=cache.max_index_mb << 20,
             doc_ttl_s=cache.index_ttl_s,
+            ca_file=cache.ca_file,
         )
         self._runners: list[web.AppRunner] = []
 
