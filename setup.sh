@@ -23,8 +23,21 @@ need_root() {
   if [ "$(id -u)" != 0 ]; then echo "setup.sh: run as root (sandboxes need mounts, namespaces, cgroups)" >&2; exit 1; fi
 }
 
+add_backports() {
+  # The microVMs' guest kernel: bookworm's 6.1 has Landlock ABI 2, bookworm-backports' 6.12 has
+  # ABI 6, whose signal scoping keeps a process left running from signalling a later command
+  # (the guest kit takes the newest linux-image-cloud-amd64 apt knows). Backports' default pin
+  # (100) upgrades nothing installed. Later Debian releases ship 6.12 or newer themselves.
+  [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = bookworm ] || return 0
+  grep -qs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources && return 0
+  printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    > /etc/apt/sources.list.d/dsec-bookworm-backports.sources
+  apt-get update -qq
+}
+
 install_debian() {
   local missing=()
+  add_backports
   for p in "${apt_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
@@ -81,6 +94,27 @@ install_e2b_sdks() {
     "$dir/bin/pip" install -q "e2b==$v"
     touch "$dir/.installed-$v"
   done
+  install_e2b_js
+}
+
+install_e2b_js() {
+  # The official E2B JS SDK (tests/e2b/test_js_sdk.py), pinned by .node-e2b/package-lock.json;
+  # kept between runs. It needs Node >= 20.19 (its CommonJS entry require()s ES-only packages);
+  # Debian 12's nodejs is 18: then Debian's npm fetches Node's own build of 20 into .node-e2b/runtime.
+  local dir=.node-e2b stamp arch
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+  fi
+  if ! node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && b >= 19) ? 0 : 1)'; then
+    arch=$(uname -m); arch=${arch/x86_64/x64}; arch=${arch/aarch64/arm64}
+    [ -x "$dir/runtime/node_modules/node-linux-$arch/bin/node" ] ||
+      npm install -s --no-audit --no-fund --prefix "$dir/runtime" "node-linux-$arch@20.20.2"
+  fi
+  stamp="$dir/node_modules/.installed-$(sha256sum "$dir/package-lock.json" | cut -c1-16)"
+  [ -f "$stamp" ] && return 0
+  (cd "$dir" && npm ci -s --no-audit --no-fund)
+  touch "$stamp"
 }
 
 cmd=${1:-}

@@ -1,4 +1,4 @@
-"""A command round trip through the official ``e2b`` SDK against DSec's own SDK, same node.
+"""Commands, 1 MiB files and a watch event through the official ``e2b`` SDK against DSec's own.
 
     .venv/bin/python bench/e2b.py [--n 100] [--rounds 2] [--version 2.63.0]
 
@@ -13,6 +13,14 @@ its own (so neither pays for the other's interpreter, and drift hits both alike)
 Prints the core count, p50/p99 of each and each p50 as a ratio to the baseline, so the gap can
 be read as: process start (exec - run_shell), a login shell (bash -l - exec), and the E2B path's
 own cost, Connect framing, its SDK and HTTP client (commands.run - bash -l exec).
+
+Files, same turns: 1 MiB of random bytes written and read back, DSec's ``write_file`` and
+``read_file`` (the baseline) against e2b's ``files.write`` and ``files.read(format="bytes")``.
+
+A watch event's latency, from the start of a write to the first event naming the written file:
+e2b's async ``files.watch_dir`` with ``files.write`` of a small file, against the edge's own
+watch and write through the node's in-process link (the baseline: DSec's SDK has no watch;
+this is the inotify path the E2B route streams from, without HTTP or an SDK in between).
 """
 
 from __future__ import annotations
@@ -24,16 +32,22 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from _node import scratch_node
 from _stats import pct
+from dsec.apiserver.embedded import EmbeddedNode
+from dsec.protocol.models import ContainerSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
 DSEC_CLIENT = """
 import asyncio, json, sys, time
+import os
 from dsec import DSecClient, DSecContainerRunArgs
+MIB = os.urandom(1 << 20)
 async def main(url, key, n):
     async with DSecClient(url, key) as client:
         sb = await client.run_container(DSecContainerRunArgs(container_image="debian:bookworm"))
@@ -42,6 +56,8 @@ async def main(url, key, n):
             "run_shell": lambda: sb.run_shell("true"),
             "exec": lambda: sb.exec(["true"]),
             "exec_bash_login": lambda: sb.exec(["/bin/bash", "-l", "-c", "true"]),
+            "write_1m": lambda: sb.write_file("/tmp/one-mib", MIB),
+            "read_1m": lambda: sb.read_file("/tmp/one-mib"),
         }
         for name, call in calls.items():
             await call()  # warm
@@ -57,18 +73,61 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 
 E2B_CLIENT = """
-import json, sys, time
+import json, os, sys, time
 from e2b import Sandbox
 n = int(sys.argv[1])
+MIB = os.urandom(1 << 20)
 sbx = Sandbox.create(timeout=600)
-sbx.commands.run("true")  # warm
-lat = []
-for _ in range(n):
-    t = time.perf_counter()
-    sbx.commands.run("true")
-    lat.append(time.perf_counter() - t)
+calls = {
+    "e2b_commands_run": lambda: sbx.commands.run("true"),
+    "e2b_files_write_1m": lambda: sbx.files.write("/tmp/one-mib", MIB),
+    "e2b_files_read_1m": lambda: sbx.files.read("/tmp/one-mib", format="bytes"),
+}
+out = {}
+for name, call in calls.items():
+    call()  # warm
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        lat.append(time.perf_counter() - t)
+    out[name] = lat
+assert sbx.files.read("/tmp/one-mib", format="bytes") == MIB
 sbx.kill()
-print(json.dumps({"e2b_commands_run": lat}))
+print(json.dumps(out))
+sys.stdout.flush()
+os._exit(0)  # e2b 2.63's client may abort at interpreter exit (docs/e2b.md)
+"""
+
+E2B_WATCH = """
+import asyncio, json, os, sys, time
+from e2b import AsyncSandbox
+async def main(n):
+    sbx = await AsyncSandbox.create(timeout=600)
+    await sbx.files.make_dir("/tmp/w")
+    seen = {}
+    def on_event(ev):
+        seen.setdefault(ev.name, time.perf_counter())
+        if ev.name in waiting:
+            waiting.pop(ev.name).set()
+    waiting = {}
+    handle = await sbx.files.watch_dir("/tmp/w", on_event, timeout=0)
+    lat = []
+    for i in range(n + 1):
+        name = f"f{i}"
+        waiting[name] = got = asyncio.Event()
+        t = time.perf_counter()
+        await sbx.files.write(f"/tmp/w/{name}", b"x")
+        await got.wait()
+        if i:  # the first one warms
+            lat.append(seen[name] - t)
+    await handle.stop()
+    await sbx.kill()
+    return lat
+lat = asyncio.run(main(int(sys.argv[1])))
+print(json.dumps({"e2b_watch_event": lat}))
+sys.stdout.flush()
+os._exit(0)
 """
 
 
@@ -92,6 +151,42 @@ async def child(argv: list[str], env: dict[str, str]) -> dict[str, list[float]]:
     return result
 
 
+async def link_watch(node: EmbeddedNode, n: int) -> dict[str, list[float]]:
+    """The baseline of a watch event: the edge's watch and write through the in-process link."""
+    sid = (await node.link.create(ContainerSpec(image="debian:bookworm"))).id
+    events = node.link.watch_dir(sid, "/tmp", False)
+    seen: dict[str, float] = {}
+    waiting: dict[str, asyncio.Event] = {}
+
+    async def consume() -> None:
+        async for ev in events:
+            seen.setdefault(ev.name, time.perf_counter())
+            if ev.name in waiting:
+                waiting.pop(ev.name).set()
+
+    async def one_byte() -> AsyncIterator[bytes]:
+        yield b"x"
+
+    try:
+        assert (await anext(events)).t == "start"
+        task = asyncio.create_task(consume())
+        lat = []
+        for i in range(n + 1):
+            name = f"f{i}"
+            waiting[name] = got = asyncio.Event()
+            t = time.perf_counter()
+            await node.link.write_stream(sid, f"/tmp/{name}", one_byte())
+            await got.wait()
+            if i:  # the first one warms
+                lat.append(seen[name] - t)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await events.aclose()
+        await node.link.stop(sid)
+    return {"link_watch_event": lat}
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=100)
@@ -108,19 +203,30 @@ async def main() -> None:
         for _ in range(a.rounds):
             dsec_argv = [sys.executable, "-c", textwrap.dedent(DSEC_CLIENT), node.url, key, str(a.n)]
             e2b_argv = [str(e2b), "-c", textwrap.dedent(E2B_CLIENT), str(a.n)]
-            for got in (await child(dsec_argv, base), await child(e2b_argv, e2b_env)):
+            watch_argv = [str(e2b), "-c", textwrap.dedent(E2B_WATCH), str(a.n)]
+            for got in (
+                await child(dsec_argv, base),
+                await child(e2b_argv, e2b_env),
+                await link_watch(node, a.n),
+                await child(watch_argv, e2b_env),
+            ):
                 for name, values in got.items():
                     lat.setdefault(name, []).extend(values)
         print(f"cores {os.cpu_count()}  n {a.n} x {a.rounds} rounds  e2b {a.version}")
-        baseline = pct(lat["run_shell"], 50)
-        for name, label in (
-            ("run_shell", 'DSec run_shell("true") (baseline)'),
-            ("exec", 'DSec exec(["true"])'),
-            ("exec_bash_login", 'DSec exec(["/bin/bash", "-l", "-c", "true"])'),
-            ("e2b_commands_run", 'e2b commands.run("true")'),
+        for name, label, baseline in (
+            ("run_shell", 'DSec run_shell("true") (baseline)', "run_shell"),
+            ("exec", 'DSec exec(["true"])', "run_shell"),
+            ("exec_bash_login", 'DSec exec(["/bin/bash", "-l", "-c", "true"])', "run_shell"),
+            ("e2b_commands_run", 'e2b commands.run("true")', "run_shell"),
+            ("write_1m", "DSec write_file 1 MiB (baseline)", "write_1m"),
+            ("e2b_files_write_1m", "e2b files.write 1 MiB", "write_1m"),
+            ("read_1m", "DSec read_file 1 MiB (baseline)", "read_1m"),
+            ("e2b_files_read_1m", 'e2b files.read 1 MiB (format="bytes")', "read_1m"),
+            ("link_watch_event", "edge watch via the link, write to event (baseline)", "link_watch_event"),
+            ("e2b_watch_event", "e2b async watch_dir, files.write to event", "link_watch_event"),
         ):
-            p50, p99 = pct(lat[name], 50), pct(lat[name], 99)
-            print(f"  {label:<48} p50 {p50 * 1e3:7.2f} ms  p99 {p99 * 1e3:7.2f} ms  {p50 / baseline:5.2f}x")
+            p50, p99, base50 = pct(lat[name], 50), pct(lat[name], 99), pct(lat[baseline], 50)
+            print(f"  {label:<52} p50 {p50 * 1e3:7.2f} ms  p99 {p99 * 1e3:7.2f} ms  {p50 / base50:5.2f}x")
 
 
 if __name__ == "__main__":

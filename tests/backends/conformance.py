@@ -3,14 +3,17 @@
 A backend's test module subclasses :class:`BackendConformance` as ``Test<Name>Conformance``
 and provides two fixtures, ``backend`` (prepared with ``prepare_node``) and ``layer_dirs``
 (the layers every sandbox of the suite is built from, base first; see :func:`build_layers`),
-and overrides the hooks below where its runtime needs to. The checks only use what both an
-isolated and a host-mapped backend can honour: relative paths under a working directory that
-exists in the image, ``root_path`` for host-side file access, and host-visible processes.
+and overrides the hooks below where its runtime needs to. The checks only use relative paths
+under a working directory that exists in the image. A check that needs more than every backend
+offers is skipped by the capability the backend declares, never by the backend's name:
+host-side file access through ``root_path`` (:class:`~dsec.backends.base.HostRooted`), and
+spawned processes that are host processes (``capabilities()["host_processes"]``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -22,14 +25,15 @@ from typing import Any
 
 import pytest
 
-from dsec.backends.base import Backend, CreateContext, User, sandbox_env
+from dsec.backends.base import HOST_PROCESSES, Backend, CreateContext, HostRooted, User, sandbox_env
+from dsec.executor.process import ByteStream, SandboxProcess
 from dsec.protocol.errors import DSecError
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec
 from tests.support import DEADLINE_S, eventually
 
 ROOT = User(name="root", uid=0, gid=0, home="/")
-APPLETS = ("sh", "echo", "cat", "sleep", "ls")
+APPLETS = ("sh", "echo", "cat", "sleep", "ls", "sync")  # sync: a microVM template syncs first
 
 
 def build_layers(base: Path) -> list[Path]:
@@ -73,6 +77,21 @@ def host_pids_running(argv: list[str]) -> list[int]:
     return out
 
 
+def require_host_root(backend: Backend) -> HostRooted:
+    """The backend, for a check of host-side file access; skipped where it has none."""
+    if not isinstance(backend, HostRooted):
+        pytest.skip(f"capability HostRooted: the {backend.name} backend's sandbox root is no host path")
+    return backend
+
+
+def require_host_processes(backend: Backend) -> None:
+    """Skips a check that needs the processes the backend spawns to be host processes."""
+    if not backend.capabilities().get(HOST_PROCESSES):
+        pytest.skip(
+            f"capability {HOST_PROCESSES}: the {backend.name} backend's processes are not host processes"
+        )
+
+
 class Made:
     """The sandboxes one test created; the fixture destroys every one, also on failure."""
 
@@ -95,9 +114,10 @@ class Made:
 
     async def create(self, ctx: CreateContext | None = None) -> tuple[CreateContext, dict[str, Any]]:
         ctx = ctx or self.ctx()
+        at = len(self.all)  # (not [-1]: creates may run in parallel)
         self.all.append((ctx, ctx.handle))
         handle = await self.backend.create(ctx)
-        self.all[-1] = (ctx, handle)
+        self.all[at] = (ctx, handle)
         return ctx, handle
 
     async def cleanup(self) -> None:
@@ -118,9 +138,43 @@ async def run(
     proc = await backend.spawn(
         ctx.sandbox_id, handle, argv, env=sandbox_env(ctx.spec, ctx.user, env), cwd=cwd, user=ctx.user
     )
-    out, err = await asyncio.wait_for(proc.communicate(stdin), DEADLINE_S)
+    out, err = await asyncio.wait_for(communicate(proc, stdin), DEADLINE_S)
     assert proc.returncode is not None
     return out, err, proc.returncode
+
+
+async def communicate(proc: SandboxProcess, stdin: bytes | None = None) -> tuple[bytes, bytes]:
+    """Feed ``stdin``, read both outputs to their end, wait for the exit: what the edge does,
+    through :class:`SandboxProcess` only (a VM's process is no asyncio subprocess)."""
+
+    async def feed() -> None:
+        if proc.stdin is None:
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it ended first
+            if stdin:
+                proc.stdin.write(stdin)
+                await proc.stdin.drain()
+            proc.stdin.close()
+
+    async def drain(stream: ByteStream | None) -> bytes:
+        out = b""
+        while stream is not None and (chunk := await stream.read(1 << 16)):
+            out += chunk
+        return out
+
+    _, out, err = await asyncio.gather(feed(), drain(proc.stdout), drain(proc.stderr))
+    await proc.wait()
+    return out, err
+
+
+async def read_back(backend: Backend, ctx: CreateContext, handle: dict[str, Any], path: str) -> str:
+    """A file of the sandbox (``path`` relative to its root): read on the host through
+    ``root_path`` where the backend has one, else by a command inside."""
+    if isinstance(backend, HostRooted):
+        return (Path(backend.root_path(handle)) / path).read_text()
+    out, err, code = await run(backend, ctx, handle, ["cat", f"/{path}"])
+    assert code == 0, err
+    return out.decode()
 
 
 class BackendConformance:
@@ -166,7 +220,7 @@ class BackendConformance:
         assert (out, err, code) == (b"hi\n", b"err\n", 3)
         _, err, code = await run(backend, ctx, handle, ["sh", "-c", "echo x > f"], cwd="/tmp")
         assert code == 0, err
-        assert (Path(backend.root_path(handle)) / "tmp" / "f").read_text() == "x\n"
+        assert await read_back(backend, ctx, handle, "tmp/f") == "x\n"
         await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
         assert not await backend.alive(ctx.sandbox_id, handle)
         assert ctx.sandbox_id not in await backend.leftovers()
@@ -193,6 +247,7 @@ class BackendConformance:
         assert (out, code) == (b"line\nhello\n", 0)
 
     async def test_spawned_process_leads_its_own_process_group(self, backend: Backend, made: Made) -> None:
+        require_host_processes(backend)  # its group is looked up on the host
         ctx, handle = await made.create()
         proc = await backend.spawn(
             ctx.sandbox_id, handle, ["cat"], env=sandbox_env(ctx.spec, ROOT), cwd="/", user=ROOT
@@ -201,13 +256,14 @@ class BackendConformance:
             assert os.getpgid(proc.pid) == proc.pid, "a timeout kills the whole group of a command"
         finally:
             proc.kill()
-            await proc.communicate()
+            await communicate(proc)
 
     async def test_files_cross_between_spawn_and_root_path(self, backend: Backend, made: Made) -> None:
+        rooted = require_host_root(backend)
         ctx, handle = await made.create()
         out, err, code = await run(backend, ctx, handle, ["sh", "-c", "echo inside > f"], cwd="/tmp")
         assert code == 0, err
-        root = Path(backend.root_path(handle))
+        root = Path(rooted.root_path(handle))
         assert (root / "tmp" / "f").read_text() == "inside\n"
         (root / "tmp" / "g").write_text("from the host side\n")
         out, err, code = await run(backend, ctx, handle, ["cat", "g"], cwd="/tmp")
@@ -215,12 +271,16 @@ class BackendConformance:
 
     async def test_root_is_the_union_of_the_layers_top_most_wins(self, backend: Backend, made: Made) -> None:
         ctx, handle = await made.create()
-        root = Path(backend.root_path(handle))
+        out, _, code = await run(backend, ctx, handle, ["cat", "base.txt", "top.txt", "both.txt"])
+        assert (out, code) == (b"from base\nfrom top\ntop wins\n", 0)
+
+    async def test_root_path_shows_the_union_of_the_layers(self, backend: Backend, made: Made) -> None:
+        rooted = require_host_root(backend)
+        _, handle = await made.create()
+        root = Path(rooted.root_path(handle))
         assert (root / "base.txt").read_text() == "from base\n"
         assert (root / "top.txt").read_text() == "from top\n"
         assert (root / "both.txt").read_text() == "top wins\n"
-        out, _, code = await run(backend, ctx, handle, ["cat", "base.txt", "top.txt", "both.txt"])
-        assert (out, code) == (b"from base\nfrom top\ntop wins\n", 0)
 
     async def test_writes_do_not_reach_the_layers(
         self, backend: Backend, made: Made, layer_dirs: list[Path]
@@ -288,8 +348,8 @@ class BackendConformance:
         for i, (ctx, handle) in enumerate(boxes):
             _, err, code = await run(backend, ctx, handle, ["sh", "-c", f"echo {i} > me"], cwd="/tmp")
             assert code == 0, err
-        for i, (_, handle) in enumerate(boxes):
-            assert (Path(backend.root_path(handle)) / "tmp" / "me").read_text() == f"{i}\n"
+        for i, (ctx, handle) in enumerate(boxes):
+            assert await read_back(backend, ctx, handle, "tmp/me") == f"{i}\n"
         await asyncio.gather(*(backend.destroy(c.sandbox_id, h, c.workdir) for c, h in boxes))
         left = await backend.leftovers()
         assert not any(ctx.sandbox_id in left for ctx, _ in boxes)

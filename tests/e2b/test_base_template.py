@@ -74,11 +74,6 @@ async def test_base_runs_commands_as_user_with_sudo(e2b: E2B, e2b_base: None) ->
         assert (as_root, owner) == ("root", "user"), (client, out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DSec starts every process with no_new_privs (crun noNewPrivileges, dsec-enter), so"
-    ' setuid sudo refuses: \'The "no new privileges" flag is set\'; user="root" works',
-)
 async def test_base_has_passwordless_sudo(e2b: E2B, e2b_base: None) -> None:
     out = await e2b.run(
         """

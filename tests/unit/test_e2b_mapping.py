@@ -69,7 +69,8 @@ def test_add_e2b_user_writes_the_account_as_useradd_would(tmp_path: Path) -> Non
     assert "sudo:*::user" in (etc / "gshadow").read_text().splitlines()
     assert stat.S_IMODE((etc / "shadow").stat().st_mode) == 0o640  # not made world-readable
     rule = etc / "sudoers.d" / "user"
-    assert rule.read_text() == "user ALL=(ALL:ALL) NOPASSWD: ALL\n"
+    assert rule.read_text() == "Defaults !log_allowed\nuser ALL=(ALL:ALL) NOPASSWD: ALL\n"
+    assert "127.0.1.1\tsandbox" in (etc / "hosts").read_text().splitlines()  # sudo resolves it
     assert stat.S_IMODE(rule.stat().st_mode) == 0o440
     home = tmp_path / "home" / "user"
     assert (home / ".bashrc").read_text() == "# skel\n"

@@ -28,6 +28,7 @@ from dsec.apiserver._http import (
 from dsec.apiserver.e2b import E2BFront, E2BOptions
 from dsec.apiserver.e2b.envd import is_envd_path
 from dsec.apiserver.e2b.front import e2b_errors_middleware
+from dsec.apiserver.e2b.templates import is_template_upload_path
 from dsec.apiserver.fncall import FnCallRoutes
 from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.layer_access import LayerLimits, layer_viewer
@@ -88,6 +89,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)  # edges, with the cluster secret (apiserver/membership.py)
     if is_envd_path(request.path):
         return await handler(request)  # E2B's in-sandbox API: a sandbox's envd token (e2b/tokens.py)
+    if is_template_upload_path(request.path):
+        return await handler(request)  # a one-time upload link E2B's SDK PUTs to, keyless
     header = request.headers.get("Authorization", "")
     key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
     # SandboxFusion clients send no headers: their URL carries the key (apiserver/fncall.py).
@@ -119,7 +122,14 @@ class ApiServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[errors_middleware, e2b_errors_middleware, auth_middleware], client_max_size=64 << 20
+            # Sandbox traffic first: its paths are the sandbox's, and it carries no API key.
+            middlewares=[
+                self.e2b.traffic.middleware,
+                errors_middleware,
+                e2b_errors_middleware,
+                auth_middleware,
+            ],
+            client_max_size=64 << 20,
         )
         app[IAM_KEY] = self.iam
         r = app.router

@@ -102,6 +102,7 @@ class ApiServerConfig:
     # A node not heard from for this long is lost: work on its sandboxes answers node_lost.
     node_lost_after_s: float = 30.0
     layer_limits: LayerLimits = field(default_factory=LayerLimits)  # caps on one layer import
+    e2b_domain: str | None = None  # sandbox hosts are PORT-ID.<this> (E2B's get_host)
 
 
 class ClusterApiServer:
@@ -129,7 +130,9 @@ class ClusterApiServer:
         )
         await self.membership.start()
         # Every apiserver derives the same envd token secret: any of them checks any token.
-        e2b = E2BOptions(secret_from_cluster(self.config.secret), self.config.e2b_template)
+        e2b = E2BOptions(
+            secret_from_cluster(self.config.secret), self.config.e2b_template, self.config.e2b_domain
+        )
         self.api = ApiServer(
             self.links, self.placement, self.store, self.iam, e2b=e2b, layer_limits=self.config.layer_limits
         )

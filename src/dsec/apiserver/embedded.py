@@ -60,6 +60,7 @@ class NodeConfig:
     agent_channel: str = "auto"
     vm: bool = False  # also run full VMs (q35 with a display; Debian's full kernel is fetched)
     e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means here
+    e2b_domain: str | None = None  # sandbox hosts are PORT-ID.<this> (E2B's get_host)
     layer_limits: LayerLimits = field(default_factory=LayerLimits)  # caps on one layer import
 
 
@@ -147,7 +148,9 @@ class EmbeddedNode:
         self.iam = await open_iam_store(self.config.iam_url or str(self.config.data_dir / "iam.sqlite"))
         # Kept in the data directory: envd tokens stay valid across `dsec up` restarts.
         e2b = E2BOptions(
-            secret_from_file(self.config.data_dir / "e2b-token-secret"), self.config.e2b_template
+            secret_from_file(self.config.data_dir / "e2b-token-secret"),
+            self.config.e2b_template,
+            self.config.e2b_domain,
         )
         self.api = ApiServer(
             {self.config.node: self.link},

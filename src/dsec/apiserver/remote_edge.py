@@ -26,7 +26,10 @@ import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dsec.apiserver.node_verdict import NODE_LOST, NodeView
+from dsec.apiserver.remote_ports import open_remote_port
 from dsec.apiserver.remote_processes import RemoteProcesses
+from dsec.edge.metrics import MetricSample
+from dsec.edge.ports import PortStream, check_port
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
@@ -66,6 +69,7 @@ _INFOS = TypeAdapter(list[SandboxInfo])
 _STATS = TypeAdapter(list[FileStat])
 _ENTRIES = TypeAdapter(list[TrajectoryEntry])
 _CHANGES = TypeAdapter(list[Change])
+_METRICS = TypeAdapter(list[MetricSample])
 _XATTRS = TypeAdapter(dict[str, str])
 _JSON = {"Content-Type": "application/json"}
 
@@ -334,6 +338,14 @@ class RemoteEdgeLink(RemoteProcesses):
         )
         return self._parse_list(_CHANGES, raw)
 
+    async def metrics(
+        self, sandbox_id: str, start: float | None = None, end: float | None = None
+    ) -> list[MetricSample]:
+        bounds = {"start": start, "end": end}
+        params = {k: f"{v:.3f}" for k, v in bounds.items() if v is not None}
+        raw = await self._json("GET", self._sandbox(sandbox_id, "/metrics"), params=params, quick=True)
+        return self._parse_list(_METRICS, raw)
+
     async def fork_local(
         self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
     ) -> list[SandboxInfo]:
@@ -401,6 +413,10 @@ class RemoteEdgeLink(RemoteProcesses):
                 if event.t == "exit":
                     return
         raise await self.view.ended_early("an exec stream", self.url, started_epoch)
+
+    async def open_port(self, sandbox_id: str, port: int) -> PortStream:
+        url = self.url + PREFIX + self._sandbox(sandbox_id, f"/ports/{check_port(port)}")
+        return await open_remote_port(self._http(), url, self.node, self._connect_timeout)
 
     async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
         return self._parse(

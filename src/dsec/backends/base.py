@@ -30,6 +30,11 @@ class User:
     home: str
 
 
+# A key of :meth:`Backend.capabilities`: whether the processes :meth:`Backend.spawn` starts are
+# processes of this host (their PID and process group are the host's), as a container's are; a
+# VM's run on its own kernel (their PIDs are the guest's). Every backend reports it.
+HOST_PROCESSES = "host_processes"
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -134,7 +139,8 @@ class Backend(Protocol):
         """How many processes of this sandbox the kernel has OOM-killed so far."""
 
     def capabilities(self) -> dict[str, Any]:
-        """What this node's instance of the backend offers (reported to the watcher)."""
+        """What this node's instance of the backend offers (reported to the watcher), among
+        them :data:`HOST_PROCESSES`."""
 
     async def detach(self) -> None:
         """Let go of connections to running sandboxes: the edge stops, they keep running."""

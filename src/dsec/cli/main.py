@@ -66,6 +66,14 @@ E2BTemplate = Annotated[
         help="the layers E2B's default template ('base') means (e2b:base: debian:bookworm until built)",
     ),
 ]
+E2BDomain = Annotated[
+    str | None,
+    typer.Option(
+        envvar="DSEC_E2B_DOMAIN",
+        help="E2B sandbox hosts are PORT-ID.<this domain> (a wildcard DNS record to the apiserver):"
+        " what get_host(port) returns; without it, ports are reached by E2b-Sandbox-Id/-Port headers",
+    ),
+]
 DataDir = Annotated[
     Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="all node state lives here")
 ]
@@ -102,6 +110,7 @@ def up(
     microvm_accel: AccelOption = None,
     agent_channel: AgentChannelOption = "auto",
     e2b_template: E2BTemplate = "e2b:base",
+    e2b_domain: E2BDomain = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
@@ -130,6 +139,7 @@ def up(
         microvm_accel=microvm_accel,
         agent_channel=agent_channel,
         e2b_template=e2b_template,
+        e2b_domain=e2b_domain,
         layer_limits=_layer_limits(layer_limits),
     )
     if base:
@@ -278,6 +288,7 @@ def apiserver_cmd(
         ),
     ] = 30.0,
     layer_limits: LayerLimitsOption = "",
+    e2b_domain: E2BDomain = None,
 ) -> None:
     """Run a stateless apiserver over the edges that register with the cluster (run several)."""
     from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer
@@ -301,6 +312,7 @@ def apiserver_cmd(
             e2b_template,
             node_lost_after,
             limits,
+            e2b_domain,
         )
         server = ClusterApiServer(cfg)
         url = await server.start()

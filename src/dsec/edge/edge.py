@@ -25,6 +25,7 @@ from dsec.edge import hardware
 from dsec.edge.admission import Admission
 from dsec.edge.commands import Commands
 from dsec.edge.journal import Journal, Record
+from dsec.edge.metrics import MetricsSampler
 from dsec.edge.networking import Networking
 from dsec.edge.pausing import PauseTotals, Pausing
 from dsec.edge.processes import Processes
@@ -131,6 +132,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self._last_liveness = 0.0
         self._liveness_cursor = 0  # where the next liveness batch starts in _live's order
         self._wakeups = Wakeups()  # when the reaper next looks at each sandbox
+        self.metrics = MetricsSampler(lambda: self._live, self.backend_of)  # E2B's get_metrics
 
     # -- lifecycle of the edge itself -------------------------------------------------------
 
@@ -156,6 +158,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         await self._reconcile()
         await self.egress.start({sid: live.record.spec.network_rules for sid, live in self._live.items()})
         self._reaper = asyncio.create_task(self._reap_forever())
+        self.metrics.start()
         # Pool sandboxes do not outlive their runners' pipes, which died with the last edge.
         stale = [sid for sid, live in self._live.items() if POOL_LABEL in live.record.spec.labels]
         await asyncio.gather(*(self.stop(sid, reason="fncall pool restarted") for sid in stale))
@@ -163,6 +166,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
 
     async def close(self, *, stop_sandboxes: bool = False) -> None:
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
+        await self.metrics.close()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

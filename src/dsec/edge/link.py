@@ -24,6 +24,8 @@ from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from dsec.edge.edge import Edge
+from dsec.edge.metrics import MetricSample
+from dsec.edge.ports import PortStream, connect_port
 from dsec.executor.file_ops import DEFAULT_FILE_MODE, FileOps
 from dsec.iam.base import in_subtree
 from dsec.protocol.errors import InvalidRequest, SandboxNotFound
@@ -116,6 +118,13 @@ class EdgeLink(Protocol):
     ) -> list[TrajectoryEntry]: ...
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]: ...
+
+    async def metrics(
+        self, sandbox_id: str, start: float | None = None, end: float | None = None
+    ) -> list[MetricSample]:
+        """The sandbox's resource samples with ``start <= ts <= end`` (unix seconds, either
+        open), oldest first, the last one read now (:mod:`dsec.edge.metrics`)."""
+        ...
 
     async def screenshot(self, sandbox_id: str) -> bytes:
         """The screen of a full VM, as a PNG."""
@@ -222,6 +231,11 @@ class EdgeLink(Protocol):
     def watch_dir(self, sandbox_id: str, path: str, recursive: bool) -> AsyncGenerator[WatchEvent, None]:
         """``start`` once the watch is in place, then changes below ``path`` (names relative to
         it); closing the stream removes the watch."""
+        ...
+
+    async def open_port(self, sandbox_id: str, port: int) -> PortStream:
+        """A byte stream to TCP ``port`` on the sandbox's loopback (:mod:`dsec.edge.ports`);
+        ``Conflict`` (reason ``port_closed``) when nothing listens there."""
         ...
 
 
@@ -334,6 +348,12 @@ class LocalEdgeLink:
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
         return await self.edge.changes(self._routed(sandbox_id), under)
+
+    async def metrics(
+        self, sandbox_id: str, start: float | None = None, end: float | None = None
+    ) -> list[MetricSample]:
+        self.edge.get(self._routed(sandbox_id))  # SandboxNotFound for one the edge never had
+        return self.edge.metrics.query(sandbox_id, start, end)
 
     async def screenshot(self, sandbox_id: str) -> bytes:
         return await self.edge.screenshot(self._routed(sandbox_id))
@@ -485,6 +505,9 @@ class LocalEdgeLink:
 
     async def resize_process(self, sandbox_id: str, pid: int, size: PtySize) -> None:
         await self.edge.resize_process(self._routed(sandbox_id), pid, size)
+
+    async def open_port(self, sandbox_id: str, port: int) -> PortStream:
+        return await connect_port(self.edge, self._routed(sandbox_id), port)
 
     async def watch_dir(
         self, sandbox_id: str, path: str, recursive: bool

@@ -24,6 +24,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     PUT    /sandboxes/{id}/deadline DeadlineRequest -> SandboxInfo (journaled)
     GET    /sandboxes/{id}/trajectory?after=&limit= -> [TrajectoryEntry]
     GET    /sandboxes/{id}/changes?under=/         -> [Change]
+    GET    /sandboxes/{id}/metrics?start=&end=     -> [MetricSample] (edge/metrics.py)
     POST   /sandboxes/{id}/fork-spec?ref=          -> {"spec": ContainerSpec, "layer": LayerInfo}
     GET    /sandboxes/{id}/screenshot              -> image/png (full VMs)
     POST   /sandboxes/{id}/fork-local              LocalForkRequest -> 201 [SandboxInfo] (VMs)
@@ -45,6 +46,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /sandboxes/{id}/processes/{pid}/signal  ProcessSignal -> {}
     POST   /sandboxes/{id}/processes/{pid}/resize  PtySize -> {}
     GET    /sandboxes/{id}/watch?path=&recursive=false      -> NDJSON of WatchEvent
+    GET    /sandboxes/{id}/ports/{port}            -> WebSocket: bytes of the sandbox's port (edge/ports.py)
     POST   /layers/in-use?unmount_idle=false       -> {"digests": [...]}
     POST   /fncall?pool=                           FnTask -> FnResult (a warm-pool call)
 
@@ -69,6 +71,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from dsec.edge.edge import Edge
 from dsec.edge.link import LocalEdgeLink
+from dsec.edge.metrics import time_param
+from dsec.edge.ports import port_param, serve_port
 from dsec.edge.server_processes import ProcessRoutes, stream_ndjson
 from dsec.executor.file_ops import CHUNK
 from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
@@ -224,6 +228,7 @@ class EdgeServer:
         r.add_put(PREFIX + "/sandboxes/{id}/deadline", self.set_deadline)
         r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
         r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
+        r.add_get(PREFIX + "/sandboxes/{id}/metrics", self.metrics)
         r.add_post(PREFIX + "/sandboxes/{id}/fork-spec", self.fork_spec)
         r.add_get(PREFIX + "/sandboxes/{id}/screenshot", self.screenshot)
         r.add_post(PREFIX + "/sandboxes/{id}/fork-local", self.fork_local)
@@ -237,6 +242,7 @@ class EdgeServer:
         r.add_post(PREFIX + "/sandboxes/{id}/files/move", self.move)
         r.add_get(PREFIX + "/sandboxes/{id}/files/xattrs", self.xattrs)
         r.add_put(PREFIX + "/sandboxes/{id}/files/xattrs", self.set_xattrs)
+        r.add_get(PREFIX + "/sandboxes/{id}/ports/{port}", self.port)
         r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
         r.add_post(f"{PREFIX}/fncall", self.fncall)
         ProcessRoutes(self.link).register(r, PREFIX)  # edge/server_processes.py
@@ -307,6 +313,10 @@ class EdgeServer:
     async def changes(self, request: web.Request) -> web.Response:
         return respond(await self.link.changes(request.match_info["id"], text_param(request, "under", "/")))
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        start, end = time_param(request, "start"), time_param(request, "end")
+        return respond(await self.link.metrics(request.match_info["id"], start, end))
+
     async def fork_local(self, request: web.Request) -> web.Response:
         req = LocalForkRequest.model_validate_json(await request.read() or b"{}")
         made = await self.link.fork_local(request.match_info["id"], req.ids, req.labels)
@@ -347,6 +357,10 @@ class EdgeServer:
             idempotency_key=req.idempotency_key,
         )
         return await stream_ndjson(request, events)
+
+    async def port(self, request: web.Request) -> web.StreamResponse:
+        opening = self.link.open_port(request.match_info["id"], port_param(request))
+        return await serve_port(request, opening)  # errors travel inside the WebSocket
 
     async def commit(self, request: web.Request) -> web.Response:
         req = CommitRequest.model_validate_json(await request.read() or b"{}")

@@ -77,7 +77,9 @@ E2B_BASE_REF = "e2b:base"
 E2B_USER, E2B_UID = "user", 1000
 E2B_PACKAGES = (*BASE_PACKAGES, "sudo")
 # Part of the E2B base's recipe tag: a change to add_e2b_user must change this.
-E2B_RECIPE = "e2b-user-1"
+E2B_RECIPE = "e2b-user-2"
+# The hostname of every container sandbox (backends/container/oci.py): sudo resolves it.
+SANDBOX_HOSTNAME = "sandbox"
 
 Progress = Callable[[str], None]
 Customize = Callable[[Path], None]
@@ -242,8 +244,9 @@ def _add_member(path: Path, group: str, member: str) -> None:
 
 def add_e2b_user(root: Path) -> None:
     """E2B's ``user`` in a debootstrapped tree: uid/gid 1000, home /home/user (from /etc/skel),
-    bash, in group sudo, passwordless sudo. Written as useradd would, without running the
-    tree's own tools (no chroot needed)."""
+    bash, in group sudo, passwordless sudo (in a sandbox that allows setuid: ContainerSpec's
+    allow_setuid). Written as useradd would, without running the tree's own tools (no chroot
+    needed)."""
     etc = root / "etc"
     _append(etc / "passwd", f"{E2B_USER}:x:{E2B_UID}:{E2B_UID}::/home/{E2B_USER}:/bin/bash")
     _append(etc / "group", f"{E2B_USER}:x:{E2B_UID}:")
@@ -253,8 +256,16 @@ def add_e2b_user(root: Path) -> None:
     _add_member(etc / "gshadow", "sudo", E2B_USER)
     (etc / "sudoers.d").mkdir(exist_ok=True)
     rule = etc / "sudoers.d" / E2B_USER
-    _write_fresh(rule, f"{E2B_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n")
+    # sudo's record of each command goes to the kernel's audit log, the host's: a sandbox has
+    # no CAP_AUDIT_WRITE, so it would fail with a warning on stderr every time.
+    _write_fresh(rule, f"Defaults !log_allowed\n{E2B_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n")
     os.chmod(rule, 0o440)  # sudo ignores a rule file others may write
+    # sudo resolves the hostname (a warning on stderr when it cannot); debootstrap writes no
+    # /etc/hosts.
+    _write_fresh(
+        etc / "hosts",
+        f"127.0.0.1\tlocalhost\n127.0.1.1\t{SANDBOX_HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    )
     home = root / "home" / E2B_USER
     home.mkdir(parents=True, exist_ok=False)
     shutil.copytree(root / "etc/skel", home, dirs_exist_ok=True, symlinks=True)

@@ -178,6 +178,19 @@ class ContainerSpec(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     hardware: Hardware = Field(default_factory=Hardware)
+    allow_setuid: bool = Field(
+        default=False,
+        description="processes start without no_new_privs, so setuid programs work (sudo to root "
+        "inside); root that way has what a root command has (capabilities, seccomp filter, "
+        "cgroup), nothing more. crun containers only",
+    )
+
+    @model_validator(mode="after")
+    def _setuid_on_crun(self) -> ContainerSpec:
+        # gVisor's runsc and a VM's guest agent start processes their own way (no dsec-enter).
+        if self.allow_setuid and (self.type != "container" or self.runtime != "crun"):
+            raise ValueError("allow_setuid applies to crun containers only")
+        return self
 
     @model_validator(mode="after")
     def _one_environment(self) -> ContainerSpec:

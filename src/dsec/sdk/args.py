@@ -32,6 +32,7 @@ class DSecContainerRunArgs(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     hardware: Hardware = Field(default_factory=Hardware)  # arch, GPUs, node labels to run on
+    allow_setuid: bool = False  # setuid programs (sudo) work: no no_new_privs; crun only
 
     def to_spec(self) -> ContainerSpec:
         """Validate against the wire model now, so bad input fails before any request."""
@@ -63,6 +64,7 @@ class DSecContainerRunArgs(BaseModel):
             env=self.env,
             labels=self.labels,
             hardware=self.hardware,
+            allow_setuid=self.allow_setuid,
         )
 
 

@@ -19,9 +19,11 @@ import re
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from email.message import Message
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.hdrs import CONTENT_DISPOSITION
 
 from dsec.apiserver._http import stream_bytes
 from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, pump
@@ -157,13 +159,23 @@ async def upload(request: web.Request, link: EdgeLink, sandbox_id: str, user: st
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
                 raise InvalidRequest("nested multipart bodies are not supported")
-            name = request.query.get("path") or part.filename
+            if part.name != "file":
+                continue  # envd writes only the parts named "file"
+            name = request.query.get("path") or _part_path(part)
             if not name:
                 raise InvalidRequest("each file part needs a filename (its path) or ?path=")
             await write(absolute(name, user), _part(part))
     else:
         await write(absolute(request.query.get("path", ""), user), request.content.iter_chunked(_CHUNK))
     return web.json_response(written)
+
+
+def _part_path(part: BodyPartReader) -> str | None:
+    # aiohttp's part.filename strips leading slashes ("/tmp/a" becomes "tmp/a", then a path in
+    # the home directory); envd takes the filename whole, and the JS SDK sends absolute paths.
+    disposition = Message()
+    disposition["content-disposition"] = part.headers.get(CONTENT_DISPOSITION, "")
+    return disposition.get_filename()
 
 
 async def _part(part: BodyPartReader) -> AsyncIterator[bytes]:

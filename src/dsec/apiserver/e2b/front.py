@@ -17,8 +17,12 @@ from pydantic import ValidationError
 
 from dsec.apiserver.e2b.envd import EnvdRoutes, is_envd_path
 from dsec.apiserver.e2b.lifecycle import LifecycleRoutes, NotSupported
+from dsec.apiserver.e2b.metrics import MetricsRoutes
 from dsec.apiserver.e2b.models import error_body
+from dsec.apiserver.e2b.snapshots import SnapshotRoutes
+from dsec.apiserver.e2b.templates import Templates
 from dsec.apiserver.e2b.tokens import EnvdTokens
+from dsec.apiserver.e2b.traffic import TrafficRoutes
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError
@@ -31,18 +35,15 @@ DEFAULT_TEMPLATE = "debian:bookworm"  # what `dsec up` builds as its base layer
 # Where E2B's control-plane API lives; DSec's own is under /v1/ and never collides.
 E2B_API_PREFIXES = ("/sandboxes", "/v2/sandboxes", "/templates", "/v2/templates", "/v3/templates",
                     "/default-templates", "/snapshots", "/volumes", "/secrets")  # fmt: skip
+_NO_TEMPLATE_ROUTE = "this template route is not supported by DSec: build with Template() (e2b/templates.py)"
 # Paths of E2B's API that DSec does not offer, each with the reason the 501 gives.
 _UNSUPPORTED = (
-    ("/sandboxes/metrics", "sandbox metrics are not supported by DSec"),
-    ("/sandboxes/{id}/metrics", "sandbox metrics are not supported by DSec"),
     ("/sandboxes/{id}/logs", "sandbox logs are not supported by DSec"),
     ("/v2/sandboxes/{id}/logs", "sandbox logs are not supported by DSec"),
-    ("/sandboxes/{id}/fork", "fork through the E2B API is not supported: use DSec's sandbox.fork()"),
-    ("/sandboxes/{id}/snapshots", "snapshots are not supported by DSec: use DSec's pack_diff()"),
-    ("/snapshots{tail:.*}", "snapshots are not supported by DSec"),
-    ("/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),
-    ("/v2/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),
-    ("/v3/templates{tail:.*}", "templates are DSec layers: build them with `dsec layer build`"),
+    # What templates.py does not take (tags, v1 builds, updates): build with Template().
+    ("/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
+    ("/v2/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
+    ("/v3/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/default-templates", "templates are DSec layers: `dsec layer ls` lists them"),
     ("/volumes{tail:.*}", "volumes are not supported by DSec"),
     ("/secrets{tail:.*}", "secrets are not supported by DSec"),
@@ -53,6 +54,9 @@ _UNSUPPORTED = (
 class E2BOptions:
     token_secret: bytes | None = None  # None: a random one (tokens die with this process)
     default_template: str = DEFAULT_TEMPLATE  # what templateID "base" means
+    # Sandbox hosts are PORT-ID.<domain> (wildcard DNS to the apiservers; e2b/traffic.py),
+    # answered to the SDKs as each sandbox's ``domain``. None: traffic by headers only.
+    domain: str | None = None
 
 
 def is_e2b_api_path(path: str) -> bool:
@@ -91,15 +95,27 @@ class E2BFront:
         self.tokens = EnvdTokens(self.options.token_secret)
         self.lifecycle = LifecycleRoutes(sandboxes, store, self.tokens, self.options.default_template)
         self.envd = EnvdRoutes(sandboxes, self.tokens)
+        self.lifecycle.domain = lambda: self.options.domain
+        self.traffic = TrafficRoutes(sandboxes, self.tokens, lambda: self.options.domain)
+        self.metrics = MetricsRoutes(sandboxes)
+        self.snapshots = SnapshotRoutes(sandboxes, store, self.lifecycle._created)
+        lc = self.lifecycle
+        self.templates = Templates(sandboxes, store, lc._default, lc._offers_internet)
+        self.templates.delete_fallback = self.snapshots.delete  # an ID no template has
+        lc.templates = self.templates
 
     def register(self, r: web.UrlDispatcher) -> None:
+        self.templates.register(r)  # first: its DELETE /templates/{id} hands snapshots on
+        self.snapshots.register(r)  # before the 501s: DELETE /templates/{id} deletes a snapshot
         # First: /sandboxes/metrics must not be taken for the sandbox "metrics".
+        self.metrics.register(r)
         for path, why in _UNSUPPORTED:
             r.add_route("*", path, _unsupported(why))
         self.lifecycle.register(r)
         self.envd.register(r)
 
     async def close(self) -> None:
+        await self.templates.close()
         await self.envd.close()
 
 

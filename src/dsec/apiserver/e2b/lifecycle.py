@@ -28,7 +28,7 @@ import math
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from dsec.apiserver._http import PRINCIPAL, read_body
 from dsec.apiserver.e2b.models import (
     AUTO_RESUME_LABEL,
+    PRIVATE_TRAFFIC_LABEL,
     ConnectSandbox,
     E2BState,
     Lifecycle,
@@ -57,6 +58,9 @@ from dsec.images.store import LayerStore
 from dsec.protocol.errors import Conflict, InvalidRequest, LayerNotFound, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec, DeadlineAction, SandboxInfo, SandboxState, invalid_request
+
+if TYPE_CHECKING:
+    from dsec.apiserver.e2b.templates import Templates
 
 NEXT_TOKEN_HEADER = "X-Next-Token"
 BASE_TEMPLATE = "base"  # what the SDKs send when the caller names no template
@@ -104,6 +108,9 @@ def _template_id(info: SandboxInfo) -> str:
     return LAYER_SEPARATOR.join(info.refs) or LAYER_SEPARATOR.join(info.layers)
 
 
+_KEPT_LABELS = (AUTO_RESUME_LABEL, PRIVATE_TRAFFIC_LABEL)  # settings, not the caller's metadata
+
+
 def _listed(info: SandboxInfo) -> dict[str, Any]:
     return {
         "template_id": _template_id(info),
@@ -115,7 +122,7 @@ def _listed(info: SandboxInfo) -> dict[str, Any]:
         "memory_mb": info.memory_limit_mb,
         "disk_size_mb": 0,  # DSec does not size a sandbox's disk unless disk_limit_mb is set
         "state": _state(info),
-        "metadata": {k: v for k, v in info.labels.items() if k != AUTO_RESUME_LABEL},
+        "metadata": {k: v for k, v in info.labels.items() if k not in _KEPT_LABELS},
     }
 
 
@@ -186,7 +193,9 @@ class LifecycleRoutes:
         self.store = store
         self.tokens = tokens
         self.default_template = default_template
+        self.domain: Callable[[], str | None] = lambda: None  # the front's --e2b-domain
         self._offers: dict[str, tuple[float, bool]] = {}  # node -> (when learned, offers internet)
+        self.templates: Templates | None = None  # built templates (e2b/templates.py), set by the front
 
     def register(self, r: web.UrlDispatcher) -> None:
         for prefix in ("", "/v2"):
@@ -210,6 +219,10 @@ class LifecycleRoutes:
                 "sandbox_id": info.id,
                 "client_id": info.node,
                 "envd_access_token": self.tokens.issue(info.id),
+                "traffic_access_token": self.tokens.issue_traffic(info.id)
+                if info.labels.get(PRIVATE_TRAFFIC_LABEL) == "false"
+                else None,
+                "domain": self.domain(),
             }
         )
         return web.json_response(body.wire(), status=status)
@@ -233,6 +246,18 @@ class LifecycleRoutes:
                 raise LayerNotFound(f"template {template_id!r} not found: {exc}") from exc
         return refs
 
+    async def _on_e2b_base(self, refs: list[str]) -> bool:
+        """Whether the sandbox's bottom layers are E2B's base: the template itself, or a
+        snapshot or template built on it (whose first ref is an image of those layers)."""
+        if refs[0] == E2B_BASE_REF:
+            return True
+        try:
+            base = await asyncio.to_thread(self.store.resolve_image, E2B_BASE_REF)
+            first = await asyncio.to_thread(self.store.resolve_image, refs[0])
+        except LayerNotFound:
+            return False
+        return [la.digest for la in first[: len(base)]] == [la.digest for la in base]
+
     async def create(self, request: web.Request) -> web.Response:
         req = await read_body(request, NewSandbox)
         if req.volume_mounts:
@@ -241,6 +266,8 @@ class LifecycleRoutes:
             raise NotSupported("MCP gateways are not supported by DSec")
         if AUTO_RESUME_LABEL in (req.metadata or {}):
             raise InvalidRequest(f"metadata key {AUTO_RESUME_LABEL!r} is kept for the sandbox's autoResume")
+        if PRIVATE_TRAFFIC_LABEL in (req.metadata or {}):
+            raise InvalidRequest(f"metadata key {PRIVATE_TRAFFIC_LABEL!r} is kept for allow_public_traffic")
         network = (req.network or NetworkUpdate()).model_copy(
             update={"allow_internet_access": req.allow_internet_access}
         )
@@ -248,7 +275,11 @@ class LifecycleRoutes:
         labels = dict(req.metadata or {})
         if req.auto_resume is not None and req.auto_resume.enabled:
             labels[AUTO_RESUME_LABEL] = "true"
-        refs = await self._refs(req.template_id)
+        if network.allow_public_traffic is False:
+            labels[PRIVATE_TRAFFIC_LABEL] = "false"  # its ports want the trafficAccessToken
+        built = await self.templates.resolve(request[PRINCIPAL], req.template_id) if self.templates else None
+        refs = built.refs if built is not None else await self._refs(req.template_id)
+        on_e2b_base = await self._on_e2b_base(refs)
         try:
             spec = ContainerSpec(
                 image=refs[0] if len(refs) == 1 else None,
@@ -256,10 +287,13 @@ class LifecycleRoutes:
                 cpu_cores_limit=2,
                 memory_limit_mb=1024,
                 labels=labels,
-                env=req.env_vars or {},
+                env={**(built.env if built else {}), **(req.env_vars or {})},
                 # envd runs a command as the template's default user when the SDK names none:
                 # E2B's base has `user`; DSec's layers have root alone.
-                init_user=E2B_USER if refs[0] == E2B_BASE_REF else "root",
+                init_user=(built and built.user) or (E2B_USER if on_e2b_base else "root"),
+                # ...whose passwordless sudo needs setuid to work. An E2B client already runs
+                # anything as root (user="root"): sudo gives `user` no more than that.
+                allow_setuid=on_e2b_base,
             )
         except ValidationError as exc:
             raise InvalidRequest(f"metadata or envVars: {invalid_request(exc)}") from exc
@@ -274,6 +308,8 @@ class LifecycleRoutes:
                 info = await link.set_network_rules(info.id, rules)
             if req.timeout > 0:
                 info = await link.set_deadline(info.id, req.timeout, "pause" if req.auto_pause else "stop")
+            if built is not None and self.templates is not None:
+                await self.templates.start(link, info.id, built)  # start command, ready wait
         except BaseException:
             await asyncio.shield(self._stop(link, info.id))
             raise
@@ -321,6 +357,7 @@ class LifecycleRoutes:
                 "envd_access_token": self.tokens.issue(info.id),
                 "lifecycle": Lifecycle(on_timeout=on_timeout, auto_resume=auto_resumes(info)),
                 "network": to_info(info.network_rules),
+                "domain": self.domain(),
             }
         )
         return web.json_response(detail.wire())

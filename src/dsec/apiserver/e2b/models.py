@@ -21,6 +21,9 @@ E2BState = Literal["running", "paused"]
 # The label that keeps a sandbox's ``autoResume`` (with the sandbox, so every apiserver and an
 # edge restart see it); E2B's answers leave it out of ``metadata``.
 AUTO_RESUME_LABEL = "e2b.autoResume"
+# Kept "false" for a sandbox created with ``allow_public_traffic=False``: its ports want its
+# traffic access token (apiserver/e2b/traffic.py). Left out of ``metadata`` too.
+PRIVATE_TRAFFIC_LABEL = "e2b.allowPublicTraffic"
 
 
 class _In(BaseModel):
@@ -48,6 +51,7 @@ class NetworkUpdate(_In):
     egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
     dns_servers: list[NetworkEntry] | None = Field(default=None, alias="dnsServers", max_length=256)
     allow_internet_access: bool | None = None  # E2B's wire name, snake case
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")  # at create
 
 
 class AutoResume(_In):
@@ -62,7 +66,7 @@ class NewSandbox(_In):
     auto_pause: bool = Field(default=False, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None  # E2B's wire name, snake case
-    network: NetworkUpdate | None = None  # the ingress fields (public traffic, ports) are ignored
+    network: NetworkUpdate | None = None  # of the ingress fields, only allowPublicTraffic is read
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
     mcp: dict[str, Any] | None = None
@@ -101,6 +105,8 @@ class Sandbox(_Out):
     client_id: str = Field(alias="clientID")
     envd_version: str = Field(default=ENVD_VERSION, alias="envdVersion")
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    traffic_access_token: str | None = Field(default=None, alias="trafficAccessToken")
+    domain: str | None = None  # get_host(port) is PORT-ID.<domain> (the operator's --e2b-domain)
 
 
 class ListedSandbox(_Out):
@@ -126,6 +132,7 @@ class SandboxDetail(ListedSandbox):
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
     lifecycle: Lifecycle | None = None
     network: NetworkInfo | None = None
+    domain: str | None = None
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:

@@ -61,6 +61,12 @@ class EnvdTokens:
         mac = hmac.new(self._secret, _TOKEN_CONTEXT + b"\0" + sandbox_id.encode(), hashlib.sha256)
         return mac.hexdigest()
 
+    def issue_traffic(self, sandbox_id: str) -> str:
+        """The sandbox's ``trafficAccessToken`` (its ports, when created with
+        ``allow_public_traffic=False``): the same scheme over another name (an ID never holds
+        ``:``), so neither token opens what the other does."""
+        return self.issue(f"traffic:{sandbox_id}")
+
     def check(self, sandbox_id: str, token: str | None) -> None:
         """Raise :class:`Unauthorized` unless ``token`` is ``sandbox_id``'s token."""
         if not token or not hmac.compare_digest(self.issue(sandbox_id), token):

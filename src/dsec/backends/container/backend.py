@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import _linux
-from dsec.backends.base import CreateContext, Spawned, User
+from dsec.backends.base import HOST_PROCESSES, CreateContext, Spawned, User
 from dsec.backends.container import (
     cgroups,
     diskquota,
@@ -291,6 +291,8 @@ class ContainerBackend:
         handle = {"pid": pid, "start_time": _linux.proc_start_time(pid), "cpu_class": ctx.spec.cpu_class}
         if cookie:
             handle["core_cookie"] = True  # dsec-enter makes every later process share the init's
+        if ctx.spec.allow_setuid:
+            handle["allow_setuid"] = True  # dsec-enter leaves no_new_privs off: sudo works
         if on_gvisor:
             handle.update(self.gvisor.handle_extra(ctx.sandbox_id))
         if limit_mb is not None:
@@ -497,6 +499,8 @@ class ContainerBackend:
         caps: dict[str, Any] = {
             "pause": True,
             "fork_processes": False,
+            # What spawn starts is a host process, on crun and gVisor alike (runsc exec is one)
+            HOST_PROCESSES: True,
             "disk_quota": self.volumes.why_not is None,
             "disk_quota_mb": self.volumes.capacity_mb() if self.volumes.why_not is None else 0,
             "gvisor": self.gvisor.available,  # runtime="gvisor": placement asks for this

@@ -171,6 +171,8 @@ def helper_argv(
         argv.append("--share-core-cookie")
     if entrances_isolated():
         argv.append("--own-domain")
+    if handle.get("allow_setuid"):  # the sandbox opted in (ContainerSpec.allow_setuid)
+        argv.append("--allow-setuid")
     return argv
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import _linux
-from dsec.backends.base import CreateContext, User
+from dsec.backends.base import HOST_PROCESSES, CreateContext, User
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.protocol.errors import DSecError, InfraFailure
@@ -345,7 +345,8 @@ class FakeBackend:
         return 0
 
     def capabilities(self) -> dict[str, Any]:
-        return {"pause": True, "fork_processes": False}  # no working checkpoint/restore here
+        # no working checkpoint/restore here; its processes are the host's own
+        return {"pause": True, "fork_processes": False, HOST_PROCESSES: True}
 
     async def detach(self) -> None:
         return None  # the edge holds no connection to a container: its pipes are the sessions'

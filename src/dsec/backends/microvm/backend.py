@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import _linux
-from dsec.backends.base import CreateContext, User
+from dsec.backends.base import HOST_PROCESSES, CreateContext, User
 from dsec.backends.microvm import forks, host, qemu, vsock
 from dsec.backends.microvm.channel import AgentChannel, VmProcess
 from dsec.backends.microvm.files import VmFileOps
@@ -39,6 +40,8 @@ from dsec.protocol.errors import InfraFailure, InvalidRequest
 
 log = logging.getLogger("dsec.microvm")
 DEFAULT_DISK_MB = 4096
+# errno of a failed exec or chdir -> the exit code a shell reports (not found, cannot run).
+_EXEC_FAILURES = {errno.ENOENT: 127, errno.ENOTDIR: 127, errno.EACCES: 126, errno.ENOEXEC: 126}
 BOOT_TIMEOUT_S = 120.0  # TCG on a loaded 2-core host; a KVM boot takes well under a second
 
 
@@ -112,6 +115,7 @@ class MicroVMBackend(VmForks):
             "pause": True,  # stop/cont (memory stays resident: snapshot pause is still to come)
             "pack": False,
             "fork_processes": True,  # fork copies memory and processes too
+            HOST_PROCESSES: False,  # they run on the guest's kernel: PIDs are the guest's
             "vhost_vsock": self.vhost_vsock,  # the host kernel offers /dev/vhost-vsock
             "agent_channel": self.channel,  # how new VMs reach their agent: vsock or serial
             # Each process the guest agent starts has a Landlock domain of its own.
@@ -356,6 +360,11 @@ class MicroVMBackend(VmForks):
         try:
             return await channel.spawn(argv, env=env, cwd=cwd, uid=user.uid, gid=user.gid)
         except OSError as exc:
+            # A program or working directory that is missing or cannot be run is the command's
+            # failure (127/126 with the message on stderr), as a container's exec reports it.
+            code = _EXEC_FAILURES.get(exc.errno or 0)
+            if code is not None and str(exc.strerror).startswith(("exec ", "chdir ")):
+                return VmProcess.ended(channel, code, str(exc.strerror))
             raise InvalidRequest(f"cannot run {argv[0]!r} in the microVM: {exc.strerror}") from exc
 
     def files(self, handle: dict[str, Any], user: User) -> FileOps:

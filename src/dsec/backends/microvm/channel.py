@@ -347,6 +347,18 @@ class VmProcess:
         self._tasks: set[asyncio.Task[None]] = set()
         self._watched: asyncio.Future[bytes] | None = None  # a WATCH's answer, while one waits
 
+    @classmethod
+    def ended(cls, channel: AgentChannel, code: int, message: str) -> VmProcess:
+        """A process that never ran (its exec or chdir failed), as a shell reports one: the
+        message on stderr and ``code`` (127 not found, 126 cannot run); stdin is closed."""
+        proc = cls(channel)
+        proc.stdin._closing = True  # nothing to send it to: writes fail as on a closed pipe
+        proc.stderr.feed_data(message.encode(errors="replace") + b"\n")
+        proc.returncode = code
+        proc._started.set_result(None)
+        proc._end()
+        return proc
+
     def background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)

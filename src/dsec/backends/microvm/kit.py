@@ -1,6 +1,7 @@
 """The guest kit: a kernel and an initramfs of our own, built on the host, nothing installed.
 
-* Kernel: Debian's cloud kernel package (``linux-image-cloud-amd64``'s current image),
+* Kernel: Debian's cloud kernel package (the image ``linux-image-cloud-amd64`` points at in
+  the newest version apt knows: bookworm-backports' 6.12 where setup.sh added that source),
   fetched with ``apt-get download`` and unpacked with ``dpkg -x`` into the kit directory; no
   install into /boot, no initramfs-tools. Its virtio, EROFS and overlay drivers are modules.
 * Initramfs: static busybox (from busybox-static), the few modules the guest needs (with a
@@ -18,6 +19,7 @@ import fcntl
 import gzip
 import hashlib
 import io
+import logging
 import os
 import shutil
 import stat
@@ -26,14 +28,20 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cmp_to_key
 from pathlib import Path
 
 from dsec.protocol.errors import InfraFailure
+
+log = logging.getLogger("dsec.microvm")
 
 GUEST_DIR = Path(__file__).parent / "guest"
 # cloud: small, virtio only (microVMs). generic: Debian's full kernel, with a VESA framebuffer
 # built in (the full VMs' display) and ext4 as a module.
 FLAVOURS = {"cloud": "linux-image-cloud-amd64", "generic": "linux-image-amd64"}
+# Flavours that take the newest kernel of any source (not apt's candidate): microVMs want
+# bookworm-backports' 6.12, whose Landlock ABI 6 scopes signals (docs/decisions.md).
+NEWEST_FLAVOURS = frozenset({"cloud"})
 BUSYBOX = Path("/bin/busybox")
 # Loaded by init, in this order (dependencies come from modules.dep); a module a kernel has
 # built in is simply not found.
@@ -90,14 +98,34 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _kernel_package(meta: str) -> str:
-    """The versioned image package a meta package points at (linux-image-6.1.0-57-cloud-amd64)."""
-    out = _run(["apt-cache", "depends", meta])
-    for line in out.splitlines():
-        line = line.strip()
-        if line.startswith("Depends:") and "linux-image-" in line:
-            return line.split()[1]
-    raise InfraFailure(f"apt knows no image package behind {meta}", reason="guest_kit")
+def _kernel_package(meta: str, newest: bool) -> str:
+    """The versioned image package a meta package points at (linux-image-6.1.0-57-cloud-amd64):
+    apt's candidate, or with ``newest`` the one of the meta package's newest version in any
+    source apt knows (bookworm-backports has pin 100, so it is never the candidate)."""
+    if not newest:
+        out = _run(["apt-cache", "depends", meta])
+        for line in out.splitlines():
+            line = line.strip()
+            if line.startswith("Depends:") and "linux-image-" in line:
+                return line.split()[1]
+        raise InfraFailure(f"apt knows no image package behind {meta}", reason="guest_kit")
+    versions: dict[str, str] = {}  # the meta package's version -> its image package
+    for record in _run(["apt-cache", "show", meta]).split("\n\n"):
+        fields = {k: v for k, _, v in (line.partition(": ") for line in record.splitlines()) if v}
+        image = fields.get("Depends", "").split(" ", 1)[0].rstrip(",")
+        if "Version" in fields and image.startswith("linux-image-"):
+            versions[fields["Version"]] = image
+    if not versions:
+        raise InfraFailure(f"apt knows no image package behind {meta}", reason="guest_kit")
+    return versions[max(versions, key=cmp_to_key(_compare_versions))]
+
+
+def _compare_versions(a: str, b: str) -> int:
+    """Debian's version order, as dpkg has it (6.12.95-1~bpo12+1 > 6.1.192-3)."""
+    if a == b:
+        return 0
+    done = subprocess.run(["dpkg", "--compare-versions", a, "gt", b], capture_output=True, check=False)
+    return 1 if done.returncode == 0 else -1
 
 
 def _is_flavour(name: str, flavour: str) -> bool:
@@ -105,34 +133,54 @@ def _is_flavour(name: str, flavour: str) -> bool:
 
 
 def _ensure_kernel(kit_dir: Path, flavour: str) -> tuple[Path, str]:
-    """Unpack the kernel under ``kit_dir/kernel/<package>``; returns (root, version)."""
+    """Unpack the kernel under ``kit_dir/kernel/<package>``; returns (root, version).
+
+    The cloud flavour follows the newest image apt knows, so a node that gains
+    bookworm-backports moves to its kernel (Landlock ABI 6: the agent's domains then scope
+    signals) at its next start. Without apt's answer, or when the download fails (offline), a
+    kernel unpacked before still serves; the generic flavour keeps the first it unpacked."""
     kernels = kit_dir / "kernel"
     existing = sorted(
-        p
-        for p in kernels.glob("linux-image-*")
-        if (p / ".complete").exists() and _is_flavour(p.name, flavour)
+        (
+            p
+            for p in kernels.glob("linux-image-*")
+            if (p / ".complete").exists() and _is_flavour(p.name, flavour)
+        ),
+        key=lambda p: cmp_to_key(_compare_versions)(p.name.removeprefix("linux-image-")),
     )
-    if existing:
+    newest = flavour in NEWEST_FLAVOURS
+    if existing and not newest:
         root = existing[-1]
     else:
-        package = _kernel_package(FLAVOURS[flavour])
-        root = kernels / package
-        with tempfile.TemporaryDirectory(dir=kit_dir) as tmp:
-            os.chmod(tmp, 0o755)  # apt drops privileges to _apt for the download
-            _run(["apt-get", "download", "-q", package], cwd=Path(tmp))
-            debs = list(Path(tmp).glob("*.deb"))
-            if not debs:
-                raise InfraFailure(f"apt-get download {package} left no .deb", reason="guest_kit")
-            staging = Path(tmp) / "x"
-            _run(["dpkg", "-x", str(debs[0]), str(staging)])
-            root.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.move(str(staging), root)
-        (root / ".complete").write_text(package + "\n")
+        try:
+            package = _kernel_package(FLAVOURS[flavour], newest)
+            root = kernels / package
+            if not (root / ".complete").exists():
+                _download_kernel(kit_dir, package, root)
+        except InfraFailure as e:
+            if not existing:
+                raise
+            root = existing[-1]
+            log.warning("guest kernel: keeping %s (%s)", root.name, e)
     versions = sorted(p.name for p in (root / "lib" / "modules").iterdir())
     if not versions:
         raise InfraFailure(f"no modules in {root}", reason="guest_kit")
     return root, versions[-1]
+
+
+def _download_kernel(kit_dir: Path, package: str, root: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=kit_dir) as tmp:
+        os.chmod(tmp, 0o755)  # apt drops privileges to _apt for the download
+        _run(["apt-get", "download", "-q", package], cwd=Path(tmp))
+        debs = list(Path(tmp).glob("*.deb"))
+        if not debs:
+            raise InfraFailure(f"apt-get download {package} left no .deb", reason="guest_kit")
+        staging = Path(tmp) / "x"
+        _run(["dpkg", "-x", str(debs[0]), str(staging)])
+        root.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.move(str(staging), root)
+    (root / ".complete").write_text(package + "\n")
 
 
 def _compile_agent(out: Path) -> None:
@@ -206,6 +254,18 @@ def _initramfs_entries(kroot: Path, version: str, agent: Path) -> list[tuple[str
     entries.append(
         (f"lib/modules/{version}/modules.dep", stat.S_IFREG | 0o644, "\n".join(dep_lines).encode() + b"\n")
     )
+    # Which of MODULES this kernel has built in (6.12's cloud kernel: virtio_console,
+    # virtio_pci): busybox modprobe reads modules.builtin and answers success for those.
+    builtin = moddir / "modules.builtin"
+    names = set(MODULES)
+    lines = builtin.read_text().splitlines() if builtin.exists() else []
+    entries.append(
+        (
+            f"lib/modules/{version}/modules.builtin",
+            stat.S_IFREG | 0o644,
+            "".join(f"{line}\n" for line in lines if Path(line).name.split(".ko")[0] in names).encode(),
+        )
+    )
     entries.append(_CONSOLE)
     entries.append(("init", stat.S_IFREG | 0o755, (GUEST_DIR / "init").read_bytes()))
     entries.append(("agent", stat.S_IFREG | 0o755, agent.read_bytes()))
@@ -216,6 +276,7 @@ def _inputs_hash(version: str) -> str:
     h = hashlib.sha256(version.encode())
     for name in ("agent.c", "init"):
         h.update((GUEST_DIR / name).read_bytes())
+    h.update(Path(__file__).read_bytes())  # how the initramfs is laid out (modules.builtin)
     h.update(BUSYBOX.read_bytes())
     h.update(repr(MODULES).encode())
     h.update(CMDLINE.encode())

@@ -32,7 +32,11 @@ from dsec.protocol.errors import InfraFailure
 QEMU = "qemu-system-x86_64"
 Accel = Literal["kvm", "tcg"]
 # TCG only: pin the TSC frequency so the guest skips calibration (which hung some TCG boots).
-_TCG_CMDLINE = "tsc_early_khz=2000000 tsc=reliable"
+# clearcpuid=cx16: SLUB's per-CPU fast path (this_cpu_try_cmpxchg128, Linux >= 6.8) corrupts
+# the guest's slabs under Debian 12's QEMU 7.2 TCG: 6.12 kernels oopsed early in 2 boots of 3
+# (6 of 6 with nokaslr), none of 6 without CX16. A boot option, not a CPU model change: a VM
+# paused before keeps its CPU (its resumed kernel still uses the instruction).
+_TCG_CMDLINE = "tsc_early_khz=2000000 tsc=reliable clearcpuid=cx16"
 
 
 @dataclass

@@ -5,7 +5,7 @@
  *                [--status-fd FD] [--uid UID] [--gid GID] [--cwd DIR] [--caps CAP_X,CAP_Y]
  *                [--seccomp-bpf FILE | --seccomp-rules RULES] [--nofile N] [--idle]
  *                [--share-core-cookie] [--own-domain] [--tty] [--raise-signal] [--pid-fd FD]
- *                [--hold-stdin FD] [--own-cgroup NAME]
+ *                [--hold-stdin FD] [--own-cgroup NAME] [--allow-setuid]
  *     dsec-enter --dump-seccomp --seccomp-rules RULES   (the filter's BPF program on stdout)
  *
  * The cost of `crun exec` grows with the number of sandboxes on a node (measured in the design
@@ -41,9 +41,10 @@
  *      whole group on a timeout); sets RLIMIT_NOFILE (--nofile, else the init's), bounds the
  *      capability set to --caps, drops supplementary groups, setresgid/setresuid, leaves
  *      exactly --caps to uid 0 and nothing to any other user, umask 022, chdir(--cwd) with
- *      the final credentials, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG(SIGKILL) (a helper killed
- *      alone takes its command along), with --own-domain a Landlock domain of its own, the
- *      seccomp filter, and execs argv with exactly the environment given, searching its PATH.
+ *      the final credentials, PR_SET_NO_NEW_PRIVS (unless --allow-setuid), PR_SET_PDEATHSIG
+ *      (SIGKILL: a helper killed alone takes its command along), with --own-domain a Landlock
+ *      domain of its own, the seccomp filter (both earlier with --allow-setuid), and execs
+ *      argv with exactly the environment given, searching its PATH.
  *
  * --own-domain: every process a sandbox runs as the same user, so without it any of them may
  * ptrace any other, open its /proc/PID/fd/N (the pipes of a session shell, or of a grader's
@@ -103,6 +104,18 @@
  *                   task). The child's PR_SET_PDEATHSIG then follows the edge's
  *                   thread: an edge killed outright leaves no shell waiting forever. The
  *                   edge lets the shell go by killing it alone (its children live on).
+ *
+ * --allow-setuid (a sandbox that opted in, e.g. E2B's base with its passwordless sudo): no
+ * PR_SET_NO_NEW_PRIVS, so a setuid-root program (sudo) raises a process to root. What root gets
+ * that way is bounded by what survives every exec: the capability bounding set (--caps, what
+ * a uid-0 command has: a setuid-root exec's permitted set is the bounding set, the inheritable
+ * and ambient sets are empty), the seccomp filter, the Landlock domain, the cgroups and the
+ * namespaces. The sandbox has no user namespace of its own, and its root is what a command
+ * run as uid 0 already is. Without no_new_privs, installing a seccomp filter or a Landlock domain
+ * needs CAP_SYS_ADMIN, so both are installed while the child still has the helper's
+ * (host root, before setresuid), with the bounding set already cut to --caps; the filter
+ * then also covers setresuid, capset, prctl, chdir and execve, which the profile allows.
+ * Each process the helper starts stays in a Landlock domain of its own.
  *
  * Exit codes: 125 when the helper failed (the message is on stderr and on --status-fd; the
  * edge reports an infrastructure failure); 127 when argv[0] or the cwd does not exist, 126
@@ -761,7 +774,7 @@ struct opts {
 	uid_t uid;
 	gid_t gid;
 	int spec_fd, idle, dump_seccomp, tty, raise_signal, pid_fd, hold_fd, share_cookie;
-	int own_domain;
+	int own_domain, allow_setuid;
 	const char *own_cgroup;
 	pid_t edge;
 	struct rlimit nofile;
@@ -781,7 +794,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		{ "tty", no_argument, NULL, 'T' },            { "raise-signal", no_argument, NULL, 'R' },
 		{ "pid-fd", required_argument, NULL, 'P' },  { "hold-stdin", required_argument, NULL, 'H' },
 		{ "share-core-cookie", no_argument, NULL, 'K' }, { "own-domain", no_argument, NULL, 'L' },
-		{ "own-cgroup", required_argument, NULL, 'O' },
+		{ "own-cgroup", required_argument, NULL, 'O' }, { "allow-setuid", no_argument, NULL, 'U' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int c;
@@ -816,6 +829,7 @@ static void parse_opts(int argc, char **argv, struct opts *o)
 		case 'K': o->share_cookie = 1; break;
 		case 'L': o->own_domain = 1; break;
 		case 'O': o->own_cgroup = optarg; break;
+		case 'U': o->allow_setuid = 1; break;
 		case 'D': o->dump_seccomp = 1; break;
 		case 'T': o->tty = 1; break;
 		case 'R': o->raise_signal = 1; break;
@@ -871,6 +885,20 @@ static void enter_own_domain(void)
 		die(errno, "enter a Landlock domain of our own");
 	close(beneath.parent_fd);
 	close(ruleset);
+}
+
+/* The Landlock domain (--own-domain) and the seccomp filter: irrevocable, inherited by every
+ * exec, setuid ones included. */
+static void confine(const struct opts *o, scmp_filter_ctx filter, const struct sock_fprog *prog)
+{
+	if (o->own_domain)
+		enter_own_domain();
+	if (prog->filter) {
+		if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, prog) < 0)
+			die(errno, "load the seccomp program");
+	} else if (seccomp_load(filter) < 0) {
+		die(errno, "seccomp_load");
+	}
 }
 
 static const int forwarded[] = { SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGWINCH };
@@ -961,6 +989,9 @@ static __attribute__((noreturn)) void child(const struct opts *o, uint64_t caps,
 	if (setrlimit(RLIMIT_NOFILE, &o->nofile) < 0) /* may raise: before the caps go */
 		die(errno, "setrlimit(RLIMIT_NOFILE)");
 	bound_caps(caps);
+	/* Without no_new_privs, only now (CAP_SYS_ADMIN, dropped below) may we confine ourselves. */
+	if (o->allow_setuid)
+		confine(o, filter, prog);
 	if (setgroups(0, NULL) < 0)
 		die(errno, "setgroups");
 	if (setresgid(o->gid, o->gid, o->gid) < 0)
@@ -969,7 +1000,7 @@ static __attribute__((noreturn)) void child(const struct opts *o, uint64_t caps,
 		die(errno, "setresuid(%u)", (unsigned)o->uid);
 	set_caps(o->uid == 0 ? caps : 0); /* another user lost them with setresuid: make sure */
 	umask(022);
-	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+	if (!o->allow_setuid && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		die(errno, "PR_SET_NO_NEW_PRIVS");
 	/* Die with the helper (a helper killed alone must not leave its command running), or with
 	 * the edge's thread for a session shell, forked with CLONE_PARENT. */
@@ -986,14 +1017,8 @@ static __attribute__((noreturn)) void child(const struct opts *o, uint64_t caps,
 	/* As the final user, inside the sandbox's root: permissions apply, symlinks stay inside. */
 	if (chdir(o->cwd) < 0)
 		command_failed(errno, "cannot enter the working directory", o->cwd);
-	if (o->own_domain) /* after no-new-privs, which an unprivileged user needs for it */
-		enter_own_domain();
-	if (prog->filter) {
-		if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, prog) < 0)
-			die(errno, "load the seccomp program");
-	} else if (seccomp_load(filter) < 0) {
-		die(errno, "seccomp_load");
-	}
+	if (!o->allow_setuid) /* after no-new-privs, which an unprivileged user needs for both */
+		confine(o, filter, prog);
 	/* Fds 0-2 are the command's; any other (the status pipe included) closes on exec. */
 	if (syscall(SYS_close_range, 3U, ~0U, CLOSE_RANGE_CLOEXEC) < 0) {
 		long max = sysconf(_SC_OPEN_MAX);

@@ -623,8 +623,8 @@ struct ruleset_attr_v6 {
 };
 
 /* From ABI 6 the domain also scopes signals (LANDLOCK_SCOPE_SIGNAL), as dsec-enter's does: a
- * process left running cannot signal what a later caller runs. (Debian 12's guest kernel, 6.1,
- * has ABI 2: there it scopes ptrace only.) */
+ * process left running cannot signal what a later caller runs. (The kit takes bookworm-backports'
+ * 6.12 where apt has it; bookworm's own 6.1 has ABI 2: there it scopes ptrace only.) */
 static int own_domain(void)
 {
 	struct ruleset_attr_v6 attr = { .handled_access_fs = LANDLOCK_ACCESS_FS_REFER,
