@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.density.swap import SwapConfig
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 
 
 @contextlib.asynccontextmanager

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.base import User
 from dsec.backends.container import cgroups, oci
 from dsec.images.mount import mounts_under
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.protocol.models import ContainerSpec
 
 

@@ -15,7 +15,7 @@ and, outside the edge, the kernel primitives a create uses, timed directly:
     kernel checks every cpu cgroup of the node on each such write);
   - exec: fork + exec of `true` from this process, which is the edge's: its file table grows
     with the held sessions (2 fds each), and the child closes them all; the edge's own spawns go
-    through a spawner with a small one (executor/spawner.py), so read what follows against it;
+    through a spawner with a small one (native/spawner.py), so read what follows against it;
   - netns/ipcns/mntns/pidns: `unshare` of that namespace alone (fork + exec of true included);
   - tmpfs: mount + umount of a tmpfs in a private mount namespace.
 With --perf DIR, `perf record -a -g` runs during each step's probe (DIR/perf-<step>.data).
@@ -39,9 +39,9 @@ from _perf import recording
 from _stats import pct
 from density import LABEL, MEM_FLOOR, fill, meminfo
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.container import cgroups
-from dsec.executor import spawner
+from dsec.native import spawner
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.sdk.client import Sandbox
 
 GiB = 1 << 30

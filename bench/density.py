@@ -63,11 +63,11 @@ from _perf import recording
 from _rl.host import wait_until
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs, _linux
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.container import cgroups, spares
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.container.spares import PER_BUCKET
 from dsec.density.swap import SwapConfig
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.sdk.client import Sandbox
 
 MiB = 1 << 20

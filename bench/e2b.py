@@ -38,7 +38,7 @@ from pathlib import Path
 
 from _node import scratch_node
 from _stats import pct
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import ContainerSpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ times through each path, the two alternating so that drift hits both alike, time
 spawn call until the process has exited and its pipes are drained (what an exec costs the
 edge):
   - ``crun exec``: what ``ContainerBackend.spawn`` runs today;
-  - ``dsec-enter``: :func:`dsec.backends.container.enter.spawn_entered`.
+  - ``dsec-enter``: :func:`dsec.native.enter.spawn_entered`.
 Then ``--hold`` idle sandboxes are created next to it and both are measured again. Prints the
 core count, p50/p99 of each, and the ratio crun exec / dsec-enter in each phase. The machine is
 shared and noisy: compare the ratios of one run, not runs with each other.
@@ -27,8 +27,8 @@ from typing import Any
 
 from _stats import pct
 from dsec.backends.base import CreateContext, User, sandbox_env
-from dsec.backends.container import enter
 from dsec.backends.container.backend import ContainerBackend
+from dsec.native import enter
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec
 

@@ -33,7 +33,7 @@ import aiohttp
 from _node import scratch_node
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.backends.fncall.pool import PoolConfig
+from dsec.edge.fncall.pool import PoolConfig
 from dsec.images.base import TOOLCHAIN_REF
 from dsec.protocol.fncall import FnResult
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.protocol.errors import InvalidRequest
 from dsec.sdk.client import Sandbox
 

@@ -32,10 +32,10 @@ from _rl.host import memory_stat
 from _stats import pct
 from _vm.host import ksm_counter
 from dsec import DSecClient, _linux
-from dsec.backends.fncall.pool import PoolConfig
 from dsec.density.ksm import KSM
 from dsec.density.ksm import users as ksm_users
 from dsec.density.swap import SwapConfig
+from dsec.edge.fncall.pool import PoolConfig
 from dsec.images.base import TOOLCHAIN_REF
 
 PRELOAD = "json,decimal,fractions,statistics,email.parser,http.client,xml.etree.ElementTree,sqlite3,asyncio"

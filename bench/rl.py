@@ -61,11 +61,11 @@ from _rl.host import (
 )
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs, Sandbox
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.density import memory
 from dsec.density.swap import SwapConfig, active_swaps
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 
 # A process holding N MiB of incompressible memory: sort keeps all it read while it waits for EOF.
 HOLD = "{{ head -c {mb}M /dev/urandom; sleep 100000; }} | sort -S {buf}M > /dev/null & echo $!"

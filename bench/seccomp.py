@@ -30,8 +30,9 @@ from typing import Any
 
 from _stats import pct
 from dsec.backends.base import CreateContext, User, sandbox_env
-from dsec.backends.container import enter, oci, seccomp
+from dsec.backends.container import oci, seccomp
 from dsec.backends.container.backend import ContainerBackend
+from dsec.native import enter
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec
 

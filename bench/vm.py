@@ -67,11 +67,11 @@ from _vm.host import (
     status_bytes,
 )
 from dsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, Sandbox, _linux
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.microvm.backend import MicroVMBackend
 from dsec.density.swap import SwapConfig
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 
 TCG = "[TCG-bound]"
 PARTLY = "[partly TCG-bound]"

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.container import cgroups
 from dsec.density.ksm import KSM
 from dsec.density.swap import SwapConfig, active_swaps
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.sdk.client import DSecClient, Sandbox
 from tests.netpolicy.mirror import egress_config
 

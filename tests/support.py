@@ -124,7 +124,7 @@ class RestartedNode:
         self._running = False
 
     async def _start(self) -> Any:
-        from dsec.apiserver.embedded import EmbeddedNode
+        from dsec.node.embedded import EmbeddedNode
 
         self.node = EmbeddedNode(self.config)
         await self.node.start()

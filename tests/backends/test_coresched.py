@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 
 from dsec.backends.base import User, sandbox_env
-from dsec.backends.container import cgroups, enter
+from dsec.backends.container import cgroups
 from dsec.backends.container.backend import ContainerBackend
 from dsec.density import coresched
+from dsec.native import enter
 from dsec.protocol.errors import InfraFailure
 from tests.support import DEADLINE_S
 

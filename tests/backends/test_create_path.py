@@ -14,9 +14,9 @@ import pytest
 
 from dsec import _linux
 from dsec.backends.base import User
-from dsec.backends.container import cgroups, nodefs, oci, rootfs
+from dsec.backends.container import cgroups, nodefs, oci
 from dsec.backends.container.backend import ContainerBackend
-from dsec.executor import spawner
+from dsec.native import rootfs, spawner
 from dsec.protocol.errors import InfraFailure
 from dsec.protocol.models import ContainerSpec
 from tests.backends.conformance import Made

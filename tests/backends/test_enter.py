@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from dsec.backends.base import CreateContext, User, sandbox_env
-from dsec.backends.container import cgroups, enter, spares
+from dsec.backends.container import cgroups, spares
 from dsec.backends.container.backend import ContainerBackend
 from dsec.executor.process import descendants, kill_tree, run_streaming
+from dsec.native import enter
 from dsec.protocol.errors import InfraFailure, InvalidRequest
 from dsec.protocol.models import ExecEvent
 from tests.support import DEADLINE_S, eventually

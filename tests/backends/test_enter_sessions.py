@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from dsec.backends.base import CreateContext, sandbox_env
-from dsec.backends.container import enter
 from dsec.backends.container.session_shell import SessionShell
-from dsec.executor import spawner as spawner_mod
 from dsec.executor.process import descendants, watch_children_with_pidfds
 from dsec.executor.session import DRIVER, Session
+from dsec.native import enter
+from dsec.native import spawner as spawner_mod
 from tests.support import DEADLINE_S, eventually
 
 from .conformance import Made
@@ -118,11 +118,11 @@ async def test_a_shell_let_go_ends_and_its_children_live_on(helper: Path, made: 
 _EDGE = """
 import asyncio, json, sys
 from pathlib import Path
-from dsec.backends.container import enter
-from dsec.executor import spawner
-from dsec.executor import spawner as spawner_mod
 from dsec.executor.process import descendants, watch_children_with_pidfds
 from dsec.executor.session import DRIVER
+from dsec.native import enter
+from dsec.native import spawner
+from dsec.native import spawner as spawner_mod
 from tests.backends.test_enter import ROOT
 
 async def main():

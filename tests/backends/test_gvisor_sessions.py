@@ -124,9 +124,9 @@ import asyncio, json, sys
 from pathlib import Path
 from dsec.backends.container import gvisor_exec
 from dsec.backends.container.gvisor import GVisor
-from dsec.executor import spawner
 from dsec.executor.process import watch_children_with_pidfds
 from dsec.executor.session import DRIVER
+from dsec.native import spawner
 from tests.backends.test_enter import ROOT
 
 async def main():

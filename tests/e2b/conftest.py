@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.iam.base import Quota
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import Conflict
 
 REPO = Path(__file__).resolve().parents[2]

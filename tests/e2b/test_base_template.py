@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.images.base import E2B_BASE_REF, E2B_PACKAGES, E2B_RECIPE, add_e2b_user, ensure_base_layer
+from dsec.node.embedded import EmbeddedNode
 from tests.e2b.conftest import E2B
 
 _BOTH = """

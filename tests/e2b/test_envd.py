@@ -7,7 +7,7 @@ sees the sandbox's real state, not only what the SDK reports.
 
 from __future__ import annotations
 
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import ShellRequest
 from tests.e2b.conftest import E2B
 

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from dsec.apiserver.e2b.network import ALL_TRAFFIC
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from tests.e2b.conftest import E2B, PROJECT
 
 _BOTH = """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import ShellRequest
 from tests.e2b.conftest import E2B
 

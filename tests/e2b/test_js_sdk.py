@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import ShellRequest
 from tests.e2b.conftest import REPO, SnippetFailed
 

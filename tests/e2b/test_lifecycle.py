@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import SandboxState, ShellRequest
 from tests.e2b.conftest import E2B, PROJECT, SnippetFailed
 from tests.support import eventually

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from tests.e2b.conftest import E2B
 
 MIB = 1 << 20

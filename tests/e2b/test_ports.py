@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.apiserver.remote_edge import RemoteEdgeLink
 from dsec.edge.server import EdgeServer
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import Conflict, SandboxNotFound
 from tests.e2b.conftest import E2B
 

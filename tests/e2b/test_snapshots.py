@@ -11,8 +11,8 @@ import uuid
 import aiohttp
 
 from dsec.apiserver.e2b.snapshots import PACK_PREFIX, SNAPSHOT_PREFIX
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.images.refs import parse_tag
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import SandboxState, ShellRequest
 from tests.e2b.conftest import E2B, PROJECT
 

@@ -12,7 +12,7 @@ import uuid
 import aiohttp
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import LayerNotFound
 from tests.e2b.conftest import E2B, OTHER_PROJECT, PROJECT
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.images.mount import mount_erofs, umount
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import BuildFailed
 from dsec.sdk.build import BuildEvent
 from tests.conftest import BASE, Sandboxes

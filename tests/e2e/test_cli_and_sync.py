@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dsec import DSec, DSecClient, DSecContainerRunArgs, SandboxNotFound, SyncSandbox
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.rl.demo import build_repository
 from tests.conftest import BASE, DATA_DIR
 from tests.support import DSEC, dsec_env, start_dsec_up

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsec import DSecClient, DSecMicroVMRunArgs
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import cgroups
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import Sandboxes
 
 SCHED_OTHER, SCHED_IDLE = 0, 5

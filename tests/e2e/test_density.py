@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container.backend import CHILD_SOCKET_TABLES, PID_MAX_WANTED
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import Sandboxes
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from dsec import Conflict, DSecClient, DSecContainerRunArgs, InvalidRequest, Sandbox
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container.backend import ContainerBackend
 from dsec.images.mount import find_mount
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import BASE, Sandboxes, node_config
 from tests.support import RestartedNode, eventually
 

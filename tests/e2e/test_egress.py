@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, InvalidRequest
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.netpolicy import links, sniproxy
+from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes, node_config
 from tests.netpolicy import mirror

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from tests import leaks
 from tests.conftest import BASE, DATA_DIR
 from tests.support import DSEC, dsec_env, start_dsec_up

@@ -12,11 +12,11 @@ import aiohttp
 import pytest
 
 from dsec import DSecClient
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.container import cgroups
-from dsec.backends.fncall.pool import POOL_LABEL, PoolConfig
+from dsec.edge.fncall.pool import POOL_LABEL, PoolConfig
 from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.store import LayerStore
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.protocol.errors import CapacityExhausted, InvalidRequest
 from dsec.protocol.fncall import FnResult, FnTask
 from tests.conftest import DATA_DIR

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, InvalidRequest, LayerNotFound
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import BASE, Sandboxes
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, SandboxState
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import oci
+from dsec.node.embedded import EmbeddedNode
 from tests import leaks
 from tests.conftest import BASE, DATA_DIR, Sandboxes, node_config
 from tests.support import RestartedNode, eventually, start_dsec_up

@@ -22,10 +22,10 @@ from dsec import (
     SandboxState,
     _linux,
 )
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.microvm.backend import MicroVMBackend
 from dsec.backends.microvm.templates import TemplateKey
-from dsec.executor import spawner
+from dsec.native import spawner
+from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, node_config
 from tests.support import RestartedNode, eventually, mapping_flags

@@ -7,9 +7,9 @@ import asyncio
 from pathlib import Path
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import cgroups
 from dsec.density.swap import active_swaps
+from dsec.node.embedded import EmbeddedNode
 from tests import leaks
 from tests.conftest import Sandboxes, node_config
 from tests.support import RestartedNode, eventually

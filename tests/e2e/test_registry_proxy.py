@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from dsec import InvalidRequest
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.conftest import Sandboxes
 from tests.e2e.test_egress import probe, the_mirror  # noqa: F401 (a fixture)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.netpolicy.config import EgressConfig
+from dsec.node.embedded import EmbeddedNode
 from dsec.registry.config import CacheConfig, Registry
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, node_config

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, InvalidRequest, SandboxState
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import ChangeKind
 from dsec.rl.demo import ensure_task, hacking_policy, honest_policy
 from dsec.rl.env import SandboxEnv

@@ -19,11 +19,11 @@ import pytest
 from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping, summary_run_code_result
 from sandbox_fusion.async_client import run_code as sf_run_code
 
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.apiserver.sandboxfusion import OUTPUT_CAP
-from dsec.backends.fncall.pool import PoolConfig
+from dsec.edge.fncall.pool import PoolConfig
 from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.store import LayerStore
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from tests.conftest import DATA_DIR
 
 pytestmark = pytest.mark.slow

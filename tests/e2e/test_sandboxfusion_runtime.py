@@ -14,10 +14,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
-from dsec.backends.fncall.pool import PoolConfig
+from dsec.edge.fncall.pool import PoolConfig
 from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.store import LayerStore
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from tests.conftest import DATA_DIR
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import node_config
 from tests.e2e.test_images import busybox_layer
 

@@ -14,9 +14,9 @@ import pytest
 
 from dsec import DSec
 from dsec.apiserver.app import ApiServer
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.apiserver.remote_edge import RemoteEdgeLink
 from dsec.edge.server import EdgeServer
+from dsec.node.embedded import EmbeddedNode
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.http import listen
 from dsec.sdk.client import DSecClient, Sandbox

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecVMRunArgs, InvalidRequest, SandboxState
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.apiserver.vm_images import vm_image_store
 from dsec.backends.vm.backend import FullVMBackend
+from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes
 from tests.e2e import bootable

@@ -17,7 +17,8 @@ import pytest
 
 from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.fake import FakeBackend
-from dsec.edge.edge import Edge, EdgeConfig
+from dsec.edge.config import EdgeConfig
+from dsec.edge.edge import Edge
 from dsec.images.mount import mounts_under, unmount_tree
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore

@@ -3,6 +3,7 @@ over the wire, against real container sandboxes (the session's ``ct_edge``)."""
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -48,11 +49,11 @@ async def test_samples_cross_the_link_and_the_range_holds(link: EdgeLink, ct_edg
         burn = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done"
         assert (await link.run_shell(info.id, ShellRequest(command=burn, timeout=300))).exit_code == 0
         got = await link.metrics(info.id)
-        assert len(got) == 2, "the kept sample and one read now"
-        assert got[0].ts < got[1].ts
+        # The kept sample and one read now (and any the sampler's own period added meanwhile).
+        assert len(got) >= 2 and all(a.ts < b.ts for a, b in itertools.pairwise(got))
         for s in got:
             assert (s.cpu_count, s.mem_total, s.disk_total) == (2, 256 << 20, 0)
-        assert got[1].cpu_used_pct > 0, "the shell's loop ran after the kept sample"
+        assert max(s.cpu_used_pct for s in got[1:]) > 0, "the shell's loop ran after the kept sample"
         assert await link.metrics(info.id, start=time.time() + 3600) == []
         assert await link.metrics(info.id, end=got[0].ts) == got[:1]
         with pytest.raises(SandboxNotFound):

@@ -64,7 +64,7 @@ def links_with_secret(server: EdgeServer, links: Links) -> Callable[[str | None]
     async def make(secret: str | None) -> EdgeLink:
         bad = links(server.url, secret or "")
         if secret is None:
-            bad._headers.pop("Authorization")  # no header at all, not an empty bearer token
+            bad._wire.headers.pop("Authorization")  # no header at all, not an empty bearer token
         return bad
 
     return make

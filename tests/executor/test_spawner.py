@@ -1,4 +1,4 @@
-"""Tests of dsec.executor.spawner: children forked by ``dsec-spawn`` behave as asyncio's own.
+"""Tests of dsec.native.spawner: children forked by ``dsec-spawn`` behave as asyncio's own.
 
 The edge relies on: pipes, exit codes, the environment and cwd given, the fds passed (and no
 other fd of the edge), a new session when asked, errors raised as Popen raises them, and the
@@ -18,8 +18,8 @@ import pytest
 from tests.support import eventually
 
 from dsec import _linux
-from dsec.executor import spawner
 from dsec.executor.process import watch_children_with_pidfds
+from dsec.native import spawner
 
 PIPE = asyncio.subprocess.PIPE
 ENV = {"PATH": "/usr/bin:/bin", "ONLY": "this"}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.fncall import RUNNER_PATH
+from dsec.edge.fncall import RUNNER_PATH
 from dsec.protocol.fncall import FnResult, FnRunnerReady, FnTask
 
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -1,4 +1,4 @@
-"""Two edge processes on one host never share FnCall call uids (backends/fncall/pool.py): a
+"""Two edge processes on one host never share FnCall call uids (edge/fncall/pool.py): a
 runner kills every process of its call uid after each call, so a `dsec up` beside the test suite
 must not hand out the uids the suite's edge does."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 EDGE = (
     "import os, sys\n"
     "from pathlib import Path\n"
-    "from dsec.backends.fncall import pool\n"
+    "from dsec.edge.fncall import pool\n"
     "pool._CALL_UID_CLAIMS = Path(sys.argv[1])\n"
     "os.getpid = lambda: 7\n"
     "print(pool._claim_call_uid_slot(), flush=True)\n"

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import pytest
 
-from dsec.backends.fncall.pool import FnPool, PoolConfig, Worker
+from dsec.edge.fncall.pool import FnPool, PoolConfig, Worker
 from dsec.protocol.errors import CapacityExhausted
 from dsec.protocol.fncall import FnResult, FnTask
 

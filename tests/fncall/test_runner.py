@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.backends.fncall import RUNNER_PATH
+from dsec.edge.fncall import RUNNER_PATH
 from tests.fncall.client import Runner, fresh_uid, kill_leftovers, procs_of
 
 HELLO = {

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.backends.fncall import RUNNER_PATH
+from dsec.edge.fncall import RUNNER_PATH
 from tests.fncall.client import SYSTEM_PYTHON, Runner, kill_leftovers
 from tests.support import mapping_flags
 

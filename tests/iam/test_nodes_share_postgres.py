@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, QuotaExceeded
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.fake import FakeBackend
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from tests.unit.conftest import TINY, build_tiny_layer
 
 from .pgserver import PgServer

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from tests.conftest import node_config
 
 from .test_mounts_split import files_outside

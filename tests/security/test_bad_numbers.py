@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from dsec import Sandbox
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container.backend import ContainerBackend
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import Sandboxes
 
 MiB = 1 << 20

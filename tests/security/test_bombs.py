@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import cgroups
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import Sandboxes
 from tests.security.conftest import Witness, assert_host_process_untouched, assert_node_healthy
 from tests.support import eventually

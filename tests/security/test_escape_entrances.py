@@ -18,7 +18,7 @@ import pytest
 
 from dsec import CommandResult, Sandbox
 from dsec.backends.container.backend import ContainerBackend
-from dsec.backends.container.enter import entrances_isolated
+from dsec.native.enter import entrances_isolated
 from tests.conftest import Sandboxes
 from tests.security.conftest import PRELUDE, collect
 from tests.security.test_escape_process import PTRACE

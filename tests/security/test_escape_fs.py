@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 from dsec import CommandResult, DSecClient, DSecError, Sandbox
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import Sandboxes
 from tests.security.conftest import PRELUDE, Witness, assert_node_healthy, collect, probe
 

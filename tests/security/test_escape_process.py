@@ -15,8 +15,8 @@ from pathlib import Path
 import aiohttp
 
 from dsec import CommandResult, DSecClient, Sandbox
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.edge.server import EdgeServer
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import Sandboxes
 from tests.security.conftest import (
     PRELUDE,

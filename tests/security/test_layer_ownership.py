@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, LayerNotFound
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.apiserver.layer_access import LayerLimits
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import Conflict, Forbidden, TooLarge
 from tests.conftest import BASE, Sandboxes
 

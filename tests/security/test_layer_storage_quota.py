@@ -19,9 +19,9 @@ import aiohttp
 import pytest
 
 from dsec import DSecClient
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.apiserver.projects import sync_storage_quotas
 from dsec.images.catalogue import OWNERS
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import Forbidden, InvalidRequest, QuotaExceeded
 from tests.conftest import BASE, Sandboxes
 

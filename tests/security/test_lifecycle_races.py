@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from dsec import CommandResult, DSecClient, Sandbox, SandboxState
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.backends.container import cgroups
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import InfraFailure, InfraReason, SandboxNotFound, SandboxStopped
 from dsec.rl import fault_of
 from tests.conftest import Sandboxes

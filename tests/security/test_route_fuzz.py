@@ -35,10 +35,10 @@ from dsec.apiserver.e2b.models import (
     ResumeSandbox,
     TimeoutRequest,
 )
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.apiserver.fncall import FnCallRequest
 from dsec.apiserver.sandboxfusion import RunCodeRequest
 from dsec.edge.server import EdgeServer
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.fncall import FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (

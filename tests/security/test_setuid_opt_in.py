@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, Sandbox
-from dsec.apiserver.embedded import EmbeddedNode
 from dsec.images.base import E2B_BASE_REF, E2B_PACKAGES, E2B_RECIPE, add_e2b_user, ensure_base_layer
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.processes import ProcessStart
 from dsec.sdk._pty import _events

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dsec.apiserver.embedded import EmbeddedNode, NodeConfig
 from dsec.backends.fake import FakeBackend
 from dsec.images.mount import mounts_under, unmount_tree
+from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.sdk.client import DSecClient
 from tests.support import erofs_usable
 

@@ -19,7 +19,7 @@ from dsec import (
     SandboxState,
     Unauthorized,
 )
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import error_from_wire
 from dsec.protocol.ids import SandboxId
 from dsec.sdk._transport import Transport

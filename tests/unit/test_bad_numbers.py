@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from dsec.edge.admission import NEVER_FITS, Admission
-from dsec.edge.edge import EdgeConfig
+from dsec.edge.config import EdgeConfig
 from dsec.protocol.errors import CapacityExhausted, DSecError
 from dsec.protocol.http import count_param, file_mode_param, label_filter, listen, text_param
 from dsec.protocol.models import ContainerSpec, MicroVMSpec

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, QuotaExceeded, SandboxNotFound
-from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer, EdgeNode
-from dsec.apiserver.embedded import NodeConfig
 from dsec.apiserver.remote_edge import RemoteEdgeLink
 from dsec.backends.fake import FakeBackend
 from dsec.iam import open_iam_store
 from dsec.images.store import LayerStore
+from dsec.node.cluster import ApiServerConfig, ClusterApiServer, EdgeNode
+from dsec.node.embedded import NodeConfig
 from tests.support import eventually
 
 from .conftest import TINY, build_tiny_layer

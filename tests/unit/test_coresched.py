@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from dsec.backends.base import User
-from dsec.backends.container import enter
 from dsec.backends.container.backend import ContainerBackend
 from dsec.density import coresched
 from dsec.density.coresched import Support
+from dsec.native import enter
 
 ROOT = User(name="root", uid=0, gid=0, home="/")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxNotFound
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import ProcessNotFound
 from dsec.sdk.client import Sandbox
 

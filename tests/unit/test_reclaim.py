@@ -8,7 +8,7 @@ import time
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxNotFound, SandboxState
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.support import eventually
 

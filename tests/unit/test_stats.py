@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import DEFAULT_PROJECT, PROJECT_LABEL, RESERVED_LABEL_PREFIX, SandboxState
 
 from .conftest import TINY

@@ -15,7 +15,7 @@ from dsec import (
     SandboxNotFound,
     SandboxState,
 )
-from dsec.apiserver.embedded import EmbeddedNode
+from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.support import eventually
 

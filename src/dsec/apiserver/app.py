@@ -42,11 +42,7 @@ from dsec.iam import IamStore
 from dsec.images.oci import import_oci
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement
-from dsec.protocol.errors import (
-    DSecError,
-    InfraFailure,
-    InvalidRequest,
-)
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import (
     GcRequest,
     LayerInfo,
@@ -74,12 +70,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status < 400:
             raise
         wrapped: DSecError = (
-            InvalidRequest(exc.reason) if exc.status < 500 else InfraFailure(exc.reason, reason="http")
+            InvalidRequest(exc.reason)
+            if exc.status < 500
+            else InfraFailure(exc.reason, reason=InfraReason.http)
         )
         return web.json_response(wrapped.to_wire(), status=exc.status)
     except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        infra = InfraFailure(f"internal error: {type(exc).__name__}: {exc}", reason="apiserver")
+        infra = InfraFailure(f"internal error: {type(exc).__name__}: {exc}", reason=InfraReason.apiserver)
         return web.json_response(infra.to_wire(), status=500)
 
 
@@ -242,7 +240,10 @@ class ApiServer:
                 final = {"t": "error", **exc.to_wire()}
             except Exception as exc:
                 log.exception("image import %s failed", ref)
-                final = {"t": "error", **InfraFailure(f"import failed: {exc}", reason="storage").to_wire()}
+                final = {
+                    "t": "error",
+                    **InfraFailure(f"import failed: {exc}", reason=InfraReason.storage).to_wire(),
+                }
             await resp.write(json.dumps(final).encode() + b"\n")
             await resp.write_eof()
             return resp

@@ -28,7 +28,7 @@ import time
 
 from dsec.protocol.errors import InfraFailure, InfraReason
 
-NODE_LOST = InfraReason.node_lost.value
+NODE_LOST = InfraReason.node_lost
 # Past the registry's verdict window: reads happen every interval, so allow two of them.
 _READS_OF_GRACE = 2
 
@@ -130,7 +130,7 @@ class NodeView:
         """A stream the edge closed before its last event: lost with the node, or unreachable."""
         lost = await self.after_break(what, started_epoch)
         return lost or InfraFailure(
-            f"edge {self.node!r} at {url} ended {what} without its end", reason="edge_unreachable"
+            f"edge {self.node!r} at {url} ended {what} without its end", reason=InfraReason.edge_unreachable
         )
 
 

@@ -8,6 +8,10 @@ try another node), or ``node_lost`` when the cluster's registry says the node is
 (:mod:`dsec.apiserver.node_verdict`). An answer that is not a DSec edge's is
 ``InfraFailure(reason="protocol")``, never a validation error that would read as the caller's mistake.
 
+Requests go through :class:`~dsec.protocol.wire_client.WireClient`, the SDK's client too (error
+decoding by code, NDJSON streams, the one ``edge_unreachable`` reason); this link adds the edge's
+node and epoch headers check and the registry's verdict on a node that stops answering.
+
 Nothing is retried here: a create or a command the edge may already have received must not
 run twice. Retrying is the caller's decision (placement retries creates on another node).
 """
@@ -32,7 +36,7 @@ from dsec.edge.metrics import MetricSample
 from dsec.edge.ports import PortStream, check_port
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
-from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason
 from dsec.protocol.files import path_query
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import (
@@ -60,11 +64,10 @@ from dsec.protocol.models import (
     invalid_request,
     parse_spec,
 )
+from dsec.protocol.wire_client import WireClient, never_sent, unreachable
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
-# Failures that happen before a single byte of the request left: the edge never saw it.
-_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _INFOS = TypeAdapter(list[SandboxInfo])
 _STATS = TypeAdapter(list[FileStat])
 _ENTRIES = TypeAdapter(list[TrajectoryEntry])
@@ -85,7 +88,7 @@ def never_reached_edge(exc: BaseException) -> bool:
         return False
     # A starting edge refuses everything until it has re-adopted its sandboxes (EdgeServer).
     return exc.reason == STARTING_REASON or (
-        exc.reason in ("edge_unreachable", NODE_LOST) and isinstance(exc.__cause__, _NOT_SENT)
+        exc.reason in (InfraReason.edge_unreachable, NODE_LOST) and never_sent(exc.__cause__)
     )
 
 
@@ -107,14 +110,22 @@ class RemoteEdgeLink(RemoteProcesses):
         control_timeout: float = 30.0,
         epoch: int | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
         self.node = node
-        self._headers = {"Authorization": f"Bearer {secret}"}
+        self._wire = WireClient(
+            url.rstrip("/"), {"Authorization": f"Bearer {secret}"}, on_response=self._observe
+        )
         self._connect_timeout = connect_timeout
         self._control_timeout = control_timeout
         self._epoch = epoch
-        self._session: aiohttp.ClientSession | None = None
         self.view = NodeView(node)  # the registry's word on the node, kept by the membership
+
+    @property
+    def url(self) -> str:
+        return self._wire.url
+
+    @url.setter
+    def url(self, url: str) -> None:
+        self._wire.url = url
 
     @property
     def epoch(self) -> int | None:
@@ -130,29 +141,13 @@ class RemoteEdgeLink(RemoteProcesses):
         if last_seen is not None and read_at is not None:
             self.view.update(epoch, last_seen, read_at)
 
-    def _http(self) -> aiohttp.ClientSession:
-        # Created on first use: a ClientSession belongs to the event loop it was made in.
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                # No pool limit: every exec stream and long shell command holds a connection,
-                # and a default cap of 100 would queue the 101st behind them.
-                connector=aiohttp.TCPConnector(limit=0),
-            )
-        return self._session
-
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._wire.close()
 
     # -- plumbing -----------------------------------------------------------------------------
 
     def _unreachable(self, what: str, exc: BaseException) -> InfraFailure:
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return InfraFailure(
-            f"edge {self.node!r} at {self.url} is unreachable ({what}): {detail}", reason="edge_unreachable"
-        )
+        return unreachable(what, exc, f"edge {self.node!r} at {self.url}")
 
     def _observe(self, resp: aiohttp.ClientResponse) -> None:
         node, epoch = resp.headers.get(NODE_HEADER), resp.headers.get(EPOCH_HEADER)
@@ -161,12 +156,12 @@ class RemoteEdgeLink(RemoteProcesses):
                 return  # refused before it said who it is; the 401 body tells the rest
             raise InfraFailure(
                 f"{self.url} (node {self.node!r}) answered HTTP {resp.status} but is not a DSec edge",
-                reason="protocol",
+                reason=InfraReason.protocol,
             )
         if node != self.node:
             raise InfraFailure(
                 f"{self.url} is node {node!r}, not {self.node!r}: the cluster's list of edges is wrong",
-                reason="edge_misconfigured",
+                reason=InfraReason.edge_misconfigured,
             )
         self._epoch = int(epoch)
         self.view.heard()  # it answered: alive, whatever the registry says
@@ -195,22 +190,9 @@ class RemoteEdgeLink(RemoteProcesses):
         creates = method == "POST" and (path == "/sandboxes" or path.endswith("/fork-local"))
         task = None if creates else self.view.begin()
         try:
-            async with self._http().request(
-                method,
-                self.url + PREFIX + path,
-                params=params,
-                data=data,
-                headers=headers,
-                timeout=timeout,
+            async with self._wire.send(
+                method, PREFIX + path, params=params, data=data, headers=headers, timeout=timeout
             ) as resp:
-                self._observe(resp)
-                if resp.status >= 400:
-                    text = await resp.text()
-                    try:
-                        body: Any = json.loads(text)
-                    except ValueError:
-                        body = text
-                    raise error_from_wire(resp.status, body)
                 yield resp
         except DSecError:
             raise
@@ -221,7 +203,7 @@ class RemoteEdgeLink(RemoteProcesses):
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             started_epoch = self.view.started_epoch(task)
             self.view.end(task)  # before any await: from here on nothing cuts this task
-            if isinstance(exc, _NOT_SENT):
+            if never_sent(exc):
                 gone = self.view.lost_error(what) if self.view.lost else self._unreachable(what, exc)
                 raise gone from exc
             lost = await self.view.after_break(what, started_epoch)
@@ -233,7 +215,9 @@ class RemoteEdgeLink(RemoteProcesses):
         try:
             return adapter.validate_json(data)
         except ValidationError as exc:
-            raise InfraFailure(f"edge {self.node!r} sent a malformed list: {exc}", reason="protocol") from exc
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed list: {exc}", reason=InfraReason.protocol
+            ) from exc
 
     def _parse(self, model: type[M], data: bytes) -> M:
         try:
@@ -241,7 +225,7 @@ class RemoteEdgeLink(RemoteProcesses):
         except ValidationError as exc:
             # Version skew between apiserver and edge: the platform's fault, not the caller's.
             raise InfraFailure(
-                f"edge {self.node!r} sent a malformed {model.__name__}: {exc}", reason="protocol"
+                f"edge {self.node!r} sent a malformed {model.__name__}: {exc}", reason=InfraReason.protocol
             ) from exc
 
     async def _json(
@@ -263,9 +247,11 @@ class RemoteEdgeLink(RemoteProcesses):
         try:
             stats = json.loads(raw)
         except ValueError as exc:
-            raise InfraFailure(f"edge {self.node!r} sent malformed stats", reason="protocol") from exc
+            raise InfraFailure(
+                f"edge {self.node!r} sent malformed stats", reason=InfraReason.protocol
+            ) from exc
         if not isinstance(stats, dict):
-            raise InfraFailure(f"edge {self.node!r} sent malformed stats", reason="protocol")
+            raise InfraFailure(f"edge {self.node!r} sent malformed stats", reason=InfraReason.protocol)
         return stats
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
@@ -281,7 +267,9 @@ class RemoteEdgeLink(RemoteProcesses):
         try:
             return _INFOS.validate_json(raw)
         except ValidationError as exc:
-            raise InfraFailure(f"edge {self.node!r} sent a malformed list: {exc}", reason="protocol") from exc
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed list: {exc}", reason=InfraReason.protocol
+            ) from exc
 
     async def stop(self, sandbox_id: str) -> SandboxInfo:
         return self._parse(SandboxInfo, await self._json("DELETE", self._sandbox(sandbox_id)))
@@ -291,7 +279,9 @@ class RemoteEdgeLink(RemoteProcesses):
         try:
             ids = json.loads(raw)["ids"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise InfraFailure(f"edge {self.node!r} sent a malformed ID list", reason="protocol") from exc
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed ID list", reason=InfraReason.protocol
+            ) from exc
         return [str(i) for i in ids]
 
     async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
@@ -324,7 +314,7 @@ class RemoteEdgeLink(RemoteProcesses):
             return int(body["sandboxes"]), float(body["expires_at"])
         except (ValueError, KeyError, TypeError) as exc:
             raise InfraFailure(
-                f"edge {self.node!r} sent a malformed lease answer", reason="protocol"
+                f"edge {self.node!r} sent a malformed lease answer", reason=InfraReason.protocol
             ) from exc
 
     async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
@@ -342,7 +332,8 @@ class RemoteEdgeLink(RemoteProcesses):
         self, sandbox_id: str, start: float | None = None, end: float | None = None
     ) -> list[MetricSample]:
         bounds = {"start": start, "end": end}
-        params = {k: f"{v:.3f}" for k, v in bounds.items() if v is not None}
+        # Nine decimals parse back to the very same double (a sample's own ts is an exact bound).
+        params = {k: f"{v:.9f}" for k, v in bounds.items() if v is not None}
         raw = await self._json("GET", self._sandbox(sandbox_id, "/metrics"), params=params, quick=True)
         return self._parse_list(_METRICS, raw)
 
@@ -363,7 +354,7 @@ class RemoteEdgeLink(RemoteProcesses):
             return int(json.loads(raw)["sent"])
         except (ValueError, KeyError, TypeError) as exc:
             raise InfraFailure(
-                f"edge {self.node!r} sent a malformed input answer", reason="protocol"
+                f"edge {self.node!r} sent a malformed input answer", reason=InfraReason.protocol
             ) from exc
 
     async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
@@ -373,7 +364,9 @@ class RemoteEdgeLink(RemoteProcesses):
             spec = parse_spec(body["spec"], trusted=True)
             return spec, LayerInfo.model_validate(body["layer"])
         except (ValueError, KeyError, TypeError, ValidationError) as exc:
-            raise InfraFailure(f"edge {self.node!r} sent a malformed fork answer", reason="protocol") from exc
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed fork answer", reason=InfraReason.protocol
+            ) from exc
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         raw = await self._json("POST", self._sandbox(sandbox_id, "/shell"), body=req)
@@ -416,7 +409,7 @@ class RemoteEdgeLink(RemoteProcesses):
 
     async def open_port(self, sandbox_id: str, port: int) -> PortStream:
         url = self.url + PREFIX + self._sandbox(sandbox_id, f"/ports/{check_port(port)}")
-        return await open_remote_port(self._http(), url, self.node, self._connect_timeout)
+        return await open_remote_port(self._wire.session(), url, self.node, self._connect_timeout)
 
     async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
         return self._parse(
@@ -433,7 +426,9 @@ class RemoteEdgeLink(RemoteProcesses):
         try:
             digests = json.loads(raw)["digests"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise InfraFailure(f"edge {self.node!r} sent a malformed layer list", reason="protocol") from exc
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed layer list", reason=InfraReason.protocol
+            ) from exc
         return {str(d) for d in digests}
 
     # -- files --------------------------------------------------------------------------------
@@ -487,7 +482,7 @@ class RemoteEdgeLink(RemoteProcesses):
             return _STATS.validate_json(raw)
         except ValidationError as exc:
             raise InfraFailure(
-                f"edge {self.node!r} sent a malformed listing: {exc}", reason="protocol"
+                f"edge {self.node!r} sent a malformed listing: {exc}", reason=InfraReason.protocol
             ) from exc
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
@@ -511,7 +506,9 @@ class RemoteEdgeLink(RemoteProcesses):
         try:
             return _XATTRS.validate_json(raw)
         except ValidationError as exc:
-            raise InfraFailure(f"edge {self.node!r} sent malformed xattrs", reason="protocol") from exc
+            raise InfraFailure(
+                f"edge {self.node!r} sent malformed xattrs", reason=InfraReason.protocol
+            ) from exc
 
     async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
         params = {**path_query("source", source), **path_query("destination", destination)}

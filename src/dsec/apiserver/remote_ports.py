@@ -13,7 +13,7 @@ import json
 import aiohttp
 
 from dsec.edge.ports import CHUNK, EOF_MESSAGE, OPEN_MESSAGE, PortStream
-from dsec.protocol.errors import InfraFailure, error_from_wire
+from dsec.protocol.errors import InfraFailure, InfraReason, error_from_wire
 
 
 class WebSocketStream:
@@ -60,16 +60,19 @@ async def open_remote_port(
         )
     except aiohttp.WSServerHandshakeError as exc:
         raise InfraFailure(
-            f"edge {node!r} refused to open a port (HTTP {exc.status}): {exc.message}", reason="protocol"
+            f"edge {node!r} refused to open a port (HTTP {exc.status}): {exc.message}",
+            reason=InfraReason.protocol,
         ) from exc
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        raise InfraFailure(f"edge {node!r} is unreachable: {exc}", reason="edge_unreachable") from exc
+        raise InfraFailure(
+            f"edge {node!r} is unreachable: {exc}", reason=InfraReason.edge_unreachable
+        ) from exc
     try:
         first = await ws.receive()
     except (aiohttp.ClientError, OSError) as exc:
         await ws.close()
         raise InfraFailure(
-            f"edge {node!r} dropped a port it was opening: {exc}", reason="edge_unreachable"
+            f"edge {node!r} dropped a port it was opening: {exc}", reason=InfraReason.edge_unreachable
         ) from exc
     if first.type is aiohttp.WSMsgType.TEXT and first.data == OPEN_MESSAGE:
         return WebSocketStream(ws)
@@ -81,4 +84,4 @@ async def open_remote_port(
         except (ValueError, KeyError, TypeError, AttributeError):
             body, status = first.data, 500
         raise error_from_wire(status, body)
-    raise InfraFailure(f"edge {node!r} closed a port it was opening", reason="protocol")
+    raise InfraFailure(f"edge {node!r} closed a port it was opening", reason=InfraReason.protocol)

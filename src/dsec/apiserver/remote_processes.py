@@ -7,7 +7,6 @@ closing a watch stream removes the watch the same way.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -15,7 +14,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from dsec.protocol.errors import InfraFailure, error_from_wire
 from dsec.protocol.models import invalid_request
 from dsec.protocol.processes import (
     ProcessEvent,
@@ -26,6 +24,7 @@ from dsec.protocol.processes import (
     PtySize,
     WatchEvent,
 )
+from dsec.protocol.wire_client import ndjson
 
 if TYPE_CHECKING:
     from dsec.apiserver.node_verdict import NodeView
@@ -60,19 +59,8 @@ class RemoteProcesses:
         @staticmethod
         def _sandbox(sandbox_id: str, tail: str = "") -> str: ...
 
-    async def _lines(self, resp: aiohttp.ClientResponse, model: type[M]) -> AsyncIterator[M]:
-        async for line in resp.content:
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise InfraFailure(
-                    f"edge {self.node!r} sent a malformed stream line", reason="protocol"
-                ) from exc
-            if isinstance(obj, dict) and isinstance(obj.get("error"), dict):  # not an event's error
-                raise error_from_wire(500, obj)
-            yield self._parse(model, line)
+    def _lines(self, resp: aiohttp.ClientResponse, model: type[M]) -> AsyncIterator[M]:
+        return ndjson(resp, model, peer=f"edge {self.node!r}")
 
     async def _process_events(
         self, method: str, path: str, data: str | None

@@ -31,7 +31,13 @@ from dsec.edge.link import EdgeLink
 from dsec.iam import Principal
 from dsec.images.store import LayerStore
 from dsec.placement.placement import Placement
-from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest, SandboxNotFound
+from dsec.protocol.errors import (
+    CapacityExhausted,
+    InfraFailure,
+    InvalidRequest,
+    NotFoundReason,
+    SandboxNotFound,
+)
 from dsec.protocol.http import flag_param
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
@@ -122,7 +128,7 @@ class SandboxRoutes:
             raise SandboxNotFound(
                 f"sandbox {sandbox_id} belonged to an earlier incarnation of node {sid.node!r}"
                 f" (epoch {sid.epoch}, now {link.epoch}): it no longer exists",
-                reason="stale_epoch",
+                reason=NotFoundReason.stale_epoch,
             )
         return link
 

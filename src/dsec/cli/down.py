@@ -17,10 +17,10 @@ from typing import Annotated
 
 import typer
 
-from dsec.apiserver.embedded import DEFAULT_DATA_DIR, EmbeddedNode, NodeConfig
 from dsec.cli._common import _fail, console
 from dsec.cli._node_options import MicroVMOption, VMOption
 from dsec.density.swap import Swap, SwapConfig, active_swaps
+from dsec.node.embedded import DEFAULT_DATA_DIR, EmbeddedNode, NodeConfig
 from dsec.protocol.errors import Conflict, DSecError
 from dsec.sdk.config import config_path
 

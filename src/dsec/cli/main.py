@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from dsec.apiserver.embedded import NodeConfig
 from dsec.cli._common import _client_call, _fail, console
 from dsec.cli._node_options import (
     DEFAULT_DISK_LIMIT_MB,
@@ -39,6 +38,7 @@ from dsec.cli.projects import project_app
 from dsec.cli.sandbox import job_app, sandbox_app
 from dsec.cli.vm_images import vm_image_app
 from dsec.images.store import LayerStore
+from dsec.node.embedded import NodeConfig
 from dsec.protocol.errors import DSecError, InvalidRequest
 
 app = typer.Typer(
@@ -114,7 +114,7 @@ def up(
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
-    from dsec.apiserver.embedded import EmbeddedNode, open_layer_store
+    from dsec.node.embedded import EmbeddedNode, open_layer_store
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     node_cfg = NodeConfig(
@@ -211,8 +211,8 @@ def edge_cmd(
     secret_file: SecretFile = None,
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
-    from dsec.apiserver.cluster import EdgeNode
     from dsec.edge.server import read_cluster_secret
+    from dsec.node.cluster import EdgeNode
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if host in ("0.0.0.0", "::") and advertise_url is None:
@@ -291,9 +291,9 @@ def apiserver_cmd(
     e2b_domain: E2BDomain = None,
 ) -> None:
     """Run a stateless apiserver over the edges that register with the cluster (run several)."""
-    from dsec.apiserver.cluster import ApiServerConfig, ClusterApiServer
     from dsec.edge.server import read_cluster_secret
     from dsec.images.blobstore import SharedMountBlobStore
+    from dsec.node.cluster import ApiServerConfig, ClusterApiServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -326,7 +326,7 @@ def apiserver_cmd(
 
 
 def _fncall_pools(path: Path | None, default_size: int) -> list[Any]:
-    from dsec.backends.fncall.pool import PoolConfig, load_pools
+    from dsec.edge.fncall.pool import PoolConfig, load_pools
 
     if path is None:
         # numpy preloaded: every HumanEval-style harness imports it (~0.1 s cold per call).

@@ -10,7 +10,7 @@ task still never runs beside an LS sandbox's (cookie 0 differs from every cookie
 Where the cookie is set (one place per kind of process, no fix-up after the fact):
 
 - the sandbox's start: ``dsec-rootfs --new-core-cookie`` (the same prctl as :func:`new_cookie`,
-  after it mounts the root and before it execs crun; backends/container/rootfs.py), so crun
+  after it mounts the root and before it execs crun; native/rootfs.py), so crun
   and everything it forks, the sandbox's init first, inherit one fresh cookie (the kernel copies
   it on every fork); the handle records ``core_cookie``;
 - every later process (sessions, exec, held processes): ``dsec-enter --share-core-cookie`` pulls

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 log = logging.getLogger("dsec.density.swap")
 
@@ -75,7 +75,7 @@ def free_swap_bytes() -> int:
 def _run(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise InfraFailure(f"{' '.join(argv)} failed: {done.stderr.strip()}", reason="swap")
+        raise InfraFailure(f"{' '.join(argv)} failed: {done.stderr.strip()}", reason=InfraReason.swap)
 
 
 class Swap:
@@ -118,7 +118,9 @@ class Swap:
         if not free:
             control = Path("/sys/class/zram-control/hot_add")
             if not control.exists():
-                raise InfraFailure("no free zram device (is the zram module loaded?)", reason="swap")
+                raise InfraFailure(
+                    "no free zram device (is the zram module loaded?)", reason=InfraReason.swap
+                )
             free = [_ZRAM / f"zram{control.read_text().strip()}"]
         dev = free[0]
         algorithms = (dev / "comp_algorithm").read_text()

@@ -19,19 +19,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from dsec.protocol.errors import CapacityExhausted, DSecError
+from dsec.protocol.errors import CapacityExhausted, CapacityReason, DSecError
 from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
-    from dsec.edge.edge import EdgeConfig
+    from dsec.edge.config import EdgeConfig
     from dsec.edge.tally import LiveSandboxes
 
 log = logging.getLogger("dsec.edge")
 MiB = 1 << 20
 # CapacityExhausted's reason when no amount of waiting or pausing makes room: the apiserver
 # tries other nodes, and answers InvalidRequest if none of them could ever take it either.
-NEVER_FITS = "never_fits"
+NEVER_FITS = CapacityReason.never_fits
 
 
 def mem_available_bytes() -> int:

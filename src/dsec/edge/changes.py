@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dsec.executor._paths import _check_path as check_path
 from dsec.images.hosttree import HostTree
-from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.errors import InvalidReason, InvalidRequest
 from dsec.protocol.models import Change, ChangeKind, FileType
 
 NODE_TOOLS = ".dsec"  # the node's read-only tool mount point: never part of a sandbox's state
@@ -65,7 +65,7 @@ def walk_changes(upper: Path, lowers: list[Path], under: str = "/") -> list[Chan
             if len(out) + len(entries) > MAX_CHANGES:
                 raise InvalidRequest(
                     f"more than {MAX_CHANGES} changes below {under}: list a narrower under=",
-                    reason="too_large",
+                    reason=InvalidReason.too_large,
                 )
             for name, st in entries:
                 rel = f"{rel_dir}/{name}" if rel_dir else name

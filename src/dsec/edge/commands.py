@@ -53,7 +53,7 @@ from dsec.protocol.models import (
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
-    from dsec.edge.edge import EdgeConfig
+    from dsec.edge.config import EdgeConfig
     from dsec.edge.journal import Record
     from dsec.edge.tally import _Live
     from dsec.edge.trajectory import Recorder
@@ -294,7 +294,9 @@ class Commands:
                 # Another pack took this version between our listing and our tag: next one.
                 if str(version) not in self.store.catalogue.versions(ref):
                     raise
-        raise InfraFailure(f"no free version of {ref} after {_VERSION_RETRIES} tries", reason="storage")
+        raise InfraFailure(
+            f"no free version of {ref} after {_VERSION_RETRIES} tries", reason=InfraReason.storage
+        )
 
     async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
         """What the sandbox changed relative to its layers, read from its upper directory on
@@ -378,4 +380,6 @@ def _link_copy(upper: Path, staging: Path) -> None:
         ["cp", "-a", "--link", f"{upper}/.", f"{staging}/"], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
-        raise InfraFailure(f"copying the sandbox's changes failed: {done.stderr.strip()}", reason="storage")
+        raise InfraFailure(
+            f"copying the sandbox's changes failed: {done.stderr.strip()}", reason=InfraReason.storage
+        )

@@ -13,17 +13,17 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import Backend, CollectsUnused, CreateContext, Forkable, User
-from dsec.backends.fncall.pool import POOL_LABEL, FnPool, PoolConfig
 from dsec.density.ksm import Ksm
-from dsec.density.swap import Swap, SwapConfig, free_swap_bytes
+from dsec.density.swap import Swap, free_swap_bytes
 from dsec.edge import hardware
 from dsec.edge.admission import Admission
 from dsec.edge.commands import Commands
+from dsec.edge.config import EdgeConfig
+from dsec.edge.fncall.pool import POOL_LABEL, FnPool
 from dsec.edge.journal import Journal, Record
 from dsec.edge.metrics import MetricsSampler
 from dsec.edge.networking import Networking
@@ -38,13 +38,13 @@ from dsec.executor.process import watch_children_with_pidfds
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
-from dsec.netpolicy.config import EgressConfig
 from dsec.netpolicy.policy import EgressPolicy
 from dsec.protocol.errors import (
     CapacityExhausted,
     Conflict,
     DSecError,
     InfraFailure,
+    InfraReason,
     InvalidRequest,
     SandboxNotFound,
 )
@@ -65,36 +65,6 @@ log = logging.getLogger("dsec.edge")
 # returns the epoch to use (iam/registry.py has the rule).
 Registrar = Callable[[int | None], Awaitable[int]]
 _MAX_LABELS_REPORTED = 1000
-
-
-@dataclass
-class EdgeConfig:
-    data_dir: Path
-    node: str = "local"
-    max_sandboxes: int = 10_000
-    reap_interval_s: float = 1.0
-    liveness_interval_s: float = 2.0  # how often the reaper checks that sandboxes still run
-    # ...and how many per check (a /proc read each: a node of 8,000 is swept every 32 s).
-    liveness_batch: int = 500
-    default_shell_timeout_s: float = 600.0
-    keep_finished_s: float = 24 * 3600.0
-    node_labels: dict[str, str] = field(default_factory=dict)  # what Hardware.node_labels matches
-    fncall_pools: list[PoolConfig] = field(default_factory=list)
-    swap: SwapConfig = field(default_factory=SwapConfig)  # where paused sandboxes' memory goes
-    ksm: bool = True  # run ksmd for what sandboxes mark mergeable (VM RAM, FnCall runners)
-    egress: EgressConfig = field(default_factory=EgressConfig)  # what network permissions open
-    # Admission (edge/admission.py): caps on the limits of running sandboxes, in node units.
-    memory_overcommit: float | None = None
-    cpu_overcommit: float | None = None
-    memory_reserve_mb: int = 512  # below this MemAvailable, the idlest sandboxes are paused
-    # disk_limit_mb of container sandboxes that set none, where the node can enforce one
-    # (admission.py); None: theirs is unbounded. `dsec up`/`dsec edge` default to 10 GiB.
-    default_disk_limit_mb: int | None = None
-    pressure_min_idle_s: float = 30.0  # never paused for room sooner after their last use
-    pressure_pauses_per_pass: int = 8
-    # How long a caller's pause lets commands under way end before it freezes (edge/pausing.py);
-    # those still running then resume with the sandbox. The reaper's pauses do not wait.
-    pause_drain_s: float = 10.0
 
 
 class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
@@ -383,7 +353,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 self.journal.update(rec)
             if isinstance(exc, DSecError | asyncio.CancelledError):
                 raise
-            raise InfraFailure(f"create failed: {exc}", reason="runtime") from exc
+            raise InfraFailure(f"create failed: {exc}", reason=InfraReason.runtime) from exc
         finally:
             self._creating -= 1
 
@@ -484,7 +454,9 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 # Stays 'stopping': a later stop (or the reaper) tries again.
                 self.look_again(live)
                 log.exception("destroying %s failed", sandbox_id)
-                raise InfraFailure(f"stopping {sandbox_id} failed: {exc}", reason="runtime") from exc
+                raise InfraFailure(
+                    f"stopping {sandbox_id} failed: {exc}", reason=InfraReason.runtime
+                ) from exc
             await self.egress.release(sandbox_id)
             self._forget_network(sandbox_id)
             for digest in rec.layers:

@@ -28,7 +28,7 @@ from dsec.edge.metrics import MetricSample
 from dsec.edge.ports import PortStream, connect_port
 from dsec.executor.file_ops import DEFAULT_FILE_MODE, FileOps
 from dsec.iam.base import in_subtree
-from dsec.protocol.errors import InvalidRequest, SandboxNotFound
+from dsec.protocol.errors import InvalidRequest, NotFoundReason, SandboxNotFound
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
@@ -249,7 +249,7 @@ def check_routed(node: str, epoch: int, sandbox_id: str) -> SandboxId:
         raise SandboxNotFound(
             f"sandbox {sandbox_id} belonged to an earlier incarnation of node {node!r}"
             f" (epoch {sid.epoch}, now {epoch}): it no longer exists",
-            reason="stale_epoch",
+            reason=NotFoundReason.stale_epoch,
         )
     return sid
 

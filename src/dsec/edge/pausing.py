@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 from dsec.edge.journal import Lease
 from dsec.edge.tally import LeaseKey, lease_key
 from dsec.iam.base import in_subtree
-from dsec.protocol.errors import Conflict, InfraFailure, SandboxNotFound
+from dsec.protocol.errors import Conflict, InfraFailure, InfraReason, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
-    from dsec.edge.edge import EdgeConfig
+    from dsec.edge.config import EdgeConfig
     from dsec.edge.journal import Journal, Record
     from dsec.edge.tally import LiveSandboxes, _Live
     from dsec.edge.trajectory import Recorder
@@ -207,7 +207,7 @@ class Pausing:
             returned = await backend.page_out(sandbox_id, rec.handle)
         except Exception as exc:
             await backend.thaw(sandbox_id, rec.handle)
-            raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason="runtime") from exc
+            raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason=InfraReason.runtime) from exc
         rec.state = SandboxState.paused
         self._live.mark_paused(sandbox_id, True)
         rec.paused_at = time.time()

@@ -31,13 +31,20 @@ from aiohttp import WSMsgType, web
 
 from dsec._linux import CLONE_NEWNET
 from dsec.backends.base import Networked
-from dsec.protocol.errors import Conflict, DSecError, InfraFailure, InvalidRequest
+from dsec.protocol.errors import (
+    Conflict,
+    ConflictReason,
+    DSecError,
+    InfraFailure,
+    InfraReason,
+    InvalidRequest,
+)
 
 if TYPE_CHECKING:
     from dsec.edge.edge import Edge
 
 CHUNK = 64 << 10  # bytes read at a time, and the largest message on the wire
-PORT_CLOSED = "port_closed"  # the reason of the Conflict a closed port raises
+PORT_CLOSED = ConflictReason.port_closed  # the reason of the Conflict a closed port raises
 EOF_MESSAGE = "eof"  # a half-close, on the wire
 OPEN_MESSAGE = "open"  # the edge's first message once the port is connected
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -132,7 +139,7 @@ def _sockets_in(pid: int) -> list[socket.socket]:
         for s in made:
             s.close()
         raise InfraFailure(
-            f"cannot open a port of the sandbox: {failed[0] if failed else '?'}", reason="network"
+            f"cannot open a port of the sandbox: {failed[0] if failed else '?'}", reason=InfraReason.network
         )
     return made
 
@@ -165,7 +172,9 @@ async def connect_port(edge: Edge, sandbox_id: str, port: int) -> SocketStream:
         reader, writer = await asyncio.open_connection(sock=sock, limit=CHUNK)
         return SocketStream(reader, writer)
     if last is not None and last.errno not in _REFUSED:
-        raise InfraFailure(f"port {port} of sandbox {sandbox_id}: {last.strerror}", reason="network")
+        raise InfraFailure(
+            f"port {port} of sandbox {sandbox_id}: {last.strerror}", reason=InfraReason.network
+        )
     raise Conflict(f"the sandbox {sandbox_id} is running but port {port} is not open", reason=PORT_CLOSED)
 
 

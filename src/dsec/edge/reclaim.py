@@ -26,7 +26,7 @@ from dsec.protocol.models import DeadlineAction, SandboxInfo, SandboxState
 
 if TYPE_CHECKING:
     from dsec.backends.base import Backend
-    from dsec.edge.edge import EdgeConfig
+    from dsec.edge.config import EdgeConfig
     from dsec.edge.journal import Journal, Record
     from dsec.edge.tally import LiveSandboxes, _Live
     from dsec.edge.trajectory import Recorder

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import aiohttp
 
 from dsec.edge.edge import Edge
-from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, error_from_wire
 
 log = logging.getLogger("dsec.edge.registration")
 
@@ -57,7 +57,7 @@ class ClusterRegistrar:
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError) as exc:
                     failures.append(f"{api}: {type(exc).__name__}: {exc}")
         raise InfraFailure(
-            f"edge {self.node!r} could not register: " + "; ".join(failures), reason="registration"
+            f"edge {self.node!r} could not register: " + "; ".join(failures), reason=InfraReason.registration
         )
 
     async def until_registered(self, claimed: int | None, *, retry_s: float = 1.0) -> int:

@@ -75,7 +75,7 @@ from dsec.edge.metrics import time_param
 from dsec.edge.ports import port_param, serve_port
 from dsec.edge.server_processes import ProcessRoutes, stream_ndjson
 from dsec.executor.file_ops import CHUNK
-from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest, Unauthorized
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
 from dsec.protocol.http import (
     MAX_TRAJECTORY_PAGE,
@@ -106,7 +106,7 @@ PREFIX = "/edge/v1"
 NODE_HEADER = "X-DSec-Edge-Node"
 EPOCH_HEADER = "X-DSec-Edge-Epoch"
 SECRET_ENV = "DSEC_CLUSTER_SECRET"
-STARTING_REASON = "edge_starting"
+STARTING_REASON = InfraReason.edge_starting
 MIN_SECRET_LEN = 16
 # Bodies read whole are JSON; the largest is an exec's stdin, base64 inside an ExecRequest
 # that an apiserver accepted under its own 64 MiB limit. File content is streamed, not read whole.
@@ -170,11 +170,17 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        wrapped = InvalidRequest(exc.reason) if exc.status < 500 else InfraFailure(exc.reason, reason="http")
+        wrapped = (
+            InvalidRequest(exc.reason)
+            if exc.status < 500
+            else InfraFailure(exc.reason, reason=InfraReason.http)
+        )
         return web.json_response(wrapped.to_wire(), status=exc.status)
     except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(InfraFailure(f"edge internal error: {type(exc).__name__}: {exc}", reason="edge"))
+        return _error(
+            InfraFailure(f"edge internal error: {type(exc).__name__}: {exc}", reason=InfraReason.edge)
+        )
 
 
 class EdgeServer:

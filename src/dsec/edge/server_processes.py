@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from dsec.edge.link import EdgeLink, LocalEdgeLink
-from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.http import respond, text_param
 from dsec.protocol.processes import ProcessInput, ProcessSignal, ProcessStart, PtySize
 
@@ -49,7 +49,7 @@ async def stream_ndjson(request: web.Request, events: AsyncGenerator[BaseModel, 
             except Exception as exc:
                 log.exception("stream %s failed mid-way", request.path)
                 infra = InfraFailure(
-                    f"the edge failed mid-stream: {type(exc).__name__}: {exc}", reason="edge"
+                    f"the edge failed mid-stream: {type(exc).__name__}: {exc}", reason=InfraReason.edge
                 )
                 await resp.write(json.dumps(infra.to_wire()).encode() + b"\n")
                 break

@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec.protocol.errors import Conflict, DSecError, InfraFailure, error_from_wire
+from dsec.protocol.errors import Conflict, DSecError, InfraFailure, InfraReason, error_from_wire
 from dsec.protocol.models import TrajectoryEntry
 
 _SCHEMA = """
@@ -147,7 +147,7 @@ def _replayed(sandbox_id: str, entry: TrajectoryEntry) -> dict[str, Any]:
     raise InfraFailure(
         f"the request with idempotency key {entry.key!r} to {sandbox_id} was interrupted by an edge"
         " restart: whether it took effect is unknown",
-        reason="interrupted",
+        reason=InfraReason.interrupted,
     )
 
 
@@ -228,7 +228,9 @@ class Recorder:
             self.log.finish(sandbox_id, seq, error=exc)
             raise
         except BaseException as exc:
-            wrapped = InfraFailure(f"{kind} did not finish: {type(exc).__name__}", reason="interrupted")
+            wrapped = InfraFailure(
+                f"{kind} did not finish: {type(exc).__name__}", reason=InfraReason.interrupted
+            )
             self.log.finish(sandbox_id, seq, error=wrapped)
             raise
         self.log.finish(sandbox_id, seq, result=result if brief is None else brief(result))
@@ -261,7 +263,7 @@ class Recorder:
                 raise
             except Exception as exc:
                 failure = InfraFailure(
-                    f"{kind} failed on the edge: {type(exc).__name__}", reason="interrupted"
+                    f"{kind} failed on the edge: {type(exc).__name__}", reason=InfraReason.interrupted
                 )
                 raise
             finally:

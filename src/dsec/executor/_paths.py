@@ -15,7 +15,16 @@ import posixpath
 import stat as st
 
 from dsec.executor._openat2 import KERNEL_FS_MAGIC, fs_type
-from dsec.protocol.errors import Conflict, DSecError, FileNotFound, InfraFailure, InvalidRequest
+from dsec.protocol.errors import (
+    Conflict,
+    ConflictReason,
+    DSecError,
+    FileNotFound,
+    InfraFailure,
+    InfraReason,
+    InvalidReason,
+    InvalidRequest,
+)
 from dsec.protocol.models import FileStat, FileType
 
 __all__ = ["PATH_MAX"]
@@ -37,7 +46,8 @@ def _map_oserror(exc: OSError, path: str) -> DSecError:
         return FileNotFound(f"no such file or directory: {path}")
     if code in (errno.ELOOP, errno.EXDEV):
         return InvalidRequest(
-            f"path escapes the sandbox (or loops through symbolic links): {path}", reason="path_escape"
+            f"path escapes the sandbox (or loops through symbolic links): {path}",
+            reason=InvalidReason.path_escape,
         )
     if code == errno.ENOTDIR:
         return InvalidRequest(f"not a directory: a component of {path} is not a directory")
@@ -58,17 +68,19 @@ def _map_oserror(exc: OSError, path: str) -> DSecError:
     if code == errno.EINVAL:
         return InvalidRequest(f"invalid argument for {path}: {why}")
     if code in (errno.ENOSPC, errno.EDQUOT):
-        return Conflict(f"no space left on the sandbox file system: {path}", reason="no_space")
+        return Conflict(f"no space left on the sandbox file system: {path}", reason=ConflictReason.no_space)
     if code in (errno.EBUSY, errno.ETXTBSY):
         return Conflict(f"busy: {path} ({why})")
     if code == errno.EMEDIUMTYPE:  # a microVM's guest agent: the path is on a kernel file system
         return InvalidRequest(
             f"{path} is on a kernel file system: the file API serves the sandbox's files, not kernel views",
-            reason="kernel_fs",
+            reason=InvalidReason.kernel_fs,
         )
     if code == errno.ENOSYS:
-        return InfraFailure("openat2(2) is not available on this kernel (Linux >= 5.6)", reason="runtime")
-    return InfraFailure(f"file operation on {path} failed: {why}", reason="storage")
+        return InfraFailure(
+            "openat2(2) is not available on this kernel (Linux >= 5.6)", reason=InfraReason.runtime
+        )
+    return InfraFailure(f"file operation on {path} failed: {why}", reason=InfraReason.storage)
 
 
 def _refuse_kernel_fs(fd: int, path: str) -> None:
@@ -85,7 +97,7 @@ def _refuse_kernel_fs(fd: int, path: str) -> None:
     if kind is not None:
         raise InvalidRequest(
             f"{path} is a {kind} file: the file API serves the sandbox's files, not kernel views",
-            reason="kernel_fs",
+            reason=InvalidReason.kernel_fs,
         )
 
 

@@ -54,7 +54,7 @@ from dsec.executor._paths import (
     _rmtree_at,
     _to_stat,
 )
-from dsec.protocol.errors import Conflict, FileNotFound, InfraFailure, InvalidRequest
+from dsec.protocol.errors import Conflict, FileNotFound, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import FileStat
 
 __all__ = ["PATH_MAX", "AtomicWriter", "SandboxFiles"]
@@ -111,7 +111,7 @@ class SandboxFiles:
             fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise InfraFailure(
-                f"sandbox root {self.root} is not accessible: {e.strerror}", reason="runtime"
+                f"sandbox root {self.root} is not accessible: {e.strerror}", reason=InfraReason.runtime
             ) from e
         try:
             yield fd
@@ -188,7 +188,9 @@ class SandboxFiles:
                 fd = os.open(f"/proc/self/fd/{path_fd}", flags | os.O_CLOEXEC | os.O_NOCTTY)
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                    raise InfraFailure("cannot reopen a file through /proc/self/fd", reason="runtime") from e
+                    raise InfraFailure(
+                        "cannot reopen a file through /proc/self/fd", reason=InfraReason.runtime
+                    ) from e
                 raise _map_oserror(e, full) from e
         finally:
             _close(path_fd)
@@ -199,7 +201,7 @@ class SandboxFiles:
             raise _map_oserror(e, full) from e
         if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):  # pragma: no cover
             _close(fd)
-            raise InfraFailure(f"file changed identity while opening {full}", reason="storage")
+            raise InfraFailure(f"file changed identity while opening {full}", reason=InfraReason.storage)
         return fd
 
     def _mkdir_at(self, dir_fd: int, name: str, full: str, mode: int, exist_ok: bool) -> None:
@@ -521,7 +523,9 @@ class SandboxFiles:
             except OSError as e:
                 raise _map_oserror(e, full) from e
         else:
-            raise InfraFailure(f"could not create a temporary file next to {full}", reason="storage")
+            raise InfraFailure(
+                f"could not create a temporary file next to {full}", reason=InfraReason.storage
+            )
         try:
             os.fchown(fd, self.uid, self.gid)
         except OSError as e:

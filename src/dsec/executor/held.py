@@ -33,6 +33,7 @@ from dsec.protocol.errors import (
     Conflict,
     DSecError,
     InfraFailure,
+    InfraReason,
     InvalidRequest,
     ProcessNotFound,
     SandboxNotFound,
@@ -331,6 +332,6 @@ class ProcessTable:
 
     def forget_all(self) -> None:
         for close in list(self.closers):
-            close(InfraFailure("the edge is shutting down", reason="edge_shutdown"))
+            close(InfraFailure("the edge is shutting down", reason=InfraReason.edge_shutdown))
         for held in self.procs.values():
             held.forget()

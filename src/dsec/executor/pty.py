@@ -20,7 +20,7 @@ import stat
 import struct
 
 from dsec.executor._openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, fs_type, openat2
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 RESOLVE_NO_SYMLINKS = 0x04
 DEVPTS_SUPER_MAGIC = 0x1CD1
@@ -44,14 +44,16 @@ def open_in_sandbox(root: str, uid: int) -> tuple[int, int]:
         )
     except OSError as exc:
         raise InfraFailure(
-            f"the sandbox has no terminal multiplexer (/dev/pts/ptmx): {exc}", reason="pty"
+            f"the sandbox has no terminal multiplexer (/dev/pts/ptmx): {exc}", reason=InfraReason.pty
         ) from exc
     finally:
         os.close(root_fd)
     try:
         info = os.fstat(found)
         if not stat.S_ISCHR(info.st_mode) or info.st_rdev != _PTMX or fs_type(found) != DEVPTS_SUPER_MAGIC:
-            raise InfraFailure("the sandbox's /dev/pts/ptmx is not a devpts multiplexer", reason="pty")
+            raise InfraFailure(
+                "the sandbox's /dev/pts/ptmx is not a devpts multiplexer", reason=InfraReason.pty
+            )
         master = os.open(f"/proc/self/fd/{found}", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
     finally:
         os.close(found)

@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from dsec.executor._openat2 import KERNEL_FS_MAGIC, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, fs_type, openat2
 from dsec.executor._paths import _map_oserror, _normalize
-from dsec.protocol.errors import Conflict, DSecError, InfraFailure, InvalidRequest
+from dsec.protocol.errors import Conflict, DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.processes import WatchEvent, WatchKind
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
@@ -96,7 +96,7 @@ class DirWatch:
         except OSError as exc:
             self.close()
             msg = f"sandbox root {self.root} is not accessible: {exc.strerror}"
-            raise InfraFailure(msg, reason="runtime") from exc
+            raise InfraFailure(msg, reason=InfraReason.runtime) from exc
         try:
             top = self._resolve(self.path)
             try:
@@ -105,7 +105,7 @@ class DirWatch:
                 if fd < 0:
                     err = ctypes.get_errno()
                     msg = f"cannot watch {self.path}: inotify: {os.strerror(err)}"
-                    raise InfraFailure(msg + " (fs.inotify.max_user_instances?)", reason="runtime")
+                    raise InfraFailure(msg + " (fs.inotify.max_user_instances?)", reason=InfraReason.runtime)
                 self.fd = fd
                 self._add(top, "")
             finally:

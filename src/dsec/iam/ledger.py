@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from dsec.iam.base import Quota, Reservation, Usage, ancestors, to_cores, to_millicores
-from dsec.protocol.errors import Conflict, InvalidRequest, QuotaExceeded, SandboxNotFound
+from dsec.protocol.errors import Conflict, InvalidRequest, QuotaExceeded, QuotaReason, SandboxNotFound
 
 T = TypeVar("T")
 Row = Sequence[Any]
@@ -119,7 +119,7 @@ def normalized(quota: Quota) -> Quota:
     return Quota(s, None if c is None else to_cores(c), m, d)
 
 
-_DIMS = ("sandboxes", "cpu_cores", "memory_mib", "storage_mib")
+_DIMS = (QuotaReason.sandboxes, QuotaReason.cpu_cores, QuotaReason.memory_mib, QuotaReason.storage_mib)
 _LEDGER_DIMS = 3  # the dimensions a sandbox reserves (storage is the layer store's)
 
 

@@ -25,7 +25,7 @@ import asyncpg  # type: ignore[import-untyped]
 from dsec.iam.base import ROOT_PROJECT
 from dsec.iam.ledger import Row, Tx
 from dsec.iam.sql import SqlIamStore
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 T = TypeVar("T")
 
@@ -126,7 +126,9 @@ class _PgDriver:
 
 
 def _infra(exc: BaseException) -> InfraFailure:
-    return InfraFailure(f"IAM database unreachable: {type(exc).__name__}: {exc}", reason="iam_store")
+    return InfraFailure(
+        f"IAM database unreachable: {type(exc).__name__}: {exc}", reason=InfraReason.iam_store
+    )
 
 
 class PostgresIamStore(SqlIamStore):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from dsec.images.blobstore import BlobStore, SharedMountBlobStore
 from dsec.images.ondemand import SplitImage, SplitInfo, probe_split, read_split_info
 from dsec.images.refs import digest_hex
-from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, LayerNotFound
 from dsec.protocol.models import LayerInfo
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class _SplitLayers:
         if kind == _FOREIGN:
             raise InfraFailure(
                 f"layer blob {digest} is an EROFS image with extra devices that DSec did not make",
-                reason="storage",
+                reason=InfraReason.storage,
             )
         return kind if isinstance(kind, SplitInfo) else None
 
@@ -88,7 +88,9 @@ class _SplitLayers:
                 log.warning("layer blob %s: %s", digest, err)
                 kind = _FOREIGN
             except OSError as err:
-                raise InfraFailure(f"reading layer blob {digest} failed: {err}", reason="storage") from err
+                raise InfraFailure(
+                    f"reading layer blob {digest} failed: {err}", reason=InfraReason.storage
+                ) from err
         self._kinds[digest] = kind
         return kind
 
@@ -113,7 +115,7 @@ class _SplitLayers:
                 raise InfraFailure(
                     f"data blob {split.blob_digest} of layer {info.digest} has {size.size} bytes, "
                     f"its META expects {split.blob_size}: delete it and import the layer again",
-                    reason="corrupt",
+                    reason=InfraReason.corrupt,
                 )
             self.blobs.verify(split.blob_digest)
         return info
@@ -154,5 +156,5 @@ def _layer_info(
 def _data_missing(digest: str, data: str) -> InfraFailure:
     return InfraFailure(
         f"split layer {digest} names data blob {data}, which is not stored; import the layer again",
-        reason="storage",
+        reason=InfraReason.storage,
     )

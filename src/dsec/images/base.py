@@ -27,7 +27,7 @@ from pathlib import Path
 from dsec.images.mount import mounts_under, unmount_tree
 from dsec.images.refs import parse_tag
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import LayerInfo
 
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -137,7 +137,9 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _debootstrap(suite: str, target: Path, mirror: str, say: Progress, packages: tuple[str, ...]) -> None:
     tool = shutil.which("debootstrap")
     if tool is None:
-        raise InfraFailure("debootstrap not found: install the debootstrap package", reason="image_build")
+        raise InfraFailure(
+            "debootstrap not found: install the debootstrap package", reason=InfraReason.image_build
+        )
     cmd = [
         tool,
         "--variant=minbase",
@@ -166,7 +168,7 @@ def _debootstrap(suite: str, target: Path, mirror: str, say: Progress, packages:
     if rc != 0:
         log = "\n".join(tail)
         raise InfraFailure(
-            f"debootstrap {suite} from {mirror} failed (exit {rc}):\n{log}", reason="image_build"
+            f"debootstrap {suite} from {mirror} failed (exit {rc}):\n{log}", reason=InfraReason.image_build
         )
 
 
@@ -214,7 +216,7 @@ def _remove_work_dir(work: Path) -> None:
     # walk into them (it would try to delete the host's files through them).
     unmount_tree(work)
     if mounts_under(work):
-        raise InfraFailure(f"cannot remove {work}: mounts remain below it", reason="storage")
+        raise InfraFailure(f"cannot remove {work}: mounts remain below it", reason=InfraReason.storage)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -49,7 +49,7 @@ from urllib.parse import quote, unquote
 
 from dsec.images.blobstore import BlobStore
 from dsec.images.refs import digest_hex, parse_tag
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,9 @@ class Catalogue:
             public = bool(body.get("public", False))
             network = tuple(str(n)[:MAX_PERMISSION] for n in body.get("network", [])[:MAX_PERMISSIONS])
         except (ValueError, KeyError, TypeError, InvalidRequest) as err:
-            raise InfraFailure(f"catalogue record {key} is unreadable: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"catalogue record {key} is unreadable: {err}", reason=InfraReason.storage
+            ) from err
         return TagRecord(name, version, digests, created_at, kind, owner, public, network)
 
     def get(self, name: str, version: str) -> TagRecord | None:
@@ -212,7 +214,9 @@ class Catalogue:
             self.blobs.replace_record(tag_key(name, version), new.to_bytes())
             if self.get(name, version) == new:
                 return new
-        raise InfraFailure(f"could not mark {name}:{version} public: it keeps changing", reason="storage")
+        raise InfraFailure(
+            f"could not mark {name}:{version} public: it keeps changing", reason=InfraReason.storage
+        )
 
     def _index(self, digests: Iterable[str], name: str, version: str) -> None:
         for d in dict.fromkeys(digests):
@@ -259,7 +263,7 @@ class Catalogue:
             for d in set(rec.digests) - set(existing.digests):
                 self._unindex(d, name, version)
             raise InvalidRequest(_clash(existing, rec))
-        raise InfraFailure(f"could not create tag {rec.ref}: it keeps changing", reason="storage")
+        raise InfraFailure(f"could not create tag {rec.ref}: it keeps changing", reason=InfraReason.storage)
 
     def replace(
         self,

@@ -20,7 +20,7 @@ import struct
 import subprocess
 from pathlib import Path
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 MKFS = "mkfs.erofs"
 
@@ -70,12 +70,14 @@ def normalize_superblock(image: Path) -> None:
     with open(image, "r+b") as f:
         head = bytearray(f.read(_SB_OFFSET + 128))
         if len(head) < _SB_OFFSET + 128 or struct.unpack_from("<I", head, _SB_OFFSET)[0] != _SB_MAGIC:
-            raise InfraFailure(f"{image} is not an EROFS image (bad superblock magic)", reason="storage")
+            raise InfraFailure(
+                f"{image} is not an EROFS image (bad superblock magic)", reason=InfraReason.storage
+            )
         blksz = 1 << head[_SB_OFFSET + _OFF_BLKSZBITS]
         f.seek(0)
         block = bytearray(f.read(blksz))
         if len(block) != blksz or blksz <= _SB_OFFSET:
-            raise InfraFailure(f"{image}: unexpected EROFS block size {blksz}", reason="storage")
+            raise InfraFailure(f"{image}: unexpected EROFS block size {blksz}", reason=InfraReason.storage)
         has_csum = struct.unpack_from("<I", block, _SB_OFFSET + _OFF_FEATURE_COMPAT)[0]
         has_csum &= _FEATURE_COMPAT_SB_CHKSUM
         if has_csum:
@@ -86,7 +88,7 @@ def normalize_superblock(image: Path) -> None:
                 raise InfraFailure(
                     f"{image}: superblock checksum does not match the expected layout; "
                     f"cannot make the image reproducible with this {MKFS}",
-                    reason="storage",
+                    reason=InfraReason.storage,
                 )
         struct.pack_into("<QI", block, _SB_OFFSET + _OFF_BUILD_TIME, 0, 0)
         if has_csum:
@@ -105,7 +107,7 @@ def build_erofs(src_dir: Path, out_file: Path, *, compression: str = "lz4") -> N
         raise InvalidRequest(f"cannot build a layer from {src_dir}: not a directory")
     mkfs = shutil.which(MKFS)
     if mkfs is None:
-        raise InfraFailure(f"{MKFS} not found: install erofs-utils", reason="storage")
+        raise InfraFailure(f"{MKFS} not found: install erofs-utils", reason=InfraReason.storage)
     out_file.unlink(missing_ok=True)
     # $SOURCE_DATE_EPOCH would make mkfs.erofs overwrite every file's mtime.
     env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
@@ -124,6 +126,6 @@ def build_erofs(src_dir: Path, out_file: Path, *, compression: str = "lz4") -> N
         stderr = proc.stderr.decode(errors="replace").strip()[-4000:]
         raise InfraFailure(
             f"{MKFS} failed with exit code {proc.returncode} building {src_dir}: {stderr or '(no output)'}",
-            reason="storage",
+            reason=InfraReason.storage,
         )
     normalize_superblock(out_file)

@@ -47,7 +47,7 @@ from dsec.images.mount import umount, unmount_tree
 from dsec.images.mounts import mount_stored_layer
 from dsec.images.store import LayerStore
 from dsec.images.whiteouts import OPAQUE_XATTR, is_opaque, is_whiteout, make_whiteout, set_opaque
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 MERGED_NAME = "dsec/merged"
 _MERGE_FORMAT = 1  # bump when the merge rules change: old tags then no longer match
@@ -129,7 +129,9 @@ def _merge_run(store: LayerStore, digests: list[str], below: list[str]) -> str:
                 return store.resolve(tag).digest
             raise
     except OSError as err:
-        raise InfraFailure(f"merging layers {', '.join(digests)} failed: {err}", reason="storage") from err
+        raise InfraFailure(
+            f"merging layers {', '.join(digests)} failed: {err}", reason=InfraReason.storage
+        ) from err
     finally:
         unmount_tree(work)  # whatever an error left mounted: never rmtree into a mount
         shutil.rmtree(work, ignore_errors=True)
@@ -305,7 +307,7 @@ class _Merger:
         elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
             os.mknod(dst, stat.S_IFMT(mode) | 0o600, st.st_rdev)
         else:
-            raise InfraFailure(f"cannot merge {src}: unknown file type {mode:o}", reason="storage")
+            raise InfraFailure(f"cannot merge {src}: unknown file type {mode:o}", reason=InfraReason.storage)
         self._set_attrs(dst, st, _xattrs(src), is_link=stat.S_ISLNK(mode))
         os.utime(dst, ns=(st.st_mtime_ns, st.st_mtime_ns), follow_symlinks=False)
 

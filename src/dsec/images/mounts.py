@@ -50,7 +50,7 @@ from dsec.images.blobstore import corrupt
 from dsec.images.mount import find_mount, mount_erofs, read_mountinfo, umount
 from dsec.images.ondemand import mount_split, probe_split, read_split_info
 from dsec.images.refs import digest_hex, make_digest
-from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, LayerNotFound
 
 if TYPE_CHECKING:
     from dsec.images.store import LayerStore
@@ -154,7 +154,9 @@ class LayerMounts:
         try:
             split = store.split_info(digest)
         except LayerNotFound:
-            raise InfraFailure(f"layer blob {blob} for {digest} is missing", reason="storage") from None
+            raise InfraFailure(
+                f"layer blob {blob} for {digest} is missing", reason=InfraReason.storage
+            ) from None
         except InfraFailure:
             self._verify_single(digest, blob)  # corrupt rather than "not a layer", if it is
             raise
@@ -168,14 +170,14 @@ class LayerMounts:
         try:
             is_split = probe_split(blob) is not None
         except (InvalidRequest, OSError) as err:
-            raise InfraFailure(f"cannot mount layer {digest}: {err}", reason="storage") from err
+            raise InfraFailure(f"cannot mount layer {digest}: {err}", reason=InfraReason.storage) from err
         if is_split:
             # Without its data blob the kernel would mount it and read garbage.
             raise InvalidRequest(f"layer {digest} is a split layer: mount it with acquire_layer")
         try:
             mount_erofs(blob, target)
         except OSError as err:
-            raise InfraFailure(f"cannot mount layer {digest}: {err}", reason="storage") from err
+            raise InfraFailure(f"cannot mount layer {digest}: {err}", reason=InfraReason.storage) from err
 
     def _verify_single(self, digest: str, blob: Path) -> None:
         """Hash the whole image once per process (per inode, size and mtime)."""
@@ -183,9 +185,11 @@ class LayerMounts:
         try:
             f = open(blob, "rb")  # closed below: fstat and hash the same open file
         except FileNotFoundError:
-            raise InfraFailure(f"layer blob {blob} for {digest} is missing", reason="storage") from None
+            raise InfraFailure(
+                f"layer blob {blob} for {digest} is missing", reason=InfraReason.storage
+            ) from None
         except OSError as err:
-            raise InfraFailure(f"cannot read layer blob {blob}: {err}", reason="storage") from err
+            raise InfraFailure(f"cannot read layer blob {blob}: {err}", reason=InfraReason.storage) from err
         with f:
             st = os.fstat(f.fileno())
             key = (hexdigest, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -196,7 +200,9 @@ class LayerMounts:
                 while chunk := f.read(_COPY_CHUNK):
                     h.update(chunk)
             except OSError as err:
-                raise InfraFailure(f"cannot read layer blob {blob}: {err}", reason="storage") from err
+                raise InfraFailure(
+                    f"cannot read layer blob {blob}: {err}", reason=InfraReason.storage
+                ) from err
         if h.hexdigest() != hexdigest:
             raise corrupt(digest, h.hexdigest(), blob)
         self._verified.add(key)
@@ -209,17 +215,17 @@ class LayerMounts:
             size = os.stat(data).st_size
         except FileNotFoundError:
             raise InfraFailure(
-                f"data blob {data} of split layer {digest} is missing", reason="storage"
+                f"data blob {data} of split layer {digest} is missing", reason=InfraReason.storage
             ) from None
         except OSError as err:
             raise InfraFailure(
-                f"cannot stat data blob {data} of layer {digest}: {err}", reason="storage"
+                f"cannot stat data blob {data} of layer {digest}: {err}", reason=InfraReason.storage
             ) from err
         if size != info.blob_size:
             raise InfraFailure(
                 f"data blob {info.blob_digest} of split layer {digest} has {size} bytes, its META "
                 f"expects {info.blob_size} (truncated or replaced): delete it and import the layer again",
-                reason="corrupt",
+                reason=InfraReason.corrupt,
             )
         mount_split(meta, data, target)
 
@@ -244,10 +250,16 @@ class LayerMounts:
             os.rename(tmp, local)
         except FileNotFoundError as err:
             if err.filename == os.fspath(src):
-                raise InfraFailure(f"layer blob {src} for {digest} is missing", reason="storage") from None
-            raise InfraFailure(f"cannot copy META of layer {digest}: {err}", reason="storage") from err
+                raise InfraFailure(
+                    f"layer blob {src} for {digest} is missing", reason=InfraReason.storage
+                ) from None
+            raise InfraFailure(
+                f"cannot copy META of layer {digest}: {err}", reason=InfraReason.storage
+            ) from err
         except OSError as err:
-            raise InfraFailure(f"cannot copy META of layer {digest}: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"cannot copy META of layer {digest}: {err}", reason=InfraReason.storage
+            ) from err
         finally:
             with suppress(FileNotFoundError):
                 tmp.unlink()
@@ -297,7 +309,9 @@ class LayerMounts:
                 except OSError as err:
                     if err.errno == errno.EBUSY:  # still used outside our accounting
                         continue
-                    raise InfraFailure(f"cannot unmount layer {hexdigest}: {err}", reason="storage") from err
+                    raise InfraFailure(
+                        f"cannot unmount layer {hexdigest}: {err}", reason=InfraReason.storage
+                    ) from err
                 del self._refs[hexdigest]
                 done.append(make_digest(hexdigest))
         return done
@@ -315,7 +329,7 @@ class LayerMounts:
                     continue
                 del self._refs[hexdigest]
         if first is not None:
-            raise InfraFailure(f"cannot unmount every layer: {first}", reason="storage") from first
+            raise InfraFailure(f"cannot unmount every layer: {first}", reason=InfraReason.storage) from first
 
 
 def mount_stored_layer(store: LayerStore, digest: str, target: Path) -> None:
@@ -330,4 +344,4 @@ def mount_stored_layer(store: LayerStore, digest: str, target: Path) -> None:
     try:
         mount_erofs(blob, target)
     except OSError as err:
-        raise InfraFailure(f"cannot mount layer {digest}: {err}", reason="storage") from err
+        raise InfraFailure(f"cannot mount layer {digest}: {err}", reason=InfraReason.storage) from err

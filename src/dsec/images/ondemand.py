@@ -51,7 +51,7 @@ from pathlib import Path
 from dsec._linux import MS_RDONLY, mount, umount
 from dsec.images.erofs import LAYER_UUID, MKFS, _sb_checksum, normalize_superblock
 from dsec.images.mount import find_mount
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -212,17 +212,17 @@ def _stamp_device_slot(meta: Path, blob_digest: str, blob_size: int) -> None:
         block = _read_head(meta)
         off = _slot_offset(block, meta)
         if off is None:
-            raise InfraFailure(f"{MKFS} wrote no device table into {meta}", reason="storage")
+            raise InfraFailure(f"{MKFS} wrote no device table into {meta}", reason=InfraReason.storage)
         blksz = 1 << block[_SB_OFFSET + _OFF_BLKSZBITS]
         if any(block[off : off + _DEVT_SLOT_SIZE]):
             # mkfs.erofs 1.5 leaves the slot zeroed; refuse a layout we do not know.
             raise InfraFailure(
                 f"{meta}: device slot is not empty; cannot stamp the blob digest with this {MKFS}",
-                reason="storage",
+                reason=InfraReason.storage,
             )
         if blob_size % blksz:
             raise InfraFailure(
-                f"{MKFS} wrote a blob of {blob_size} bytes, not whole blocks", reason="storage"
+                f"{MKFS} wrote a blob of {blob_size} bytes, not whole blocks", reason=InfraReason.storage
             )
         hexdigest = blob_digest.removeprefix("sha256:").encode("ascii")
         block[off : off + _TAG_LEN] = hexdigest
@@ -258,7 +258,7 @@ def build_split(
         raise InvalidRequest("meta_out and blob_out must be different files")
     mkfs = shutil.which(MKFS)
     if mkfs is None:
-        raise InfraFailure(f"{MKFS} not found: install erofs-utils", reason="storage")
+        raise InfraFailure(f"{MKFS} not found: install erofs-utils", reason=InfraReason.storage)
     meta.unlink(missing_ok=True)
     blob.unlink(missing_ok=True)
     # $SOURCE_DATE_EPOCH would make mkfs.erofs overwrite every file's mtime (see erofs.py).
@@ -279,7 +279,7 @@ def build_split(
             stderr = proc.stderr.decode(errors="replace").strip()[-4000:]
             raise InfraFailure(
                 f"{MKFS} failed with exit code {proc.returncode} building {src}: {stderr or '(no output)'}",
-                reason="storage",
+                reason=InfraReason.storage,
             )
         if not blob.is_file():  # a tree without regular files still gets an (empty) blob
             blob.touch()
@@ -311,7 +311,7 @@ def verify_blob(meta: str | os.PathLike[str], blob: str | os.PathLike[str]) -> N
         raise InfraFailure(
             f"blob {blob} ({digest}, {size} bytes) does not belong to {meta} "
             f"({info.blob_digest}, {info.blob_size} bytes)",
-            reason="corrupt",
+            reason=InfraReason.corrupt,
         )
 
 
@@ -343,15 +343,17 @@ def mount_split(
     try:
         st = os.stat(blob_abs)
     except FileNotFoundError as err:
-        raise InfraFailure(f"layer blob {blob_abs} for {meta_abs} is missing", reason="storage") from err
+        raise InfraFailure(
+            f"layer blob {blob_abs} for {meta_abs} is missing", reason=InfraReason.storage
+        ) from err
     except OSError as err:
-        raise InfraFailure(f"cannot stat layer blob {blob_abs}: {err}", reason="storage") from err
+        raise InfraFailure(f"cannot stat layer blob {blob_abs}: {err}", reason=InfraReason.storage) from err
     if not os.path.isfile(blob_abs):
         raise InvalidRequest(f"layer blob {blob_abs} is not a regular file")
     if st.st_size != info.blob_size:
         raise InfraFailure(
             f"layer blob {blob_abs} has {st.st_size} bytes, {meta_abs} expects {info.blob_size}",
-            reason="storage",
+            reason=InfraReason.storage,
         )
     options = f"device={blob_abs}" + (",directio" if directio else "")
     try:
@@ -361,7 +363,7 @@ def mount_split(
         if err.errno == errno.EINVAL and directio:
             hint = " (this kernel may lack the erofs 'directio' option, added in Linux 6.13)"
         raise InfraFailure(
-            f"cannot mount split layer {meta_abs} + {blob_abs}: {err}{hint}", reason="storage"
+            f"cannot mount split layer {meta_abs} + {blob_abs}: {err}{hint}", reason=InfraReason.storage
         ) from err
     if read_ahead_kb is not None:
         try:
@@ -386,7 +388,9 @@ def _bdi_name(mountpoint: str) -> str:
         try:
             out = fcntl.ioctl(fd, _FS_IOC_GETFSSYSFSPATH, bytes(129))
         except OSError as err:
-            raise InfraFailure(f"cannot find the bdi of {mountpoint}: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"cannot find the bdi of {mountpoint}: {err}", reason=InfraReason.storage
+            ) from err
         finally:
             os.close(fd)
         return out[1 : 1 + out[0]].decode().rpartition("/")[2]
@@ -412,7 +416,7 @@ def set_read_ahead(mountpoint: str | os.PathLike[str], kib: int) -> int:
             f.write(str(kib))
     except OSError as err:
         raise InfraFailure(
-            f"cannot set read-ahead of {mountpoint} via {path}: {err}", reason="storage"
+            f"cannot set read-ahead of {mountpoint} via {path}: {err}", reason=InfraReason.storage
         ) from err
     return old
 
@@ -428,4 +432,6 @@ def unmount_split(target: str | os.PathLike[str], *, lazy: bool = False) -> None
     try:
         umount(target, lazy=lazy)
     except OSError as err:
-        raise InfraFailure(f"cannot unmount split layer at {target}: {err}", reason="storage") from err
+        raise InfraFailure(
+            f"cannot unmount split layer at {target}: {err}", reason=InfraReason.storage
+        ) from err

@@ -42,14 +42,14 @@ from dsec.images.blobstore import BlobStore, sha256_file
 from dsec.images.catalogue import OWNERS, Catalogue
 from dsec.images.erofs import build_erofs
 from dsec.images.ondemand import build_split
-from dsec.protocol.errors import InfraFailure, LayerNotFound, QuotaExceeded
+from dsec.protocol.errors import InfraFailure, InfraReason, LayerNotFound, QuotaExceeded, QuotaReason
 
 if TYPE_CHECKING:
     from dsec.images.ondemand import SplitImage, SplitInfo
 
 QUOTAS = "quotas"
 MIB = 1 << 20
-REASON = "storage_mib"
+REASON = QuotaReason.storage_mib
 
 
 def _mib(n: int) -> str:
@@ -114,7 +114,9 @@ class _StorageQuota:
         try:
             return int(json.loads(data)["storage_mib"])
         except (ValueError, KeyError, TypeError) as err:
-            raise InfraFailure(f"storage quota record {key} is unreadable: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"storage quota record {key} is unreadable: {err}", reason=InfraReason.storage
+            ) from err
 
     def storage_limits(self, project: str) -> list[tuple[str, int]]:
         """``(project, bytes)`` of ``project`` and each ancestor with a quota, nearest first."""

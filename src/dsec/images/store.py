@@ -83,7 +83,7 @@ from dsec.images.refs import HEX_PREFIX_RE, REF_FORMS, digest_hex, is_tag, parse
 from dsec.images.sanitize import strip_unsafe_tree
 from dsec.images.storage_quota import _StorageQuota
 from dsec.images.tarextract import extract_tar
-from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound, TooLarge
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, LayerNotFound, TooLarge
 from dsec.protocol.models import LayerInfo
 
 __all__ = [
@@ -258,10 +258,12 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
                     # A collector removed the (old, untagged) blob between our put and our
                     # tag; the file is still here (put links it), so store it again.
                     if not file.exists():
-                        raise InfraFailure(f"layer blob {d} vanished during import; retry", reason="storage")
+                        raise InfraFailure(
+                            f"layer blob {d} vanished during import; retry", reason=InfraReason.storage
+                        )
                     self.blobs.put(file)
         except OSError as err:
-            raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
+            raise InfraFailure(f"importing {path} failed: {err}", reason=InfraReason.storage) from err
         finally:
             shutil.rmtree(work, ignore_errors=True)
         # The names the caller may see: the same bytes may carry another project's tags.
@@ -355,7 +357,7 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
         info = self._info(digest, viewer)
         if info is None:
             raise InfraFailure(
-                f"catalogue tags {ref} with blob {digest}, which is not stored", reason="storage"
+                f"catalogue tags {ref} with blob {digest}, which is not stored", reason=InfraReason.storage
             )
         return info
 

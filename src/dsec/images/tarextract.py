@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from dsec.images.sanitize import CAPABILITY_XATTR, is_whiteout
-from dsec.protocol.errors import InfraFailure, InvalidRequest, TooLarge
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, TooLarge
 
 log = logging.getLogger(__name__)
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -260,7 +260,7 @@ def extract_tar(archive: Path, dest: Path, *, max_bytes: int | None = None) -> l
     except OSError as err:
         if isinstance(err, (FileNotFoundError, PermissionError)) and err.filename == os.fspath(archive):
             raise InvalidRequest(f"cannot read {archive}: {err}") from err
-        raise InfraFailure(f"extracting {archive} failed: {err}", reason="storage") from err
+        raise InfraFailure(f"extracting {archive} failed: {err}", reason=InfraReason.storage) from err
     extractor.finish()
     if extractor.stripped:
         log.warning("%s: stripped device nodes or file capabilities of %s", archive, extractor.stripped[:20])

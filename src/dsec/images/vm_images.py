@@ -31,7 +31,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from dsec.images.refs import parse_tag
-from dsec.protocol.errors import InfraFailure, InvalidRequest, LayerNotFound
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, LayerNotFound
 
 FORMATS = ("qcow2", "raw")
 
@@ -105,7 +105,9 @@ class VmImageStore:
         except FileNotFoundError:
             return None
         except ValueError as exc:
-            raise InfraFailure(f"VM image tag {path} is unreadable: {exc}", reason="storage") from exc
+            raise InfraFailure(
+                f"VM image tag {path} is unreadable: {exc}", reason=InfraReason.storage
+            ) from exc
 
     def resolve(self, ref: str) -> VmImageInfo:
         info = self._read_tag(self._tag_path(ref))

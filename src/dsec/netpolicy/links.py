@@ -19,8 +19,8 @@ import threading
 from pathlib import Path
 
 from dsec import _linux
-from dsec.executor import spawner
-from dsec.protocol.errors import InfraFailure
+from dsec.native import spawner
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 
 def link_name(sandbox_id: str) -> str:
@@ -38,7 +38,7 @@ async def _run(argv: list[str], script: str | None = None) -> None:
     _, err = await proc.communicate(script.encode() if script is not None else None)
     if proc.returncode != 0:
         raise InfraFailure(
-            f"{' '.join(argv[:3])}: {err.decode(errors='replace').strip()[-500:]}", reason="network"
+            f"{' '.join(argv[:3])}: {err.decode(errors='replace').strip()[-500:]}", reason=InfraReason.network
         )
 
 
@@ -89,7 +89,7 @@ def new_netns() -> int:
     thread.join()
     if failed or not made:
         raise InfraFailure(
-            f"cannot make a network namespace: {failed[0] if failed else '?'}", reason="network"
+            f"cannot make a network namespace: {failed[0] if failed else '?'}", reason=InfraReason.network
         )
     return made[0]
 

@@ -37,8 +37,8 @@ import hashlib
 import re
 from collections.abc import Iterable
 
-from dsec.executor import spawner
-from dsec.protocol.errors import InfraFailure
+from dsec.native import spawner
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 Element = tuple[str, str, str, int]  # interface, address (or a CIDR range), protocol, port
 
@@ -316,8 +316,8 @@ async def apply(script: str) -> None:
             stderr=asyncio.subprocess.PIPE,
         )
     except FileNotFoundError as exc:
-        raise InfraFailure("nft (Debian's nftables) is not installed", reason="network") from exc
+        raise InfraFailure("nft (Debian's nftables) is not installed", reason=InfraReason.network) from exc
     _, err = await proc.communicate(script.encode())
     if proc.returncode != 0:
         why = err.decode(errors="replace")[-800:]
-        raise InfraFailure(f"nftables refused the update: {why}", reason="network")
+        raise InfraFailure(f"nftables refused the update: {why}", reason=InfraReason.network)

@@ -33,7 +33,7 @@ from dsec.netpolicy.grants import cutoff_of
 from dsec.netpolicy.names import Admissions, DomainGrant, LinkNames
 from dsec.netpolicy.sniproxy import CHECKED, SniProxy, keys
 from dsec.netpolicy.upstream import Upstream, resolv_conf
-from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
+from dsec.protocol.errors import CapacityExhausted, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import NetworkRules
 from dsec.registry.config import Registry
 from dsec.registry.proxy import RegistryProxy
@@ -174,7 +174,7 @@ class EgressPolicy:
             except OSError as exc:
                 raise InfraFailure(
                     f"the package registry proxy cannot listen on {self.config.gateway}: {exc}",
-                    reason="network",
+                    reason=InfraReason.network,
                 ) from exc
         self._dns = NameServer(self.config.gateway, self._responder_of_index, self._responder_of_address)
         try:
@@ -183,7 +183,7 @@ class EgressPolicy:
             self._dns = None
             raise InfraFailure(
                 f"the sandboxes' name server cannot listen on {self.config.gateway}:53: {exc}",
-                reason="network",
+                reason=InfraReason.network,
             ) from exc
 
     async def set_rules(self, sandbox_id: str, pid: int | None, rules: NetworkRules) -> None:
@@ -239,7 +239,7 @@ class EgressPolicy:
         :meth:`release`; after that the sandbox's processes hold it."""
         async with self._lock:
             if sandbox_id in self._links:
-                raise InfraFailure(f"{sandbox_id} already has a link", reason="network")
+                raise InfraFailure(f"{sandbox_id} already has a link", reason=InfraReason.network)
             fd = await asyncio.to_thread(links.new_netns)
             try:
                 link = await self._open_before_start(sandbox_id, links.fd_path(fd))

@@ -28,8 +28,8 @@ import signal
 from collections.abc import Iterable
 from pathlib import Path
 
-from dsec.executor import spawner
-from dsec.protocol.errors import InfraFailure
+from dsec.native import spawner
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +117,13 @@ class SniProxy:
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             )  # fmt: skip
         except FileNotFoundError as exc:
-            raise InfraFailure("haproxy (Debian's haproxy) is not installed", reason="network") from exc
+            raise InfraFailure(
+                "haproxy (Debian's haproxy) is not installed", reason=InfraReason.network
+            ) from exc
         _, err = await proc.communicate()
         if proc.returncode != 0:
             raise InfraFailure(
-                f"haproxy did not start: {err.decode(errors='replace')[-600:]}", reason="network"
+                f"haproxy did not start: {err.decode(errors='replace')[-600:]}", reason=InfraReason.network
             )
 
     async def update(self, old: set[str], new: set[str]) -> None:
@@ -180,7 +182,7 @@ class SniProxy:
         try:
             reader, writer = await asyncio.open_unix_connection(str(self.sock))
         except OSError as exc:
-            raise InfraFailure(f"haproxy's admin socket: {exc}", reason="network") from exc
+            raise InfraFailure(f"haproxy's admin socket: {exc}", reason=InfraReason.network) from exc
         try:
             writer.write(line.encode() + b"\n")
             await writer.drain()

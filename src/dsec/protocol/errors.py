@@ -22,9 +22,15 @@ again on the client side, so ``except SandboxNotFound`` works across the wire.
         +-- SessionLost         500  a shell session died under the command (e.g. edge restart)
         +-- SandboxStopped      410  the sandbox was stopped or reclaimed under the command
 
-``InfraFailure.reason`` classifies the failure (``runtime``, ``storage``, ``edge_unreachable``...)
-so a trainer can tell infrastructure noise from the agent's own doing; :class:`InfraReason`
-lists the reasons for work the platform cut short (``stopped``, ``reclaimed``, ``node_lost``...).
+``reason`` refines the class: ``InfraFailure.reason`` classifies the failure (``runtime``,
+``storage``, ``edge_unreachable``...) so a trainer can tell infrastructure noise from the agent's
+own doing. Every reason is a member of the enum its class names in ``reasons`` (:class:`InfraReason`,
+:class:`NotFoundReason`, :class:`ConflictReason`, :class:`CapacityReason`,
+:class:`InvalidReason`, :class:`QuotaReason`), one set for the server, the edge and the SDK.
+They are ``StrEnum``: the wire carries the same strings as before, and ``err.reason == "runtime"``
+still holds. A reason the enum does not know (a newer server's) is kept as its plain string,
+so an older client still parses the error (forward compatibility); a known one comes back as
+the member, whichever side built it.
 """
 
 from __future__ import annotations
@@ -33,21 +39,125 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 
+class InfraReason(StrEnum):
+    """``InfraFailure.reason`` (and its subclasses'): what of the platform failed. The first four
+    are work the platform cut short: the agent did not cause it, so a trainer masks the episode
+    (``dsec.rl.fault_of`` says ``infra``) instead of learning from it.
+
+    ``stopped``: another request stopped the sandbox while the command ran. ``reclaimed``: the
+    platform reclaimed it (idle TTL, lease expiry, ``max_lifetime_s``). ``node_lost``: its node
+    went away: the cluster's registry has not heard from it for ``dsec apiserver
+    --node-lost-after`` seconds (30 by default), or it came back under a new epoch while the
+    command ran. A command in flight then, and every later request on that node's sandboxes
+    that cannot reach it, answers ``InfraFailure(reason="node_lost")``; the sandboxes may come
+    back if the node returns with its state. A node that merely cannot be reached while it still
+    heartbeats is ``InfraFailure(reason="edge_unreachable")``, and a request naming a sandbox of
+    an earlier epoch answers ``SandboxNotFound(reason="stale_epoch")``: all ``infra`` to
+    ``fault_of``. ``grading_sandbox_lost``: a clean-room grading sandbox (``dsec.rl.grade``)
+    ended or vanished under the grader.
+    """
+
+    stopped = "stopped"
+    reclaimed = "reclaimed"
+    node_lost = "node_lost"
+    grading_sandbox_lost = "grading_sandbox_lost"
+    # What the platform failed at (not cut short): the part of it that broke.
+    runtime = "runtime"  # the backend (OCI runtime, VMM, helper) failed to do its part
+    storage = "storage"  # layer store, blobs, disk volumes, copies
+    corrupt = "corrupt"  # stored bytes no longer match their digest
+    network = "network"  # network namespaces, nftables, port forwarding
+    protocol = "protocol"  # a peer sent something that is not the protocol
+    http = "http"  # an HTTP-level failure of the server's own framework
+    edge = "edge"  # the edge's own code failed
+    edge_starting = "edge_starting"  # the edge is up but not serving yet (retried by the apiserver)
+    edge_shutdown = "edge_shutdown"  # the edge is shutting down
+    # The server a client talks to (the apiserver for the SDK, an edge for the apiserver) could
+    # not be reached or went away mid-answer; both wire clients raise this one reason.
+    edge_unreachable = "edge_unreachable"
+    edge_misconfigured = "edge_misconfigured"
+    registration = "registration"  # an edge could not register with the apiserver
+    apiserver = "apiserver"  # the apiserver's own code failed
+    interrupted = "interrupted"  # a recorded call has an unknown outcome (the edge restarted)
+    upstream = "upstream"  # a server inside the sandbox broke the HTTP protocol
+    image_build = "image_build"
+    swap = "swap"
+    pty = "pty"
+    iam_store = "iam_store"
+    workspace = "workspace"  # a prepared RL workspace failed verification
+    guest_kit = "guest_kit"  # building the microVM guest kernel/kit
+    vhost_vsock_missing = "vhost_vsock_missing"
+    fncall_worker_lost = "fncall_worker_lost"
+    client = "client"  # the SDK's own side failed (fncall decoding)
+
+
+class NotFoundReason(StrEnum):
+    """``SandboxNotFound.reason``. ``stale_epoch``: the ID names a sandbox of an earlier epoch of
+    its node (it restarted): it can no longer exist."""
+
+    stale_epoch = "stale_epoch"
+
+
+class ConflictReason(StrEnum):
+    """``Conflict.reason``. ``port_closed``: the sandbox runs but nothing listens on the port.
+    ``no_space``: the sandbox's disk is full."""
+
+    port_closed = "port_closed"
+    no_space = "no_space"
+
+
+class CapacityReason(StrEnum):
+    """``CapacityExhausted.reason``. ``never_fits``: no amount of waiting or pausing makes room
+    on that node (the apiserver tries other nodes, then answers 400)."""
+
+    never_fits = "never_fits"
+
+
+class InvalidReason(StrEnum):
+    """``InvalidRequest.reason`` (and its subclasses'). ``kernel_fs``: a path under a kernel file
+    system (``/proc``, ``/sys``) the call does not serve."""
+
+    too_large = "too_large"
+    path_escape = "path_escape"
+    kernel_fs = "kernel_fs"
+
+
+class QuotaReason(StrEnum):
+    """``QuotaExceeded.reason``: the quota dimension that would be exceeded."""
+
+    sandboxes = "sandboxes"
+    cpu_cores = "cpu_cores"
+    memory_mib = "memory_mib"
+    storage_mib = "storage_mib"
+
+
+def _as_member(enum: type[StrEnum] | None, reason: str | None) -> str | None:
+    if enum is None or reason is None or isinstance(reason, enum):
+        return reason
+    try:
+        return enum(reason)
+    except ValueError:
+        return str(reason)  # unknown: a newer peer's reason, kept so the error still parses
+
+
 class DSecError(Exception):
     """Root of every error DSec raises, on the server and in the SDK."""
 
     code: ClassVar[str] = "error"
     status: ClassVar[int] = 500
+    # The enum this class's reasons come from (None: the class carries no reason of its own).
+    reasons: ClassVar[type[StrEnum] | None] = None
 
     def __init__(self, message: str, *, reason: str | None = None) -> None:
+        """``reason``: a member of ``type(self).reasons``; a string naming one becomes that
+        member, any other string (a newer peer's reason) is kept as it is."""
         super().__init__(message)
         self.message = message
-        self.reason = reason
+        self.reason: str | None = _as_member(type(self).reasons, reason)
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.reason is not None:
-            body["reason"] = self.reason
+            body["reason"] = str(self.reason)  # the member's value: a plain string on the wire
         return {"error": body}
 
     def __str__(self) -> str:
@@ -57,6 +167,7 @@ class DSecError(Exception):
 class InvalidRequest(DSecError):
     code = "invalid_request"
     status = 400
+    reasons = InvalidReason
 
 
 class LayerNotFound(InvalidRequest):
@@ -89,6 +200,7 @@ class Forbidden(DSecError):
 class SandboxNotFound(DSecError):
     code = "sandbox_not_found"
     status = 404
+    reasons = NotFoundReason
 
 
 class FileNotFound(DSecError):
@@ -107,16 +219,19 @@ class ProcessNotFound(DSecError):
 class Conflict(DSecError):
     code = "conflict"
     status = 409
+    reasons = ConflictReason
 
 
 class QuotaExceeded(DSecError):
     code = "quota_exceeded"
     status = 429
+    reasons = QuotaReason
 
 
 class CapacityExhausted(DSecError):
     code = "capacity_exhausted"
     status = 503
+    reasons = CapacityReason
 
 
 class CommandTimeout(DSecError):
@@ -127,6 +242,7 @@ class CommandTimeout(DSecError):
 class InfraFailure(DSecError):
     code = "infra_failure"
     status = 500
+    reasons = InfraReason
 
 
 class SessionLost(InfraFailure):
@@ -140,29 +256,6 @@ class SandboxStopped(InfraFailure):
 
     code = "sandbox_stopped"
     status = 410
-
-
-class InfraReason(StrEnum):
-    """``InfraFailure.reason`` for work the platform cut short: the agent did not cause it, so a
-    trainer masks the episode (``dsec.rl.fault_of`` says ``infra``) instead of learning from it.
-
-    ``stopped``: another request stopped the sandbox while the command ran. ``reclaimed``: the
-    platform reclaimed it (idle TTL, lease expiry, ``max_lifetime_s``). ``node_lost``: its node
-    went away: the cluster's registry has not heard from it for ``dsec apiserver
-    --node-lost-after`` seconds (30 by default), or it came back under a new epoch while the
-    command ran. A command in flight then, and every later request on that node's sandboxes
-    that cannot reach it, answers ``InfraFailure(reason="node_lost")``; the sandboxes may come
-    back if the node returns with its state. A node that merely cannot be reached while it still
-    heartbeats is ``InfraFailure(reason="edge_unreachable")``, and a request naming a sandbox of
-    an earlier epoch answers ``SandboxNotFound(reason="stale_epoch")``: all ``infra`` to
-    ``fault_of``. ``grading_sandbox_lost``: a clean-room grading sandbox (``dsec.rl.grade``)
-    ended or vanished under the grader.
-    """
-
-    stopped = "stopped"
-    reclaimed = "reclaimed"
-    node_lost = "node_lost"
-    grading_sandbox_lost = "grading_sandbox_lost"
 
 
 def _all_subclasses(cls: type[DSecError]) -> list[type[DSecError]]:
@@ -181,4 +274,6 @@ def error_from_wire(status: int, body: Any) -> DSecError:
         err = body["error"]
         cls = _BY_CODE.get(str(err.get("code")), DSecError)
         return cls(str(err.get("message", "")), reason=err.get("reason"))
-    return InfraFailure(f"unexpected HTTP {status} from server: {str(body)[:200]}", reason="protocol")
+    return InfraFailure(
+        f"unexpected HTTP {status} from server: {str(body)[:200]}", reason=InfraReason.protocol
+    )

@@ -12,7 +12,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from pydantic import BaseModel
 
-from dsec.protocol.errors import DSecError, InfraFailure, InvalidRequest
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.files import decode_name
 
 # As ContainerSpec's labels: a filter that could match no label is a typo, said so at once.
@@ -125,7 +125,7 @@ class _JsonErrorHandler(RequestHandler):
     ) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs it; raises if bytes went out
         why = (message or HTTPStatus(status).phrase)[:200]  # the message may quote the request
-        err: DSecError = InvalidRequest(why) if status < 500 else InfraFailure(why, reason="http")
+        err: DSecError = InvalidRequest(why) if status < 500 else InfraFailure(why, reason=InfraReason.http)
         resp = web.json_response(err.to_wire(), status=status)
         resp.force_close()
         return resp

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 # fetch(url, destination) writes the upstream body to destination and returns its size.
 Fetch = Callable[[str, Path], Awaitable[int]]
@@ -111,7 +111,9 @@ class FileCache:
             used -= size
         self._used = used
         if used > self.max_bytes:
-            raise InfraFailure("the registry cache cannot hold this file within its budget", reason="storage")
+            raise InfraFailure(
+                "the registry cache cannot hold this file within its budget", reason=InfraReason.storage
+            )
 
 
 def _size(path: Path) -> int:

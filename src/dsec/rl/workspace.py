@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 __all__ = ["future_objects", "prepare_workspace"]
 
@@ -315,5 +315,6 @@ def _verify(git: _Git, target: Path, sha: str, branch: str) -> None:
         problems.append(f"working tree differs from base: {_tail(dirty, 200)}")
     if problems:
         raise InfraFailure(
-            f"prepared workspace {target} failed verification: {'; '.join(problems)}", reason="workspace"
+            f"prepared workspace {target} failed verification: {'; '.join(problems)}",
+            reason=InfraReason.workspace,
         )

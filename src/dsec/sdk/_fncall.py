@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from dsec.protocol.errors import DSecError, InfraFailure
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import invalid_request
 
@@ -63,6 +63,6 @@ class FnCalls:
                 except DSecError as exc:
                     return exc
                 except Exception as exc:  # e.g. a dropped connection
-                    return InfraFailure(f"{type(exc).__name__}: {exc}", reason="client")
+                    return InfraFailure(f"{type(exc).__name__}: {exc}", reason=InfraReason.client)
 
         return list(await asyncio.gather(*(one(t) for t in tasks)))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.images.vm_images import VmImageInfo
-from dsec.protocol.errors import InfraFailure, error_from_wire
+from dsec.protocol.errors import InfraFailure, InfraReason, error_from_wire
 from dsec.protocol.models import GcRequest, LayerInfo, RetagRequest
 from dsec.sdk._transport import file_chunks
 
@@ -71,7 +71,7 @@ class LayerCalls:
                     raise error_from_wire(200, event)
                 elif event["t"] == "done":
                     return [LayerInfo.model_validate(x) for x in event["layers"]]
-        raise InfraFailure(f"image import of {ref} ended without a result", reason="protocol")
+        raise InfraFailure(f"image import of {ref} ended without a result", reason=InfraReason.protocol)
 
     async def retag(self, ref: str, target: str | builtins.list[str]) -> builtins.list[LayerInfo]:
         """Point ``ref`` at other content (a layer, or an ordered list for an image).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.files import path_query
 from dsec.protocol.models import (
     BulkAction,
@@ -99,11 +99,11 @@ class JobCalls:
             raise InfraFailure(
                 f"{action}: {len(result.done)} sandboxes done, but nodes {result.unreachable_nodes} did"
                 " not answer: their sandboxes with these labels were not touched (call again)",
-                reason="edge_unreachable",
+                reason=InfraReason.edge_unreachable,
             )
         if result.failed:
             raise InfraFailure(
-                f"could not {action} {sorted(result.failed)}: {result.failed}", reason="runtime"
+                f"could not {action} {sorted(result.failed)}: {result.failed}", reason=InfraReason.runtime
             )
         return result.done
 
@@ -130,6 +130,6 @@ class JobCalls:
         if result.unreachable_nodes:
             raise InfraFailure(
                 f"lease of job {job!r} renewed on all nodes but {result.unreachable_nodes}: call again",
-                reason="edge_unreachable",
+                reason=InfraReason.edge_unreachable,
             )
         return result

@@ -1,21 +1,25 @@
-"""The one HTTP seam of the SDK: every request goes through :class:`Transport`.
+"""The one HTTP seam of the SDK: every request goes through :class:`Transport`, the SDK's
+:class:`~dsec.protocol.wire_client.WireClient` (the same client the apiserver uses to reach edges).
 
 Errors come back typed: the server's ``{"error": {"code": ...}}`` body becomes the same
-``DSecError`` subclass here; a connection failure becomes ``InfraFailure(reason="unreachable")``.
+``DSecError`` subclass here; a connection failure becomes
+``InfraFailure(reason="edge_unreachable")``, the reason the apiserver gives for an edge it
+cannot reach (one :class:`~dsec.protocol.errors.InfraReason` for "the server could not be reached").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
+from dsec.protocol.errors import DSecError
+from dsec.protocol.wire_client import WireClient, ndjson_lines, unreachable
 
 _CHUNK = 1 << 20
 
@@ -50,41 +54,44 @@ def _close_with_loop(session: aiohttp.ClientSession) -> AsyncGenerator[None, Non
     return closer
 
 
-class Transport:
+class Transport(WireClient):
+    """The SDK's client of the apiserver: :class:`~dsec.protocol.wire_client.WireClient` with
+    the API key on every request, a session closed with its event loop, and network failures
+    raised at once as ``InfraFailure(reason="edge_unreachable")``."""
+
     def __init__(self, url: str, api_key: str, *, timeout: float) -> None:
-        self.url = url
-        self._headers = {"Authorization": f"Bearer {api_key}"}
+        super().__init__(
+            url,
+            {"Authorization": f"Bearer {api_key}"},
+            session_timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+        )
         self._timeout = timeout
-        self._session: aiohttp.ClientSession | None = None
         self._closer: AsyncGenerator[None, None] | None = None
 
     def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
-                connector=aiohttp.TCPConnector(limit=0),
-            )
-            self._closer = _close_with_loop(self._session)
-        return self._session
+        fresh = not self.has_session
+        session = super().session()
+        if fresh:
+            self._closer = _close_with_loop(session)
+        return session
 
     async def close(self) -> None:
-        session, closer = self._session, self._closer
-        self._session = self._closer = None
-        if session is not None:
-            await session.close()
+        closer, self._closer = self._closer, None
+        await super().close()
         if closer is not None:
             await closer.aclose()
 
-    async def _raise_for(self, resp: aiohttp.ClientResponse) -> None:
-        if resp.status < 400:
-            return
-        text = await resp.text()
+    @asynccontextmanager
+    async def _send(
+        self, method: str, path: str, timeout: aiohttp.ClientTimeout, **kw: Any
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         try:
-            body: Any = json.loads(text)
-        except ValueError:
-            body = text
-        raise error_from_wire(resp.status, body)
+            async with self.send(method, path, timeout=timeout, **kw) as resp:
+                yield resp
+        except DSecError:
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise unreachable(f"{method} {path}", exc) from exc
 
     async def request(
         self,
@@ -96,21 +103,9 @@ class Transport:
         data: Any = None,
         timeout: float | None = None,
     ) -> Any:
-        try:
-            async with self.session().request(
-                method,
-                self.url + path,
-                json=json_body,
-                params=params,
-                data=data,
-                timeout=aiohttp.ClientTimeout(total=timeout or self._timeout),
-            ) as resp:
-                await self._raise_for(resp)
-                return await resp.json()
-        except DSecError:
-            raise
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise InfraFailure(f"{method} {path}: {type(exc).__name__}: {exc}", reason="unreachable") from exc
+        limit = aiohttp.ClientTimeout(total=timeout or self._timeout)
+        async with self._send(method, path, limit, json_body=json_body, params=params, data=data) as resp:
+            return await resp.json()
 
     async def stream(
         self,
@@ -122,21 +117,10 @@ class Transport:
         timeout: float | None = None,
     ) -> AsyncIterator[bytes]:
         """Yield the response body in chunks as they arrive."""
-        try:
-            async with self.session().request(
-                method,
-                self.url + path,
-                json=json_body,
-                params=params,
-                timeout=aiohttp.ClientTimeout(total=timeout, sock_read=None),
-            ) as resp:
-                await self._raise_for(resp)
-                async for chunk in resp.content.iter_chunked(1 << 20):
-                    yield chunk
-        except DSecError:
-            raise
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise InfraFailure(f"{method} {path}: {type(exc).__name__}: {exc}", reason="unreachable") from exc
+        limit = aiohttp.ClientTimeout(total=timeout, sock_read=None)
+        async with self._send(method, path, limit, json_body=json_body, params=params) as resp:
+            async for chunk in resp.content.iter_chunked(1 << 20):
+                yield chunk
 
     async def lines(
         self,
@@ -149,20 +133,7 @@ class Transport:
         timeout: float | None = None,
     ) -> AsyncIterator[bytes]:
         """Yield the lines of a newline-delimited response as they arrive."""
-        try:
-            async with self.session().request(
-                method,
-                self.url + path,
-                json=json_body,
-                params=params,
-                data=data,
-                timeout=aiohttp.ClientTimeout(total=timeout),
-            ) as resp:
-                await self._raise_for(resp)
-                async for line in resp.content:
-                    if line.strip():
-                        yield line
-        except DSecError:
-            raise
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise InfraFailure(f"{method} {path}: {type(exc).__name__}: {exc}", reason="unreachable") from exc
+        limit = aiohttp.ClientTimeout(total=timeout)
+        async with self._send(method, path, limit, json_body=json_body, params=params, data=data) as resp:
+            async for line in ndjson_lines(resp):
+                yield line

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from typing import Protocol
 
 from aiohttp import web
@@ -34,9 +35,10 @@ from dsec.apiserver.e2b.connect import (
 from dsec.apiserver.e2b.envd_files import FilesystemService, download, upload
 from dsec.apiserver.e2b.envd_process import ProcessService
 from dsec.apiserver.e2b.lifecycle import auto_resumes
+from dsec.apiserver.e2b.tokens import EXPIRED_SIGNATURE
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
-from dsec.protocol.errors import DSecError, InvalidRequest, SandboxNotFound
+from dsec.protocol.errors import DSecError, InvalidRequest, SandboxNotFound, Unauthorized
 from dsec.protocol.models import SandboxState
 
 # Requests under these paths carry no API key: they are authorized by the sandbox's envd
@@ -93,6 +95,15 @@ def sandbox_gone(request: web.Request) -> web.Response:
     return web.json_response(body, status=502)
 
 
+def _signature_refusal(expiration: str | None) -> str:
+    """envd's 401 message for a signed URL it does not accept (the SDKs' tests match it)."""
+    try:
+        expired = expiration is not None and int(expiration) < time.time()
+    except ValueError:
+        return "signature_expiration must be a Unix time"
+    return EXPIRED_SIGNATURE if expired else "invalid signature"
+
+
 def _files_error(exc: DSecError) -> web.Response:
     # envd's REST errors: JSON with the status as ``code``; the SDKs read ``message``.
     return web.json_response({"code": exc.status, "message": str(exc)}, status=exc.status)
@@ -119,6 +130,10 @@ class EnvdRoutes:
     def _sandbox(self, request: web.Request) -> tuple[EdgeLink, str]:
         sandbox_id = request.headers.get(SANDBOX_HEADER)
         if not sandbox_id:
+            if request.path == "/files" and "signature" in request.query:
+                # A signed URL naming no sandbox that no running sandbox's token signs (the
+                # finder of traffic.py skips expired ones): envd's answer to a bad signature.
+                raise Unauthorized(_signature_refusal(request.query.get("signature_expiration")))
             raise InvalidRequest(f"envd requests name their sandbox in the {SANDBOX_HEADER} header")
         token = request.headers.get(TOKEN_HEADER)
         if token is None and "signature" in request.query and request.path == "/files":

@@ -29,7 +29,7 @@ from dsec.apiserver._http import stream_bytes
 from dsec.apiserver.e2b.connect import ConnectError, ServerStream, field, from_dsec, pump
 from dsec.apiserver.e2b.envd_entries import Owners, entries
 from dsec.edge.link import EdgeLink
-from dsec.protocol.errors import DSecError, FileNotFound, InvalidRequest
+from dsec.protocol.errors import DSecError, FileNotFound, InvalidReason, InvalidRequest
 from dsec.protocol.models import FileStat, FileType
 from dsec.protocol.processes import WatchEvent
 
@@ -273,6 +273,18 @@ def _depth(msg: dict[str, Any]) -> int:
     return depth
 
 
+async def _with_metadata(
+    entry: dict[str, Any], info: FileStat, link: EdgeLink, sandbox_id: str
+) -> dict[str, Any]:
+    """``entry`` with the file's envd metadata (its ``user.e2b.*`` attributes), as envd's
+    Stat and Move answer it."""
+    if info.type == FileType.file:
+        with contextlib.suppress(FileNotFound, InvalidRequest):  # gone or replaced meanwhile
+            if metadata := await link.xattrs(sandbox_id, info.path, METADATA_PREFIX):
+                entry["metadata"] = metadata
+    return entry
+
+
 class FilesystemService:
     def __init__(self) -> None:
         self._watchers: dict[str, tuple[str, _Watcher]] = {}  # id -> (sandbox, watcher)
@@ -280,11 +292,7 @@ class FilesystemService:
     async def stat(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str) -> dict[str, Any]:
         info = await link.stat(sandbox_id, absolute(field(msg, "path", ""), user))
         [entry] = await entries(link, sandbox_id, await Owners.of(link, sandbox_id), [info])
-        if info.type == FileType.file:
-            with contextlib.suppress(FileNotFound, InvalidRequest):  # gone or replaced meanwhile
-                if metadata := await link.xattrs(sandbox_id, info.path, METADATA_PREFIX):
-                    entry["metadata"] = metadata
-        return {"entry": entry}
+        return {"entry": await _with_metadata(entry, info, link, sandbox_id)}
 
     async def list_dir(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
@@ -306,7 +314,7 @@ class FilesystemService:
             for folder, listing in zip(folders, found, strict=True):
                 # A deep listing of / reaches /proc: the file API refuses kernel file systems,
                 # which a walk skips (the directory itself is listed), as it never enters them.
-                if isinstance(listing, InvalidRequest) and listing.reason == "kernel_fs" and step:
+                if isinstance(listing, InvalidRequest) and listing.reason == InvalidReason.kernel_fs and step:
                     continue
                 if isinstance(listing, BaseException):
                     raise listing
@@ -337,7 +345,8 @@ class FilesystemService:
         source = absolute(field(msg, "source", ""), user)
         destination = absolute(field(msg, "destination", ""), user)
         info = await link.move(sandbox_id, source, destination)
-        return {"entry": (await Owners.of(link, sandbox_id)).entry(info)}
+        entry = (await Owners.of(link, sandbox_id)).entry(info)
+        return {"entry": await _with_metadata(entry, info, link, sandbox_id)}  # kept by rename(2)
 
     async def remove(self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str) -> dict[str, Any]:
         # envd's Remove is Go's RemoveAll: a path that is not there is removed already.

@@ -19,6 +19,9 @@ from pathlib import Path
 
 from dsec.protocol.errors import Unauthorized
 
+# envd's words for an expired signed URL (E2B's SDK suite checks the body).
+EXPIRED_SIGNATURE = "signature is already expired"
+
 _TOKEN_CONTEXT = b"dsec-e2b-envd-token-v1"
 _SECRET_BYTES = 32
 
@@ -86,7 +89,7 @@ class EnvdTokens:
         if not signature:
             raise Unauthorized("missing signature")
         if expiration is not None and expiration < time.time():
-            raise Unauthorized("the signed URL has expired")
+            raise Unauthorized(EXPIRED_SIGNATURE)
         token = self.issue(sandbox_id)
         raw = f"{path}:{operation}:{user or ''}:{token}"
         if expiration is not None:

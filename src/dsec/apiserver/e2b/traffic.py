@@ -39,7 +39,14 @@ from dsec.apiserver.e2b.signed_urls import SignedUrlFinder
 from dsec.apiserver.e2b.tokens import EnvdTokens
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.ports import PORT_CLOSED, PortStream
-from dsec.protocol.errors import Conflict, DSecError, InfraFailure, InvalidRequest, SandboxNotFound
+from dsec.protocol.errors import (
+    Conflict,
+    DSecError,
+    InfraFailure,
+    InfraReason,
+    InvalidRequest,
+    SandboxNotFound,
+)
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import SandboxState
 
@@ -94,7 +101,7 @@ class Upstream:
     async def line(self, limit: int) -> bytes:
         while (end := self.buf.find(b"\r\n")) < 0:
             if len(self.buf) > limit or not await self._fill():
-                raise InfraFailure("the server inside sent a malformed response", reason="upstream")
+                raise InfraFailure("the server inside sent a malformed response", reason=InfraReason.upstream)
         out = bytes(self.buf[:end])
         del self.buf[: end + 2]
         return out
@@ -105,17 +112,17 @@ class Upstream:
             while (end := self.buf.find(b"\r\n\r\n")) < 0:
                 if len(self.buf) > MAX_RESPONSE_HEAD:
                     raise InfraFailure(
-                        "the server inside sent a response head over 64 KiB", reason="upstream"
+                        "the server inside sent a response head over 64 KiB", reason=InfraReason.upstream
                     )
                 if not await self._fill():
                     raise InfraFailure("the server inside closed the connection without answering",
-                                       reason="upstream")  # fmt: skip
+                                       reason=InfraReason.upstream)  # fmt: skip
             lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
             del self.buf[: end + 4]
             parts = lines[0].split(" ", 2)
             if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
                 raise InfraFailure("the server inside answered something that is not HTTP/1.x",
-                                   reason="upstream")  # fmt: skip
+                                   reason=InfraReason.upstream)  # fmt: skip
             status = int(parts[1])
             headers = [(k.strip(), v.strip()) for k, sep, v in (h.partition(":") for h in lines[1:]) if sep]
             if not 100 <= status < 200 or status == 101:
@@ -124,7 +131,7 @@ class Upstream:
     async def exactly(self, n: int) -> AsyncIterator[bytes]:
         while n > 0:
             if not self.buf and not await self._fill():
-                raise InfraFailure("the server inside cut its response short", reason="upstream")
+                raise InfraFailure("the server inside cut its response short", reason=InfraReason.upstream)
             piece = bytes(self.buf[:n])
             del self.buf[: len(piece)]
             n -= len(piece)
@@ -142,7 +149,9 @@ class Upstream:
             try:
                 size = int(size_text, 16)
             except ValueError:
-                raise InfraFailure("the server inside sent a malformed chunk", reason="upstream") from None
+                raise InfraFailure(
+                    "the server inside sent a malformed chunk", reason=InfraReason.upstream
+                ) from None
             if size == 0:
                 while await self.line(MAX_RESPONSE_HEAD):  # trailers, dropped
                     pass
@@ -150,7 +159,7 @@ class Upstream:
             async for piece in self.exactly(size):
                 yield piece
             if await self.line(MAX_CHUNK_LINE):
-                raise InfraFailure("the server inside sent a malformed chunk", reason="upstream")
+                raise InfraFailure("the server inside sent a malformed chunk", reason=InfraReason.upstream)
 
 
 class _ClientBytes:

@@ -30,24 +30,21 @@ from dsec.backends.base import HOST_PROCESSES, CreateContext, Spawned, User
 from dsec.backends.container import (
     cgroups,
     diskquota,
-    enter,
     gvisor,
     gvisor_exec,
-    init,
     nodefs,
     oci,
-    rootfs,
     spares,
     teardown,
     volumes,
 )
-from dsec.backends.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.density import coresched, memory
-from dsec.executor import spawner
+from dsec.edge.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import SandboxProcess
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.native import enter, init, rootfs, spawner
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import ContainerSpec
 
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -147,7 +144,9 @@ class ContainerBackend:
 
     def _prepare_node(self) -> None:
         if not Path(self.runtime).exists():
-            raise InfraFailure(f"OCI runtime {self.runtime!r} not found: install crun", reason="runtime")
+            raise InfraFailure(
+                f"OCI runtime {self.runtime!r} not found: install crun", reason=InfraReason.runtime
+            )
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.nodefs.prepare()  # before anything is written into the runtime directory
         (self.runtime_dir / oci.EMPTY_DIR).mkdir(mode=0o555, exist_ok=True)
@@ -155,7 +154,7 @@ class ContainerBackend:
         busybox = Path("/bin/busybox")
         target = self.runtime_dir / "busybox"
         if not busybox.exists():
-            raise InfraFailure("/bin/busybox missing: install busybox-static", reason="runtime")
+            raise InfraFailure("/bin/busybox missing: install busybox-static", reason=InfraReason.runtime)
         if not target.exists() or target.stat().st_size != busybox.stat().st_size:
             shutil.copy2(busybox, target.with_suffix(".tmp"))
             target.with_suffix(".tmp").replace(target)
@@ -198,7 +197,9 @@ class ContainerBackend:
             self.gvisor.require()
         missing = [str(p) for p in ctx.layer_dirs if not p.is_dir()]
         if missing:
-            raise InfraFailure(f"layer mounts missing on this node: {', '.join(missing)}", reason="storage")
+            raise InfraFailure(
+                f"layer mounts missing on this node: {', '.join(missing)}", reason=InfraReason.storage
+            )
         wd = ctx.workdir
         limit_mb = ctx.spec.disk_limit_mb
         if limit_mb is not None:
@@ -269,7 +270,7 @@ class ContainerBackend:
         if ctx.spec.cpu_class == "be":
             # Best effort: SCHED_IDLE for the runtime and so for everything it starts (children inherit).
             run = ["chrt", "--idle", "0", *run]
-        # Mounted by dsec-rootfs after a vfork+exec (rootfs.py): a preexec_fn would fork the
+        # Mounted by dsec-rootfs after a vfork+exec (native/rootfs.py): a preexec_fn would fork the
         # whole edge, whose page tables grow with the sandboxes it holds.
         # A networked runsc must not see the host's net sysctls (gvisor.py: its root-netns test).
         hide = on_gvisor and ctx.link is not None
@@ -286,7 +287,9 @@ class ContainerBackend:
         if rc != 0:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             which = "runsc" if on_gvisor else "crun"
-            raise InfraFailure(f"{which} run failed (exit {rc}): {detail.strip()}", reason="runtime")
+            raise InfraFailure(
+                f"{which} run failed (exit {rc}): {detail.strip()}", reason=InfraReason.runtime
+            )
         pid = int(pid_file.read_text())  # gVisor: the sentry, whose death is the sandbox's
         handle = {"pid": pid, "start_time": _linux.proc_start_time(pid), "cpu_class": ctx.spec.cpu_class}
         if cookie:
@@ -504,7 +507,7 @@ class ContainerBackend:
             "disk_quota": self.volumes.why_not is None,
             "disk_quota_mb": self.volumes.capacity_mb() if self.volumes.why_not is None else 0,
             "gvisor": self.gvisor.available,  # runtime="gvisor": placement asks for this
-            # crun: each process the edge starts has a Landlock domain (enter.py)
+            # crun: each process the edge starts has a Landlock domain (native/enter.py)
             "isolated_entrances": enter.entrances_isolated(),
             **coresched.capabilities(),  # core_scheduling (LS: an SMT core of its own) or why not
         }

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from dsec import _linux
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNIFIED = CGROUP_ROOT / "unified"
@@ -248,10 +248,12 @@ async def set_frozen(sandbox_id: str, frozen: bool, *, timeout_s: float = 10.0) 
         # FREEZING until every task stopped; usually done within the write itself.
         while state.read_text().strip() != want:
             if time.monotonic() > deadline:
-                raise InfraFailure(f"{sandbox_id} did not reach {want} in {timeout_s}s", reason="runtime")
+                raise InfraFailure(
+                    f"{sandbox_id} did not reach {want} in {timeout_s}s", reason=InfraReason.runtime
+                )
             await asyncio.sleep(0.001)
     except OSError as exc:
-        raise InfraFailure(f"freezer of {sandbox_id}: {exc}", reason="runtime") from exc
+        raise InfraFailure(f"freezer of {sandbox_id}: {exc}", reason=InfraReason.runtime) from exc
 
 
 def oom_kills(sandbox_id: str) -> int:

@@ -40,7 +40,7 @@ from dsec import _linux
 from dsec.backends.base import GuestLink
 from dsec.backends.container import oci
 from dsec.netpolicy import links
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 log = logging.getLogger("dsec.backends.container.gvisor")
 RUNSC = "runsc"
@@ -217,7 +217,7 @@ class GVisor:
         """What the edge keeps beyond crun's handle: the gofer, whose root is the sandbox's."""
         gofer = int(self._state(sandbox_id).get("goferPid") or 0)
         if gofer <= 0:
-            raise InfraFailure(f"runsc reports no gofer for {sandbox_id}", reason="runtime")
+            raise InfraFailure(f"runsc reports no gofer for {sandbox_id}", reason=InfraReason.runtime)
         return {"runtime": "gvisor", "gofer_pid": gofer, "gofer_start_time": _linux.proc_start_time(gofer)}
 
     def _state_file(self, sandbox_id: str) -> Path:
@@ -228,7 +228,7 @@ class GVisor:
             data: dict[str, Any] = json.loads(self._state_file(sandbox_id).read_text())
             return data
         except (OSError, ValueError) as exc:
-            raise InfraFailure(f"runsc state of {sandbox_id}: {exc}", reason="runtime") from exc
+            raise InfraFailure(f"runsc state of {sandbox_id}: {exc}", reason=InfraReason.runtime) from exc
 
     def knows(self, sandbox_id: str) -> bool:
         return self._state_file(sandbox_id).exists()
@@ -245,10 +245,11 @@ class GVisor:
 
 def _check_fresh(link: GuestLink) -> None:
     """runsc moves the addresses of the namespace it is given into netstack, and its own test
-    against the host's namespace is hidden from it (rootfs.py): the edge makes sure."""
+    against the host's namespace is hidden from it (native/rootfs.py): the edge makes sure."""
     if link.netns is None or links.is_hosts_netns(link.netns):
         raise InfraFailure(
-            f"refusing to start netstack in {link.netns!r}: not a namespace of its own", reason="network"
+            f"refusing to start netstack in {link.netns!r}: not a namespace of its own",
+            reason=InfraReason.network,
         )
 
 

@@ -25,10 +25,10 @@ from dsec.backends.base import User
 from dsec.backends.container import oci
 from dsec.backends.container.gvisor import ENV, GVisor, run_quietly
 from dsec.backends.container.session_shell import SESSION_STDIN_FD, HeldStdin
-from dsec.executor import spawner
 from dsec.executor.fdwait import PipeReader, fd_ready
 from dsec.executor.process import ByteStream, ProcessStdin, RestingChild, watch_child
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.native import spawner
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 EXEC_NOT_STARTED = 127  # runsc could not start the command (missing program, bad cwd): a shell's 127
 _SPEC_FD = 3  # the process spec, in a session's runsc exec
@@ -121,7 +121,7 @@ async def _exec_files(
     environment stay off command lines), and a FIFO for its internal PID file with our
     non-blocking read end (runsc's write of it says the command started)."""
     if gv.runsc is None:
-        raise InfraFailure("runsc is not installed", reason="runtime")
+        raise InfraFailure("runsc is not installed", reason=InfraReason.runtime)
     process = json.dumps(_process_spec(argv, env, cwd, user, terminal=terminal)).encode()
     gv.scratch.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=gv.scratch))

@@ -55,7 +55,7 @@ MASKED_PATHS = [
 
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 
-# PID 1 of every sandbox: dsec-init (init/dsec_init.c), static, from the node's runtime
+# PID 1 of every sandbox: dsec-init (native/dsec_init.c), static, from the node's runtime
 # directory (bind-mounted read-only at /.dsec): one process that reaps orphans and never exits
 # on its own, so a sandbox survives edge restarts and needs nothing from its image.
 INIT = "/.dsec/dsec-init"
@@ -119,7 +119,7 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            # The root it keeps comes over fd 3 once dsec-rootfs has made it (init/dsec_init.c).
+            # The root it keeps comes over fd 3 once dsec-rootfs has made it (native/dsec_init.c).
             "args": [INIT, "--new-root-on", "3"],
             "env": [f"PATH={DEFAULT_PATH}"],
             "cwd": "/",
@@ -180,7 +180,7 @@ def build_config(
         "linux": {
             # No mount namespace of crun's: dsec-rootfs --own-root makes its own namespace the
             # container's, so crun chroots rather than pivot_root, whose walk over every host
-            # task grew each create with the node (rootfs/dsec_rootfs.c). runsc adds one.
+            # task grew each create with the node (native/dsec_rootfs.c). runsc adds one.
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts")],
             "cgroupsPath": cgroup_path,
             "resources": {

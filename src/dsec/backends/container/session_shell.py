@@ -1,5 +1,5 @@
 """A session shell in a container sandbox, as the edge holds it: the edge's own child (forked
-for it by ``dsec-enter --hold-stdin``, see :func:`dsec.backends.container.enter.spawn_session`),
+for it by ``dsec-enter --hold-stdin``, see :func:`dsec.native.enter.spawn_session`),
 whose stdout and stderr are pipes the edge reads when it waits for a command's output, and
 whose stdin's write end the shell itself keeps at fd 9, opened by the edge through /proc for
 each command."""

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from dsec.backends.container import diskquota
-from dsec.protocol.errors import CapacityExhausted, InfraFailure
+from dsec.protocol.errors import CapacityExhausted, InfraFailure, InfraReason
 
 log = logging.getLogger("dsec.backends.container")
 COMMIT_INTERVAL_S = 2.0  # at most this often, a commit that frees destroyed volumes now
@@ -67,7 +67,7 @@ class DiskVolumes:
                 try:
                     await asyncio.to_thread(self.fs.ensure)
                 except OSError as exc:
-                    raise InfraFailure(f"disk quota file system: {exc}", reason="storage") from exc
+                    raise InfraFailure(f"disk quota file system: {exc}", reason=InfraReason.storage) from exc
                 self._ready = True
         size_mb = await asyncio.to_thread(self.fs.size_bytes) >> 20
         if limit_mb > size_mb:
@@ -77,7 +77,9 @@ class DiskVolumes:
         try:
             return await asyncio.to_thread(self._linked_volume, sandbox_id, workdir, limit_mb << 20)
         except OSError as exc:
-            raise InfraFailure(f"cannot make the sandbox's disk volume: {exc}", reason="storage") from exc
+            raise InfraFailure(
+                f"cannot make the sandbox's disk volume: {exc}", reason=InfraReason.storage
+            ) from exc
 
     def _linked_volume(self, sandbox_id: str, workdir: Path, limit_bytes: int) -> Path:
         real = self.fs.create_volume(sandbox_id, limit_bytes)
@@ -89,7 +91,7 @@ class DiskVolumes:
         try:
             await asyncio.to_thread(self.fs.set_limit, sandbox_id, limit_bytes)
         except OSError as exc:
-            raise InfraFailure(f"disk limit of {sandbox_id}: {exc}", reason="storage") from exc
+            raise InfraFailure(f"disk limit of {sandbox_id}: {exc}", reason=InfraReason.storage) from exc
 
     async def destroy(self, sandbox_id: str) -> None:
         """The sandbox's volume, if it has one; its space comes back within a commit interval."""
@@ -98,7 +100,7 @@ class DiskVolumes:
                 self._free_destroyed()
         except OSError as exc:
             why = f"cannot remove the disk volume of {sandbox_id}: {exc}"
-            raise InfraFailure(why, reason="storage") from exc
+            raise InfraFailure(why, reason=InfraReason.storage) from exc
 
     async def volumes(self) -> list[str]:
         return await asyncio.to_thread(self.fs.volumes)

@@ -53,7 +53,7 @@ from dsec import _linux
 from dsec.backends.base import HOST_PROCESSES, CreateContext, User
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
-from dsec.protocol.errors import DSecError, InfraFailure
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason
 
 MARKER_ENV = "DSEC_FAKE_SANDBOX"
 _OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
@@ -148,7 +148,7 @@ def _merge_layer(src: Path, dst: Path) -> None:
 def _map_cwd(sandbox_id: str, root: Path, cwd: str) -> Path:
     """``cwd`` under the fake root; the root itself if it is missing there or escapes it."""
     if not root.is_dir():
-        raise InfraFailure(f"fake sandbox {sandbox_id} has no root {root}", reason="runtime")
+        raise InfraFailure(f"fake sandbox {sandbox_id} has no root {root}", reason=InfraReason.runtime)
     host_cwd = root / cwd.lstrip("/")
     if not host_cwd.is_dir() or not host_cwd.resolve().is_relative_to(root.resolve()):
         return root
@@ -213,7 +213,7 @@ class FakeBackend:
                 return
             if time.monotonic() > deadline:
                 raise InfraFailure(
-                    f"fake sandbox {sandbox_id}: processes {live} survive SIGKILL", reason="runtime"
+                    f"fake sandbox {sandbox_id}: processes {live} survive SIGKILL", reason=InfraReason.runtime
                 )
             for pid in live:
                 with contextlib.suppress(ProcessLookupError):
@@ -235,7 +235,9 @@ class FakeBackend:
             root.mkdir(parents=True)
             for layer in ctx.layer_dirs:
                 if not layer.is_dir():
-                    raise InfraFailure(f"fake create: layer directory {layer} is missing", reason="runtime")
+                    raise InfraFailure(
+                        f"fake create: layer directory {layer} is missing", reason=InfraReason.runtime
+                    )
                 await asyncio.to_thread(_merge_layer, layer, root)
             proc = await asyncio.create_subprocess_exec(
                 *_SLEEP_ARGV,
@@ -252,7 +254,7 @@ class FakeBackend:
             ctx.handle.update(state)
             if self.fail_create:
                 raise InfraFailure(
-                    f"fake create of {sid} failed on purpose (fail_create=True)", reason="runtime"
+                    f"fake create of {sid} failed on purpose (fail_create=True)", reason=InfraReason.runtime
                 )
             return dict(state)
         except BaseException as exc:
@@ -260,7 +262,7 @@ class FakeBackend:
             await asyncio.shield(self._destroy(sid, state, ctx.workdir))
             if isinstance(exc, DSecError) or not isinstance(exc, Exception):
                 raise
-            raise InfraFailure(f"fake create of {sid} failed: {exc}", reason="runtime") from exc
+            raise InfraFailure(f"fake create of {sid} failed: {exc}", reason=InfraReason.runtime) from exc
 
     async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
         pid = int(handle.get("pid", 0))
@@ -269,7 +271,8 @@ class FakeBackend:
     async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
         if self.fail_destroy:
             raise InfraFailure(
-                f"fake destroy of {sandbox_id} failed on purpose (fail_destroy=True)", reason="runtime"
+                f"fake destroy of {sandbox_id} failed on purpose (fail_destroy=True)",
+                reason=InfraReason.runtime,
             )
         await self._destroy(sandbox_id, handle, workdir)
 

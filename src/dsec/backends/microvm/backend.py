@@ -36,7 +36,7 @@ from dsec.backends.microvm.kit import GuestKit, ensure_kit
 from dsec.backends.microvm.templates import TemplateKey, Templates
 from dsec.backends.microvm.vmm import QemuVmm, Vmm
 from dsec.executor.file_ops import FileOps
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 log = logging.getLogger("dsec.microvm")
 DEFAULT_DISK_MB = 4096
@@ -141,7 +141,7 @@ class MicroVMBackend(VmForks):
 
     async def create(self, ctx: CreateContext) -> dict[str, Any]:
         if self.kit is None:
-            raise InfraFailure(f"the {self.name} backend was not prepared", reason="runtime")
+            raise InfraFailure(f"the {self.name} backend was not prepared", reason=InfraReason.runtime)
         # An image booted by its own bootloader has its own kernel command line: init cannot be
         # told to listen on vsock, so such a VM keeps the virtio-serial port.
         use_vsock = self.channel == "vsock" and getattr(ctx.spec, "disk_image", None) is None
@@ -178,12 +178,14 @@ class MicroVMBackend(VmForks):
             if isinstance(exc, InfraFailure | InvalidRequest | asyncio.CancelledError):
                 raise
             console = host.tail(work / "console.log")
-            raise InfraFailure(f"the VM did not boot: {exc}; console: {console}", reason="runtime") from exc
+            raise InfraFailure(
+                f"the VM did not boot: {exc}; console: {console}", reason=InfraReason.runtime
+            ) from exc
 
     async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
         """Layers attached as they are, an ext4 disk for the writes; a clone when a template exists."""
         if self.layer_file is None:
-            raise InfraFailure("the microVM backend has no layer store", reason="runtime")
+            raise InfraFailure("the microVM backend has no layer store", reason=InfraReason.runtime)
         assert self.kit is not None
         config.layers = [self.layer_file(d) for d in ctx.layer_digests]
         config.rw_disk = Path(handle["dir"]) / "rw.img"

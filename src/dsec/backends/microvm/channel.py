@@ -25,7 +25,7 @@ from typing import Any
 from dsec.backends.microvm import shell_watch
 from dsec.backends.microvm.shell_watch import GuestShellView
 from dsec.backends.microvm.vsock import VsockAddr
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 _HEADER = struct.Struct("<IBI")  # len (of what follows it), type, chan
 _MAX_PAYLOAD = 1 << 20
@@ -143,7 +143,7 @@ class AgentChannel:
 
     async def send(self, kind: int, chan: int, payload: bytes = b"") -> None:
         if self._closed or self._suspended:
-            raise InfraFailure("the microVM's agent channel is closed", reason="runtime")
+            raise InfraFailure("the microVM's agent channel is closed", reason=InfraReason.runtime)
         async with self._send_lock:
             for i in range(0, max(len(payload), 1), _MAX_PAYLOAD):
                 part = payload[i : i + _MAX_PAYLOAD]
@@ -202,7 +202,9 @@ class AgentChannel:
                     raise AgentError(err, os.strerror(err))
                 if kind != DATA:
                     _fres(kind, payload)  # the channel went away mid-file
-                    raise InfraFailure(f"reading {path} from the microVM broke off", reason="runtime")
+                    raise InfraFailure(
+                        f"reading {path} from the microVM broke off", reason=InfraReason.runtime
+                    )
                 if not payload:
                     return
                 yield payload
@@ -285,9 +287,11 @@ async def _open_vsock(addr: VsockAddr) -> tuple[asyncio.StreamReader, asyncio.St
 
 def _fres(kind: int, payload: bytes) -> bytes:
     if kind == -1:
-        raise InfraFailure("the microVM's agent went away", reason="runtime")
+        raise InfraFailure("the microVM's agent went away", reason=InfraReason.runtime)
     if kind != FRES or len(payload) < 4:
-        raise InfraFailure(f"the microVM's agent sent frame {kind:#x} instead of a result", reason="protocol")
+        raise InfraFailure(
+            f"the microVM's agent sent frame {kind:#x} instead of a result", reason=InfraReason.protocol
+        )
     (err,) = struct.unpack_from("<i", payload)
     if err:
         raise AgentError(err, os.strerror(err))
@@ -298,7 +302,9 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
     header = await reader.readexactly(_HEADER.size)
     length, kind, chan = _HEADER.unpack(header)
     if length < 5 or length > _MAX_PAYLOAD + 5:
-        raise InfraFailure(f"malformed frame from the microVM's agent (length {length})", reason="protocol")
+        raise InfraFailure(
+            f"malformed frame from the microVM's agent (length {length})", reason=InfraReason.protocol
+        )
     payload = await reader.readexactly(length - 5)
     return kind, chan, payload
 
@@ -394,7 +400,9 @@ class VmProcess:
             self._end()
         elif kind == -1:  # the channel died: the VM is gone or restarting
             if not self._started.done():
-                self._started.set_exception(InfraFailure("the microVM's agent went away", reason="runtime"))
+                self._started.set_exception(
+                    InfraFailure("the microVM's agent went away", reason=InfraReason.runtime)
+                )
             if self.returncode is None:
                 self.returncode = -signal.SIGKILL
             self._end()

@@ -15,7 +15,7 @@ from dsec import _linux
 from dsec.backends.microvm import qemu
 from dsec.backends.microvm.channel import AgentAddr, AgentChannel
 from dsec.backends.microvm.vsock import VsockAddr
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 SOCKET_ROOT = Path("/run/dsec-vm")
 GUEST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
@@ -87,7 +87,9 @@ async def run_tool(*argv: str) -> None:
     )
     out, _ = await proc.communicate()
     if proc.returncode != 0:
-        raise InfraFailure(f"{argv[0]} failed: {out.decode(errors='replace').strip()}", reason="runtime")
+        raise InfraFailure(
+            f"{argv[0]} failed: {out.decode(errors='replace').strip()}", reason=InfraReason.runtime
+        )
 
 
 async def refresh_guest(channel: AgentChannel) -> None:
@@ -111,7 +113,9 @@ def make_rw_disk(path: Path, size_mb: int) -> None:
         check=False,
     )
     if done.returncode != 0:
-        raise InfraFailure(f"mkfs.ext4 of the microVM's disk failed: {done.stderr.strip()}", reason="runtime")
+        raise InfraFailure(
+            f"mkfs.ext4 of the microVM's disk failed: {done.stderr.strip()}", reason=InfraReason.runtime
+        )
 
 
 def tail(path: Path, limit: int = 1500) -> str:

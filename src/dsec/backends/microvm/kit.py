@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import cmp_to_key
 from pathlib import Path
 
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 log = logging.getLogger("dsec.microvm")
 
@@ -83,7 +83,9 @@ class GuestKit:
 def _run(argv: list[str], cwd: Path | None = None) -> str:
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise InfraFailure(f"{' '.join(argv)} failed: {done.stderr.strip()[-800:]}", reason="guest_kit")
+        raise InfraFailure(
+            f"{' '.join(argv)} failed: {done.stderr.strip()[-800:]}", reason=InfraReason.guest_kit
+        )
     return done.stdout
 
 
@@ -108,7 +110,7 @@ def _kernel_package(meta: str, newest: bool) -> str:
             line = line.strip()
             if line.startswith("Depends:") and "linux-image-" in line:
                 return line.split()[1]
-        raise InfraFailure(f"apt knows no image package behind {meta}", reason="guest_kit")
+        raise InfraFailure(f"apt knows no image package behind {meta}", reason=InfraReason.guest_kit)
     versions: dict[str, str] = {}  # the meta package's version -> its image package
     for record in _run(["apt-cache", "show", meta]).split("\n\n"):
         fields = {k: v for k, _, v in (line.partition(": ") for line in record.splitlines()) if v}
@@ -116,7 +118,7 @@ def _kernel_package(meta: str, newest: bool) -> str:
         if "Version" in fields and image.startswith("linux-image-"):
             versions[fields["Version"]] = image
     if not versions:
-        raise InfraFailure(f"apt knows no image package behind {meta}", reason="guest_kit")
+        raise InfraFailure(f"apt knows no image package behind {meta}", reason=InfraReason.guest_kit)
     return versions[max(versions, key=cmp_to_key(_compare_versions))]
 
 
@@ -164,7 +166,7 @@ def _ensure_kernel(kit_dir: Path, flavour: str) -> tuple[Path, str]:
             log.warning("guest kernel: keeping %s (%s)", root.name, e)
     versions = sorted(p.name for p in (root / "lib" / "modules").iterdir())
     if not versions:
-        raise InfraFailure(f"no modules in {root}", reason="guest_kit")
+        raise InfraFailure(f"no modules in {root}", reason=InfraReason.guest_kit)
     return root, versions[-1]
 
 
@@ -174,7 +176,7 @@ def _download_kernel(kit_dir: Path, package: str, root: Path) -> None:
         _run(["apt-get", "download", "-q", package], cwd=Path(tmp))
         debs = list(Path(tmp).glob("*.deb"))
         if not debs:
-            raise InfraFailure(f"apt-get download {package} left no .deb", reason="guest_kit")
+            raise InfraFailure(f"apt-get download {package} left no .deb", reason=InfraReason.guest_kit)
         staging = Path(tmp) / "x"
         _run(["dpkg", "-x", str(debs[0]), str(staging)])
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +288,7 @@ def _inputs_hash(version: str) -> str:
 def ensure_kit(kit_dir: Path, flavour: str = "cloud") -> GuestKit:
     """The kernel and initramfs under ``kit_dir``, built if missing (needs apt, gcc, depmod)."""
     if flavour not in FLAVOURS:
-        raise InfraFailure(f"unknown guest kernel flavour {flavour!r}", reason="guest_kit")
+        raise InfraFailure(f"unknown guest kernel flavour {flavour!r}", reason=InfraReason.guest_kit)
     with _locked(kit_dir / ".lock"):
         kroot, version = _ensure_kernel(kit_dir, flavour)
         kernel = kroot / "boot" / f"vmlinuz-{version}"

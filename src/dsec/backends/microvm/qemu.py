@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dsec.backends.microvm.kit import CMDLINE
-from dsec.executor import spawner
-from dsec.protocol.errors import InfraFailure
+from dsec.native import spawner
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 QEMU = "qemu-system-x86_64"
 Accel = Literal["kvm", "tcg"]
@@ -172,7 +172,7 @@ class Qmp:
     async def _read(self) -> dict[str, Any]:
         line = await self._reader.readline()
         if not line:
-            raise InfraFailure("QEMU closed its QMP socket", reason="runtime")
+            raise InfraFailure("QEMU closed its QMP socket", reason=InfraReason.runtime)
         message: dict[str, Any] = json.loads(line)
         return message
 
@@ -188,7 +188,9 @@ class Qmp:
                 if "event" in reply:
                     continue
                 if "error" in reply:
-                    raise InfraFailure(f"QMP {command}: {reply['error'].get('desc')}", reason="runtime")
+                    raise InfraFailure(
+                        f"QMP {command}: {reply['error'].get('desc')}", reason=InfraReason.runtime
+                    )
                 return reply.get("return")
 
     async def migrate(self, command: str, uri: str, *, timeout: float = 120.0) -> None:
@@ -206,7 +208,7 @@ class Qmp:
                 if status == "completed":
                     return
                 if status in ("failed", "cancelled"):
-                    raise InfraFailure(f"QEMU {command} {status}", reason="runtime")
+                    raise InfraFailure(f"QEMU {command} {status}", reason=InfraReason.runtime)
                 await asyncio.sleep(0.005)  # QMP has no "wait": completion is polled
 
     async def close(self) -> None:
@@ -238,7 +240,9 @@ async def start_daemon(config: MicroVMConfig, pidfile: Path, logfile: Path) -> i
     finally:
         log.close()
     if code != 0:
-        raise InfraFailure(f"qemu failed to start (exit {code}): {_tail(logfile)}", reason="runtime")
+        raise InfraFailure(
+            f"qemu failed to start (exit {code}): {_tail(logfile)}", reason=InfraReason.runtime
+        )
     return int((await asyncio.to_thread(pidfile.read_text)).strip())
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 VHOST_VSOCK = Path("/dev/vhost-vsock")
 # The agent's vsock port; guest/init starts the agent with ``vsock:1024`` (kept equal by a test).
@@ -99,7 +99,7 @@ def missing(device: Path = VHOST_VSOCK) -> InfraFailure:
     return InfraFailure(
         f"agent_channel is 'vsock' but this host has no usable {device} (load the vhost_vsock"
         " module, or set agent_channel to 'auto' or 'serial')",
-        reason="vhost_vsock_missing",
+        reason=InfraReason.vhost_vsock_missing,
     )
 
 
@@ -151,7 +151,7 @@ class Cids:
                 part.write_text(str(owner))
                 part.replace(self.root / str(cid))
                 return cid
-        raise InfraFailure("no free vsock CID on this host", reason="runtime")
+        raise InfraFailure("no free vsock CID on this host", reason=InfraReason.runtime)
 
     def release(self, cid: int, owner: Path) -> None:
         """Give ``cid`` back, if ``owner`` still holds it (a stale claim may have moved on)."""

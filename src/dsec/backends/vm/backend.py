@@ -36,7 +36,7 @@ from dsec.backends.microvm.vmm import QemuVmm, QmpControl
 from dsec.backends.vm import bases
 from dsec.backends.vm.display import qmp_events
 from dsec.images.vm_images import VmImageStore
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import InputEvent
 
 
@@ -191,7 +191,7 @@ class FullVMBackend(MicroVMBackend):
     def qemu(self, handle: dict[str, Any]) -> AbstractAsyncContextManager[QmpControl]:
         """QEMU's own control of the VM: display and input are QEMU calls (no other monitor)."""
         if not isinstance(self.vmm, QemuVmm):
-            raise InfraFailure(f"full VMs need QEMU, not {self.vmm.name}", reason="runtime")
+            raise InfraFailure(f"full VMs need QEMU, not {self.vmm.name}", reason=InfraReason.runtime)
         return self.vmm.control(socket_dir(Path(handle["dir"])) / "qmp.sock")
 
     @asynccontextmanager
@@ -248,7 +248,7 @@ def _build_base(dirs: list[Path], disk_mb: int, image: Path) -> None:
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise InfraFailure(
-                f"building the VM's disk failed: {done.stderr.strip()[-500:]}", reason="runtime"
+                f"building the VM's disk failed: {done.stderr.strip()[-500:]}", reason=InfraReason.runtime
             )
         done = subprocess.run(
             ["qemu-img", "convert", "-O", "qcow2", str(raw), str(part)],
@@ -257,7 +257,7 @@ def _build_base(dirs: list[Path], disk_mb: int, image: Path) -> None:
             check=False,
         )
         if done.returncode != 0:
-            raise InfraFailure(f"qemu-img convert failed: {done.stderr.strip()}", reason="runtime")
+            raise InfraFailure(f"qemu-img convert failed: {done.stderr.strip()}", reason=InfraReason.runtime)
         os.replace(part, image)
     finally:
         raw.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from dsec.images.blobstore.base import (
     sha256_file,
 )
 from dsec.images.refs import digest_hex, make_digest
-from dsec.protocol.errors import InfraFailure, LayerNotFound
+from dsec.protocol.errors import InfraFailure, InfraReason, LayerNotFound
 
 log = logging.getLogger("dsec.images.blobstore")  # the package's logger, as before the split
 
@@ -52,7 +52,7 @@ class _DirBlobStore:
                 raise InfraFailure(
                     f"{self.root} holds a DSec store of layout {layout}; this DSec reads layout "
                     f"{LAYOUT_VERSION}",
-                    reason="storage",
+                    reason=InfraReason.storage,
                 )
             return
         body = json.dumps({"layout": LAYOUT_VERSION, "created_at": time.time()}).encode()
@@ -123,9 +123,11 @@ class _DirBlobStore:
                     _fsync_dir(self.blob_dir)
                     return PutResult(digest, size, created=True)
                 # lost a race with another writer of the same content: go round and touch it
-            raise InfraFailure(f"could not store blob {digest} in {self.root}", reason="storage")
+            raise InfraFailure(f"could not store blob {digest} in {self.root}", reason=InfraReason.storage)
         except OSError as err:
-            raise InfraFailure(f"storing {src} in {self.root} failed: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"storing {src} in {self.root} failed: {err}", reason=InfraReason.storage
+            ) from err
 
     def _publish_blob(self, src: Path, final: Path) -> bool:
         try:
@@ -174,7 +176,7 @@ class _DirBlobStore:
         except FileNotFoundError:
             return False
         except OSError as err:
-            raise InfraFailure(f"deleting blob {digest} failed: {err}", reason="storage") from err
+            raise InfraFailure(f"deleting blob {digest} failed: {err}", reason=InfraReason.storage) from err
 
     @staticmethod
     def _restore(trash: Path, final: Path) -> None:
@@ -199,7 +201,7 @@ class _DirBlobStore:
         except FileNotFoundError:
             raise LayerNotFound(f"no blob {digest} in the store at {self.root}") from None
         except OSError as err:
-            raise InfraFailure(f"reading blob {digest} failed: {err}", reason="storage") from err
+            raise InfraFailure(f"reading blob {digest} failed: {err}", reason=InfraReason.storage) from err
         if actual != digest_hex(digest):
             raise corrupt(digest, actual, final)
 
@@ -255,7 +257,9 @@ class _DirBlobStore:
         try:
             return self._publish_small(final, data)
         except OSError as err:
-            raise InfraFailure(f"writing catalogue record {key} failed: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"writing catalogue record {key} failed: {err}", reason=InfraReason.storage
+            ) from err
 
     def replace_record(self, key: str, data: bytes) -> None:
         final = self._record_path(key)
@@ -271,7 +275,9 @@ class _DirBlobStore:
         except OSError as err:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            raise InfraFailure(f"writing catalogue record {key} failed: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"writing catalogue record {key} failed: {err}", reason=InfraReason.storage
+            ) from err
 
     def read_record(self, key: str) -> bytes | None:
         final = self._record_path(key)
@@ -284,7 +290,7 @@ class _DirBlobStore:
                 # ESTALE: another node replaced the file between lookup and read (NFS).
                 if err.errno != errno.ESTALE or attempt == 4:
                     raise InfraFailure(
-                        f"reading catalogue record {key} failed: {err}", reason="storage"
+                        f"reading catalogue record {key} failed: {err}", reason=InfraReason.storage
                     ) from err
         return None  # pragma: no cover
 
@@ -303,5 +309,7 @@ class _DirBlobStore:
         except FileNotFoundError:
             return False
         except OSError as err:
-            raise InfraFailure(f"deleting catalogue record {key} failed: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"deleting catalogue record {key} failed: {err}", reason=InfraReason.storage
+            ) from err
         return True

@@ -15,7 +15,7 @@ import secrets
 import time
 from pathlib import Path
 
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 log = logging.getLogger("dsec.images.blobstore")  # the package's logger, as before the split
 
@@ -111,7 +111,9 @@ def _publish_with_claim(tmp: Path, final: Path) -> bool:
                     claim.unlink()
                     continue
             if time.monotonic() > deadline:
-                raise InfraFailure(f"timed out waiting for the claim {claim}", reason="storage") from None
+                raise InfraFailure(
+                    f"timed out waiting for the claim {claim}", reason=InfraReason.storage
+                ) from None
             time.sleep(0.01)
             continue
         os.close(fd)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
 BLOB_SUFFIX = ".erofs"
 MARKER = "dsec-store.json"
@@ -132,5 +132,5 @@ def corrupt(digest: str, actual_hex: str, where: Path | str) -> InfraFailure:
     return InfraFailure(
         f"layer blob {digest} is corrupt: its bytes hash to sha256:{actual_hex} (at {where}); "
         "delete the blob and import the layer again",
-        reason="corrupt",
+        reason=InfraReason.corrupt,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsec.images.blobstore._dirstore import _DirBlobStore
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 
 class LocalDirBlobStore(_DirBlobStore):
@@ -17,4 +17,6 @@ class LocalDirBlobStore(_DirBlobStore):
             self._make_dirs()
             self._write_marker()
         except OSError as err:
-            raise InfraFailure(f"cannot open the layer store at {root}: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"cannot open the layer store at {root}: {err}", reason=InfraReason.storage
+            ) from err

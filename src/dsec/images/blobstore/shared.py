@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dsec.images.blobstore._dirstore import _DirBlobStore
 from dsec.images.blobstore.base import MARKER
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 
 class SharedMountBlobStore(_DirBlobStore):
@@ -30,18 +30,20 @@ class SharedMountBlobStore(_DirBlobStore):
             raise InfraFailure(
                 f"shared layer store {self.root} does not exist or is not a directory: is the shared "
                 "filesystem mounted?",
-                reason="storage",
+                reason=InfraReason.storage,
             )
         if not (self.root / MARKER).exists() and not create:
             raise InfraFailure(
                 f"{self.root} is not a DSec layer store (no {MARKER}): is the shared filesystem "
                 "mounted there? To initialise a new store on it, open it once with create=True",
-                reason="storage",
+                reason=InfraReason.storage,
             )
         if not os.access(self.root, os.W_OK | os.X_OK):
-            raise InfraFailure(f"shared layer store {self.root} is not writable", reason="storage")
+            raise InfraFailure(f"shared layer store {self.root} is not writable", reason=InfraReason.storage)
         try:
             self._make_dirs()
             self._write_marker()
         except OSError as err:
-            raise InfraFailure(f"cannot open the shared layer store {root}: {err}", reason="storage") from err
+            raise InfraFailure(
+                f"cannot open the shared layer store {root}: {err}", reason=InfraReason.storage
+            ) from err

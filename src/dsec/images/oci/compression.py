@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import IO
 
 from dsec.images.oci.validation import _bad
-from dsec.protocol.errors import InfraFailure
+from dsec.protocol.errors import InfraFailure, InfraReason
 
 _CHUNK = 1 << 20
 _MAGIC = [
@@ -66,7 +66,9 @@ def _zstd(reader: IO[bytes], what: str) -> Iterator[bytes]:
     # This Python has no zstd module; the zstd tool streams just as well. A thread feeds it.
     tool = shutil.which("zstd")
     if tool is None:
-        raise InfraFailure("zstd-compressed layers need the zstd tool: install zstd", reason="storage")
+        raise InfraFailure(
+            "zstd-compressed layers need the zstd tool: install zstd", reason=InfraReason.storage
+        )
     with tempfile.TemporaryFile() as stderr:
         proc = subprocess.Popen([tool, "-dcq"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
         assert proc.stdin is not None and proc.stdout is not None

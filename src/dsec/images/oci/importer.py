@@ -20,7 +20,7 @@ from dsec.images.refs import parse_tag
 from dsec.images.store import LayerStore
 from dsec.images.tarextract import extract_tar
 from dsec.images.whiteouts import oci_to_overlay
-from dsec.protocol.errors import InfraFailure, InvalidRequest, TooLarge
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, TooLarge
 from dsec.protocol.models import LayerInfo
 
 Progress = Callable[[str, int, int], None]
@@ -258,7 +258,7 @@ def import_oci(
             raise store.past_bound(tight, "a layer of this image") from err
         raise
     except OSError as err:
-        raise InfraFailure(f"importing {path} failed: {err}", reason="storage") from err
+        raise InfraFailure(f"importing {path} failed: {err}", reason=InfraReason.storage) from err
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if not done:

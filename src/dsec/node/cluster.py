@@ -19,18 +19,19 @@ from dsec.apiserver.app import ApiServer
 from dsec.apiserver.e2b import E2BOptions
 from dsec.apiserver.e2b.front import DEFAULT_TEMPLATE
 from dsec.apiserver.e2b.tokens import secret_from_cluster
-from dsec.apiserver.embedded import NodeConfig, open_layer_store, vm_backends
 from dsec.apiserver.layer_access import LayerLimits
 from dsec.apiserver.membership import Membership
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
-from dsec.edge.edge import Edge, EdgeConfig
+from dsec.edge.config import EdgeConfig
+from dsec.edge.edge import Edge
 from dsec.edge.link import EdgeLink
 from dsec.edge.registration import ClusterRegistrar, Heartbeat
 from dsec.edge.server import EdgeServer
 from dsec.iam import IamStore, open_iam_store
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
+from dsec.node.embedded import NodeConfig, open_layer_store, vm_backends
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.http import listen
 

@@ -1,11 +1,11 @@
 """Starting the OCI runtime on a sandbox root mounted out of the host's sight: ``dsec-rootfs``.
 
 The overlay root is mounted in a mount namespace of the helper's own, which becomes crun's
-container's (``own_root``) or which runsc copies for its sandbox (see backend.py). That used to
-happen in a ``preexec_fn``, and any preexec_fn makes Python fork() rather than vfork(): the
+container's (``own_root``) or which runsc copies for its sandbox (see container/backend.py).
+That used to happen in a ``preexec_fn``, and any preexec_fn makes Python fork() rather than vfork(): the
 child copies the page tables of the whole edge and the edge then takes copy-on-write faults, a
 cost that grows with the sandboxes the edge holds (perf at 3,000 held: about a third of the
-edge's CPU per create). ``rootfs/dsec_rootfs.c`` does the unshare and mount after a plain
+edge's CPU per create). ``dsec_rootfs.c`` does the unshare and mount after a plain
 vfork+exec instead.
 """
 
@@ -16,19 +16,20 @@ import os
 from asyncio.subprocess import DEVNULL
 from pathlib import Path
 
-from dsec.backends.container import init
-from dsec.executor import spawner
 from dsec.executor.fdwait import PipeReader
-from dsec.protocol.errors import InfraFailure
+from dsec.native import spawner
+from dsec.native.build import Program
+from dsec.protocol.errors import InfraFailure, InfraReason
 
-SOURCE = Path(__file__).parent / "rootfs" / "dsec_rootfs.c"
+SOURCE = Path(__file__).with_name("dsec_rootfs.c")
 NAME = "dsec-rootfs"
+PROGRAM = Program(NAME, SOURCE)
 
 
 def build_helper(bin_dir: Path) -> Path:
     """Compile ``dsec-rootfs`` (static, once per source version) into ``bin_dir``, which
     sandboxes must not see: it runs as root on the host."""
-    return init.build_static(SOURCE, NAME, bin_dir)
+    return PROGRAM.build(bin_dir)
 
 
 async def run(
@@ -58,14 +59,14 @@ async def run(
     ]
     said, rc = await _launch(helper, args, env)
     if said.startswith("exec "):
-        raise InfraFailure(f"cannot start {argv[0]}: {said[-1500:]}", reason="runtime")
+        raise InfraFailure(f"cannot start {argv[0]}: {said[-1500:]}", reason=InfraReason.runtime)
     if said.startswith("own root: "):
         msg = f"cannot give the sandbox its own mount namespace: {said.removeprefix('own root: ')[-1500:]}"
-        raise InfraFailure(msg, reason="runtime")
+        raise InfraFailure(msg, reason=InfraReason.runtime)
     if said:
         lower = overlay_options.split(",", 1)[0].removeprefix("lowerdir=")
         msg = f"cannot mount the sandbox root (overlay over {lower}): {said[-1500:]}"
-        raise InfraFailure(msg, reason="storage")
+        raise InfraFailure(msg, reason=InfraReason.storage)
     return rc
 
 

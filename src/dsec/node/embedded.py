@@ -25,7 +25,8 @@ from dsec.backends.container.backend import ContainerBackend
 from dsec.backends.microvm.backend import MicroVMBackend
 from dsec.backends.microvm.qemu import Accel
 from dsec.backends.vm.backend import FullVMBackend
-from dsec.edge.edge import Edge, EdgeConfig
+from dsec.edge.config import EdgeConfig
+from dsec.edge.edge import Edge
 from dsec.edge.link import LocalEdgeLink
 from dsec.iam import IamStore, open_iam_store
 from dsec.images.blobstore import SharedMountBlobStore

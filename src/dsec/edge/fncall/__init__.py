@@ -1,4 +1,7 @@
-"""FnCall backend: warm pools of pre-created sandboxes for short stateless calls.
+"""FnCall: warm pools of pre-created sandboxes for short stateless calls, run by the edge.
+
+Not a ``Backend``: a pool drives the ``Edge`` (it creates and stops ordinary container
+sandboxes through it), so it lives beside the edge rather than among the backends.
 
 ``runner.py`` is the program that runs *inside* a pool sandbox (one per sandbox, stdlib only,
 shipped there as a single file); ``RUNNER_PATH`` is where to copy it from. The wire shapes it

@@ -24,19 +24,33 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from pydantic import ValidationError
 
 from dsec.executor.process import SandboxProcess
-from dsec.protocol.errors import CapacityExhausted, InfraFailure
+from dsec.protocol.errors import CapacityExhausted, InfraFailure, InfraReason
 from dsec.protocol.fncall import FnResult, FnRunnerReady, FnTask, Language
-from dsec.protocol.models import RESERVED_LABEL_PREFIX, ContainerSpec
+from dsec.protocol.models import RESERVED_LABEL_PREFIX, ContainerSpec, SandboxInfo
 
 if TYPE_CHECKING:
-    from dsec.edge.edge import Edge
+    from dsec.density.ksm import Ksm
 
 log = logging.getLogger("dsec.fncall")
+
+
+class PoolHost(Protocol):
+    """What a pool uses of the edge it runs on (:class:`dsec.edge.edge.Edge`), and nothing more:
+    the pool does not import the edge, so no import cycle runs through it."""
+
+    ksm: Ksm
+
+    async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo: ...
+
+    async def spawn_service(self, sandbox_id: str, argv: list[str]) -> SandboxProcess: ...
+
+    async def stop(self, sandbox_id: str, *, reason: str = ...) -> SandboxInfo: ...
+
 
 POOL_LABEL = RESERVED_LABEL_PREFIX + "pool"
 RUNNER_IN_SANDBOX = "/.dsec/fncall-runner.py"  # the node's runtime directory, read-only in sandboxes
@@ -179,7 +193,7 @@ class Worker:
 
 
 class FnPool:
-    def __init__(self, edge: Edge, config: PoolConfig) -> None:
+    def __init__(self, edge: PoolHost, config: PoolConfig) -> None:
         self.edge = edge
         self.config = config
         # Free workers, and calls waiting for one (oldest first). A freed worker goes straight
@@ -296,7 +310,7 @@ class FnPool:
             except WorkerLost as exc:
                 await self._recycle(worker, str(exc))
                 if attempt == 2:
-                    raise InfraFailure(f"fncall: {exc}", reason="fncall_worker_lost") from exc
+                    raise InfraFailure(f"fncall: {exc}", reason=InfraReason.fncall_worker_lost) from exc
                 continue
             except BaseException:
                 # Cancelled mid-call: the runner may still be busy with it; start afresh.

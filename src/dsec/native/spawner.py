@@ -4,7 +4,7 @@ A fork copies the parent's fd table and the child then closes every inherited fd
 in Python's child, or close-on-exec at execve): per spawn, work proportional to the fds the
 edge holds. At 8,000 held sandboxes the edge holds ~16,000 fds and this was ~8 ms of each
 create (perf: ``dnotify_flush``/``filp_flush`` under ``close_range`` in the edge's children).
-``spawner/dsec_spawn.c`` is started once, while the table is small; it receives each request
+``dsec_spawn.c`` is started once, while the table is small; it receives each request
 and the child's fds over a SOCK_SEQPACKET socket and forks with CLONE_PARENT, so the process is
 still the edge's child: asyncio's child watcher waits for it, PR_SET_PDEATHSIG in it follows
 the edge, and nothing else about the process changes.
@@ -37,11 +37,12 @@ from asyncio import unix_events
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.container.init import build_static
 from dsec.executor.fdwait import fd_ready
+from dsec.native.build import Program
 
-SOURCE = Path(__file__).parent / "spawner" / "dsec_spawn.c"
+SOURCE = Path(__file__).with_name("dsec_spawn.c")
 NAME = "dsec-spawn"
+PROGRAM = Program(NAME, SOURCE)
 _STAGES = {1: "chdir", 2: "exec", 3: "setting up the child's fds"}
 
 
@@ -198,7 +199,7 @@ _spawner: Spawner | None = None
 
 def build_helper(bin_dir: Path) -> Path:
     """Compile ``dsec-spawn`` (static, once per source version) into ``bin_dir``."""
-    return build_static(SOURCE, NAME, bin_dir)
+    return PROGRAM.build(bin_dir)
 
 
 def start(helper: Path) -> None:

@@ -14,7 +14,7 @@
  *
  * --new-root-on FD (crun sandboxes: dsec-rootfs --own-root passes FD through `crun run
  * --preserve-fds`): crun chrooted this process into the sandbox's first root, which leaves
- * the namespace with the host's tree (rootfs/dsec_rootfs.c); the root that stays is a clone of
+ * the namespace with the host's tree (dsec_rootfs.c); the root that stays is a clone of
  * it. This process says it runs (one byte: the helper may then detach the host's tree), the
  * helper sends the clone's root over FD (SCM_RIGHTS), and this process chroots there,
  * says so with one byte, and re-executes itself from it (its binary, stdio and cwd then belong

@@ -18,7 +18,7 @@
  * pivot_root, and processes that enter it later (dsec-enter) land in the clone. The init says
  * first that it runs (crun's child needs the first root's mounts until it has exec'd it), then,
  * still chrooted in the detached original, gets the clone's root over the socket and moves
- * there (init/dsec_init.c --new-root-on 3); its one-byte answer ends this helper. Exits with
+ * there (dsec_init.c --new-root-on 3); its one-byte answer ends this helper. Exits with
  * PROGRAM's status, or 125.
  *
  * --new-core-cookie: a fresh core scheduling cookie (PR_SCHED_CORE_CREATE) for this process,

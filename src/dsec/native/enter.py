@@ -2,14 +2,15 @@
 
 ``crun exec`` reads the runtime's global state and the host's mount table, so its cost grows
 with the sandboxes on a node (11 ms alone, 97 ms next to 9,000). ``dsec-enter``, a small
-static C program (``enter/dsec_enter.c``, which documents every step), only touches the
+static C program (``dsec_enter.c``, which documents every step), only touches the
 sandbox's own init and cgroups: it checks the init by PID *and* start time, joins the
 sandbox's cgroups, ``setns``-es into its namespaces, forks, drops to the user with the
 container's capabilities, no-new-privs, seccomp filter and ``RLIMIT_NOFILE``, and execs.
 
 The helper is compiled by :func:`build_helper` into the node's data directory (gcc, libc6-dev
-and libseccomp-dev, all from Debian), keyed by a hash of its source and of the container's
-seccomp profile, so a change builds a new binary and a running one is never overwritten.
+and libseccomp-dev, all from Debian; :mod:`dsec.native.build`), keyed by a hash of its source
+and of the container's seccomp profile, so a change builds a new binary and a running one is
+never overwritten.
 Next to it goes the profile compiled into a seccomp program (``<helper>.bpf``, what crun
 compiles for each container), which every spawn loads instead of compiling it again.
 
@@ -26,11 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
-import hashlib
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -40,27 +38,23 @@ from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
 from dsec.backends.container.command_cgroup import CommandCgroup, EnteredCommand
 from dsec.backends.container.session_shell import SessionShell
-from dsec.executor import spawner
 from dsec.executor.fdwait import PipeReader
 from dsec.executor.process import kill_tree
-from dsec.protocol.errors import InfraFailure, InvalidRequest
+from dsec.native import build, spawner
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 
-SOURCE = Path(__file__).parent / "enter" / "dsec_enter.c"
+SOURCE = Path(__file__).with_name("dsec_enter.c")
 NAME = "dsec-enter"
-CC = ["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror"]
-LIBS = ["-lseccomp"]
+CC = build.CC
+LIBS = ("-lseccomp",)
 EXIT_HELPER = 125  # the helper failed, not the command (its message is on the status pipe)
 STARTUP_TIMEOUT_S = 30.0  # from spawn to the command's exec: only a frozen sandbox takes long
 
 _CAPS_ARG = ",".join(oci.CAPABILITIES)
 # The container's seccomp profile as crun compiles it: what the helper compiles the same way.
 SECCOMP_RULES = seccomp.compiled_rules(seccomp.seccomp_profile())
-
-
-def _key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update("\0".join([*CC, *LIBS, SECCOMP_RULES]).encode())
-    return h.hexdigest()[:16]
+# The binary is keyed by the profile too: what --seccomp-rules passes and the .bpf holds.
+PROGRAM = build.Program(NAME, SOURCE, libs=LIBS, keyed=(SECCOMP_RULES,), packages="libseccomp-dev")
 
 
 def seccomp_program(helper: Path) -> Path:
@@ -70,52 +64,25 @@ def seccomp_program(helper: Path) -> Path:
 
 def helper_path(bin_dir: Path) -> Path:
     """Where :func:`build_helper` puts the helper for the current source."""
-    return bin_dir / f"{NAME}-{_key()}"
+    return PROGRAM.path(bin_dir)
 
 
 def build_helper(bin_dir: Path) -> Path:
-    """Compile ``dsec-enter`` into ``bin_dir`` unless this source's binary is already there;
-    returns its path. Idempotent, safe against a concurrent build (a lock file), and removes
-    binaries of older sources (a running one keeps its inode). Keep ``bin_dir`` out of
-    anything a sandbox mounts: the helper runs as root on the host."""
-    out = helper_path(bin_dir)
-    if out.exists():
-        return out
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(bin_dir, 0o700)
-    fd = os.open(bin_dir / f".{NAME}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if out.exists():
-            return out
-        if shutil.which(CC[0]) is None:
-            raise InfraFailure(f"cannot build {NAME}: gcc missing (install gcc, libc6-dev)", reason="runtime")
-        tmp = out.with_name(f".{out.name}.tmp")
-        done = subprocess.run(
-            [*CC, "-o", str(tmp), str(SOURCE), *LIBS], capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            hint = " (install libseccomp-dev)" if "seccomp" in done.stderr else ""
-            msg = f"cannot build {NAME}{hint}: {done.stderr.strip()[-1500:]}"
-            raise InfraFailure(msg, reason="runtime")
-        os.chmod(tmp, 0o700)
-        dumped = subprocess.run(
-            [str(tmp), "--dump-seccomp", "--seccomp-rules", SECCOMP_RULES], capture_output=True, check=False
-        )
-        if dumped.returncode != 0 or not dumped.stdout:
-            msg = f"{NAME} cannot compile the seccomp profile: {dumped.stderr.decode(errors='replace')}"
-            raise InfraFailure(msg, reason="runtime")
-        bpf = seccomp_program(out)
-        bpf.with_suffix(".tmp").write_bytes(dumped.stdout)
-        bpf.with_suffix(".tmp").replace(bpf)
-        tmp.replace(out)  # last: the binary's presence says that both are there
-        for old in bin_dir.glob(f"{NAME}-*"):
-            if old not in (out, bpf):
-                with contextlib.suppress(OSError):
-                    old.unlink()
-        return out
-    finally:
-        os.close(fd)
+    """Compile ``dsec-enter`` into ``bin_dir`` (:meth:`Program.build`: once per source and
+    seccomp profile) with its seccomp program beside it; returns its path."""
+    return PROGRAM.build(bin_dir, finish=_dump_seccomp)
+
+
+def _dump_seccomp(binary: Path, out: Path) -> None:
+    dumped = subprocess.run(
+        [str(binary), "--dump-seccomp", "--seccomp-rules", SECCOMP_RULES], capture_output=True, check=False
+    )
+    if dumped.returncode != 0 or not dumped.stdout:
+        msg = f"{NAME} cannot compile the seccomp profile: {dumped.stderr.decode(errors='replace')}"
+        raise InfraFailure(msg, reason=InfraReason.runtime)
+    bpf = seccomp_program(out)
+    bpf.with_suffix(".tmp").write_bytes(dumped.stdout)
+    bpf.with_suffix(".tmp").replace(bpf)
 
 
 def _spec(argv: list[str], env: dict[str, str]) -> bytes:
@@ -289,7 +256,7 @@ async def spawn_held(
     if ns is None:  # pragma: no cover - the child writes it first thing
         kill_tree(proc.pid)
         await proc.wait()
-        raise InfraFailure(f"{NAME} did not report the PID of its command", reason="runtime")
+        raise InfraFailure(f"{NAME} did not report the PID of its command", reason=InfraReason.runtime)
     return Spawned(proc, ns, pids.get("host"))
 
 
@@ -348,7 +315,7 @@ async def spawn_session(
         kill_tree(helper_proc.pid)
         stdout.close()
         stderr.close()
-        raise InfraFailure(f"{NAME} did not report the PID of the session shell", reason="runtime")
+        raise InfraFailure(f"{NAME} did not report the PID of the session shell", reason=InfraReason.runtime)
     await helper_proc.wait()  # it exits right after reporting the fork
     return SessionShell(shell, helper_proc.pid, pipe, stdout, stderr, cgroup=cgroup)
 
@@ -401,7 +368,7 @@ async def _enter(
                 start_new_session=True,  # the edge kills the whole group on a timeout
             )
         except OSError as exc:
-            raise InfraFailure(f"cannot start {helper}: {exc}", reason="runtime") from exc
+            raise InfraFailure(f"cannot start {helper}: {exc}", reason=InfraReason.runtime) from exc
     except BaseException:
         os.close(status_r)
         if pid_r >= 0:
@@ -428,7 +395,8 @@ async def _enter(
             await asyncio.wait_for(asyncio.shield(proc.communicate()), 5.0)
         if isinstance(exc, TimeoutError):
             raise InfraFailure(
-                f"entering sandbox {sandbox_id} took over {STARTUP_TIMEOUT_S:.0f}s", reason="runtime"
+                f"entering sandbox {sandbox_id} took over {STARTUP_TIMEOUT_S:.0f}s",
+                reason=InfraReason.runtime,
             ) from exc
         raise
     finally:
@@ -438,7 +406,9 @@ async def _enter(
     if message:
         await proc.communicate()  # it exits 125 right after its message
         text = message.decode(errors="replace").strip().removeprefix("dsec-enter: ")
-        raise InfraFailure(f"cannot start a process in sandbox {sandbox_id}: {text}", reason="runtime")
+        raise InfraFailure(
+            f"cannot start a process in sandbox {sandbox_id}: {text}", reason=InfraReason.runtime
+        )
     if reported is None:
         return proc, None
     pids = {}
