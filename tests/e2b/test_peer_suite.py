@@ -35,3 +35,20 @@ async def test_a_renamed_file_keeps_its_metadata(e2b: E2B) -> None:
         """
     )
     assert out == [{"stage": "renamed"}, {"stage": "renamed"}]
+
+
+async def test_base_is_a_public_template_and_answers_to_python(e2b: E2B) -> None:
+    """E2B's template tests ask `Template.exists("base")` and build `from_template("base")`;
+    its sandbox tests run `python` (E2B's base has it beside python3)."""
+    out = await e2b.run(
+        """
+        from e2b import Template
+        exists = Template.exists("base")
+        sbx = Sandbox.create("e2b:base", timeout=120)
+        py = sbx.commands.run("python -c 'print(6 * 7)'").stdout
+        sbx.kill()
+        print(json.dumps({"exists": exists, "py": py}))
+        """,
+        timeout=240,
+    )
+    assert out == {"exists": True, "py": "42\n"}

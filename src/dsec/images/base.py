@@ -75,7 +75,8 @@ TOOLCHAIN_PACKAGES = (*BASE_PACKAGES, "gcc", "g++", "libc6-dev", *FNCALL_PYTHON_
 # home /home/user, passwordless sudo), whom commands run as by default.
 E2B_BASE_REF = "e2b:base"
 E2B_USER, E2B_UID = "user", 1000
-E2B_PACKAGES = (*BASE_PACKAGES, "sudo")
+# python-is-python3: E2B's base answers to `python` as well (E2B's own SDK tests call it so).
+E2B_PACKAGES = (*BASE_PACKAGES, "sudo", "python-is-python3")
 # Part of the E2B base's recipe tag: a change to add_e2b_user must change this.
 E2B_RECIPE = "e2b-user-2"
 # The hostname of every container sandbox (backends/container/oci.py): sudo resolves it.

@@ -64,6 +64,7 @@ UPLOAD_TTL_S = 3600.0
 READY_TIMEOUT_S = 60.0  # how long a create waits for a template's ready command
 _READY_POLL_S = 0.2
 _E2B_BASE_IMAGES = ("e2bdev/base", "e2bdev/base:latest", "e2bdev/code-interpreter")
+BASE_ALIAS = "base"  # E2B's public base template (`Template.exists("base")`, `from_template("base")`)
 _CHUNK = 1 << 20
 _BUILDS_KEPT = 32  # finished builds whose status stays answerable
 _BUILDS_WAITING = 256  # requested, not started: the oldest give way
@@ -317,9 +318,10 @@ class Templates:
     async def _base(self, principal: Principal, start: BuildStart) -> TemplateConfig:
         if start.from_template:
             config = await self.resolve(principal, start.from_template)
-            if config is None:  # a layer's name works too: DSec's bases are layers
+            if config is not None:
+                return config.model_copy(update={"start_cmd": None, "ready_cmd": None})
+            if start.from_template != BASE_ALIAS:  # a layer's name works too: DSec's bases are layers
                 return await self._layer_base(principal, start.from_template)
-            return config.model_copy(update={"start_cmd": None, "ready_cmd": None})
         image = start.from_image
         if image is None or image in _E2B_BASE_IMAGES:
             ref = await self.default_base()  # E2B's base once `dsec base` built it
@@ -415,6 +417,8 @@ class Templates:
         raw = request.match_info["alias"]
         split_name(raw)  # 400 for what can be no name
         rec = await self._find(request[PRINCIPAL], raw)
+        if rec is None and raw == BASE_ALIAS:  # E2B's public base: every key may use it
+            return web.json_response({"templateID": BASE_ALIAS, "public": True})
         if rec is None:
             raise _not_found(raw)
         return web.json_response({"templateID": rec.template_id, "public": False})
