@@ -146,6 +146,15 @@ class EmbeddedNode:
         self.api_key = ""
 
     async def start(self) -> None:
+        """Serve; a start that fails part-way closes what it had started (LXCFS, mounts,
+        cgroups, the IAM store), so nothing of the node is left behind."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         self.iam = await open_iam_store(self.config.iam_url or str(self.config.data_dir / "iam.sqlite"))
         # Kept in the data directory: envd tokens stay valid across `dsec up` restarts.
         e2b = E2BOptions(
