@@ -49,7 +49,7 @@ install_debian() {
 }
 
 install_services_quietly() {
-  # Packages that ship a system service (sshd, PostgreSQL, HAProxy): the project starts its own
+  # Packages that ship a system service (sshd, PostgreSQL, HAProxy, Prometheus): the project starts its own
   # throwaway instances, so installing must neither start nor enable a system-wide one.
   local missing=()
   for p in "$@"; do
@@ -66,7 +66,7 @@ install_services_quietly() {
   [ $had_guard = 1 ] || rm -f "$guard"
   [ $rc = 0 ] || { echo "setup.sh: installing ${missing[*]} failed" >&2; exit $rc; }
   if command -v systemctl >/dev/null; then
-    systemctl disable --now ssh postgresql haproxy >/dev/null 2>&1 || true
+    systemctl disable --now ssh postgresql haproxy prometheus >/dev/null 2>&1 || true
   fi
 }
 
@@ -126,13 +126,15 @@ case "$cmd" in
     exec .venv/bin/dsec up "$@"
     ;;
   test)
-    need_root; install_debian; install_services_quietly postgresql haproxy; install_python test; install_e2b_sdks
+    need_root; install_debian; install_services_quietly postgresql haproxy prometheus; install_python test; install_e2b_sdks
     .venv/bin/dsec base --data-dir "${DSEC_TEST_DATA_DIR:-/var/lib/dsec-test}"
     .venv/bin/ruff check src tests bench
     .venv/bin/ruff format --check src tests bench
     .venv/bin/mypy
-    .venv/bin/pytest -q -p no:cacheprovider "$@"
-    # CI: the host-wide tests again beside a running `dsec up` node (every node owns its names).
+    # The slowest tests named in every log: where the next minute of CI time comes from.
+    .venv/bin/pytest -q -p no:cacheprovider --durations=30 "$@"
+    # CI: the host-wide tests again beside a running `dsec up` node, as two suites at once on two
+    # data directories (every node owns its names; tests/beside_node.py).
     if [ "${CI:-}" = true ]; then exec .venv/bin/python -m tests.beside_node; fi
     ;;
   bench)

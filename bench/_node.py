@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from dsec.backends.container import cgroups
 from dsec.density.swap import SwapConfig
+from dsec.images.mount import mounts_under
 from dsec.node.embedded import EmbeddedNode, NodeConfig
 
 
@@ -35,3 +37,23 @@ async def scratch_node(
     finally:
         await node.close(stop_sandboxes=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def other_nodes(but: Path | None = None) -> list[str]:
+    """The other nodes on this host (a `dsec up`, a test suite, another benchmark), each as its
+    parent cgroup and, when its runtime directory is still mounted, its data directory: what a
+    benchmark that changes something host-wide names when it refuses to run beside them."""
+    dirs = {}
+    for m in mounts_under(Path("/")):
+        if m.source == "dsec-runtime":  # every node's runtime tmpfs: <data directory>/runtime
+            data = Path(m.mount_point).parent
+            dirs[cgroups.data_dir_digest(data)] = data
+    own = cgroups.data_dir_digest(but) if but is not None else None
+    out = []
+    for parent in cgroups.parents():
+        digest = parent.rsplit("-", 1)[-1]
+        held = any((cgroups.CGROUP_ROOT / "memory" / parent).glob("*/sb-*"))
+        if digest == own or not (held or digest in dirs):  # an empty parent left by a dead node
+            continue
+        out.append(f"{parent} (data directory {dirs[digest]})" if digest in dirs else parent)
+    return out

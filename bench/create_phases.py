@@ -40,7 +40,7 @@ from _stats import pct
 from density import LABEL, MEM_FLOOR, fill, meminfo
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.backends.container import cgroups
-from dsec.native import spawner
+from dsec.native import rootfs
 from dsec.node.embedded import EmbeddedNode, NodeConfig
 from dsec.sdk.client import Sandbox
 
@@ -63,26 +63,18 @@ def wrap(owner: Any, name: str, phase: str) -> None:
 
 
 def time_crun() -> None:
-    """`crun run` from fork to exit (through dsec-rootfs): wraps the spawner's
-    create_subprocess_exec, which the backend starts it with."""
-    real = spawner.create_subprocess_exec
+    """`crun run` from fork to exit, through dsec-rootfs (its private mount namespace): wraps
+    ``rootfs.run``, which the backend starts it with."""
+    real = rootfs.run
 
-    async def exec_timed(*argv: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+    async def run_timed(helper: Path, overlay: str, root: Path, argv: list[str], *a: Any, **kw: Any) -> int:
         t = time.perf_counter()
-        proc = await real(*argv, **kwargs)
-        if "run" not in argv or "--detach" not in argv:
-            return proc
-        wait = proc.wait
-
-        async def timed_wait() -> int:
-            rc = await wait()
+        rc = await real(helper, overlay, root, argv, *a, **kw)
+        if "run" in argv and "--detach" in argv:
             phases["crun"].append(time.perf_counter() - t)
-            return rc
+        return rc
 
-        proc.wait = timed_wait  # type: ignore[method-assign]
-        return proc
-
-    spawner.create_subprocess_exec = exec_timed
+    rootfs.run = run_timed  # type: ignore[assignment]
 
 
 def primitives(reps: int, parent: str) -> dict[str, float]:

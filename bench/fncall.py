@@ -14,7 +14,10 @@ Through the SDK and the HTTP API it measures, with the core count, p50/p99 and c
     shape of SandboxFusion's client (every field it sends, `memory_limit_MB` -1), at each
     concurrency, against the floor of the same run: `python3 -c "print(1)"` started as a bare
     subprocess on the host, as many at a time (issue 29's target: >= 300/s and >= 2.5x that
-    floor at 4-64 on 2 cores, p50 <= 10 ms at 1). `--only-run-code` skips the rest.
+    floor at 4-64 on 2 cores, p50 <= 10 ms at 1). `--only-run-code` skips the rest. `--cpu`
+    adds, per level, CPU ms per call by process from /proc (this process: client, apiserver,
+    edge; runners; zygotes; call processes; the rest of the machine), steadier than the rates
+    on a shared machine.
 """
 
 from __future__ import annotations
@@ -90,7 +93,85 @@ async def bare_python() -> None:
     assert out == b"1\n" and proc.returncode == 0
 
 
-async def run_code_levels(url: str, levels: list[int], calls: int) -> None:
+def _stat_cpu(pid: int) -> tuple[float, float]:
+    """(own utime+stime, reaped children's cutime+cstime) of ``pid``, in seconds; 0 once it is
+    gone (a runner of another node on the host, or a recycled one: its share is then missed)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def _runners() -> tuple[list[int], list[int]]:
+    """(runner pids, zygote pids) of every FnCall runner on the host (the zygote: a runner's child)."""
+    ppid: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if b"fncall-runner.py" not in f.read():
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid[int(name)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except OSError:
+            continue
+    runners = [p for p, pp in ppid.items() if pp not in ppid]
+    return runners, [p for p, pp in ppid.items() if pp in runners and ppid.get(pp) is not None]
+
+
+def _busy() -> float:
+    """Seconds of CPU the whole machine spent (all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Where the CPU of a stretch of calls went, per call: this process (the client, the
+    apiserver, the edge and the pool share its event loop), the runners (with the helpers they
+    fork), the zygotes, the call processes (reaped by the zygotes) and the rest of the machine
+    (kernel threads such as network-namespace teardown, and anything else running)."""
+
+    def __enter__(self) -> CpuMeter:
+        self.runners, self.zygotes = _runners()
+        self.t0, self.busy0 = os.times(), _busy()
+        self.r0 = [_stat_cpu(p) for p in self.runners]
+        self.z0 = [_stat_cpu(p) for p in self.zygotes]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        t1, busy1 = os.times(), _busy()
+        r1 = [_stat_cpu(p) for p in self.runners]
+        z1 = [_stat_cpu(p) for p in self.zygotes]
+        self.own = t1.user + t1.system - self.t0.user - self.t0.system
+        children0 = self.t0.children_user + self.t0.children_system
+        self.own_children = t1.children_user + t1.children_system - children0
+        pairs = [(a, b) for a, b in zip(r1, self.r0, strict=True) if a != (0.0, 0.0)]
+        self.runner = sum(a[0] + a[1] - b[0] - b[1] for a, b in pairs)
+        zpairs = [(a, b) for a, b in zip(z1, self.z0, strict=True) if a != (0.0, 0.0)]
+        self.zygote = sum(a[0] - b[0] for a, b in zpairs)
+        self.calls = sum(a[1] - b[1] for a, b in zpairs)
+        self.busy = busy1 - self.busy0
+
+    def line(self, n: int) -> str:
+        rest = self.busy - self.own - self.own_children - self.runner - self.zygote - self.calls
+        parts = (
+            ("bench process", self.own),
+            ("runners", self.runner),
+            ("zygotes", self.zygote),
+            ("call processes", self.calls),
+            ("bare children", self.own_children),
+            ("rest of machine", rest),
+            ("all", self.busy),
+        )
+        return "cpu ms/call: " + ", ".join(f"{name} {v / n * 1e3:.2f}" for name, v in parts)
+
+
+async def run_code_levels(url: str, levels: list[int], calls: int, cpu: bool = False) -> None:
     body = json.dumps(SF_REQUEST).encode()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -103,9 +184,15 @@ async def run_code_levels(url: str, levels: list[int], calls: int) -> None:
         await drive(16, 4, one)  # warm: connections, every pool sandbox
         await drive(8, 2, bare_python)
         for c in levels:
-            base = await drive(max(40, calls // 4), c, bare_python)
-            rate, lat = await drive(calls, c, one)
+            nbase = max(40, calls // 4)
+            with CpuMeter() as floor_cpu:
+                base = await drive(nbase, c, bare_python)
+            with CpuMeter() as call_cpu:
+                rate, lat = await drive(calls, c, one)
             row(f"/run_code print(1) (conc. {c})", rate, lat, base)
+            if cpu:
+                print(f"{'':<30} floor {floor_cpu.line(nbase)}")
+                print(f"{'':<30} calls {call_cpu.line(calls)}")
             if c > 1:
                 bound = c / rate * 1.5 * 1e3
                 print(f"{'':<30} p99 bound at this rate (c/throughput x 1.5): {bound:7.2f} ms")
@@ -119,6 +206,7 @@ async def main() -> None:
     ap.add_argument("--layers", type=Path, default=Path("/var/lib/dsec/layers"))
     ap.add_argument("--run-code", default="1,4,16,64", help="concurrencies for /run_code ('' to skip)")
     ap.add_argument("--only-run-code", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="/run_code: CPU per call by process, from /proc")
     preload_help = "modules the pool preloads (`dsec up`'s default pool: numpy); '' for none"
     ap.add_argument("--preload", default="", help=preload_help)
     a = ap.parse_args()
@@ -133,7 +221,8 @@ async def main() -> None:
     async with scratch_node("fncall", a.layers, lambda scratch: {"fncall_pools": [pool]}) as node:
         sf_levels = [int(c) for c in a.run_code.split(",") if c]
         if sf_levels:
-            await run_code_levels(f"{node.url}/sandboxfusion/{node.api_key}/run_code", sf_levels, a.calls)
+            url = f"{node.url}/sandboxfusion/{node.api_key}/run_code"
+            await run_code_levels(url, sf_levels, a.calls, a.cpu)
         if a.only_run_code:
             return
         async with DSecClient(node.url, node.api_key) as client:

@@ -10,6 +10,11 @@ them (backends/container/backend.py). In each, a Python loop times --reads reads
 /proc/net/tcp, tcp6 and udp, the two sandboxes taking turns --rounds times; p50/p99 per read
 over all rounds. A read walks every bucket of the table, empty or not: the host's is sized by
 its memory.
+
+The shared sandbox is made by setting those two host-wide knobs to 0 for the length of one
+create: every network namespace made meanwhile, by anyone, shares the host's tables. So the
+benchmark refuses to run beside another node (named in its message), and puts the knobs back
+however it ends (also on SIGTERM or SIGHUP).
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import argparse
 import asyncio
 import json
 import os
+import signal
+import sys
 from pathlib import Path
 
-from _node import scratch_node
+from _node import other_nodes, scratch_node
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.backends.container.backend import CHILD_SOCKET_TABLES
@@ -67,6 +74,13 @@ async def create(client: DSecClient, shared: bool) -> Sandbox:
 async def main(n: int, rounds: int, layers: Path) -> None:
     if not all(knob.exists() for knob in CHILD_SOCKET_TABLES):
         raise SystemExit("this kernel has no per-namespace socket tables (Linux 6.2+)")
+    if others := other_nodes():
+        raise SystemExit(
+            "socket_tables sets tcp_child_ehash_entries/udp_child_hash_entries host-wide while it "
+            "creates a sandbox: it does not run beside another node, and these run here: " + ", ".join(others)
+        )
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through create()'s finally: knobs back
+        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
     host = Path("/proc/sys/net/ipv4/tcp_ehash_entries").read_text().strip()
     async with scratch_node("sockets", layers) as node, DSecClient(node.url, node.api_key) as client:
         # The node stops both with itself.

@@ -68,6 +68,7 @@ from _vm.host import (
 )
 from dsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, Sandbox, _linux
 from dsec.backends.microvm.backend import MicroVMBackend
+from dsec.backends.microvm.handle import MicroVmHandle
 from dsec.density.swap import SwapConfig
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
@@ -111,19 +112,19 @@ class Made:
     async def vm(self, args: DSecMicroVMRunArgs) -> Sandbox:
         sb = self._adopt(await self.client.run_microvm(args))
         handle = self.handle(sb)
-        self.vm_dirs.update(Path(handle[k]) for k in ("dir", "sockets"))
+        self.vm_dirs.update(Path(p) for p in (handle.dir, handle.sockets))
         return sb
 
     async def container(self, args: DSecContainerRunArgs) -> Sandbox:
         return self._adopt(await self.client.run_container(args))
 
-    def handle(self, sb: Sandbox) -> dict[str, Any]:
+    def handle(self, sb: Sandbox) -> MicroVmHandle:
         record = self.node.edge.journal.get(sb.id)
         assert record is not None, sb.id
-        return record.handle
+        return MicroVmHandle.of(record.handle)
 
     def qemu_pid(self, sb: Sandbox) -> int:
-        return int(self.handle(sb)["pid"])
+        return self.handle(sb).pid
 
     async def stop(self, *sandboxes: Sandbox) -> None:
         await asyncio.gather(*(sb.stop() for sb in sandboxes))
@@ -209,7 +210,7 @@ async def fig_cold(ctx: Ctx, since: int) -> list[float]:
         clear_templates(ctx.templates)
         vm, dt = await create_first_output(made.vm, ctx.vm_args)
         cold.append(dt)
-        booted += "template" not in made.handle(vm)
+        booted += made.handle(vm).template is None
         built.append(await await_template(ctx, since))  # the build it started, in the background
         await made.stop(vm)
         # Interleaved, with nothing in the background, so machine noise falls on both alike.
@@ -249,7 +250,7 @@ async def fig_template(ctx: Ctx, cold: list[float]) -> list[float]:
     for _ in range(o.reps):
         vm, dt = await create_first_output(made.vm, ctx.vm_args)
         clone.append(dt)
-        cloned += "template" in made.handle(vm)
+        cloned += made.handle(vm).template is not None
         await made.stop(vm)
         ct, dt = await create_first_output(made.container, ctx.ct_args)
         base.append(dt)
@@ -284,7 +285,7 @@ async def fig_template(ctx: Ctx, cold: list[float]) -> list[float]:
 async def fig_pause(ctx: Ctx, clone: list[float]) -> None:
     made, o = ctx.made, ctx.o
     sb, _ = await create_first_output(made.vm, ctx.vm_args)
-    template = made.handle(sb).get("template")
+    template = made.handle(sb).template
     ram = ctx.templates / str(template) / "ram"
     await sb.run_shell("counter=41")
     paused, resumed, resumed_true, copied, sizes = [], [], [], [], []
@@ -300,7 +301,7 @@ async def fig_pause(ctx: Ctx, clone: list[float]) -> None:
         paused.append(time.perf_counter() - t)
         ended += _linux.proc_start_time(pid) is None
         after.append(ctx.backend.memory_bytes(sb.id))
-        snapshot = Path(made.handle(sb)["snapshot"])
+        snapshot = Path(str(made.handle(sb).snapshot))
         sizes.append(snapshot.stat().st_size)
         dst = ctx.scratch / f"snapshot-copy-{i}"
         t = time.perf_counter()
@@ -425,7 +426,7 @@ async def settled(pids: list[int], ram: Path, within_s: float = 15.0) -> Memory:
 async def fig_idle(ctx: Ctx) -> None:
     made, o = ctx.made, ctx.o
     vms = [(await create_first_output(made.vm, ctx.vm_args))[0] for _ in range(o.n)]
-    names = {made.handle(v).get("template") for v in vms}
+    names = {made.handle(v).template for v in vms}
     assert len(names) == 1 and None not in names, f"all {o.n} from one template: {names}"
     ram = ctx.templates / str(names.pop()) / "ram"
     pids = [made.qemu_pid(v) for v in vms]
@@ -641,7 +642,7 @@ async def main() -> None:
         "n": o.n,
     }
     t0 = time.perf_counter()
-    ksm = Ksm()
+    ksm = Ksm(data)
     made: Made | None = None
     await node.start()
     backend = cast(MicroVMBackend, next(b for b in node.more_backends if b.name == "microvm"))

@@ -7,7 +7,12 @@ then checks that node's sandboxes are as they were: same state, same init, their
 files, the pool still answering. Then stops it and removes it, sandboxes included, and checks
 it left no cgroup or mount behind.
 
+Two suites run that subset at once, side by side (issue 28: two suites on two data directories):
+the first on ``DSEC_TEST_DATA_DIR``, the second on a scratch data directory sharing the first's
+layer store (a symlink: no second base build) with a link pool of its own; both must pass.
+
     .venv/bin/python -m tests.beside_node [pytest arguments instead of the default subset]
+    .venv/bin/python -m tests.beside_node --suites 1 [...]   (one suite only)
     .venv/bin/python -m tests.beside_node --command CMD ARG...   (e.g. a benchmark)
 
 Exit status: pytest's (or the command's) if it failed, else 1 if the node beside was disturbed
@@ -25,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from dsec.backends.container import cgroups
 from dsec.images.mount import mounts_under
@@ -49,6 +56,10 @@ SUBSET = [
     "tests/e2e/test_pause.py",
     "tests/e2e/test_lifecycle.py",
 ]
+# The second suite's addresses (tests/netpolicy/mirror.py): its session node's link pool, and the
+# /24s of its mirror and of the pools single tests configure. In 10.230-10.239 (the tests' and
+# benchmarks', which the node-pool picker never takes), where no test or benchmark names them.
+SECOND_NETS = [("10.238.0.0/16", "10.239.{}")]
 START_DEADLINE_S = 180.0  # a first start mounts the base layer and fills the FnCall pool
 
 
@@ -97,7 +108,50 @@ async def fncall_answers(client: DSecClient) -> bool:
     return r.stdout == "42\n"
 
 
-async def run(command: list[str]) -> int:
+class Job(NamedTuple):
+    """One command run beside the node: its name (its output lines' prefix) and environment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+def suites(scratch: Path, count: int, pytest_args: list[str]) -> list[Job]:
+    """``count`` pytest runs of the same tests, each on a data directory of its own."""
+    jobs = []
+    for i in range(count):
+        name = "ab"[i] if count > 1 else ""
+        env = dict(os.environ)
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
+        if i:
+            data = scratch / f"suite-{name}"
+            data.mkdir()
+            # The layer store holds blobs and a catalogue, written by atomic renames: nodes
+            # share it (each mounts under its own data directory), so no second base build.
+            (data / "layers").symlink_to(LAYERS)
+            pool, nets = SECOND_NETS[i - 1]
+            env |= {"DSEC_TEST_DATA_DIR": str(data), "DSEC_TEST_EGRESS_POOL": pool, "DSEC_TEST_NETS": nets}
+            argv.append(f"--basetemp={scratch / f'pytest-{name}'}")
+        jobs.append(Job(name, argv, env))
+    return jobs
+
+
+async def run_job(job: Job) -> int:
+    """Run one job, its output prefixed with its name (two suites' lines interleave)."""
+    proc = await asyncio.create_subprocess_exec(
+        *job.argv, env=job.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    assert proc.stdout is not None
+    prefix = f"[{job.name}] " if job.name else ""
+    async for line in proc.stdout:
+        sys.stdout.write(prefix + line.decode(errors="replace"))
+        sys.stdout.flush()
+    rc = await proc.wait()
+    print(f"{prefix}exit {rc}", flush=True)
+    return rc
+
+
+async def run(jobs_for: Callable[[Path], list[Job]]) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="dsec-beside-"))
     data, config = scratch / "data", scratch / "config.json"
     proc = start_node(data, config)
@@ -109,8 +163,10 @@ async def run(command: list[str]) -> int:
             boxes, before = await hold(client)
             if not await fncall_answers(client):
                 failures.append("the node's FnCall pool did not answer before the tests")
-            print(f"beside node {NODE} on {data}: {len(boxes)} sandboxes held", flush=True)
-            rc = (await asyncio.to_thread(subprocess.run, command)).returncode
+            jobs = jobs_for(scratch)
+            print(f"beside node {NODE} on {data}: {len(boxes)} sandboxes, {len(jobs)} run(s)", flush=True)
+            codes = await asyncio.gather(*(run_job(job) for job in jobs))
+            rc = next((c for c in codes if c), 0)
             after = await observe(client, boxes)
             if after != before:
                 failures.append(f"the node's sandboxes changed:\n before {before}\n after  {after}")
@@ -120,34 +176,66 @@ async def run(command: list[str]) -> int:
                 await sb.stop()
     finally:
         failures += await stop_and_clean(proc, data, config)
-        shutil.rmtree(scratch, ignore_errors=True)
+        failures += remove_scratch(scratch)
     for f in failures:
         print(f"beside node: {f}", file=sys.stderr)
     return rc or (1 if failures else 0)
 
 
+def remove_scratch(scratch: Path) -> list[str]:
+    """Remove the scratch directory, unless something is still mounted below it (removing a
+    mounted layer's files would reach through the mount)."""
+    left = [m.mount_point for m in mounts_under(scratch)]
+    if left:
+        return [f"mounts left below {scratch}, not removed: {left}"]
+    shutil.rmtree(scratch, ignore_errors=True)
+    return []
+
+
 async def stop_and_clean(proc: subprocess.Popen[bytes], data: Path, config: Path) -> list[str]:
-    """Stop every sandbox left (also after a failure), then the node; what it left behind."""
-    if proc.poll() is None and config.exists():
-        url, key = (json.loads(config.read_text())[k] for k in ("url", "api_key"))
-        async with DSecClient(url, key, timeout=120) as client:
-            for left in await client.list():
-                await left.stop()
+    """Stop every sandbox left (also after a failure), then the node, then `dsec down` as the
+    README says (what a node killed or failed part-way still holds); what it left behind."""
+    failures = []
+    try:
+        if proc.poll() is None and config.exists():
+            url, key = (json.loads(config.read_text())[k] for k in ("url", "api_key"))
+            async with DSecClient(url, key, timeout=120) as client:
+                for left in await client.list():
+                    await left.stop()
+    except Exception as exc:  # the node is stopped and brought down below all the same
+        failures.append(f"stopping the node's sandboxes failed: {exc!r}")
     proc.send_signal(signal.SIGINT)
     try:
         await asyncio.to_thread(proc.wait, 120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        return ["dsec up did not stop on SIGINT within 120 s"]
+        failures.append("dsec up did not stop on SIGINT within 120 s")
+    failures += [f"dsec up left {left} behind" for left in [leftovers(data)] if left]
+    # Whatever happened, `dsec down` releases the rest (so a failed run leaves nothing behind).
+    down = [DSEC, "down", "--data-dir", str(data), "--node", NODE, "--layer-dir", str(LAYERS), "--no-microvm"]
+    done = await asyncio.to_thread(
+        subprocess.run, [*down, "--no-vm"], env=dsec_env(config), capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        failures.append(f"dsec down failed: {done.stdout}{done.stderr}")
+    return failures + [f"dsec down left {left} behind" for left in [leftovers(data)] if left]
+
+
+def leftovers(data: Path) -> list[str]:
     left = [str(p) for p in cgroups.CGROUP_ROOT.glob(f"*/{cgroups.parent_name(NODE, data)}")]
-    left += [m.mount_point for m in mounts_under(data)]
-    return [f"the node left {left} behind"] if left else []
+    return left + [m.mount_point for m in mounts_under(data)]
+
+
+def main(args: list[str]) -> int:
+    if args[:1] == ["--command"]:
+        return asyncio.run(run(lambda _: [Job("", args[1:], dict(os.environ))]))
+    count = 2
+    if args[:1] == ["--suites"]:
+        count, args = int(args[1]), args[2:]
+    if not 1 <= count <= 1 + len(SECOND_NETS):
+        raise SystemExit(f"--suites: 1 to {1 + len(SECOND_NETS)}")
+    return asyncio.run(run(lambda scratch: suites(scratch, count, args or SUBSET)))
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if args[:1] == ["--command"]:
-        command = args[1:]
-    else:
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(args or SUBSET)]
-    sys.exit(asyncio.run(run(command)))
+    sys.exit(main(sys.argv[1:]))

@@ -17,6 +17,7 @@ import pytest
 
 from dsec.backends.container import cgroups
 from dsec.density.ksm import KSM
+from dsec.density.ksm import users as ksm_users
 from dsec.density.swap import SwapConfig, active_swaps
 from dsec.images.base import ensure_base_layer
 from dsec.images.store import LayerStore
@@ -49,11 +50,12 @@ def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
 @pytest.fixture(scope="session", autouse=True)
 def ksmd_as_found() -> Iterator[None]:
     """Every edge starts the kernel's ksmd if it is stopped, and stops it when it closes with no
-    sandbox left; whatever a failed or killed test left, the run ends with ksmd as it began."""
+    sandbox left; whatever a failed or killed test left, the run ends with ksmd as it began,
+    unless a node still claims it (a `dsec up` or another suite beside this one)."""
     run = KSM / "run"
     before = run.read_text().strip() if run.exists() else None
     yield
-    if before is not None and run.read_text().strip() != before:
+    if before is not None and run.read_text().strip() != before and not ksm_users():
         run.write_text(before)
 
 

@@ -47,22 +47,67 @@ def _is_another_nodes(pid: str, data_dir: Path, own: list[str]) -> bool:
     if top == cgroups.LEGACY_PARENT or top.startswith(cgroups.LEGACY_PARENT + "-"):
         return top not in own
     argv = _cmdline(pid).split(b"\0")
-    return bool(argv) and argv[0].endswith(b"crun") and f"{data_dir}/".encode() not in b" ".join(argv)
+    runtime = argv[0].endswith(b"crun") or argv[0].rsplit(b"/", 1)[-1].startswith(b"runsc")
+    return runtime and f"{data_dir}/".encode() not in b" ".join(argv)
 
 
-def _under_another_data_dir(mount_point: str, data_dir: Path) -> bool:
-    """A mount below a directory laid out as a node's data directory that is not ``data_dir``."""
+def _parent(pid: str) -> str:
+    try:  # the field after the command name, which may hold spaces and parentheses
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return "0"
+
+
+def _others(pids: list[str], data_dir: Path, own: list[str]) -> set[str]:
+    """Another node's processes, and everything they started: a runtime on another state root
+    (crun, or runsc and its gofer, e.g. another node's gVisor probe at start) forks children
+    whose command lines name no root and that are in no sandbox cgroup yet."""
+    parent = {p: _parent(p) for p in pids}
+    found: dict[str, bool] = {}
+
+    def another(pid: str) -> bool:
+        chain = []
+        while pid in parent and pid not in found:
+            chain.append(pid)
+            if _is_another_nodes(pid, data_dir, own):
+                found[pid] = True
+                break
+            pid = parent[pid]
+        verdict = found.get(pid, False)
+        for p in chain:
+            found[p] = verdict
+        return verdict
+
+    return {p for p in pids if another(p)}
+
+
+def _is_data_dir(path: Path) -> bool:
+    """Laid out as a node's data directory: its ``run`` directory and its sandboxes, runtime or
+    edge state (a node starting, or one that never held a sandbox, has no ``sandboxes`` yet
+    while its runtime tmpfs and LXCFS are already mounted)."""
+    return (path / "run").is_dir() and any((path / d).is_dir() for d in ("sandboxes", "runtime", "edge"))
+
+
+def _another_nodes_mount(line: str, data_dir: Path) -> bool:
+    """A mount below a directory laid out as a node's data directory that is not ``data_dir``,
+    or one only a node makes (its runtime tmpfs, its LXCFS) anywhere else: a node left behind
+    by another run keeps those while pytest's clean-up of old temporary directories renames
+    and empties the directories around them."""
+    source, mount_point, fstype = line.split()[:3]
     path = Path(mount_point)
     if path.is_relative_to(data_dir):
         return False
-    return any((a / "sandboxes").is_dir() and (a / "run").is_dir() for a in path.parents if a != Path("/"))
+    if source == "dsec-runtime" or fstype == "fuse.lxcfs":
+        return True
+    return any(_is_data_dir(a) for a in path.parents if a != Path("/"))
 
 
 def snapshot(data_dir: Path) -> dict[str, object]:
     data_dir = data_dir.resolve()
     own = own_parents(data_dir)
     pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    ours = [p for p in pids if not _is_another_nodes(p, data_dir, own)]
+    others = _others(pids, data_dir, own)
+    ours = [p for p in pids if p not in others]
     netns = set()
     for pid in ours:
         try:
@@ -79,7 +124,7 @@ def snapshot(data_dir: Path) -> dict[str, object]:
     mounts = [
         line
         for line in Path("/proc/self/mounts").read_text().splitlines()
-        if layer_mounts not in line and not _under_another_data_dir(line.split()[1], data_dir)
+        if layer_mounts not in line and not _another_nodes_mount(line, data_dir)
     ]
     return {
         "mounts": len(mounts),

@@ -100,7 +100,13 @@ class Apiserver:
 
     async def start(self) -> None:
         self.iam = await open_iam_store(self.cfg.iam_url)
-        store = LayerStore(Path(self._scratch.name) / "layers")  # unused by creates; the server wants one
+        store = LayerStore(Path(self._scratch.name) / "layers")
+        # Creates name `debian:bookworm` and the apiserver checks the key may use it: a tiny
+        # stand-in (the simulated edges never mount it).
+        tiny = Path(self._scratch.name) / "tiny"
+        tiny.mkdir()
+        (tiny / "hello").write_text("stand-in for the base image\n")
+        store.import_path(tiny, "debian:bookworm")
         self.api = ApiServer(self.links, self.placement, store, self.iam)
         if self.cfg.stages:
             self._instrument()

@@ -14,14 +14,14 @@ import json
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from pydantic import TypeAdapter
 
-from dsec.edge.link import check_routed
+from dsec.edge.link import EdgeLink, check_routed
 from dsec.executor.file_ops import DEFAULT_FILE_MODE
 from dsec.iam.base import in_subtree
-from dsec.protocol.errors import CapacityExhausted, SandboxNotFound
+from dsec.protocol.errors import CapacityExhausted, InvalidRequest, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     DEFAULT_PROJECT,
@@ -29,19 +29,27 @@ from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
     BulkAction,
     BulkResult,
-    CommandResult,
-    CommitRequest,
     ContainerSpec,
-    ExecEvent,
     FileStat,
-    LayerInfo,
     SandboxInfo,
     SandboxState,
-    ShellRequest,
 )
+from dsec.protocol.ops import OPS, Call, Stream
 
-_UNUSED = "the control-plane bench simulates creates only"
 _INFOS = TypeAdapter(list[SandboxInfo])
+R = TypeVar("R")
+E = TypeVar("E")
+
+# Every sandbox operation by kind: what simulates it here, or None for "not simulated" (the
+# bench is about creates). tests/edge/test_ops_registry.py checks this names every kind.
+SIMULATED: dict[str, str | None] = {kind: None for kind in OPS} | {
+    "pause": "the entry's state",
+    "resume": "the entry's state",
+}
+
+
+def _unsimulated(what: str) -> InvalidRequest:
+    return InvalidRequest(f"the control-plane bench's simulated edge does not simulate {what}")
 
 
 def fast_sandbox_id(node: str, epoch: int) -> str:
@@ -51,7 +59,7 @@ def fast_sandbox_id(node: str, epoch: int) -> str:
     return str(SandboxId(node, epoch, tag))
 
 
-class SimulatedEdgeLink:
+class SimulatedEdgeLink(EdgeLink):
     """An :class:`~dsec.edge.link.EdgeLink` to a node that admits up to ``capacity`` sandboxes.
 
     A sandbox's entry is its JSON, as the edge would send it: bytes, which the garbage
@@ -165,85 +173,49 @@ class SimulatedEdgeLink:
 
     async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
         if action != "stop":
-            raise NotImplementedError(_UNUSED)
+            raise _unsimulated(f"bulk {action}")
         result = BulkResult(action=action)
         for info in await self.list_sandboxes(labels):
             if in_subtree(info.project, within):
                 result.done.append(await self.stop(info.id))
         return result
 
-    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
-        raise NotImplementedError(_UNUSED)
-
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        raise NotImplementedError(_UNUSED)
-
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        raise NotImplementedError(_UNUSED)
-
     async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
-        raise NotImplementedError(_UNUSED)
+        raise _unsimulated("renew_lease")
 
-    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[Any]:
-        raise NotImplementedError(_UNUSED)
+    # -- sandbox operations (dsec.protocol.ops): the lifecycle ones, the rest say so ------------
 
-    async def changes(self, sandbox_id: str, under: str = "/") -> list[Any]:
-        raise NotImplementedError(_UNUSED)
+    async def call(self, sandbox_id: str, op: Call[R]) -> R:
+        if SIMULATED[op.kind] is None:
+            raise _unsimulated(op.kind)
+        check_routed(self.node, self._epoch, sandbox_id)
+        sent = self.live.get(sandbox_id)
+        if sent is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
+        info = SandboxInfo.model_validate_json(sent)
+        paused = op.kind == "pause"
+        info.state = SandboxState.paused if paused else SandboxState.running
+        info.pause_reason, info.paused_at = ("requested", time.time()) if paused else (None, None)
+        self.live[sandbox_id] = info.model_dump_json().encode()
+        return cast(R, SandboxInfo.model_validate_json(self.live[sandbox_id]))  # as a remote link parses it
 
-    async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
-        raise NotImplementedError(_UNUSED)
-
-    async def fork_local(
-        self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
-    ) -> list[SandboxInfo]:
-        raise NotImplementedError(_UNUSED)
-
-    async def screenshot(self, sandbox_id: str) -> bytes:
-        raise NotImplementedError(_UNUSED)
-
-    async def send_input(self, sandbox_id: str, events: list[Any]) -> int:
-        raise NotImplementedError(_UNUSED)
-
-    def exec_stream(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        *,
-        stdin: bytes | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float | None = None,
-        max_output: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> AsyncGenerator[ExecEvent, None]:
-        raise NotImplementedError(_UNUSED)
-
-    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
-        raise NotImplementedError(_UNUSED)
+    def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
+        raise _unsimulated(op.kind)
 
     def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
-        raise NotImplementedError(_UNUSED)
+        raise _unsimulated("read_stream")
 
     async def write_stream(
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
     ) -> FileStat:
-        raise NotImplementedError(_UNUSED)
+        raise _unsimulated("write_stream")
 
-    async def stat(self, sandbox_id: str, path: str) -> FileStat:
-        raise NotImplementedError(_UNUSED)
-
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
-        raise NotImplementedError(_UNUSED)
-
-    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
-        raise NotImplementedError(_UNUSED)
-
-    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        raise NotImplementedError(_UNUSED)
+    async def open_port(self, sandbox_id: str, port: int) -> Any:
+        raise _unsimulated("open_port")
 
     async def fncall(self, task: Any, pool: str | None = None) -> Any:
         # Typed loosely: the function-call types are not what this bench is about.
-        raise NotImplementedError(_UNUSED)
+        raise _unsimulated("fncall")
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
         return set()

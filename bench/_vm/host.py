@@ -158,7 +158,8 @@ class Ksm:
 
     KNOBS = ("run", "pages_to_scan", "sleep_millisecs")
 
-    def __init__(self) -> None:
+    def __init__(self, own: Path | None = None) -> None:
+        self.own = own  # the bench node's data directory: its own claim is no other node's
         self.saved: dict[str, str] = {}
         self.changed: list[str] = []
         self.merged_before: dict[str, int] = {}
@@ -167,7 +168,7 @@ class Ksm:
         """Raises KsmUnavailable (with every knob already put back) if it cannot."""
         if not (KSM / "run").exists():
             raise KsmUnavailable(f"{KSM}/run does not exist (a kernel without CONFIG_KSM)")
-        users = ksm_users()
+        users = [u for u in ksm_users() if self.own is None or Path(u).resolve() != self.own.resolve()]
         if users:  # its scan settings and merged-page counts are theirs too
             raise KsmUnavailable(f"another DSec node on this machine uses ksmd ({', '.join(users)})")
         self.saved = {k: ksm_value(k) for k in self.KNOBS}

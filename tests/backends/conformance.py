@@ -198,7 +198,7 @@ class BackendConformance:
 
     def kill_init(self, handle: dict[str, Any]) -> None:
         """Kill the sandbox's first process from outside, as the OOM killer or a crash would."""
-        os.kill(int(handle["pid"]), signal.SIGKILL)
+        os.kill(handle.pid, signal.SIGKILL)
 
     # -- fixtures -----------------------------------------------------------------------------
 
@@ -230,7 +230,9 @@ class BackendConformance:
 
     async def test_create_gives_a_live_sandbox_the_runtime_knows(self, backend: Backend, made: Made) -> None:
         ctx, handle = await made.create()
-        assert json.loads(json.dumps(handle)) == handle, "the handle is journaled as JSON"
+        assert type(handle).of(json.loads(json.dumps(handle.dump()))) == handle, (
+            "the handle is journaled as JSON"
+        )
         assert await backend.alive(ctx.sandbox_id, handle)
         assert ctx.sandbox_id in await backend.leftovers()
         assert backend.oom_kills(ctx.sandbox_id) == 0

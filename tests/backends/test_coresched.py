@@ -152,7 +152,7 @@ async def test_without_core_scheduling_ls_sandboxes_start_and_run_as_before(
     caps = backend.capabilities()
     assert caps["core_scheduling"] is False and caps["core_scheduling_missing"]
     ctx, h = await made.create(made.ctx(cpu_class="ls"))
-    assert "core_cookie" not in h
+    assert "core_cookie" not in h.dump()
     argv = enter.helper_argv(
         backend.enter_helper, ctx.sandbox_id, h, cwd="/", user=ROOT, spec_fd=3, status_fd=4
     )
@@ -172,7 +172,7 @@ async def test_a_helper_told_to_share_a_cookie_the_kernel_cannot_give_fails_clos
     ctx, h = await made.create(made.ctx(cpu_class="ls"))
     # As if the sandbox had been given a cookie: the command must not run without it.
     with pytest.raises(InfraFailure, match="PR_SCHED_CORE_SHARE_FROM"):
-        await run(backend, ctx.sandbox_id, {**h, "core_cookie": True}, ["true"])
+        await run(backend, ctx.sandbox_id, h.model_copy(update={"core_cookie": True}), ["true"])
 
 
 # -- fakes: the calls a node with core scheduling makes -----------------------------------------
@@ -210,11 +210,11 @@ async def test_with_core_scheduling_ls_gets_a_cookie_at_start_and_every_process_
     be_ctx = made.ctx(cpu_class="be")
     rootfs_of[:] = [str(be_ctx.workdir / "rootfs")]
     _, be = await made.create(be_ctx)
-    assert "core_cookie" not in be and not created.exists(), "BE sandboxes get no cookie"
+    assert "core_cookie" not in be.dump() and not created.exists(), "BE sandboxes get no cookie"
     ls_ctx = made.ctx(cpu_class="ls")
     rootfs_of[:] = [str(ls_ctx.workdir / "rootfs")]
     _, ls = await made.create(ls_ctx)
-    assert ls["core_cookie"] is True
+    assert ls.core_cookie is True
     # Once, asked of the helper that mounts this sandbox's root and execs crun (not the edge).
     (made_in,) = created.read_text().splitlines()
     pid, *args = made_in.split()
@@ -235,8 +235,8 @@ async def test_with_core_scheduling_ls_gets_a_cookie_at_start_and_every_process_
         for helper in helpers:
             mine = [what for p, what in log if p == helper]
             # The helper itself, before it forks: "prctl 62 3 <init pid> 0" (SHARE_FROM, one task).
-            assert mine.count(f"{SHARE_FROM} {ls['pid']} 0") == 1, mine
-            assert mine.index(f"{SHARE_FROM} {ls['pid']} 0") < mine.index("fork")
+            assert mine.count(f"{SHARE_FROM} {ls.pid} 0") == 1, mine
+            assert mine.index(f"{SHARE_FROM} {ls.pid} 0") < mine.index("fork")
             assert sum(what.startswith("prctl 62 ") for what in mine) == 1
             # Its child (the command) makes no core scheduling call of its own: it inherited
             # the cookie with the fork, and sets no-new-privs, then execs.

@@ -121,7 +121,7 @@ async def test_a_sandbox_gets_no_session_keyring_of_its_own(made: Made) -> None:
     ctx, h = await sandbox(made)
     keys = await asyncio.to_thread(Path("/proc/keys").read_text)
     assert ctx.sandbox_id not in keys
-    assert Path(f"/proc/{h['pid']}/cmdline").exists()
+    assert Path(f"/proc/{h.pid}/cmdline").exists()
 
 
 async def test_a_sandboxs_cgroups_sit_in_a_bucket_of_the_parent_in_every_hierarchy(
@@ -134,7 +134,7 @@ async def test_a_sandboxs_cgroups_sit_in_a_bucket_of_the_parent_in_every_hierarc
     bucket = cgroups.rel(ctx.sandbox_id).split("/")[1]
     assert len(dirs) == len(cgroups.hierarchies())
     assert {(d.parent.parent.name, d.parent.name) for d in dirs} == {(backend.cgroup_parent, bucket)}
-    assert str(h["pid"]) in (cgroups.memory_dir(ctx.sandbox_id) / "cgroup.procs").read_text().split()
+    assert str(h.pid) in (cgroups.memory_dir(ctx.sandbox_id) / "cgroup.procs").read_text().split()
     spread = [cgroups.hashed_bucket(f"sb-{i}", "p").split("/")[1] for i in range(6400)]
     assert len(set(spread)) == cgroups.BUCKETS and max(map(spread.count, set(spread))) < 3 * 100
 
@@ -171,7 +171,7 @@ async def test_a_crun_sandboxs_mount_namespace_holds_its_own_mounts_only(made: M
     # crun chroots in dsec-rootfs's namespace rather than pivot_root (whose walk over every task
     # on the host grew each create with the node); the host's tree must then leave it.
     _, h = await sandbox(made)
-    init = h["pid"]
+    init = h.pid
     script = "cat /proc/self/mountinfo; stat -c '%d %i' /; readlink /proc/1/exe; readlink /proc/1/fd/0"
     entered = await asyncio.to_thread(
         subprocess.run,
@@ -206,7 +206,7 @@ async def test_the_runtimes_detached_processes_are_the_spawners_and_it_reaps_the
     # machine spent half a CPU on 2,000 such children (docs/decisions.md).
     ctx, h = await sandbox(made)
     spawner_pid = spawner._spawner._proc.pid  # type: ignore[union-attr]
-    init = h["pid"]
+    init = h.pid
     assert _linux.stat_fields(init)[1] == str(spawner_pid)  # type: ignore[index]
     left = Path(f"/proc/{spawner_pid}/task/{spawner_pid}/children").read_text().split()
     assert [p for p in left if (_linux.stat_fields(p) or ["gone"])[0] == "Z"] == []

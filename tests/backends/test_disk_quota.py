@@ -169,7 +169,7 @@ async def test_a_quota_d_sandbox_gets_edquot_inside_and_its_neighbour_does_not(
 ) -> None:
     ctx, handle = await made.create(made.ctx(disk_limit_mb=24))
     plain_ctx, plain = await made.create()
-    assert handle["disk_limit_mb"] == 24 and "disk_limit_mb" not in plain
+    assert handle.disk_limit_mb == 24 and "disk_limit_mb" not in plain.dump()
     assert ctx.workdir.is_symlink() and ctx.workdir.resolve() == backend.disk_quota.path(ctx.sandbox_id)
     assert plain_ctx.workdir.is_dir() and not plain_ctx.workdir.is_symlink()
     dd = "/bin/busybox dd if=/dev/zero of=/tmp/{} bs=1M count={}"

@@ -259,7 +259,7 @@ async def test_the_command_runs_in_every_namespace_of_the_sandbox(helper: Path, 
     proc = await entered(helper, ctx, h, ["sleep", "30"])
     try:
         child = await command_pid(proc)
-        init = int(h["pid"])
+        init = h.pid
         for ns in NAMESPACES:
             assert os.readlink(f"/proc/{child}/ns/{ns}") == os.readlink(f"/proc/{init}/ns/{ns}"), ns
         assert os.readlink(f"/proc/{child}/ns/net") != os.readlink("/proc/self/ns/net")
@@ -358,7 +358,7 @@ async def test_credentials_and_limits_are_those_of_crun_exec(
     assert got["Uid"].split() == [str(user.uid)] * 4 and got["Gid"].split() == [str(user.gid)] * 4
     # RLIMIT_NOFILE is the container's (what crun gave its init).
     mine, _, _ = await run_entered(helper, ctx, h, ["grep", "Max open files", "/proc/self/limits"], user=user)
-    init = [x for x in Path(f"/proc/{h['pid']}/limits").read_text().splitlines() if "Max open files" in x]
+    init = [x for x in Path(f"/proc/{h.pid}/limits").read_text().splitlines() if "Max open files" in x]
     assert mine.decode().splitlines() == init
 
 
@@ -512,7 +512,7 @@ async def test_killing_the_helper_alone_kills_its_command(helper: Path, made: Ma
 
 def foreign_tasks(sandbox_id: str, handle: dict[str, Any]) -> set[int]:
     """Live processes in the sandbox's memory cgroup other than its init."""
-    return {pid for pid in cgroups.pids(sandbox_id) if not _dead(pid)} - {int(handle["pid"])}
+    return {pid for pid in cgroups.pids(sandbox_id) if not _dead(pid)} - {handle.pid}
 
 
 def _cmdline(pid: int) -> bytes:
@@ -535,14 +535,14 @@ def _dead(pid: int) -> bool:
 async def test_a_recycled_or_dead_init_is_an_infra_failure(helper: Path, made: Made) -> None:
     ctx, h = await sandbox(made)
     with pytest.raises(InfraFailure, match="start time"):
-        await entered(helper, ctx, {**h, "start_time": int(h["start_time"]) + 1}, ["true"])
+        await entered(helper, ctx, h.model_copy(update={"start_time": int(h.start_time or 0) + 1}), ["true"])
     # A PID that now names another process (here: the test itself) is refused the same way.
     with pytest.raises(InfraFailure, match="not the sandbox's init"):
-        await entered(helper, ctx, {**h, "pid": os.getpid()}, ["true"])
+        await entered(helper, ctx, h.model_copy(update={"pid": os.getpid()}), ["true"])
     dead = await asyncio.create_subprocess_exec("true")
     await dead.wait()
     with pytest.raises(InfraFailure, match="gone"):
-        await entered(helper, ctx, {**h, "pid": dead.pid}, ["true"])
+        await entered(helper, ctx, h.model_copy(update={"pid": dead.pid}), ["true"])
     await made.backend.destroy(ctx.sandbox_id, h, ctx.workdir)
     with pytest.raises(InfraFailure):
         await entered(helper, ctx, h, ["true"])

@@ -118,6 +118,7 @@ async def test_a_shell_let_go_ends_and_its_children_live_on(helper: Path, made: 
 _EDGE = """
 import asyncio, json, sys
 from pathlib import Path
+from dsec.backends.container.handle import ContainerHandle
 from dsec.executor.process import descendants, watch_children_with_pidfds
 from dsec.executor.session import DRIVER
 from dsec.native import enter
@@ -130,7 +131,9 @@ async def main():
     spawner.start(Path(sys.argv[1]))
     sid, handle, helper = json.loads(sys.argv[2])
     argv = ["sh", "-c", DRIVER]
-    shell = await enter.spawn_session(sid, handle, argv, env={}, cwd="/", user=ROOT, helper=Path(helper))
+    shell = await enter.spawn_session(
+        sid, ContainerHandle.of(handle), argv, env={}, cwd="/", user=ROOT, helper=Path(helper)
+    )
     print(json.dumps([shell.pid, *descendants(shell.pid)]), flush=True)
     await asyncio.sleep(3600)
 
@@ -147,7 +150,7 @@ async def test_a_killed_edge_lets_its_session_shells_go(helper: Path, made: Made
         "-c",
         _EDGE,
         str(spawn_helper),
-        json.dumps([ctx.sandbox_id, h, str(helper)]),
+        json.dumps([ctx.sandbox_id, h.dump(), str(helper)]),
         stdout=asyncio.subprocess.PIPE,
         cwd=Path(__file__).parents[2],
     )

@@ -22,7 +22,7 @@ def children(pid: int) -> list[int]:
 
 async def test_an_idle_sandbox_is_one_process(made: Made) -> None:  # noqa: F811
     ctx, h = await sandbox(made)
-    init = int(h["pid"])
+    init = h.pid
     # crun exits once the init is set up, maybe a moment before the init's own execve.
     await eventually(lambda: Path(f"/proc/{init}/cmdline").read_bytes() == b"/.dsec/dsec-init\0", "exec")
     assert [p for p in cgroups.pids(ctx.sandbox_id) if not _dead(p)] == [init]
@@ -31,7 +31,7 @@ async def test_an_idle_sandbox_is_one_process(made: Made) -> None:  # noqa: F811
 
 async def test_orphans_are_reaped_by_the_init(helper: Path, made: Made) -> None:  # noqa: F811
     ctx, h = await sandbox(made)
-    init = int(h["pid"])
+    init = h.pid
     # Each subshell exits at once: its `true` is orphaned to the init, and exits too.
     _, _, code = await run_entered(
         helper, ctx, h, ["sh", "-c", "for i in 1 2 3 4 5 6 7 8; do (true &); done"]

@@ -73,7 +73,7 @@ async def test_the_next_sandbox_in_a_bucket_runs_in_the_cgroups_of_a_destroyed_o
     # Nothing of the first sandbox is charged to the second (its 8 MB file went with it).
     assert int(cgroup_file("memory", second, "memory.max_usage_in_bytes")) < 4 * MiB
     assert int(cgroup_file("memory", second, "memory.failcnt")) == 0
-    init = str(handle["pid"])
+    init = str(handle.pid)
     for h in cgroups.hierarchies():  # in every hierarchy, the new init and nothing else
         assert (h / cgroups.rel(second.sandbox_id) / "cgroup.procs").read_text().split() == [init], h
     out, _, code = await run_entered(helper, second, handle, ["cat", "/proc/self/cgroup"])

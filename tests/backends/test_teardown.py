@@ -89,7 +89,7 @@ async def test_a_sandbox_whose_init_is_gone_is_still_destroyed(
     made: Made,  # noqa: F811
 ) -> None:
     ctx, handle = await sandbox(made)
-    os.kill(int(handle["pid"]), 9)
+    os.kill(handle.pid, 9)
     await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
     assert cgroups.sandbox_dirs(ctx.sandbox_id) == [] and not ctx.workdir.exists()
     assert ctx.sandbox_id not in await backend.leftovers()

@@ -23,6 +23,7 @@ from dsec.backends.microvm import forks as forks_mod
 from dsec.backends.microvm import host, kit, qemu, vsock
 from dsec.backends.microvm.backend import MicroVMBackend
 from dsec.backends.microvm.channel import AgentChannel
+from dsec.backends.microvm.handle import MicroVmHandle, RecordedVm
 from dsec.backends.microvm.kit import GuestKit
 from dsec.backends.microvm.vsock import Cids, VsockAddr
 from dsec.protocol.errors import InfraFailure, InvalidRequest
@@ -92,11 +93,13 @@ def test_a_handle_gives_back_its_cid_and_its_agent_address(tmp_path: Path) -> No
     vm = {k: str(v) if isinstance(v, Path) else v for k, v in vars(c).items()}
     vm["layers"] = []
     vm = json.loads(json.dumps(vm))  # as the journal keeps it
-    assert host.config_of(vm).vsock_cid == 70002
-    assert host.agent_addr({"dir": str(tmp_path), "vm": vm}) == VsockAddr(70002, vsock.AGENT_PORT)
-    assert host.agent_addr({"dir": str(tmp_path), "vm": {**vm, "vsock_cid": None}}) == (
-        host.socket_dir(tmp_path) / "agent.sock"
+    assert RecordedVm.model_validate(vm).config().vsock_cid == 70002
+    assert host.agent_addr(MicroVmHandle.model_validate({"dir": str(tmp_path), "vm": vm})) == VsockAddr(
+        70002, vsock.AGENT_PORT
     )
+    assert host.agent_addr(
+        MicroVmHandle.model_validate({"dir": str(tmp_path), "vm": {**vm, "vsock_cid": None}})
+    ) == (host.socket_dir(tmp_path) / "agent.sock")
     assert host.config_addr(config(tmp_path)) == tmp_path / "agent.sock"
 
 
@@ -287,7 +290,7 @@ async def test_vsock_vms_get_unique_cids_journaled_reconnected_and_released(
     await b.detect_channel()
     h1 = await b.create(ctx(tmp_path, "sb-one"))
     h2 = await b.create(ctx(tmp_path, "sb-two"))
-    cid1, cid2 = h1["vm"]["vsock_cid"], h2["vm"]["vsock_cid"]
+    cid1, cid2 = h1.recorded().vsock_cid, h2.recorded().vsock_cid
     assert cid1 != cid2 and min(cid1, cid2) >= 3
     assert [c.vsock_cid for c in vmm.configs] == [cid1, cid2]
     argv = qemu.microvm_argv(vmm.configs[0])
@@ -295,28 +298,28 @@ async def test_vsock_vms_get_unique_cids_journaled_reconnected_and_released(
     assert connects == [VsockAddr(cid1), VsockAddr(cid2)]  # the agent at the VM's CID
     journal = json.loads((b.state_dir / "sb-one.json").read_text())
     assert journal["vm"]["vsock_cid"] == cid1
-    assert b.cids.owner(cid1) == h1["dir"]
+    assert b.cids.owner(cid1) == h1.dir
 
     # An edge restarted: a new backend reconnects to the CID the handle journaled.
     again = make_backend(tmp_path, vmm, "auto", True)
     await again.detect_channel()
-    await again._channel("sb-one", journal)
+    await again._channel("sb-one", MicroVmHandle.model_validate(journal))
     assert connects[-1] == VsockAddr(cid1)
 
     # A fork of it: the same device (the saved state has it) at a CID of its own.
     source = await again.fork_source("sb-one", journal)
     try:
         fork = await again.create_fork(ctx(tmp_path, "sb-fork"), source)
-        cid3 = fork["vm"]["vsock_cid"]
+        cid3 = fork.recorded().vsock_cid
         assert cid3 not in (cid1, cid2) and vmm.configs[-1].vsock_cid == cid3
         assert connects[-1] == VsockAddr(cid3)
-        await again.destroy("sb-fork", fork, Path(fork["dir"]))
+        await again.destroy("sb-fork", fork, Path(fork.dir))
         assert again.cids.owner(cid3) is None
     finally:
-        forks_mod.drop(Path(source["dir"]), None)
+        forks_mod.drop(Path(source.dir), None)
 
-    await again.destroy("sb-one", journal, Path(h1["dir"]))
-    await b.destroy("sb-two", h2, Path(h2["dir"]))
+    await again.destroy("sb-one", journal, Path(h1.dir))
+    await b.destroy("sb-two", h2, Path(h2.dir))
     assert again.cids.claimed() == {}
 
 
@@ -324,10 +327,10 @@ async def test_serial_vms_have_no_cid(tmp_path: Path, vmm: FakeVmm, connects: li
     b = make_backend(tmp_path, vmm, "auto", False)
     await b.detect_channel()
     h = await b.create(ctx(tmp_path, "sb-serial"))
-    assert h["vm"]["vsock_cid"] is None and "vsock_cid" not in h
-    assert connects == [Path(h["sockets"]) / "agent.sock"]
+    assert h.recorded().vsock_cid is None and "vsock_cid" not in h.dump()
+    assert connects == [Path(h.sockets) / "agent.sock"]
     assert "virtserialport,chardev=agent,name=dsec.agent" in qemu.microvm_argv(vmm.configs[0])
-    await b.destroy("sb-serial", h, Path(h["dir"]))
+    await b.destroy("sb-serial", h, Path(h.dir))
 
 
 async def test_forcing_vsock_without_the_device_fails_the_create_naming_it(

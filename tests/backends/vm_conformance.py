@@ -19,6 +19,7 @@ from dsec import _linux
 from dsec.backends.base import Backend, CreateContext
 from dsec.backends.microvm import host
 from dsec.backends.microvm.backend import MicroVMBackend
+from dsec.backends.microvm.handle import MicroVmHandle
 from dsec.images.store import LayerStore
 
 from .conformance import BackendConformance, Made, build_layers, run
@@ -82,12 +83,13 @@ class VmConformance(BackendConformance):
 
     def assert_released(self, backend: Backend, sandbox_id: str, handle: dict[str, Any]) -> None:
         assert isinstance(backend, MicroVMBackend)
-        pid = int(handle.get("pid", 0))
+        h = MicroVmHandle.of(handle)
+        pid = h.pid
         if pid:
-            assert _linux.proc_start_time(pid) != handle.get("start_time"), "its QEMU outlived it"
+            assert _linux.proc_start_time(pid) != h.start_time, "its QEMU outlived it"
         assert not (backend.state_dir / f"{sandbox_id}.json").exists(), "its journal entry outlived it"
-        if handle.get("dir"):
-            assert not host.socket_dir(Path(handle["dir"])).exists(), "its sockets outlived it"
+        if h.dir:
+            assert not host.socket_dir(Path(h.dir)).exists(), "its sockets outlived it"
         assert sandbox_id not in backend._channels, "the backend still holds its agent channel"
 
 

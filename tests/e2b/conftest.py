@@ -136,6 +136,13 @@ async def e2b(request: pytest.FixtureRequest, node: EmbeddedNode, e2b_keys: tupl
     return E2B(request.param, python, node.url, *e2b_keys)
 
 
+@pytest.fixture
+async def e2b_latest(node: EmbeddedNode, e2b_keys: tuple[str, str]) -> E2B:
+    """The newest SDK alone, for routes and answers that do not differ by SDK version."""
+    python = await asyncio.to_thread(ensure_venv, E2B_VERSIONS[0])
+    return E2B(E2B_VERSIONS[0], python, node.url, *e2b_keys)
+
+
 @pytest.fixture(autouse=True)
 async def _stop_e2b_sandboxes(node: EmbeddedNode) -> AsyncIterator[None]:
     yield

@@ -52,3 +52,35 @@ async def test_base_is_a_public_template_and_answers_to_python(e2b: E2B) -> None
         timeout=240,
     )
     assert out == {"exists": True, "py": "42\n"}
+
+
+async def test_listings_and_watch_entries_carry_metadata_and_directories_a_size(
+    e2b_latest: E2B,
+) -> None:
+    """E2B's test_metadata_surfaced_when_listing, test_get_info_of_directory and
+    test_watch_directory_changes_with_entry_info: ListDir's entries carry each file's metadata;
+    a directory's size is ext4's (whole 4 KiB blocks, at least one), not btrfs's 0; a sync
+    watcher polled right after a write already holds the write, with its entry."""
+    out = await e2b_latest.run(
+        """
+        from e2b import FilesystemEventType
+        sbx = Sandbox.create(timeout=120)
+        sbx.files.make_dir("/srv/d/empty")
+        sbx.files.write("/srv/d/f.txt", "x", metadata={"tag": "listed"})
+        sbx.files.write("/srv/d/g.txt", "y")
+        listed = {e.name: [e.metadata, e.size] for e in sbx.files.list("/srv/d")}
+        empty = sbx.files.get_info("/srv/d/empty").size
+        writes = []
+        for n in range(5):
+            handle = sbx.files.watch_dir("/srv/d", include_entry=True)
+            sbx.files.write("/srv/d/f.txt", "z" * (n + 1))
+            events = handle.get_new_events()
+            handle.stop()
+            writes.append([[e.entry.name, e.entry.size] if e.entry else None
+                           for e in events if e.type == FilesystemEventType.WRITE])
+        print(json.dumps({"listed": listed, "empty": empty, "writes": writes}))
+        """
+    )
+    assert out["listed"] == {"empty": [None, 4096], "f.txt": [{"tag": "listed"}, 1], "g.txt": [None, 1]}
+    assert out["empty"] == 4096
+    assert out["writes"] == [[["f.txt", n + 1]] for n in range(5)], out["writes"]

@@ -45,7 +45,7 @@ async def test_a_best_effort_microvm_runs_its_qemu_idle(client: DSecClient, node
     try:
         record = node.edge.journal.get(vm.id)
         assert record is not None
-        pid = int(record.handle["pid"])
+        pid = record.handle.pid
         threads = Path(f"/proc/{pid}/task").iterdir()
         assert {int((t / "stat").read_text().rsplit(")", 1)[1].split()[38]) for t in threads} == {SCHED_IDLE}
         assert (await vm.run_shell("echo up")).stdout == "up\n"

@@ -241,7 +241,7 @@ async def test_links_and_rules_survive_an_edge_restart(
 ) -> None:
     cfg = node_config(tmp_path, data_dir=tmp_path / "node")
     cfg.node, cfg.microvm, cfg.vm = "egr", False, False
-    cfg.edge["egress"] = mirror.egress_config(pool="10.232.0.0/24")
+    cfg.edge["egress"] = mirror.egress_config(pool=f"{mirror.net(2)}.0/24")
     async with RestartedNode(cfg) as n:
         table = n.node.edge.egress.table
         async with DSecClient(n.node.url, n.node.api_key) as c:

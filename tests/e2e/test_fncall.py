@@ -167,7 +167,7 @@ async def test_a_crashed_pool_sandbox_is_replaced_without_failing_other_calls(
     victim = next(iter(pool._workers))
     record = fn_node.edge.journal.get(victim)
     assert record is not None
-    os.kill(int(record.handle["pid"]), signal.SIGKILL)  # the sandbox's init: everything in it dies
+    os.kill(record.handle.pid, signal.SIGKILL)  # the sandbox's init: everything in it dies
     calls = [py("print('ok')") for _ in range(4 * POOL_SIZE)]
     results = await fn.fncall_many(calls, concurrency=4, pool="default")
     assert all(isinstance(r, FnResult) and r.stdout == "ok\n" for r in results), results

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dsec import DSecClient, DSecContainerRunArgs
 from tests.conftest import BASE, Sandboxes, node_config
-from tests.netpolicy.mirror import egress_config
+from tests.netpolicy.mirror import egress_config, net
 from tests.support import RestartedNode
 
 
@@ -46,7 +46,7 @@ async def test_a_permission_held_before_an_edge_restart_is_still_recorded(
     base_layer: str, tmp_path: Path
 ) -> None:
     cfg = node_config(tmp_path, data_dir=tmp_path / "node")
-    cfg.edge["egress"] = egress_config(pool="10.236.0.0/24")  # beside the session's node
+    cfg.edge["egress"] = egress_config(pool=f"{net(6)}.0/24")  # beside the session's node
     async with RestartedNode(cfg) as nodes:
         async with DSecClient(nodes.node.url, nodes.node.api_key) as c:
             sb = await c.run_container(

@@ -23,6 +23,7 @@ from dsec import (
     _linux,
 )
 from dsec.backends.microvm.backend import MicroVMBackend
+from dsec.backends.microvm.handle import MicroVmHandle
 from dsec.backends.microvm.templates import TemplateKey
 from dsec.native import spawner
 from dsec.node.embedded import EmbeddedNode
@@ -39,7 +40,7 @@ pytestmark = [
 def qemu_of(node: EmbeddedNode, sandbox_id: str) -> int:
     record = node.edge.journal.get(sandbox_id)
     assert record is not None
-    return int(record.handle["pid"])
+    return record.handle.pid
 
 
 def spans(size: int) -> Callable[[str], bool]:
@@ -224,7 +225,7 @@ async def test_creates_clone_a_template_after_the_first_boot(client: DSecClient,
         try:
             for clone in (a, b):
                 record = node.edge.journal.get(clone.id)
-                assert record is not None and "template" in record.handle, "created from the template"
+                assert record is not None and "template" in record.handle.dump(), "created from the template"
             await a.write_file("/root/who", "a")
             await b.write_file("/root/who", "b")
             assert (await a.read_file("/root/who"), await b.read_file("/root/who")) == (b"a", b"b")
@@ -250,7 +251,7 @@ async def test_pausing_a_microvm_saves_it_to_a_file_and_ends_its_qemu(
         assert (await sb.pause()).state is SandboxState.paused
         assert not running(pid), "the paused VM's QEMU ended: its memory went back to the host"
         record = node.edge.journal.get(sb.id)
-        assert record is not None and Path(record.handle["snapshot"]).stat().st_size > 0
+        assert record is not None and Path(str(MicroVmHandle.of(record.handle).snapshot)).stat().st_size > 0
         # Any request resumes it from the file, with its processes, memory and disk.
         r = await sb.run_shell(f"echo $((counter + 1)); kill -0 {bg} && echo running; cat /root/disk.txt")
         assert r.stdout == "42\nrunning\ndata\n"

@@ -25,7 +25,7 @@ from tests.netpolicy import mirror
 from tests.registry.fake_registry import PROJECT
 from tests.registry.tls import Authority
 
-POOL = "10.237.0.0/24"  # beside the session's node
+POOL = f"{mirror.net(7)}.0/24"  # beside the session's node
 GATEWAY = str(ipaddress.ip_network(POOL).network_address + 1)
 GOOD, WRONG = 8443, 8444  # the fake registry's HTTPS ports: a right certificate, another host's
 PYPI, PYPI_WRONG = 13151, 13152

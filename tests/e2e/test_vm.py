@@ -16,6 +16,7 @@ import pytest
 from dsec import DSecClient, DSecVMRunArgs, InvalidRequest, SandboxState
 from dsec.apiserver.vm_images import vm_image_store
 from dsec.backends.vm.backend import FullVMBackend
+from dsec.backends.vm.handle import VmHandle
 from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes
@@ -74,13 +75,13 @@ async def test_a_full_vm_boots_its_disk_runs_the_sdk_and_shows_what_it_draws(
         # The base it boots from survives a collection with no grace at all: its handle names it.
         backend = next(b for b in node.more_backends if isinstance(b, FullVMBackend))
         record = node.edge.journal.get(vm.id)
-        assert record is not None and record.handle["base"] in backend.bases_in_use()
+        assert record is not None and VmHandle.of(record.handle).base in backend.bases_in_use()
         backend.base_grace_s, grace = 0.0, backend.base_grace_s
         try:
             assert backend.collect_unused() == []
         finally:
             backend.base_grace_s = grace
-        assert backend.bases.image(record.handle["base"]).exists()
+        assert backend.bases.image(str(VmHandle.of(record.handle).base)).exists()
         kernel = (await vm.run_shell("uname -r")).stdout.strip()
         assert kernel.endswith("-amd64") and "cloud" not in kernel, "Debian's full kernel"
         assert (await vm.run_shell("df --output=fstype / | tail -1")).stdout.strip() == "ext4"

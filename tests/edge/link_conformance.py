@@ -42,6 +42,7 @@ from dsec.protocol.models import (
     ExecEvent,
     FileType,
     Hardware,
+    InputEvent,
     SandboxState,
     ShellRequest,
 )
@@ -51,6 +52,40 @@ from tests.unit.conftest import TINY
 
 from .conftest import EdgeEnv
 from .process_conformance import ProcessConformance
+
+# Which test of the suite drives each sandbox operation (dsec.protocol.ops) through a link:
+# tests/edge/test_ops_registry.py fails when an operation has none, or names a test not here.
+OP_CASES: dict[str, str] = {
+    "stat": "test_files_round_trip",
+    "list_dir": "test_files_round_trip",
+    "mkdir": "test_files_round_trip",
+    "remove": "test_files_round_trip",
+    "move": "test_move_renames_inside_the_sandbox_and_is_recorded",
+    "set_xattrs": "test_xattrs_are_set_replaced_and_kept_to_the_user_namespace",
+    "xattrs": "test_xattrs_are_set_replaced_and_kept_to_the_user_namespace",
+    "changes": "test_file_names_are_bytes",
+    "watch_dir": "test_a_watch_sees_create_write_rename_chmod_remove_in_order",
+    "pause": "test_a_paused_sandbox_resumes_on_its_next_request",
+    "resume": "test_resuming_a_running_sandbox_changes_nothing",
+    "set_network_rules": "test_a_fork_spec_network_rules_metrics_and_what_only_full_vms_do",
+    "set_deadline": "test_a_deadline_stops_or_pauses_and_a_resume_restarts_it",
+    "trajectory": "test_the_trajectory_lists_requests_in_order_and_pages",
+    "metrics": "test_a_fork_spec_network_rules_metrics_and_what_only_full_vms_do",
+    "screenshot": "test_a_fork_spec_network_rules_metrics_and_what_only_full_vms_do",
+    "fork_local": "test_a_fork_spec_network_rules_metrics_and_what_only_full_vms_do",
+    "send_input": "test_a_fork_spec_network_rules_metrics_and_what_only_full_vms_do",
+    "fork_spec": "test_a_fork_spec_network_rules_metrics_and_what_only_full_vms_do",
+    "run_shell": "test_shell_sessions_keep_their_state",
+    "commit": "test_commit_packs_the_sandbox_into_a_layer",
+    "exec": "test_exec_streams_with_stdin_env_and_exit",
+    "start_process": "test_a_process_reports_its_sandbox_pid_separate_streams_and_exit_code",
+    "connect_process": "test_a_detached_process_runs_on_and_a_later_attach_sees_what_follows",
+    "list_processes": "test_a_signal_reaches_the_whole_tree_and_list_forgets_the_ended",
+    "send_process_input": "test_input_reaches_cat_and_closing_stdin_ends_it",
+    "close_process_stdin": "test_input_reaches_cat_and_closing_stdin_ends_it",
+    "signal_process": "test_a_signal_reaches_the_whole_tree_and_list_forgets_the_ended",
+    "resize_process": "test_a_pty_process_has_a_terminal_of_the_size_asked_and_resizes",
+}
 
 SecretLink = Callable[[str | None], Awaitable[EdgeLink]]
 BIG = 32 << 20
@@ -259,6 +294,29 @@ class LinkConformance(ProcessConformance):
         assert await read_all(link, again.id, "/made.txt") == b"committed\n"
         for sid in (info.id, again.id):
             await link.stop(sid)
+
+    async def test_a_fork_spec_network_rules_metrics_and_what_only_full_vms_do(
+        self, link: EdgeLink, edge_env: EdgeEnv
+    ) -> None:
+        labelled = spec().model_copy(update={"labels": {PROJECT_LABEL: "p1"}})
+        sid = (await link.create(labelled)).id
+        await link.write_stream(sid, "/forked.txt", one_chunk(b"f"))
+        copy, layer = await link.fork_spec(sid, "forked:1")
+        assert "forked:1" in layer.names and copy.layers == [edge_env.tiny, layer.digest]
+        assert copy.labels == {PROJECT_LABEL: "p1"}  # the edge's own record, reserved label kept
+        with pytest.raises(InvalidRequest, match="unknown network permission"):
+            await link.set_network_rules(sid, {"no-such-permission": True})
+        assert all(s.ts > 0 for s in await link.metrics(sid))
+        with pytest.raises(SandboxNotFound):
+            await link.metrics(str(SandboxId.new(edge_env.edge.config.node, edge_env.edge.epoch)))
+        with pytest.raises(InvalidRequest, match="no display"):
+            await link.screenshot(sid)
+        with pytest.raises(InvalidRequest, match="no display"):
+            await link.send_input(sid, [InputEvent(type="text", text="x")])
+        new_id = str(SandboxId.new(edge_env.edge.config.node, edge_env.edge.epoch))
+        with pytest.raises(InvalidRequest, match="cannot be forked whole"):
+            await link.fork_local(sid, [new_id])
+        await link.stop(sid)
 
     # -- files --------------------------------------------------------------------------------
 

@@ -65,8 +65,8 @@ async def test_samples_cross_the_link_and_the_range_holds(link: EdgeLink, ct_edg
 
 
 async def test_a_bad_time_is_a_400_on_the_wire(server: EdgeServer, ct_edge: Edge) -> None:
-    url = f"{server.url}/edge/v1/sandboxes/sb-{CT_NODE}-{ct_edge.epoch}-{'a' * 20}/metrics"
+    url = f"{server.url}/edge/v1/sandboxes/sb-{CT_NODE}-{ct_edge.epoch}-{'a' * 20}/ops/metrics"
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {SECRET}"}) as http:
         for bad in ("-1", "1e9", "99999999999", "now"):
-            async with http.get(url, params={"start": bad}) as r:
+            async with http.post(url, json={"start": bad}) as r:
                 assert r.status == 400, bad

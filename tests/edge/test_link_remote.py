@@ -9,6 +9,7 @@ import secrets
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 import pytest
@@ -18,12 +19,14 @@ from dsec.edge.edge import Edge
 from dsec.edge.link import EdgeLink, LocalEdgeLink
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, SECRET_ENV, EdgeServer, read_cluster_secret
 from dsec.protocol.errors import InfraFailure, InvalidRequest, SandboxNotFound, Unauthorized, error_from_wire
-from dsec.protocol.models import ContainerSpec, ExecEvent
+from dsec.protocol.models import ContainerSpec
+from dsec.protocol.ops import Exec, Stream
 
 from .conftest import CT_NODE, NODE, EdgeEnv
 from .link_conformance import LinkConformance, drain, read_all, spec
 
 SECRET = secrets.token_urlsafe(32)
+E = TypeVar("E")
 
 
 @pytest.fixture
@@ -162,12 +165,11 @@ class BreakingLink(LocalEdgeLink):
             yield chunk
             raise OSError("the disk went away")
 
-    async def exec_stream(
-        self, sandbox_id: str, argv: list[str], **kw: object
-    ) -> AsyncGenerator[ExecEvent, None]:
-        async for event in super().exec_stream(sandbox_id, argv, **kw):  # type: ignore[arg-type]
+    async def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
+        async for event in super().stream(sandbox_id, op):
             yield event
-            raise SandboxNotFound("the sandbox vanished mid-command")
+            if isinstance(op, Exec):
+                raise SandboxNotFound("the sandbox vanished mid-command")
 
 
 async def test_streams_that_break_off_are_errors_not_short_results(edge_env: EdgeEnv, links: Links) -> None:

@@ -59,9 +59,12 @@ class Runner:
         non_root_uid: int | None = None,
         runner_path: Path = RUNNER_PATH,
         mergeable: int | None = None,
+        without_sys_admin: bool = False,
     ) -> None:
         """As root with a fresh call uid; or, with ``non_root_uid``, the whole runner as that uid.
-        ``mergeable``: the pool's hash seed, as an edge running ksmd passes it."""
+        ``mergeable``: the pool's hash seed, as an edge running ksmd passes it.
+        ``without_sys_admin``: root without CAP_SYS_ADMIN, so no namespace per call, as in a
+        pool sandbox."""
         self.workdir = workdir
         self.uid = fresh_uid() if non_root_uid is None else non_root_uid
         argv = [SYSTEM_PYTHON, str(runner_path), "--workdir", str(workdir), "--preload", preload]
@@ -71,6 +74,8 @@ class Runner:
             argv += ["--uid", str(self.uid), "--gid", str(self.uid)]
         else:
             argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", *argv]
+        if without_sys_admin:
+            argv = ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", *argv]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._buf = b""
         self.ready = FnRunnerReady.model_validate(self.read_line())

@@ -15,8 +15,18 @@ from pathlib import Path
 from dsec.netpolicy.config import EgressConfig, Endpoint, Rule
 from dsec.registry.config import Registry
 
-ADDRESS = "10.231.0.2"
-HOST_SIDE = "10.231.0.1"
+# Concurrent test runs (each with its own DSEC_TEST_DATA_DIR) need addresses of their own: the
+# mirror's /24 is net(1), the /24 pools single tests configure beside the session's node net(n).
+NETS = os.environ.get("DSEC_TEST_NETS", "10.23{}.0")
+
+
+def net(n: int) -> str:
+    """The tests' n-th /24 (n < 10), as its first three octets."""
+    return NETS.format(n)
+
+
+ADDRESS = f"{net(1)}.2"
+HOST_SIDE = f"{net(1)}.1"
 PORT, OTHER_PORT = 8080, 8081
 HTTPS_PORT, HTTP_PORT = 443, 80  # the ports the edge checks by name (TLS server name, HTTP Host)
 NAME, OTHER_NAME = "mirror.test", "other.test"
@@ -49,7 +59,7 @@ def netns_name() -> str:
     return f"dsec-mirror-{os.getpid()}"
 
 
-# Concurrent test runs (each with its own DSEC_TEST_DATA_DIR) need pools of their own.
+# The session node's link pool (a concurrent run names another).
 POOL = os.environ.get("DSEC_TEST_EGRESS_POOL", "10.230.0.0/16")
 
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from dsec.backends.base import Tapped
-from dsec.backends.microvm import host, qemu
+from dsec.backends.microvm import qemu
 from dsec.backends.microvm.backend import MicroVMBackend
+from dsec.backends.microvm.handle import RecordedVm
 from dsec.edge.networking import Networking
 from dsec.netpolicy.policy import EgressPolicy
 from dsec.protocol.errors import InvalidRequest
@@ -37,7 +38,7 @@ def test_a_vm_with_a_tap_gets_a_card_on_it_and_its_address_on_the_command_line(
     assert "dsec.net=10.247.0.5,10.247.0.1" in argv[argv.index("-append") + 1].split()
     # A snapshot resume starts the same machine again from the handle's record of it.
     recorded = {k: str(v) if isinstance(v, Path) else v for k, v in vars(c).items()}
-    assert qemu.microvm_argv(host.config_of(recorded)) == argv
+    assert qemu.microvm_argv(RecordedVm.model_validate(recorded).config()) == argv
 
 
 class _Edge(Networking):

@@ -30,7 +30,7 @@ RACERS = 8
 def _inside(node: EmbeddedNode, sb: Sandbox, path: str) -> Path:
     """``path`` in the sandbox, reached from the host through its init (no request: a request
     would resume a paused sandbox)."""
-    pid = node.edge._live[sb.id].record.handle["pid"]
+    pid = node.edge._live[sb.id].record.handle.pid
     return Path(f"/proc/{pid}/root{path}")
 
 

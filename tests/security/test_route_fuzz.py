@@ -45,12 +45,10 @@ from dsec.protocol.models import (
     BatchCreateRequest,
     ContainerSpec,
     CreateRequest,
-    DeadlineRequest,
     ExecRequest,
     InputRequest,
     KeyCreate,
     LeaseRequest,
-    LocalForkRequest,
     NetworkRulesRequest,
     ProjectCreate,
     QuotaModel,
@@ -58,7 +56,22 @@ from dsec.protocol.models import (
     RetagRequest,
     ShellRequest,
 )
-from dsec.protocol.processes import ProcessSignal, ProcessStart, PtySize
+from dsec.protocol.ops import (
+    Changes,
+    Exec,
+    ForkLocal,
+    Mkdir,
+    Remove,
+    ResizeProcess,
+    RunShell,
+    SendInput,
+    SetDeadline,
+    SignalProcess,
+    StartProcess,
+    Stat,
+    Trajectory,
+    WatchDir,
+)
 from tests.conftest import Sandboxes
 
 EXAMPLES = 800  # seconds of requests; every route gets a dozen or more
@@ -145,27 +158,29 @@ def _routes(project: str) -> list[Route]:
 def _edge_routes(project: str) -> list[Route]:
     """The edge server's routes (what apiservers of a cluster call), served over the same node."""
     e = "/edge/v1"
+    o, st_ = e + "/sandboxes/{id}/ops", e + "/sandboxes/{id}/streams"
     quick = {"timeout": 5}
     return [
         Route("POST", f"{e}/sandboxes", ContainerSpec, {"type": "container", "image": NOWHERE}),
         Route("GET", f"{e}/sandboxes", params={"label": "fuzz=none"}),
         Route("POST", f"{e}/bulk/pause", params={"label": "fuzz=none", "within": project}),
         Route("POST", e + "/leases/{job}", LeaseRequest, {"lease_s": 60}, params={"within": project}),
-        Route("POST", e + "/sandboxes/{id}/shell", ShellRequest, {"command": "true", **quick}),
-        Route("POST", e + "/sandboxes/{id}/exec", ExecRequest, {"argv": ["true"], **quick}),
-        Route("PUT", e + "/sandboxes/{ghost}/deadline", DeadlineRequest, {"timeout_s": 60}),
-        Route("POST", e + "/sandboxes/{ghost}/fork-local", LocalForkRequest, {"ids": ["x"]}),
-        Route("POST", e + "/sandboxes/{id}/input", InputRequest, {"events": [{"type": "text", "text": "x"}]}),
-        Route("GET", e + "/sandboxes/{id}/trajectory", params={"after": "0", "limit": "10"}),
-        Route("GET", e + "/sandboxes/{id}/changes", params={"under": "/tmp"}),
-        Route("GET", e + "/sandboxes/{id}/files/stat", params={"path": "/tmp"}),
+        Route("POST", o + "/run_shell", RunShell, {"command": "true", **quick}),
+        Route("POST", st_ + "/exec", Exec, {"argv": ["true"], **quick}),
+        Route("POST", e + "/sandboxes/{ghost}/ops/set_deadline", SetDeadline, {"timeout_s": 60}),
+        Route("POST", e + "/sandboxes/{ghost}/ops/fork_local", ForkLocal, {"ids": ["x"]}),
+        Route("POST", o + "/send_input", SendInput, {"events": [{"type": "text", "text": "x"}]}),
+        Route("POST", o + "/trajectory", Trajectory, {"after": 0, "limit": 10}),
+        Route("POST", o + "/changes", Changes, {"under": "/tmp"}),
+        Route("POST", o + "/stat", Stat, {"path": "/tmp"}),
         Route("PUT", e + "/sandboxes/{id}/files/content", params={"path": "/tmp/fuzz-e", "mode": "644"}),
-        Route("POST", e + "/sandboxes/{id}/files/mkdir", params={"path": "/tmp/fuzz-ed", "parents": "true"}),
-        Route("DELETE", e + "/sandboxes/{id}/files", params={"path": "/tmp/fuzz-none", "recursive": "false"}),
-        Route("POST", e + "/sandboxes/{id}/processes", ProcessStart, {"argv": ["true"], "stdin": False}),
-        Route("POST", e + "/sandboxes/{id}/processes/999999/signal", ProcessSignal, {"signal": 15}),
-        Route("POST", e + "/sandboxes/{id}/processes/999999/resize", PtySize, {"rows": 24, "cols": 80}),
-        Route("GET", e + "/sandboxes/{id}/watch", params={"path": "/tmp", "recursive": "false"}),
+        Route("POST", o + "/mkdir", Mkdir, {"path": "/tmp/fuzz-ed", "parents": True}),
+        Route("POST", o + "/remove", Remove, {"path": "/tmp/fuzz-none", "recursive": False}),
+        Route("POST", st_ + "/start_process", StartProcess, {"argv": ["true"], "stdin": False}),
+        Route("POST", o + "/signal_process", SignalProcess, {"pid": 999999, "signal": 15}),
+        Route("POST", o + "/resize_process", ResizeProcess, {"pid": 999999, "rows": 24, "cols": 80}),
+        # A valid watch runs until closed: aimed at no sandbox, every case still meets validation.
+        Route("POST", e + "/sandboxes/{ghost}/streams/watch_dir", WatchDir, {"path": "/tmp"}),
         Route("POST", f"{e}/fncall", FnTask, {"language": "python", "code": "print(1)", "run_timeout_s": 1}),
     ]  # fmt: skip
 

@@ -15,6 +15,7 @@ import pytest
 
 from dsec.backends.base import User
 from dsec.backends.container.backend import ContainerBackend
+from dsec.backends.container.handle import ContainerHandle
 from dsec.density import coresched
 from dsec.density.coresched import Support
 from dsec.native import enter
@@ -120,7 +121,13 @@ def test_a_new_cookie_covers_the_calling_process_and_what_it_forks(monkeypatch: 
 def test_later_processes_share_the_inits_cookie_only_when_it_got_one(tmp_path: Path) -> None:
     def argv(handle: dict[str, object]) -> list[str]:
         return enter.helper_argv(
-            tmp_path / "dsec-enter", "sid", handle, cwd="/", user=ROOT, spec_fd=3, status_fd=4
+            tmp_path / "dsec-enter",
+            "sid",
+            ContainerHandle.of(handle),
+            cwd="/",
+            user=ROOT,
+            spec_fd=3,
+            status_fd=4,
         )
 
     base = {"pid": 42, "start_time": 7}

@@ -61,7 +61,7 @@ async def test_a_sandbox_that_died_while_the_edge_was_down_is_failed(nodes: Node
     assert record is not None
     backend = fake(node)
     await nodes.close(node)
-    os.kill(int(record.handle["pid"]), signal.SIGKILL)
+    os.kill(record.handle.pid, signal.SIGKILL)
     await eventually(lambda: _dead(backend, doomed.id, record.handle), "the sandbox to die")
 
     node = await nodes.start(backend=backend)
@@ -130,7 +130,7 @@ async def test_a_sandbox_that_dies_while_the_edge_runs_is_noticed(nodes: Nodes) 
         sandbox = await client.run_container(DSecContainerRunArgs(container_image=TINY))
         record = node.edge.journal.get(sandbox.id)
         assert record is not None
-        os.kill(int(record.handle["pid"]), signal.SIGKILL)
+        os.kill(record.handle.pid, signal.SIGKILL)
 
         async def not_running() -> bool:
             return (await client.get(sandbox.id)).info.state is not SandboxState.running
@@ -202,7 +202,12 @@ def test_a_journal_from_before_pausing_opens_keeps_its_sandboxes_and_stores_paus
     try:
         assert journal.meta("epoch") == "1"
         [rec] = journal.live()
-        assert (rec.id, rec.state, rec.spec, rec.handle) == (sid, SandboxState.running, spec, {"pid": 4242})
+        assert (rec.id, rec.state, rec.spec, rec.handle.dump()) == (
+            sid,
+            SandboxState.running,
+            spec,
+            {"pid": 4242},
+        )
         assert (rec.layers, rec.user, rec.created_at, rec.last_active_at) == (
             ["sha256:" + "b" * 64],
             ROOT_USER,

@@ -25,7 +25,7 @@ LOST_AFTER = 5.0
 
 
 class FakeEdge:
-    """Answers ``/shell`` by calling ``on_shell`` (which may hang or drop the connection)."""
+    """Answers a shell (``ops/run_shell``) by calling ``on_shell`` (which may hang or drop the connection)."""
 
     def __init__(self) -> None:
         self.shell_started = asyncio.Event()
@@ -52,7 +52,7 @@ async def drop_connection(request: web.Request) -> web.StreamResponse:
 async def edge() -> AsyncIterator[tuple[FakeEdge, str]]:
     fake = FakeEdge()
     app = web.Application()
-    app.router.add_post(PREFIX + "/sandboxes/{id}/shell", fake.shell)
+    app.router.add_post(PREFIX + "/sandboxes/{id}/ops/run_shell", fake.shell)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     port = free_port()

@@ -32,6 +32,8 @@ from dsec.apiserver.e2b.templates import is_template_upload_path
 from dsec.apiserver.fncall import FnCallRoutes
 from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.layer_access import LayerLimits, layer_viewer
+from dsec.apiserver.op_routes import OpRoutes
+from dsec.apiserver.overflow import Overflow
 from dsec.apiserver.processes import SandboxProcessRoutes
 from dsec.apiserver.projects import ProjectRoutes, sync_storage_quotas
 from dsec.apiserver.sandboxes import SandboxRoutes
@@ -41,6 +43,10 @@ from dsec.edge.link import EdgeLink
 from dsec.iam import IamStore
 from dsec.images.oci import import_oci
 from dsec.images.store import LayerStore
+from dsec.observe.api_metrics import ApiMetrics
+from dsec.observe.audit import AUDIT_KEY, AuditLog, audited
+from dsec.observe.logs import echo_request_id, request_middleware
+from dsec.observe.metrics import serve_metrics
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import (
@@ -107,22 +113,27 @@ class ApiServer:
         *,
         e2b: E2BOptions | None = None,
         layer_limits: LayerLimits | None = None,
+        audit: AuditLog | None = None,
+        overflow: Overflow | None = None,
     ) -> None:
         self.edges = edges
+        self.audit = audit or AuditLog(None)  # None: admin actions go to the log only
         self.placement = placement
         self.store = store
         self.iam = iam
         self.layer_limits = layer_limits or LayerLimits()
         self.tenancy = Tenancy(iam)
-        self.sandboxes = SandboxRoutes(edges, placement, self.tenancy, store)
+        self.sandboxes = SandboxRoutes(edges, placement, self.tenancy, store, overflow=overflow)
         self.fncalls = FnCallRoutes(edges, placement)
         self.e2b = E2BFront(self.sandboxes, store, e2b)
+        self.prom = ApiMetrics(placement, edges)  # its own registry: an edge may share the process
 
     def app(self) -> web.Application:
         app = web.Application(
             # Sandbox traffic first: its paths are the sandbox's, and it carries no API key.
             middlewares=[
                 self.e2b.traffic.middleware,
+                request_middleware("apiserver"),  # outside the errors: it sees every answer
                 errors_middleware,
                 e2b_errors_middleware,
                 auth_middleware,
@@ -130,11 +141,15 @@ class ApiServer:
             client_max_size=64 << 20,
         )
         app[IAM_KEY] = self.iam
+        app[AUDIT_KEY] = self.audit
+        app.on_response_prepare.append(echo_request_id)  # X-Request-ID on every answer
         r = app.router
         r.add_get("/v1/health", self.health)
         r.add_get("/v1/nodes", self.nodes)
+        serve_metrics(app, self.prom, require_admin)  # GET /metrics, Prometheus (observe/api_metrics.py)
         self.sandboxes.register(r)
         SandboxProcessRoutes(self.sandboxes).register_public(r)  # terminals: apiserver/processes.py
+        OpRoutes(self.sandboxes).register(r)  # any operation as data: apiserver/op_routes.py
         JobRoutes(self.sandboxes, self.store).register(r)
         self.fncalls.register(r)
         r.add_get("/v1/layers", self.layers)
@@ -248,6 +263,7 @@ class ApiServer:
             await resp.write_eof()
             return resp
 
+    @audited("layer.retag", body=("ref", "target"))
     async def retag(self, request: web.Request) -> web.Response:
         """Move (or create) a tag: one of the key's subtree, to layers the key may see."""
         req: RetagRequest = await read_body(request, RetagRequest)
@@ -259,6 +275,7 @@ class ApiServer:
             )
         )
 
+    @audited("layer.untag", query=("ref",))
     async def untag(self, request: web.Request) -> web.Response:
         viewer = layer_viewer(request[PRINCIPAL])
         ref = query_param(request, "ref")
@@ -270,6 +287,7 @@ class ApiServer:
         ref = query_param(request, "ref")
         return respond(await asyncio.to_thread(lambda: self.store.verify(ref, viewer=viewer)))
 
+    @audited("layer.mark_public", query=("ref",))
     async def mark_public(self, request: web.Request) -> web.Response:
         """Make a layer or image (``?ref=``) usable by every project (admin keys only)."""
         require_admin(request)
@@ -282,6 +300,7 @@ class ApiServer:
 
         return respond(await asyncio.to_thread(mark))
 
+    @audited("layer.gc", body=("grace_s",))
     async def gc(self, request: web.Request) -> web.Response:
         """Delete blobs no tag names and no node uses; every edge reports what it has mounted."""
         require_admin(request)

@@ -26,6 +26,7 @@ from dsec.edge.link import EdgeLink
 from dsec.edge.registration import REGISTER_PATH
 from dsec.edge.server import check_secret, require_cluster_secret
 from dsec.iam import IamStore, NodeRecord
+from dsec.observe import audit
 
 log = logging.getLogger("dsec.apiserver.membership")
 
@@ -67,6 +68,9 @@ class Membership:
         self._apply(record, time.time())  # this instance knows at once; the others at their next read
         if not reg.heartbeat or record.epoch != reg.epoch:
             log.info("edge %s registered at %s with epoch %d", record.node, record.url, record.epoch)
+            # A node joining or coming back as a new incarnation; not its every heartbeat.
+            target = {"node": record.node, "url": record.url, "epoch": record.epoch}
+            await audit.record(request, "node.register", target, who={"cluster_secret": True})
         return respond({"node": record.node, "epoch": record.epoch, "url": record.url})
 
     def _apply(self, record: NodeRecord, read_at: float) -> None:

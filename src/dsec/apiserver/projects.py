@@ -23,6 +23,7 @@ from dsec.apiserver._http import PRINCIPAL, read_body, respond
 from dsec.iam import ROOT_PROJECT, IamStore, ProjectInfo, Quota
 from dsec.iam.base import in_subtree
 from dsec.images.store import LayerStore
+from dsec.observe.audit import audited
 from dsec.protocol.models import KeyCreate, ProjectCreate, QuotaModel, QuotaUpdate
 
 
@@ -82,6 +83,7 @@ class ProjectRoutes:
         router.add_get("/v1/keys", self.list_keys)
         router.add_delete("/v1/keys", self.revoke_key)
 
+    @audited("project.create", body=("parent", "name", "quota"))
     async def create(self, request: web.Request) -> web.Response:
         req: ProjectCreate = await read_body(request, ProjectCreate)
         info = await self.iam.create_project(
@@ -95,12 +97,14 @@ class ProjectRoutes:
         infos = await self.iam.list_projects(under, actor=request[PRINCIPAL])
         return respond([_plain(i) for i in await self._with_storage(infos)])
 
+    @audited("project.set_quota", body=("project", "quota"))
     async def set_quota(self, request: web.Request) -> web.Response:
         req: QuotaUpdate = await read_body(request, QuotaUpdate)
         info = await self.iam.set_quota(req.project, _quota(req.quota), actor=request[PRINCIPAL])
         await self._mirror(info)
         return respond(_plain(info))
 
+    @audited("project.delete", query=("project",))
     async def delete(self, request: web.Request) -> web.Response:
         project = request.query.get("project", "")
         await self.iam.delete_project(project, actor=request[PRINCIPAL])
@@ -115,6 +119,7 @@ class ProjectRoutes:
         info = await self.iam.get_project(project, actor=request[PRINCIPAL])
         return respond(_plain((await self._with_storage([info]))[0].usage))
 
+    @audited("key.issue", body=("project", "admin", "name"))  # never the key: it is in the answer
     async def issue_key(self, request: web.Request) -> web.Response:
         req: KeyCreate = await read_body(request, KeyCreate)
         key = await self.iam.issue_key(
@@ -127,6 +132,7 @@ class ProjectRoutes:
         keys = await self.iam.list_keys(project, actor=request[PRINCIPAL])
         return respond([_plain(k) for k in keys])
 
+    @audited("key.revoke", query=("key_id",))
     async def revoke_key(self, request: web.Request) -> web.Response:
         revoked = await self.iam.revoke_key(request.query.get("key_id", ""), actor=request[PRINCIPAL])
         return respond({"revoked": revoked})

@@ -19,11 +19,10 @@ run twice. Retrying is the caller's decision (placement retries creates on anoth
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import quote
 
 import aiohttp
@@ -31,8 +30,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dsec.apiserver.node_verdict import NODE_LOST, NodeView
 from dsec.apiserver.remote_ports import open_remote_port
-from dsec.apiserver.remote_processes import RemoteProcesses
-from dsec.edge.metrics import MetricSample
+from dsec.edge.link import EdgeLink
 from dsec.edge.ports import PortStream, check_port
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
@@ -42,38 +40,19 @@ from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.models import (
     BulkAction,
     BulkResult,
-    Change,
-    CommandResult,
-    CommitRequest,
     ContainerSpec,
-    DeadlineAction,
-    DeadlineRequest,
-    ExecEvent,
-    ExecRequest,
     FileStat,
-    InputEvent,
-    InputRequest,
-    LayerInfo,
     LeaseRequest,
-    LocalForkRequest,
-    NetworkRules,
-    NetworkRulesRequest,
     SandboxInfo,
-    ShellRequest,
-    TrajectoryEntry,
-    invalid_request,
-    parse_spec,
 )
-from dsec.protocol.wire_client import WireClient, never_sent, unreachable
+from dsec.protocol.ops import Call, Stream
+from dsec.protocol.wire_client import WireClient, ndjson, never_sent, unreachable
 
 M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
+R = TypeVar("R")
+E = TypeVar("E")
 _INFOS = TypeAdapter(list[SandboxInfo])
-_STATS = TypeAdapter(list[FileStat])
-_ENTRIES = TypeAdapter(list[TrajectoryEntry])
-_CHANGES = TypeAdapter(list[Change])
-_METRICS = TypeAdapter(list[MetricSample])
-_XATTRS = TypeAdapter(dict[str, str])
+_TRUSTED = {"trusted": True}
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -92,7 +71,7 @@ def never_reached_edge(exc: BaseException) -> bool:
     )
 
 
-class RemoteEdgeLink(RemoteProcesses):
+class RemoteEdgeLink(EdgeLink):
     """Node ``node``'s edge at ``url`` (e.g. ``http://10.0.0.7:8643``), authenticated by ``secret``.
 
     ``connect_timeout`` bounds reaching the edge (an edge that is down must be noticed quickly);
@@ -176,6 +155,7 @@ class RemoteEdgeLink(RemoteProcesses):
         data: Any = None,
         headers: Mapping[str, str] | None = None,
         quick: bool = False,
+        creates: bool = False,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request; yields the response once it is known to be a success.
 
@@ -187,7 +167,6 @@ class RemoteEdgeLink(RemoteProcesses):
             total=self._control_timeout if quick else None, sock_connect=self._connect_timeout
         )
         # A create is never cut: one the node made as it changed epoch would run unknown to all.
-        creates = method == "POST" and (path == "/sandboxes" or path.endswith("/fork-local"))
         task = None if creates else self.view.begin()
         try:
             async with self._wire.send(
@@ -211,14 +190,6 @@ class RemoteEdgeLink(RemoteProcesses):
         finally:
             self.view.end(task)
 
-    def _parse_list(self, adapter: TypeAdapter[list[T]], data: bytes) -> list[T]:
-        try:
-            return adapter.validate_json(data)
-        except ValidationError as exc:
-            raise InfraFailure(
-                f"edge {self.node!r} sent a malformed list: {exc}", reason=InfraReason.protocol
-            ) from exc
-
     def _parse(self, model: type[M], data: bytes) -> M:
         try:
             return model.model_validate_json(data)
@@ -240,6 +211,36 @@ class RemoteEdgeLink(RemoteProcesses):
         # Quoted: an ID is validated by the edge, and a malformed one must reach it intact.
         return f"/sandboxes/{quote(sandbox_id, safe='')}{tail}"
 
+    # -- sandbox operations (protocol/ops.py) ---------------------------------------------------
+
+    async def call(self, sandbox_id: str, op: Call[R]) -> R:
+        path = self._sandbox(sandbox_id, f"/ops/{op.kind}")
+        async with self._call(
+            "POST", path, data=op.model_dump_json(), headers=_JSON, quick=op.quick, creates=op.creates
+        ) as resp:
+            raw = await resp.read()
+        try:
+            # Trusted: a fork's spec carries the reserved labels the edge's records have.
+            return cast(R, op.adapter.validate_json(raw, context=_TRUSTED))
+        except ValidationError as exc:
+            # Version skew between apiserver and edge: the platform's fault, not the caller's.
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed answer to {op.kind}: {exc}", reason=InfraReason.protocol
+            ) from exc
+
+    async def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
+        path = self._sandbox(sandbox_id, f"/streams/{op.kind}")
+        started_epoch = self.view.epoch
+        async with self._call("POST", path, data=op.model_dump_json(), headers=_JSON) as resp:
+            # Closing this generator closes the response: the edge sees the hang-up and stops
+            # (or detaches from) what the op started.
+            async for event in ndjson(resp, op.response, peer=f"edge {self.node!r}"):
+                yield event
+                if op.last is not None and getattr(event, "t", None) == op.last:
+                    return
+        if op.last is not None:
+            raise await self.view.ended_early(f"a {op.kind} stream", self.url, started_epoch)
+
     # -- sandboxes ----------------------------------------------------------------------------
 
     async def stats(self) -> dict[str, Any]:
@@ -256,7 +257,8 @@ class RemoteEdgeLink(RemoteProcesses):
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
         params = {"id": sandbox_id} if sandbox_id else None
-        return self._parse(SandboxInfo, await self._json("POST", "/sandboxes", body=spec, params=params))
+        raw = await self._json("POST", "/sandboxes", body=spec, params=params, creates=True)
+        return self._parse(SandboxInfo, raw)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self._parse(SandboxInfo, await self._json("GET", self._sandbox(sandbox_id), quick=True))
@@ -288,24 +290,6 @@ class RemoteEdgeLink(RemoteProcesses):
         params = [("label", f"{k}={v}") for k, v in labels.items()] + [("within", within)]
         return self._parse(BulkResult, await self._json("POST", f"/bulk/{action}", params=params))
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        return self._parse(SandboxInfo, await self._json("POST", self._sandbox(sandbox_id, "/pause")))
-
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        return self._parse(SandboxInfo, await self._json("POST", self._sandbox(sandbox_id, "/resume")))
-
-    async def set_deadline(
-        self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"
-    ) -> SandboxInfo:
-        body = DeadlineRequest(timeout_s=timeout_s, on_timeout=on_timeout)
-        raw = await self._json("PUT", self._sandbox(sandbox_id, "/deadline"), body=body)
-        return self._parse(SandboxInfo, raw)
-
-    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
-        body = NetworkRulesRequest(network_rules=rules)
-        raw = await self._json("PUT", self._sandbox(sandbox_id, "/network"), body=body)
-        return self._parse(SandboxInfo, raw)
-
     async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
         path = f"/leases/{quote(job, safe='')}"
         raw = await self._json("POST", path, body=LeaseRequest(lease_s=lease_s), params={"within": within})
@@ -317,104 +301,9 @@ class RemoteEdgeLink(RemoteProcesses):
                 f"edge {self.node!r} sent a malformed lease answer", reason=InfraReason.protocol
             ) from exc
 
-    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
-        params = {"after": str(after), "limit": str(limit)}
-        raw = await self._json("GET", self._sandbox(sandbox_id, "/trajectory"), params=params, quick=True)
-        return self._parse_list(_ENTRIES, raw)
-
-    async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
-        raw = await self._json(
-            "GET", self._sandbox(sandbox_id, "/changes"), params=path_query("under", under)
-        )
-        return self._parse_list(_CHANGES, raw)
-
-    async def metrics(
-        self, sandbox_id: str, start: float | None = None, end: float | None = None
-    ) -> list[MetricSample]:
-        bounds = {"start": start, "end": end}
-        # Nine decimals parse back to the very same double (a sample's own ts is an exact bound).
-        params = {k: f"{v:.9f}" for k, v in bounds.items() if v is not None}
-        raw = await self._json("GET", self._sandbox(sandbox_id, "/metrics"), params=params, quick=True)
-        return self._parse_list(_METRICS, raw)
-
-    async def fork_local(
-        self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
-    ) -> list[SandboxInfo]:
-        body = LocalForkRequest(ids=new_ids, labels=labels)
-        raw = await self._json("POST", self._sandbox(sandbox_id, "/fork-local"), body=body)
-        return self._parse_list(_INFOS, raw)
-
-    async def screenshot(self, sandbox_id: str) -> bytes:
-        return await self._json("GET", self._sandbox(sandbox_id, "/screenshot"))
-
-    async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int:
-        body = InputRequest(events=events)
-        raw = await self._json("POST", self._sandbox(sandbox_id, "/input"), body=body)
-        try:
-            return int(json.loads(raw)["sent"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InfraFailure(
-                f"edge {self.node!r} sent a malformed input answer", reason=InfraReason.protocol
-            ) from exc
-
-    async def fork_spec(self, sandbox_id: str, ref: str) -> tuple[ContainerSpec, LayerInfo]:
-        raw = await self._json("POST", self._sandbox(sandbox_id, "/fork-spec"), params={"ref": ref})
-        try:
-            body = json.loads(raw)
-            spec = parse_spec(body["spec"], trusted=True)
-            return spec, LayerInfo.model_validate(body["layer"])
-        except (ValueError, KeyError, TypeError, ValidationError) as exc:
-            raise InfraFailure(
-                f"edge {self.node!r} sent a malformed fork answer", reason=InfraReason.protocol
-            ) from exc
-
-    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
-        raw = await self._json("POST", self._sandbox(sandbox_id, "/shell"), body=req)
-        return self._parse(CommandResult, raw)
-
-    async def exec_stream(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        *,
-        stdin: bytes | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float | None = None,
-        max_output: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> AsyncGenerator[ExecEvent, None]:
-        try:
-            req = ExecRequest(
-                argv=argv,
-                stdin_b64=None if stdin is None else base64.b64encode(stdin).decode(),
-                env=env or {},
-                cwd=cwd,
-                timeout=timeout,
-                max_output_bytes=max_output,
-                idempotency_key=idempotency_key,
-            )
-        except ValidationError as exc:
-            raise invalid_request(exc) from exc
-        path = self._sandbox(sandbox_id, "/exec")
-        started_epoch = self.view.epoch
-        async with self._call("POST", path, data=req.model_dump_json(), headers=_JSON) as resp:
-            # Closing this generator closes the response: the edge sees the hang-up and kills
-            # the process tree.
-            async for event in self._lines(resp, ExecEvent):
-                yield event
-                if event.t == "exit":
-                    return
-        raise await self.view.ended_early("an exec stream", self.url, started_epoch)
-
     async def open_port(self, sandbox_id: str, port: int) -> PortStream:
         url = self.url + PREFIX + self._sandbox(sandbox_id, f"/ports/{check_port(port)}")
         return await open_remote_port(self._wire.session(), url, self.node, self._connect_timeout)
-
-    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
-        return self._parse(
-            LayerInfo, await self._json("POST", self._sandbox(sandbox_id, "/commit"), body=req)
-        )
 
     async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
         raw = await self._json("POST", "/fncall", body=task, params={"pool": pool} if pool else None)
@@ -466,51 +355,4 @@ class RemoteEdgeLink(RemoteProcesses):
             if source_error:
                 raise source_error[0] from None
             raise
-        return self._parse(FileStat, raw)
-
-    async def stat(self, sandbox_id: str, path: str) -> FileStat:
-        raw = await self._json(
-            "GET", self._sandbox(sandbox_id, "/files/stat"), params=path_query("path", path)
-        )
-        return self._parse(FileStat, raw)
-
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
-        raw = await self._json(
-            "GET", self._sandbox(sandbox_id, "/files/list"), params=path_query("path", path)
-        )
-        try:
-            return _STATS.validate_json(raw)
-        except ValidationError as exc:
-            raise InfraFailure(
-                f"edge {self.node!r} sent a malformed listing: {exc}", reason=InfraReason.protocol
-            ) from exc
-
-    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
-        params = {**path_query("path", path), "parents": "true" if parents else "false"}
-        raw = await self._json("POST", self._sandbox(sandbox_id, "/files/mkdir"), params=params)
-        return self._parse(FileStat, raw)
-
-    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        params = {**path_query("path", path), "recursive": "true" if recursive else "false"}
-        await self._json("DELETE", self._sandbox(sandbox_id, "/files"), params=params)
-
-    async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, attrs: dict[str, str]) -> None:
-        params = {**path_query("path", path), "prefix": prefix}
-        path_of = self._sandbox(sandbox_id, "/files/xattrs")
-        async with self._call("PUT", path_of, data=json.dumps(attrs), headers=_JSON, params=params) as resp:
-            await resp.read()
-
-    async def xattrs(self, sandbox_id: str, path: str, prefix: str) -> dict[str, str]:
-        params = {**path_query("path", path), "prefix": prefix}
-        raw = await self._json("GET", self._sandbox(sandbox_id, "/files/xattrs"), params=params)
-        try:
-            return _XATTRS.validate_json(raw)
-        except ValidationError as exc:
-            raise InfraFailure(
-                f"edge {self.node!r} sent malformed xattrs", reason=InfraReason.protocol
-            ) from exc
-
-    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
-        params = {**path_query("source", source), **path_query("destination", destination)}
-        raw = await self._json("POST", self._sandbox(sandbox_id, "/files/move"), params=params)
         return self._parse(FileStat, raw)

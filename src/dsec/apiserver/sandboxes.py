@@ -24,6 +24,7 @@ from dsec.apiserver._http import (
     stream_bytes,
 )
 from dsec.apiserver.layer_access import admit_layers
+from dsec.apiserver.overflow import Overflow
 from dsec.apiserver.remote_edge import never_reached_edge
 from dsec.apiserver.tenancy import Tenancy
 from dsec.edge.admission import NEVER_FITS
@@ -93,8 +94,11 @@ class SandboxRoutes:
         placement: Placement,
         tenancy: Tenancy,
         store: LayerStore | None = None,
+        *,
+        overflow: Overflow | None = None,
     ) -> None:
-        self.links = links
+        self.links = links  # with an overflow: local nodes and overflow targets (apiserver/overflow.py)
+        self.overflow = overflow
         self.placement = placement
         self.tenancy = tenancy
         self.store = store  # None: no layer checks (tests that drive routes without a store)
@@ -122,6 +126,8 @@ class SandboxRoutes:
     def link_for(self, sandbox_id: str) -> EdgeLink:
         sid = SandboxId.parse(sandbox_id)
         link = self.links.get(sid.node)
+        if link is None and sid.cluster is not None and self.overflow is not None:
+            return self.overflow.link(sid.cluster)  # another cluster's: the ID names it
         if link is None:
             raise SandboxNotFound(f"sandbox {sandbox_id}: node {sid.node!r} is not part of this cluster")
         if link.epoch is not None and link.epoch != sid.epoch:
@@ -186,10 +192,30 @@ class SandboxRoutes:
         return ok
 
     async def _undo(self, info: SandboxInfo) -> None:
-        await self.links[info.node].stop(info.id)
+        await self.link_for(info.id).stop(info.id)
         await self.tenancy.release(info.id)
 
     async def _create(self, principal: Principal, spec: ContainerSpec, timeout: float) -> SandboxInfo:
+        """On a node here; on an overflow target when the cluster is past its threshold or
+        placement finds no node (and home again once it is not)."""
+        overflow = self.overflow
+        if overflow is None:
+            return await self._create_here(principal, spec, timeout)
+        started = time.monotonic()
+        tried = overflow.over_threshold()
+        if tried:
+            made = await overflow.create(self.tenancy, principal, spec, timeout)
+            if made is not None:
+                return made
+        try:
+            return await self._create_here(principal, spec, timeout - (time.monotonic() - started))
+        except CapacityExhausted:
+            made = None if tried else await overflow.create(self.tenancy, principal, spec, timeout)
+            if made is None:
+                raise
+            return made
+
+    async def _create_here(self, principal: Principal, spec: ContainerSpec, timeout: float) -> SandboxInfo:
         started = time.monotonic()
         tag = SandboxId.new_tag()  # the sandbox keeps it on whichever node takes it
         reserved: str | None = None

@@ -9,6 +9,7 @@ from aiohttp import web
 from dsec.apiserver._http import body_to_file, query_param, require_admin, respond
 from dsec.images.store import LayerStore
 from dsec.images.vm_images import VmImageStore
+from dsec.observe.audit import audited
 
 _CHUNK = 1 << 20
 
@@ -29,6 +30,7 @@ class VmImageRoutes:
     async def list(self, request: web.Request) -> web.Response:
         return respond(await asyncio.to_thread(self.images.list))
 
+    @audited("vm_image.import", query=("ref",))
     async def import_image(self, request: web.Request) -> web.Response:
         """Import the disk image (qcow2 or raw) streamed as the body as ``?ref=name:version``."""
         require_admin(request)

@@ -2,8 +2,9 @@
 
 A backend turns a validated spec plus mounted layers into a running, isolated sandbox, starts
 processes inside it on the edge's behalf, and tears it down. Everything a backend needs to find
-its sandbox again after an edge restart goes into the JSON-able ``handle`` it returns, which the
-edge journals. Every implementation passes ``tests/backends/conformance.py``.
+its sandbox again after an edge restart goes into the ``handle`` it returns (its own model on
+:class:`~dsec.backends.handle.Handle`), which the edge journals as JSON. Every implementation
+passes ``tests/backends/conformance.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from dsec.backends.handle import ForkSource, Handle
 from dsec.executor.file_ops import FileOps
 from dsec.executor.process import SandboxProcess
 from dsec.protocol.models import ContainerSpec, InputEvent
@@ -72,7 +74,7 @@ class CreateContext:
     layer_dirs: list[Path]  # mounted layers, base first
     user: User
     workdir: Path  # per-sandbox directory on local disk owned by the edge
-    handle: dict[str, Any] = field(default_factory=dict)
+    handle: Handle = field(default_factory=Handle)  # what a failed create left (the fake's)
     layer_digests: list[str] = field(default_factory=list)  # the same layers (a VM attaches their files)
     nameserver: str | None = None  # what the sandbox resolves names with (the edge's, on its link)
     link: GuestLink | None = None  # made before the start when the spec has network rules: a VM's
@@ -82,22 +84,27 @@ class CreateContext:
 class Backend(Protocol):
     name: str
 
+    @property
+    def handle_type(self) -> type[Handle]:
+        """This backend's handle model: the edge reads journaled handles back as it."""
+        ...
+
     async def prepare_node(self) -> None:
         """Node-level set-up, idempotent; called once when the edge starts."""
 
-    async def create(self, ctx: CreateContext) -> dict[str, Any]:
+    async def create(self, ctx: CreateContext) -> Handle:
         """Start the sandbox; on failure leave nothing behind and raise a DSecError."""
 
-    async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
+    async def alive(self, sandbox_id: str, handle: Handle) -> bool:
         """Whether a sandbox journaled as running still runs (used to re-adopt after restart)."""
 
-    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+    async def destroy(self, sandbox_id: str, handle: Handle, workdir: Path) -> None:
         """Kill every process, release every mount, cgroup and namespace. Idempotent."""
 
     async def spawn(
         self,
         sandbox_id: str,
-        handle: dict[str, Any],
+        handle: Handle,
         argv: list[str],
         *,
         env: dict[str, str],
@@ -110,29 +117,29 @@ class Backend(Protocol):
         """
 
     def writable_layer(
-        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
+        self, sandbox_id: str, handle: Handle, workdir: Path
     ) -> AbstractAsyncContextManager[Path]:
         """The sandbox's own writes as an overlay upper directory on the host (whiteouts and
         opaque directories included: what a pack stores and what changes are read from),
         unchanging while the context is open (the sandbox is frozen meanwhile, or the
         directory is a copy)."""
 
-    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+    async def freeze(self, sandbox_id: str, handle: Handle) -> None:
         """Stop every process of the sandbox in place (so a commit sees a quiet file system)."""
 
-    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+    async def thaw(self, sandbox_id: str, handle: Handle) -> None:
         """Undo :meth:`freeze`. Both are idempotent."""
 
-    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def page_out(self, sandbox_id: str, handle: Handle) -> int:
         """Push a frozen sandbox's memory out of RAM; returns the bytes no longer resident."""
 
-    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def prefetch(self, sandbox_id: str, handle: Handle) -> int:
         """Bring paged-out memory back ahead of a thaw; returns the bytes advised (best effort)."""
 
     def memory_bytes(self, sandbox_id: str) -> int:
         """RAM the sandbox is charged for now."""
 
-    def files(self, handle: dict[str, Any], user: User) -> FileOps:
+    def files(self, handle: Handle, user: User) -> FileOps:
         """The sandbox's files, as ``user`` would create them (owner of new files)."""
 
     def oom_kills(self, sandbox_id: str) -> int:
@@ -156,11 +163,11 @@ class Backend(Protocol):
 class Display(Protocol):
     """A backend whose sandboxes have a screen and input devices (full VMs)."""
 
-    async def screenshot(self, sandbox_id: str, handle: dict[str, Any]) -> bytes:
+    async def screenshot(self, sandbox_id: str, handle: Handle) -> bytes:
         """The screen now, as a PNG."""
         ...
 
-    async def send_input(self, sandbox_id: str, handle: dict[str, Any], events: list[InputEvent]) -> int:
+    async def send_input(self, sandbox_id: str, handle: Handle, events: list[InputEvent]) -> int:
         """Keyboard and mouse events, in order; returns how many low-level events were sent."""
         ...
 
@@ -169,16 +176,16 @@ class Display(Protocol):
 class Forkable(Protocol):
     """A backend that copies a running sandbox whole, processes and memory included (VMs)."""
 
-    async def fork_source(self, sandbox_id: str, handle: dict[str, Any]) -> dict[str, Any]:
+    async def fork_source(self, sandbox_id: str, handle: Handle) -> ForkSource:
         """Save the sandbox as it is now (memory, devices, disk) for copies to start from; the
         sandbox itself carries on."""
         ...
 
-    async def create_fork(self, ctx: CreateContext, source: dict[str, Any]) -> dict[str, Any]:
+    async def create_fork(self, ctx: CreateContext, source: ForkSource) -> Handle:
         """Start a copy from ``source``; like :meth:`Backend.create`, it leaves nothing on failure."""
         ...
 
-    async def release_fork_source(self, source: dict[str, Any]) -> None:
+    async def release_fork_source(self, source: ForkSource) -> None:
         """The copies are made: the source goes once no copy needs it any more."""
         ...
 
@@ -200,7 +207,7 @@ class HoldsSessions(Protocol):
     async def spawn_session(
         self,
         sandbox_id: str,
-        handle: dict[str, Any],
+        handle: Handle,
         argv: list[str],
         *,
         env: dict[str, str],
@@ -218,7 +225,7 @@ class HoldsProcesses(Protocol):
     async def spawn_held(
         self,
         sandbox_id: str,
-        handle: dict[str, Any],
+        handle: Handle,
         argv: list[str],
         *,
         env: dict[str, str],
@@ -236,7 +243,7 @@ class HoldsProcesses(Protocol):
 class HostRooted(Protocol):
     """A backend whose sandbox root the edge reaches as a host path (directory watches)."""
 
-    def root_path(self, handle: dict[str, Any]) -> str: ...
+    def root_path(self, handle: Handle) -> str: ...
 
 
 @runtime_checkable
@@ -255,7 +262,7 @@ class Tapped(Protocol):
     it before the VM starts (``CreateContext.link``) when the spec names network rules, since
     QEMU attaches it at start; a VM created without rules has no network card to grant to."""
 
-    def has_link(self, handle: dict[str, Any]) -> bool:
+    def has_link(self, handle: Handle) -> bool:
         """Whether this sandbox was started with a network card on a tap."""
         ...
 
@@ -272,6 +279,6 @@ class Networked(Protocol):
         can never get one."""
         ...
 
-    def netns_pid(self, handle: dict[str, Any]) -> int | None:
+    def netns_pid(self, handle: Handle) -> int | None:
         """A PID whose network namespace is the sandbox's, to add a link to while it runs;
         None when a link added then would not be seen (see :meth:`link_at_start`)."""

@@ -19,7 +19,9 @@ err_console = Console(stderr=True)
 
 
 def _fail(exc: DSecError) -> typer.Exit:
-    err_console.print(f"[red]error:[/red] {exc}")
+    # The request's ID, when a server answered: what to quote to its operator (the logs name it).
+    rid = f" (request {exc.request_id})" if exc.request_id else ""
+    err_console.print(f"[red]error:[/red] {exc}{rid}")
     return typer.Exit(code=2)
 
 

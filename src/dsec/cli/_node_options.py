@@ -1,4 +1,5 @@
-"""Options every command that runs a node shares (``dsec up`` and ``dsec edge``)."""
+"""Options every command that runs a node shares (``dsec up`` and ``dsec edge``; the log options
+``dsec apiserver`` too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dsec.apiserver.layer_access import LayerLimits
 from dsec.cli._common import _fail
 from dsec.density.swap import SwapConfig
 from dsec.netpolicy.config import EgressConfig
+from dsec.observe.logs import LEVELS, configure
 from dsec.protocol.errors import DSecError, InvalidRequest
 
 SwapOption = Annotated[
@@ -83,7 +85,27 @@ LayerLimitsOption = Annotated[
         " is also max(floor, N x the upload): defaults 100 and 64), comma-separated; e.g. upload=2048"
     ),
 ]
+LogLevelOption = Annotated[
+    str, typer.Option(envvar="DSEC_LOG_LEVEL", help=f"lowest level logged: {', '.join(LEVELS)}")
+]
+LogFormatOption = Annotated[
+    str,
+    typer.Option(
+        envvar="DSEC_LOG_FORMAT",
+        help="json (one object a line, each with the request's ID: for a log shipper) or text",
+    ),
+]
 DEFAULT_DISK_LIMIT_MB = 10 * 1024  # a roomy workspace; past it writes fail inside with EDQUOT
+
+
+def _logs(level: str, fmt: str) -> None:
+    """Log as asked (stderr), or stop with the reason before anything starts."""
+    if fmt not in ("json", "text"):
+        raise _fail(InvalidRequest(f"--log-format {fmt!r}: json or text"))
+    try:
+        configure(level, "json" if fmt == "json" else "text")
+    except DSecError as exc:
+        raise _fail(exc) from None
 
 
 def _admission(text: str) -> dict[str, Any]:

@@ -4,7 +4,6 @@ DSec itself (``up``, ``edge``, ``apiserver``, ``base``) and list its nodes."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import time
 from pathlib import Path
@@ -23,12 +22,15 @@ from dsec.cli._node_options import (
     EgressOption,
     KsmOption,
     LayerLimitsOption,
+    LogFormatOption,
+    LogLevelOption,
     MicroVMOption,
     SwapOption,
     VMOption,
     _admission,
     _egress,
     _layer_limits,
+    _logs,
     _swap,
 )
 from dsec.cli.down import down
@@ -111,12 +113,17 @@ def up(
     agent_channel: AgentChannelOption = "auto",
     e2b_template: E2BTemplate = "e2b:base",
     e2b_domain: E2BDomain = None,
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "json",
+    audit_log: Annotated[
+        Path | None, typer.Option(help="admin actions, one JSON line each (default <data-dir>/audit.log)")
+    ] = None,
 ) -> None:
     """Run the embedded single-node DSec in the foreground (Ctrl-C stops serving;
     running sandboxes keep running and are re-adopted by the next `dsec up`)."""
     from dsec.node.embedded import EmbeddedNode, open_layer_store
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _logs(log_level, log_format)
     node_cfg = NodeConfig(
         data_dir=data_dir,
         host=host,
@@ -141,6 +148,7 @@ def up(
         e2b_template=e2b_template,
         e2b_domain=e2b_domain,
         layer_limits=_layer_limits(layer_limits),
+        audit_log=audit_log,
     )
     if base:
         _ensure_base(open_layer_store(node_cfg))
@@ -209,12 +217,14 @@ def edge_cmd(
     microvm_accel: AccelOption = None,
     agent_channel: AgentChannelOption = "auto",
     secret_file: SecretFile = None,
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "json",
 ) -> None:
     """Run one node's edge: it registers with the cluster through an apiserver and serves it."""
     from dsec.edge.server import read_cluster_secret
     from dsec.node.cluster import EdgeNode
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _logs(log_level, log_format)
     if host in ("0.0.0.0", "::") and advertise_url is None:
         raise _fail(InvalidRequest(f"--host {host} listens everywhere: give --advertise-url too"))
     labels = dict(item.partition("=")[::2] for item in label or [])
@@ -289,15 +299,28 @@ def apiserver_cmd(
     ] = 30.0,
     layer_limits: LayerLimitsOption = "",
     e2b_domain: E2BDomain = None,
+    log_level: LogLevelOption = "info",
+    log_format: LogFormatOption = "json",
+    audit_log: Annotated[
+        Path | None, typer.Option(help="admin actions, one JSON line each (default <scratch>/audit.log)")
+    ] = None,
+    overflow: Annotated[
+        Path | None,
+        typer.Option(
+            help="JSON or TOML file of other DSec clusters creates go to past a utilisation threshold"
+            " (targets: name, url, api_key_file, weight, max_sandboxes; threshold, default 0.8)"
+        ),
+    ] = None,
 ) -> None:
     """Run a stateless apiserver over the edges that register with the cluster (run several)."""
     from dsec.edge.server import read_cluster_secret
     from dsec.images.blobstore import SharedMountBlobStore
     from dsec.node.cluster import ApiServerConfig, ClusterApiServer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _logs(log_level, log_format)
 
     limits = _layer_limits(layer_limits)  # a bad value stops here, before anything starts
+    bursts = None if overflow is None else _overflow_config(overflow)
 
     async def serve() -> None:
         store = LayerStore.over(SharedMountBlobStore(shared_layers), scratch=scratch)
@@ -313,6 +336,8 @@ def apiserver_cmd(
             node_lost_after,
             limits,
             e2b_domain,
+            audit_log or scratch / "audit.log",
+            overflow=bursts,
         )
         server = ClusterApiServer(cfg)
         url = await server.start()
@@ -323,6 +348,15 @@ def apiserver_cmd(
         asyncio.run(serve())
     except (DSecError, ValueError) as exc:
         raise _fail(exc if isinstance(exc, DSecError) else DSecError(str(exc))) from None
+
+
+def _overflow_config(path: Path) -> Any:
+    from dsec.apiserver.overflow import OverflowConfig
+
+    try:
+        return OverflowConfig.load(path)
+    except (OSError, ValueError) as exc:
+        raise _fail(DSecError(f"--overflow: {exc}")) from None
 
 
 def _fncall_pools(path: Path | None, default_size: int) -> list[Any]:

@@ -99,6 +99,22 @@ class Admission:
                 cpu += live.record.spec.cpu_cores_limit
         return mem, cpu
 
+    def admitted(self) -> dict[str, float]:
+        """How full admission is, for the apiserver's view of the cluster (overflow's threshold):
+        memory in use against what admission lets sandboxes use (RAM less the reserve) and,
+        where the operator caps limits, the limits' sums against those caps."""
+        total, available = self.total_memory(), self.available_memory()
+        usable = max(1, total - self.config.memory_reserve_mb * MiB)
+        shares = {"memory_in_use": min(1.0, max(0, total - available) / usable)}
+        mem_ratio, cpu_ratio = self.config.memory_overcommit, self.config.cpu_overcommit
+        if mem_ratio is not None or cpu_ratio is not None:  # a pass over every sandbox: only if asked
+            mem, cpu = self.committed()
+            if mem_ratio is not None:
+                shares["memory_limits"] = mem / max(1.0, mem_ratio * total)
+            if cpu_ratio is not None:
+                shares["cpu_limits"] = cpu / max(1e-9, cpu_ratio * (os.cpu_count() or 1))
+        return shares
+
     def memory_limit_ceiling(self) -> int:
         """The largest memory limit (bytes) one sandbox may have here: the node's RAM (a limit
         above it limits nothing: 976 GiB on a 24 GiB node was admitted), or less where the

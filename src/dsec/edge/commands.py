@@ -14,6 +14,7 @@ import functools
 import logging
 import shutil
 import subprocess
+import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from dsec.executor.session import DRIVER, Session
 from dsec.iam.base import in_subtree
 from dsec.images.commit import DEFAULT_SCRUB, scrub
 from dsec.images.refs import parse_tag
+from dsec.observe.edge_metrics import command_outcome
 from dsec.protocol.errors import (
     DSecError,
     InfraFailure,
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from dsec.edge.trajectory import Recorder
     from dsec.images.mounts import LayerMounts
     from dsec.images.store import LayerStore
+    from dsec.observe.edge_metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge")
 _VERSION_RETRIES = 20
@@ -95,6 +98,7 @@ class Commands:
         store: LayerStore
         mounts: LayerMounts
         recorder: Recorder
+        prom: EdgeMetrics
 
         async def _use(self, sandbox_id: str) -> _Live: ...
         def _working(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
@@ -135,6 +139,7 @@ class Commands:
                 raise _gone_or(live, exc) from exc
 
     async def _run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        started = time.perf_counter()
         async with self._working(sandbox_id) as live:
             session = live.sessions.get(req.session)
             if session is None:
@@ -149,6 +154,7 @@ class Commands:
                 max_output=cap,
                 oom_kills=lambda: self.backend_of(live.record).oom_kills(sandbox_id),
             )
+            self.prom.command(sandbox_id, "run_shell", started, *_outcome(result))
             cut = _cut_short(live, result)
             if cut is not None:
                 raise cut
@@ -200,6 +206,7 @@ class Commands:
         timeout: float | None,
         max_output: int | None,
     ) -> AsyncGenerator[ExecEvent, None]:
+        started = time.perf_counter()
         async with self._working(sandbox_id) as live:
             backend = self.backend_of(live.record)
             async with self._starting(sandbox_id):
@@ -223,6 +230,8 @@ class Commands:
             )
             try:
                 async for event in events:
+                    if event.result is not None:
+                        self.prom.command(sandbox_id, "exec", started, *_outcome(event.result))
                     cut = _cut_short(live, event.result) if event.result is not None else None
                     if cut is not None:
                         raise cut
@@ -347,6 +356,11 @@ class Commands:
 
 # Stop reasons of the reaper (reclaim.py): the platform reclaimed the sandbox.
 _RECLAIMED = frozenset({"idle_ttl", "max_lifetime", "lease_expired"})
+
+
+def _outcome(result: CommandResult) -> tuple[str, bool]:
+    """(outcome label, OOM-killed) of a finished command, for the edge's metrics."""
+    return command_outcome(result.exit_code, result.timed_out, result.oom_killed), result.oom_killed
 
 
 def _cut_short(live: _Live, result: CommandResult) -> SandboxStopped | None:

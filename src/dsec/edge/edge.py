@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import Backend, CollectsUnused, CreateContext, Forkable, User
+from dsec.backends.handle import Handle
 from dsec.density.ksm import Ksm
 from dsec.density.swap import Swap, free_swap_bytes
 from dsec.edge import hardware
@@ -39,6 +40,7 @@ from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
 from dsec.netpolicy.policy import EgressPolicy
+from dsec.observe.edge_metrics import EdgeMetrics
 from dsec.protocol.errors import (
     CapacityExhausted,
     Conflict,
@@ -83,7 +85,8 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self.backends: dict[str, Backend] = {b.name: b for b in (backend, *more_backends)}
         self.store = store
         self.mounts = mounts
-        self.journal = Journal(config.data_dir / "edge" / "journal.sqlite")
+        handle_types = {name: b.handle_type for name, b in self.backends.items()}
+        self.journal = Journal(config.data_dir / "edge" / "journal.sqlite", handle_types)
         claimed = self.journal.meta("epoch")
         # The epoch this node's journal was written under; start() confirms it with the cluster.
         self.epoch = int(claimed) if claimed is not None else 0
@@ -103,6 +106,8 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self._liveness_cursor = 0  # where the next liveness batch starts in _live's order
         self._wakeups = Wakeups()  # when the reaper next looks at each sandbox
         self.metrics = MetricsSampler(lambda: self._live, self.backend_of)  # E2B's get_metrics
+        self.prom = EdgeMetrics()  # Prometheus: this edge's own registry (observe/edge_metrics.py)
+        self.prom.bind(self)
 
     # -- lifecycle of the edge itself -------------------------------------------------------
 
@@ -193,7 +198,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         for each in self.backends.values():
             for orphan in await each.leftovers():
                 if orphan not in known:
-                    await each.destroy(orphan, {}, self._workdir(orphan))
+                    await each.destroy(orphan, each.handle_type(), self._workdir(orphan))
 
     def backend_of(self, rec: Record) -> Backend:
         return self.backends[rec.backend]
@@ -217,8 +222,8 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                     backend.collect_unused()
         used = {digest for live in self._live.values() for digest in live.record.layers}
         for live in self._live.values():  # a full VM's imported image (kept by the same gc)
-            if image := live.record.handle.get("disk_image"):
-                used.add(str(image))
+            if image := live.record.handle.image_in_use():
+                used.add(image)
         return used | set(self.mounts.mounted())
 
     def fence(self, reason: str) -> None:
@@ -245,6 +250,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             "by_label": dict(live.by_label.most_common(_MAX_LABELS_REPORTED)),
             "fncall": {name: pool.stats() for name, pool in self.pools.items()},
             "pause": dataclasses.asdict(self.pause_totals),
+            "admitted": self.admitted(),  # shares of admission's limits (0-1), overflow reads them
             "swap_free_bytes": free_swap_bytes(),
             "ksm": self.ksm.stats(),
             "capabilities": {name: b.capabilities() for name, b in self.backends.items()},
@@ -268,8 +274,15 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
         sid = self._new_id(sandbox_id)
         spec = self.with_default_disk(spec, backend)
-        async with self._admitted(spec):
-            return await self._start(sid, spec, backend, [layer.digest for layer in layers], backend.create)
+        admitting = time.perf_counter()
+        try:
+            async with self._admitted(spec):
+                self.prom.phase("admission", admitting)
+                digests = [layer.digest for layer in layers]
+                return await self._start(sid, spec, backend, digests, backend.create)
+        except CapacityExhausted as exc:
+            self.prom.refused(exc)
+            raise
 
     async def fork_local(
         self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
@@ -310,7 +323,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         spec: ContainerSpec,
         backend: Backend,
         digests: list[str],
-        start: Callable[[CreateContext], Awaitable[dict[str, Any]]],
+        start: Callable[[CreateContext], Awaitable[Handle]],
     ) -> SandboxInfo:
         """Journal a new sandbox, mount its layers and have ``start`` run it; on failure the
         record says why and no layer reference is kept."""
@@ -320,15 +333,18 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         rec: Record | None = None
         try:
             dirs = []
+            mounting = time.perf_counter()
             for digest in digests:
                 dirs.append(await self._acquire_layer(digest))
                 acquired.append(digest)
+            self.prom.phase("layer_mount", mounting)
             user = resolve_user(dirs, spec.init_user)
             rec = Record(sid, SandboxState.creating, backend.name, spec, acquired, dataclasses.asdict(user))
             self.journal.insert(rec)
             ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid), layer_digests=acquired)
             ctx.nameserver = self.egress.config.gateway if self.egress.enabled else None
             await self._open_link(ctx, backend)  # a VM's tap, before its QEMU starts
+            starting = time.perf_counter()
             rec.handle = await start(ctx)  # cleans up after itself when it fails
             try:
                 await self._connect(rec)
@@ -339,10 +355,13 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             rec.state = SandboxState.running
             rec.last_active_at = time.time()
             self.journal.update(rec)
+            self.prom.phase("runtime_start", starting)
+            self.prom.created(sid, backend.name)
             self._admit(_Live(rec, user))
             self.take_lease(spec)  # after it is live: a lease covering nothing is dropped
             return self._info(rec)
         except BaseException as exc:
+            self.prom.create_failed(backend.name, exc)
             for digest in acquired:
                 self.mounts.release(digest)
             if rec is not None:
@@ -395,7 +414,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         if found is None:
             wanted = f"pool {pool!r}" if pool else f"a {task.language} pool"
             raise CapacityExhausted(f"node {self.config.node} has no fncall {wanted}")
-        return await found.call(task)
+        return await self.prom.fncall(task.language, found.call(task))
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         SandboxId.parse(sandbox_id)
@@ -464,6 +483,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             rec.state = final
             self.journal.update(rec)
             self._live.release(sandbox_id)
+            self.prom.stopped(sandbox_id, rec.stop_reason or reason)
             return self._info(rec)
 
     def _admit(self, live: _Live) -> None:

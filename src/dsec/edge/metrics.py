@@ -32,7 +32,7 @@ import os
 import re
 import time
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,7 +244,7 @@ class MetricsSampler:
     def _series_of(self, rec: Record) -> _Series:
         series = self._series.get(rec.id)
         if series is None:
-            disk_mb = int(rec.handle.get("disk_limit_mb") or 0)
+            disk_mb = rec.handle.disk_limit() or 0
             series = _Series(
                 base=rec.created_at,
                 cpu_count=max(1, math.ceil(rec.spec.cpu_cores_limit)),
@@ -256,6 +256,13 @@ class MetricsSampler:
                 series.referenced = _quota_file(self._backend_of(rec), rec.id)
             self._series[rec.id] = series
         return series
+
+    def last_memory(self) -> Iterator[tuple[int, int]]:
+        """(anonymous, page cache) bytes of each running container sandbox at its last sample
+        (the edge's Prometheus collector: no reading of its own)."""
+        for series in self._series.values():
+            if series.last is not None:
+                yield series.last.mem_used, series.last.mem_cache
 
     def query(self, sandbox_id: str, start: float | None, end: float | None) -> list[MetricSample]:
         """The sandbox's samples with ``start <= ts <= end`` (either open), oldest first, and a

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from dsec.edge.journal import Journal, Record
     from dsec.edge.tally import LiveSandboxes, _Live
     from dsec.edge.trajectory import Recorder
+    from dsec.observe.edge_metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge")
 
@@ -76,6 +77,7 @@ class Pausing:
         _live: LiveSandboxes
         leases: dict[LeaseKey, Lease]
         pause_totals: PauseTotals
+        prom: EdgeMetrics
 
         def _info(self, rec: Record) -> SandboxInfo: ...
         def backend_of(self, rec: Record) -> Backend: ...
@@ -218,6 +220,7 @@ class Pausing:
         totals.pauses += 1
         totals.returned_bytes += returned
         totals.last_pause_s = time.monotonic() - started
+        self.prom.paused("pause", totals.last_pause_s, returned)
         log.info("paused %s (%s): %d MiB out", sandbox_id, reason, returned >> 20)
         return self._info(rec)
 
@@ -244,6 +247,7 @@ class Pausing:
             totals.resumes += 1
             totals.prefetched_bytes += prefetched
             totals.last_resume_s = time.monotonic() - started
+            self.prom.paused("resume", totals.last_resume_s, prefetched)
             return self._info(rec)
 
     async def reapply_pause_state(self, rec: Record) -> None:

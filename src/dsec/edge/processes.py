@@ -20,9 +20,10 @@ import os
 import posixpath
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dsec.backends.base import HoldsProcesses, HostRooted, Spawned, User, sandbox_env
+from dsec.backends.handle import Handle
 from dsec.edge.users import find_user
 from dsec.executor import pty
 from dsec.executor.file_ops import FileOps
@@ -154,7 +155,7 @@ class Processes:
         # A sandbox whose root the host reaches gets a terminal of its own devpts (named inside:
         # `tty` works); others (and gVisor's, whose devpts is the sentry's) one of the host's.
         # The master stays with the edge either way.
-        host_terminals: Callable[[dict[str, Any]], bool] | None = getattr(backend, "host_terminals", None)
+        host_terminals: Callable[[Handle], bool] | None = getattr(backend, "host_terminals", None)
         if isinstance(backend, HostRooted) and not (host_terminals is not None and host_terminals(handle)):
             master, slave = await asyncio.to_thread(pty.open_in_sandbox, backend.root_path(handle), user.uid)
         else:

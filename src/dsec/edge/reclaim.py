@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from dsec.edge.tally import LiveSandboxes, _Live
     from dsec.edge.trajectory import Recorder
     from dsec.edge.wakeups import Wakeups
+    from dsec.observe.edge_metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge")
 
@@ -47,6 +48,7 @@ class Reclaimer:
         _liveness_cursor: int
         _wakeups: Wakeups
         recorder: Recorder
+        prom: EdgeMetrics
 
         async def stop(
             self, sandbox_id: str, *, reason: str = ..., final: SandboxState = ...
@@ -176,6 +178,7 @@ class Reclaimer:
                 to_pause.append((sid, "idle"))
         due_ids = {sid for sid, _ in due}
         to_pause = [(sid, why) for sid, why in to_pause if sid not in due_ids]
+        self.prom.reclaimed(due, to_pause)
         # Without waiting for commands to end (those resume with the sandbox): a pass must
         # not stall on one sandbox, and nobody waits for these pauses.
         paused = await asyncio.gather(

@@ -15,43 +15,21 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     GET    /sandbox-ids                            -> {"ids": [...]} (running, for reconciliation)
     GET    /sandboxes/{id}                         -> SandboxInfo
     DELETE /sandboxes/{id}                         -> SandboxInfo (stopped)
-    POST   /sandboxes/{id}/shell                   ShellRequest -> CommandResult
-    POST   /sandboxes/{id}/exec                    ExecRequest -> NDJSON of ExecEvent
-    POST   /sandboxes/{id}/commit                  CommitRequest -> 201 LayerInfo
-    POST   /sandboxes/{id}/pause                   -> SandboxInfo (paused)
-    PUT    /sandboxes/{id}/network  NetworkRulesRequest -> SandboxInfo (rules in force)
-    POST   /sandboxes/{id}/resume                  -> SandboxInfo (running)
-    PUT    /sandboxes/{id}/deadline DeadlineRequest -> SandboxInfo (journaled)
-    GET    /sandboxes/{id}/trajectory?after=&limit= -> [TrajectoryEntry]
-    GET    /sandboxes/{id}/changes?under=/         -> [Change]
-    GET    /sandboxes/{id}/metrics?start=&end=     -> [MetricSample] (edge/metrics.py)
-    POST   /sandboxes/{id}/fork-spec?ref=          -> {"spec": ContainerSpec, "layer": LayerInfo}
-    GET    /sandboxes/{id}/screenshot              -> image/png (full VMs)
-    POST   /sandboxes/{id}/fork-local              LocalForkRequest -> 201 [SandboxInfo] (VMs)
-    POST   /sandboxes/{id}/input                   InputRequest -> {"sent": n} (full VMs)
+    POST   /sandboxes/{id}/ops/{kind}              an op (protocol/ops.py) as JSON -> its answer as JSON
+    POST   /sandboxes/{id}/streams/{kind}          a stream op as JSON -> NDJSON of its events
     GET    /sandboxes/{id}/files/content?path=     -> the bytes, streamed
     PUT    /sandboxes/{id}/files/content?path=&mode=644   bytes streamed -> 201 FileStat
-    GET    /sandboxes/{id}/files/stat?path=        -> FileStat
-    GET    /sandboxes/{id}/files/list?path=        -> [FileStat]
-    POST   /sandboxes/{id}/files/mkdir?path=&parents=true -> 201 FileStat
-    POST   /sandboxes/{id}/files/move?source=&destination= -> FileStat
-    GET    /sandboxes/{id}/files/xattrs?path=&prefix=user.x.     -> {name: value}
-    PUT    /sandboxes/{id}/files/xattrs?path=&prefix=user.x.     {name: value} -> {"set": true}
-    DELETE /sandboxes/{id}/files?path=&recursive=false    -> {"removed": true}
-    POST   /sandboxes/{id}/processes               ProcessStart -> NDJSON of ProcessEvent
-    GET    /sandboxes/{id}/processes               -> [ProcessInfo] (running ones)
-    GET    /sandboxes/{id}/processes/{pid}/events  -> NDJSON of ProcessEvent (attach)
-    POST   /sandboxes/{id}/processes/{pid}/input   ProcessInput -> {}
-    POST   /sandboxes/{id}/processes/{pid}/close-stdin      -> {}
-    POST   /sandboxes/{id}/processes/{pid}/signal  ProcessSignal -> {}
-    POST   /sandboxes/{id}/processes/{pid}/resize  PtySize -> {}
-    GET    /sandboxes/{id}/watch?path=&recursive=false      -> NDJSON of WatchEvent
     GET    /sandboxes/{id}/ports/{port}            -> WebSocket: bytes of the sandbox's port (edge/ports.py)
     POST   /layers/in-use?unmount_idle=false       -> {"digests": [...]}
     POST   /fncall?pool=                           FnTask -> FnResult (a warm-pool call)
 
+Every sandbox operation but a file's bytes and a port is one of the two ``ops``/``streams``
+routes: the op's ``kind`` names its model, the body is the op, the answer is what the op names
+(``null`` for none). Closing a stream's connection stops what the op stops on close (an exec's
+process tree is killed, a kept process is detached from, a watch removed).
+
 Errors are DSec wire bodies (``{"error": {"code", "message", "reason"}}``) with the error's
-HTTP status. An exec stream that fails after it started ends with one such body as its last
+HTTP status. A stream that fails after it started ends with one such body as its last
 line; a file download that fails after it started is cut off (the connection is dropped), so
 a client can never take a short file for a whole one. Every authenticated response names the
 node and its epoch in headers: an apiserver learns a restarted node's new epoch from any
@@ -67,38 +45,20 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from dsec.edge.edge import Edge
 from dsec.edge.link import LocalEdgeLink
-from dsec.edge.metrics import time_param
 from dsec.edge.ports import port_param, serve_port
-from dsec.edge.server_processes import ProcessRoutes, stream_ndjson
+from dsec.edge.server_processes import stream_ndjson
 from dsec.executor.file_ops import CHUNK
+from dsec.observe.logs import echo_request_id, request_middleware
+from dsec.observe.metrics import serve_metrics
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest, Unauthorized
 from dsec.protocol.fncall import FnTask
-from dsec.protocol.http import (
-    MAX_TRAJECTORY_PAGE,
-    count_param,
-    file_mode_param,
-    flag_param,
-    label_filter,
-    listen,
-    respond,
-    text_param,
-)
-from dsec.protocol.models import (
-    CommitRequest,
-    DeadlineRequest,
-    ExecRequest,
-    InputRequest,
-    LeaseRequest,
-    LocalForkRequest,
-    NetworkRulesRequest,
-    ShellRequest,
-    invalid_request,
-    parse_spec,
-)
+from dsec.protocol.http import file_mode_param, flag_param, label_filter, listen, respond, text_param
+from dsec.protocol.models import LeaseRequest, invalid_request, parse_spec
+from dsec.protocol.ops import Call, Stream, parse_op
 
 log = logging.getLogger("dsec.edge.server")
 
@@ -114,7 +74,6 @@ MAX_JSON_BODY = 96 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _AUTHED = web.RequestKey("dsec_edge_authed", bool)
-_XATTRS = TypeAdapter(dict[str, str])
 
 
 def check_secret(secret: str) -> str:
@@ -214,8 +173,10 @@ class EdgeServer:
             response.headers[EPOCH_HEADER] = str(self.link.epoch)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors, self._auth], client_max_size=MAX_JSON_BODY)
-        app.on_response_prepare.append(self._stamp)
+        app = web.Application(
+            middlewares=[request_middleware("edge"), _errors, self._auth], client_max_size=MAX_JSON_BODY
+        )
+        app.on_response_prepare.extend([self._stamp, echo_request_id])
         r = app.router
         r.add_get(f"{PREFIX}/stats", self.stats)
         r.add_post(f"{PREFIX}/sandboxes", self.create)
@@ -225,33 +186,14 @@ class EdgeServer:
         r.add_get(f"{PREFIX}/sandbox-ids", self.sandbox_ids)
         r.add_get(PREFIX + "/sandboxes/{id}", self.get)
         r.add_delete(PREFIX + "/sandboxes/{id}", self.stop)
-        r.add_post(PREFIX + "/sandboxes/{id}/shell", self.shell)
-        r.add_post(PREFIX + "/sandboxes/{id}/exec", self.exec)
-        r.add_post(PREFIX + "/sandboxes/{id}/commit", self.commit)
-        r.add_post(PREFIX + "/sandboxes/{id}/pause", self.pause)
-        r.add_put(PREFIX + "/sandboxes/{id}/network", self.set_network_rules)
-        r.add_post(PREFIX + "/sandboxes/{id}/resume", self.resume)
-        r.add_put(PREFIX + "/sandboxes/{id}/deadline", self.set_deadline)
-        r.add_get(PREFIX + "/sandboxes/{id}/trajectory", self.trajectory)
-        r.add_get(PREFIX + "/sandboxes/{id}/changes", self.changes)
-        r.add_get(PREFIX + "/sandboxes/{id}/metrics", self.metrics)
-        r.add_post(PREFIX + "/sandboxes/{id}/fork-spec", self.fork_spec)
-        r.add_get(PREFIX + "/sandboxes/{id}/screenshot", self.screenshot)
-        r.add_post(PREFIX + "/sandboxes/{id}/fork-local", self.fork_local)
-        r.add_post(PREFIX + "/sandboxes/{id}/input", self.send_input)
+        r.add_post(PREFIX + "/sandboxes/{id}/ops/{kind}", self.op)
+        r.add_post(PREFIX + "/sandboxes/{id}/streams/{kind}", self.op_stream)
         r.add_get(PREFIX + "/sandboxes/{id}/files/content", self.download)
         r.add_put(PREFIX + "/sandboxes/{id}/files/content", self.upload)
-        r.add_get(PREFIX + "/sandboxes/{id}/files/stat", self.stat)
-        r.add_get(PREFIX + "/sandboxes/{id}/files/list", self.list_dir)
-        r.add_post(PREFIX + "/sandboxes/{id}/files/mkdir", self.mkdir)
-        r.add_delete(PREFIX + "/sandboxes/{id}/files", self.remove)
-        r.add_post(PREFIX + "/sandboxes/{id}/files/move", self.move)
-        r.add_get(PREFIX + "/sandboxes/{id}/files/xattrs", self.xattrs)
-        r.add_put(PREFIX + "/sandboxes/{id}/files/xattrs", self.set_xattrs)
         r.add_get(PREFIX + "/sandboxes/{id}/ports/{port}", self.port)
         r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
         r.add_post(f"{PREFIX}/fncall", self.fncall)
-        ProcessRoutes(self.link).register(r, PREFIX)  # edge/server_processes.py
+        serve_metrics(app, self.link.edge.prom)  # GET /metrics, Prometheus (observe/edge_metrics.py)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -297,80 +239,30 @@ class EdgeServer:
         covered, expires = await self.link.renew_lease(job, req.lease_s, within)
         return respond({"sandboxes": covered, "expires_at": expires})
 
-    async def pause(self, request: web.Request) -> web.Response:
-        return respond(await self.link.pause(request.match_info["id"]))
-
-    async def resume(self, request: web.Request) -> web.Response:
-        return respond(await self.link.resume(request.match_info["id"]))
-
-    async def set_deadline(self, request: web.Request) -> web.Response:
-        req = DeadlineRequest.model_validate_json(await request.read())
-        return respond(await self.link.set_deadline(request.match_info["id"], req.timeout_s, req.on_timeout))
-
-    async def set_network_rules(self, request: web.Request) -> web.Response:
-        req = NetworkRulesRequest.model_validate_json(await request.read())
-        return respond(await self.link.set_network_rules(request.match_info["id"], req.network_rules))
-
-    async def trajectory(self, request: web.Request) -> web.Response:
-        after = count_param(request, "after", 0)
-        limit = count_param(request, "limit", 1000, maximum=MAX_TRAJECTORY_PAGE)
-        return respond(await self.link.trajectory(request.match_info["id"], after, limit))
-
-    async def changes(self, request: web.Request) -> web.Response:
-        return respond(await self.link.changes(request.match_info["id"], text_param(request, "under", "/")))
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        start, end = time_param(request, "start"), time_param(request, "end")
-        return respond(await self.link.metrics(request.match_info["id"], start, end))
-
-    async def fork_local(self, request: web.Request) -> web.Response:
-        req = LocalForkRequest.model_validate_json(await request.read() or b"{}")
-        made = await self.link.fork_local(request.match_info["id"], req.ids, req.labels)
-        return respond(made, status=201)
-
-    async def screenshot(self, request: web.Request) -> web.Response:
-        png = await self.link.screenshot(request.match_info["id"])
-        return web.Response(body=png, content_type="image/png")
-
-    async def send_input(self, request: web.Request) -> web.Response:
-        req = InputRequest.model_validate_json(await request.read() or b"{}")
-        return respond({"sent": await self.link.send_input(request.match_info["id"], req.events)})
-
-    async def fork_spec(self, request: web.Request) -> web.Response:
-        spec, layer = await self.link.fork_spec(request.match_info["id"], _param(request, "ref"))
-        return respond({"spec": spec.model_dump(), "layer": layer.model_dump()})
-
     async def get(self, request: web.Request) -> web.Response:
         return respond(await self.link.get(request.match_info["id"]))
 
     async def stop(self, request: web.Request) -> web.Response:
         return respond(await self.link.stop(request.match_info["id"]))
 
-    async def shell(self, request: web.Request) -> web.Response:
-        req = ShellRequest.model_validate_json(await request.read() or b"{}")
-        return respond(await self.link.run_shell(request.match_info["id"], req))
+    # -- sandbox operations (protocol/ops.py) ---------------------------------------------------
 
-    async def exec(self, request: web.Request) -> web.StreamResponse:
-        req = ExecRequest.model_validate_json(await request.read() or b"{}")
-        events = self.link.exec_stream(
-            request.match_info["id"],
-            req.argv,
-            stdin=req.stdin_bytes(),
-            env=req.env,
-            cwd=req.cwd,
-            timeout=req.timeout,
-            max_output=req.max_output_bytes,
-            idempotency_key=req.idempotency_key,
-        )
-        return await stream_ndjson(request, events)
+    async def op(self, request: web.Request) -> web.Response:
+        op = parse_op(request.match_info["kind"], await request.read())
+        if not isinstance(op, Call):
+            raise InvalidRequest(f"{op.kind!r} is a stream: POST .../streams/{op.kind}")
+        answer = await self.link.call(request.match_info["id"], op)
+        return web.Response(body=op.adapter.dump_json(answer), content_type="application/json")
+
+    async def op_stream(self, request: web.Request) -> web.StreamResponse:
+        op = parse_op(request.match_info["kind"], await request.read())
+        if not isinstance(op, Stream):
+            raise InvalidRequest(f"{op.kind!r} is not a stream: POST .../ops/{op.kind}")
+        return await stream_ndjson(request, self.link.stream(request.match_info["id"], op))
 
     async def port(self, request: web.Request) -> web.StreamResponse:
         opening = self.link.open_port(request.match_info["id"], port_param(request))
         return await serve_port(request, opening)  # errors travel inside the WebSocket
-
-    async def commit(self, request: web.Request) -> web.Response:
-        req = CommitRequest.model_validate_json(await request.read() or b"{}")
-        return respond(await self.link.commit(request.match_info["id"], req), status=201)
 
     async def fncall(self, request: web.Request) -> web.Response:
         task = FnTask.model_validate_json(await request.read() or b"{}")
@@ -411,36 +303,3 @@ class EdgeServer:
         body = request.content.iter_chunked(CHUNK)
         info = await self.link.write_stream(request.match_info["id"], path, body, mode=mode)
         return respond(info, status=201)
-
-    async def stat(self, request: web.Request) -> web.Response:
-        return respond(await self.link.stat(request.match_info["id"], _param(request, "path")))
-
-    async def list_dir(self, request: web.Request) -> web.Response:
-        return respond(await self.link.list_dir(request.match_info["id"], _param(request, "path")))
-
-    async def mkdir(self, request: web.Request) -> web.Response:
-        parents = _flag(request, "parents", True)
-        info = await self.link.mkdir(request.match_info["id"], _param(request, "path"), parents=parents)
-        return respond(info, status=201)
-
-    async def remove(self, request: web.Request) -> web.Response:
-        recursive = _flag(request, "recursive", False)
-        await self.link.remove(request.match_info["id"], _param(request, "path"), recursive=recursive)
-        return respond({"removed": True})
-
-    async def move(self, request: web.Request) -> web.Response:
-        source, destination = _param(request, "source"), _param(request, "destination")
-        return respond(await self.link.move(request.match_info["id"], source, destination))
-
-    async def xattrs(self, request: web.Request) -> web.Response:
-        path, prefix = _param(request, "path"), request.query.get("prefix", "")
-        return respond(await self.link.xattrs(request.match_info["id"], path, prefix))
-
-    async def set_xattrs(self, request: web.Request) -> web.Response:
-        try:
-            attrs = _XATTRS.validate_json(await request.read())
-        except ValidationError as exc:
-            raise InvalidRequest("extended attributes are a JSON object of strings") from exc
-        path, prefix = _param(request, "path"), request.query.get("prefix", "")
-        await self.link.set_xattrs(request.match_info["id"], path, prefix, attrs)
-        return respond({"set": True})

@@ -1,4 +1,7 @@
-"""The edge server's routes for the process table and directory watches (see :mod:`dsec.edge.server`).
+"""NDJSON streams for the edge's HTTP face, and the REST routes of the process table and
+directory watches (``/sandboxes/{id}/processes...``, ``/sandboxes/{id}/watch``) that the
+apiserver serves under ``/v1`` (:mod:`dsec.apiserver.processes`); the edge itself serves these
+operations as ops (:mod:`dsec.protocol.ops`, ``.../streams/{kind}`` and ``.../ops/{kind}``).
 
 Streams are NDJSON, one :class:`~dsec.protocol.processes.ProcessEvent` or ``WatchEvent`` a
 line. An error before the first event is an ordinary error answer with its status; one after
@@ -60,10 +63,10 @@ async def stream_ndjson(request: web.Request, events: AsyncGenerator[BaseModel, 
 
 
 class ProcessRoutes:
-    """``/sandboxes/{id}/processes...`` and ``/sandboxes/{id}/watch`` over a local link.
+    """``/sandboxes/{id}/processes...`` and ``/sandboxes/{id}/watch`` over a link.
 
-    The apiserver serves the same routes under ``/v1`` (:mod:`dsec.apiserver.processes`), each
-    sandbox on its own node's link, by overriding :meth:`target`."""
+    The apiserver serves them under ``/v1`` (:mod:`dsec.apiserver.processes`), each sandbox on
+    its own node's link, by overriding :meth:`target`."""
 
     def __init__(self, link: LocalEdgeLink) -> None:
         self.link = link

@@ -31,12 +31,12 @@ import functools
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import Spawned, User
 from dsec.backends.container import cgroups, oci, seccomp
 from dsec.backends.container.command_cgroup import CommandCgroup, EnteredCommand
+from dsec.backends.container.handle import ContainerHandle
 from dsec.backends.container.session_shell import SessionShell
 from dsec.executor.fdwait import PipeReader
 from dsec.executor.process import kill_tree
@@ -102,7 +102,7 @@ def _spec(argv: list[str], env: dict[str, str]) -> bytes:
 def helper_argv(
     helper: Path,
     sandbox_id: str,
-    handle: dict[str, Any],
+    handle: ContainerHandle,
     *,
     cwd: str,
     user: User,
@@ -113,9 +113,9 @@ def helper_argv(
     argv = [
         str(helper),
         "--pid",
-        str(int(handle["pid"])),
+        str(handle.pid),
         "--start-time",
-        str(int(handle.get("start_time") or 0)),
+        str(handle.start_time or 0),
         "--cgroup",
         cgroups.rel(sandbox_id),
         "--uid",
@@ -132,13 +132,13 @@ def helper_argv(
     ]
     if status_fd is not None:
         argv += ["--status-fd", str(status_fd)]
-    if handle.get("cpu_class", "ls") == "be":
+    if handle.cpu_class == "be":
         argv.append("--idle")
-    if handle.get("core_cookie"):  # set at start (LS, node with core scheduling): join it
+    if handle.core_cookie:  # set at start (LS, node with core scheduling): join it
         argv.append("--share-core-cookie")
     if entrances_isolated():
         argv.append("--own-domain")
-    if handle.get("allow_setuid"):  # the sandbox opted in (ContainerSpec.allow_setuid)
+    if handle.allow_setuid:  # the sandbox opted in (ContainerSpec.allow_setuid)
         argv.append("--allow-setuid")
     return argv
 
@@ -188,7 +188,7 @@ async def _read_to_eof(fd: int) -> bytes:
 
 async def spawn_entered(
     sandbox_id: str,
-    handle: dict[str, Any],
+    handle: ContainerHandle,
     argv: list[str],
     *,
     env: dict[str, str],
@@ -206,7 +206,7 @@ async def spawn_entered(
 
 async def spawn_command(
     sandbox_id: str,
-    handle: dict[str, Any],
+    handle: ContainerHandle,
     argv: list[str],
     *,
     env: dict[str, str],
@@ -230,7 +230,7 @@ async def spawn_command(
 
 async def spawn_held(
     sandbox_id: str,
-    handle: dict[str, Any],
+    handle: ContainerHandle,
     argv: list[str],
     *,
     env: dict[str, str],
@@ -262,7 +262,7 @@ async def spawn_held(
 
 async def spawn_session(
     sandbox_id: str,
-    handle: dict[str, Any],
+    handle: ContainerHandle,
     argv: list[str],
     *,
     env: dict[str, str],
@@ -325,7 +325,7 @@ _PIPES = (asyncio.subprocess.PIPE, asyncio.subprocess.PIPE)
 
 async def _enter(
     sandbox_id: str,
-    handle: dict[str, Any],
+    handle: ContainerHandle,
     argv: list[str],
     *,
     env: dict[str, str],

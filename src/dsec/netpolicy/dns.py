@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import socket
 import struct
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import dns.exception
@@ -36,6 +37,7 @@ _PKTINFO = struct.Struct("=i4s4s")  # struct in_pktinfo: ifindex, spec_dst, addr
 
 QTYPE_A = 1
 RCODE_FORMERR, RCODE_NXDOMAIN, RCODE_NOTIMP, RCODE_REFUSED = 1, 3, 4, 5
+_DENIED = (RCODE_NXDOMAIN, RCODE_REFUSED)  # what a name outside a sandbox's permissions gets
 TTL_S = 30
 
 Lookup = Callable[[str], list[str] | None]  # name -> addresses, None: no such name here
@@ -153,6 +155,13 @@ class NameServer:
         self._sock: socket.socket | None = None
         self._tcp: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Answers by verdict (granted: an answer; denied: NXDOMAIN or REFUSED, what a name
+        # outside the sandbox's permissions gets), for the edge's metrics (observe/).
+        self.answers: Counter[str] = Counter()
+
+    def _count(self, response: bytes) -> None:
+        rcode = response[3] & 0x0F if len(response) > 3 else RCODE_FORMERR
+        self.answers["granted" if rcode == 0 else "denied" if rcode in _DENIED else "error"] += 1
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -212,6 +221,7 @@ class NameServer:
             return
         if response is None or self._sock is None:
             return
+        self._count(response)
         if len(response) > 512:
             response = _truncated(response)  # the client asks again over TCP
         try:
@@ -234,6 +244,7 @@ class NameServer:
                 response = await respond(data)
                 if response is None:
                     return
+                self._count(response)
                 writer.write(struct.pack("!H", len(response)) + response)
                 await writer.drain()
         except (OSError, asyncio.IncompleteReadError, TimeoutError):

@@ -125,6 +125,10 @@ class EgressPolicy:
         link = next((lk for lk in self._links.values() if lk.address == address), None)
         return None if link is None else link.rules
 
+    def dns_answers(self) -> dict[str, int]:
+        """The sandboxes' name server's answers by verdict (granted, denied, error)."""
+        return dict(self._dns.answers) if self._dns is not None else {}
+
     def has_link(self, sandbox_id: str) -> bool:
         return sandbox_id in self._links
 

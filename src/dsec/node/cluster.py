@@ -11,7 +11,9 @@ the layer store (a shared mount) are what they share.
 from __future__ import annotations
 
 import logging
+from collections import ChainMap
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
@@ -21,6 +23,7 @@ from dsec.apiserver.e2b.front import DEFAULT_TEMPLATE
 from dsec.apiserver.e2b.tokens import secret_from_cluster
 from dsec.apiserver.layer_access import LayerLimits
 from dsec.apiserver.membership import Membership
+from dsec.apiserver.overflow import Overflow, OverflowConfig
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.edge.config import EdgeConfig
@@ -32,6 +35,8 @@ from dsec.iam import IamStore, open_iam_store
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.node.embedded import NodeConfig, open_layer_store, vm_backends
+from dsec.observe.audit import AuditLog
+from dsec.observe.metrics import serve_cluster_metrics
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.http import listen
 
@@ -104,6 +109,8 @@ class ApiServerConfig:
     node_lost_after_s: float = 30.0
     layer_limits: LayerLimits = field(default_factory=LayerLimits)  # caps on one layer import
     e2b_domain: str | None = None  # sandbox hosts are PORT-ID.<this> (E2B's get_host)
+    audit_log: Path | None = None  # admin actions, one JSON line each; None: to the log only
+    overflow: OverflowConfig | None = None  # other clusters creates go to when this one is full
 
 
 class ClusterApiServer:
@@ -117,6 +124,7 @@ class ClusterApiServer:
         self.iam: IamStore
         self.api: ApiServer
         self.membership: Membership
+        self.overflow: Overflow | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -134,14 +142,29 @@ class ClusterApiServer:
         e2b = E2BOptions(
             secret_from_cluster(self.config.secret), self.config.e2b_template, self.config.e2b_domain
         )
+        # Overflow targets join the routes' links (list, bulk, quota reconciliation span them),
+        # not the watcher's: placement never sees them (apiserver/overflow.py).
+        bursts = self.config.overflow
+        self.overflow = None if bursts is None else Overflow(bursts, self.placement)
+        links = self.links if self.overflow is None else ChainMap(self.links, self.overflow.links)
         self.api = ApiServer(
-            self.links, self.placement, self.store, self.iam, e2b=e2b, layer_limits=self.config.layer_limits
+            links,
+            self.placement,
+            self.store,
+            self.iam,
+            e2b=e2b,
+            layer_limits=self.config.layer_limits,
+            audit=AuditLog(self.config.audit_log),
+            overflow=self.overflow,
         )
         await self.watcher.start()
         app = self.api.app()
         self.membership.register_routes(app)
+        serve_cluster_metrics(app, self.api.prom, self.config.secret)  # one credential scrapes all
         self._runner, self.url = await listen(app, self.config.host, self.config.port)
-        self.api.tenancy.start(self.links)
+        self.api.tenancy.start(links)
+        if self.overflow is not None:
+            await self.overflow.start()
         return self.url
 
     @property
@@ -153,9 +176,12 @@ class ClusterApiServer:
             await self._runner.cleanup()
         if hasattr(self, "api"):
             await self.api.tenancy.close()
+            self.api.audit.close()
         if hasattr(self, "membership"):
             await self.membership.close()
         await self.watcher.close()
+        if self.overflow is not None:
+            await self.overflow.close()
         for link in self.links.values():
             close = getattr(link, "close", None)
             if close is not None:

@@ -32,6 +32,7 @@ from dsec.iam import IamStore, open_iam_store
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
+from dsec.observe.audit import AuditLog
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.http import listen
@@ -63,6 +64,7 @@ class NodeConfig:
     e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means here
     e2b_domain: str | None = None  # sandbox hosts are PORT-ID.<this> (E2B's get_host)
     layer_limits: LayerLimits = field(default_factory=LayerLimits)  # caps on one layer import
+    audit_log: Path | None = None  # admin actions, one JSON line each; None: <data_dir>/audit.log
 
 
 def open_layer_store(config: NodeConfig) -> LayerStore:
@@ -169,6 +171,7 @@ class EmbeddedNode:
             self.iam,
             e2b=e2b,
             layer_limits=self.config.layer_limits,
+            audit=AuditLog(self.config.audit_log or self.config.data_dir / "audit.log"),
         )
         await self.edge.start(self._register)
         await self.watcher.start()
@@ -194,6 +197,7 @@ class EmbeddedNode:
             await self._runner.cleanup()
         if hasattr(self, "api"):  # start() may have failed before it was built
             await self.api.tenancy.close()
+            self.api.audit.close()
         await self.watcher.close()
         await self.edge.close(stop_sandboxes=stop_sandboxes)
         if not self.edge.list_sandboxes():

@@ -16,7 +16,7 @@ import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from dsec.protocol.errors import CapacityExhausted, InvalidRequest
@@ -86,6 +86,8 @@ class Placement:
         self.in_flight: Counter[str] = Counter()  # creates placed since the snapshot was taken
         self._pools: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
         self._pools_of: dict[str, dict[str, Any]] | None = None
+        # (backend, outcome, perf_counter at the start) of each choice: the apiserver's metrics.
+        self.on_choose: Callable[[str, str, float], None] | None = None
 
     def _sync(self) -> None:
         snapshot = self.watcher.snapshot
@@ -119,6 +121,12 @@ class Placement:
     ) -> list[str]:
         return [n for n in self._pool(backend, need, features) if n not in exclude and self._has_room(n)]
 
+    def busy(self, name: str) -> int:
+        """Sandboxes on node ``name`` as of the snapshot, plus those placed there since."""
+        self._sync()
+        s = self.watcher.snapshot.get(name, {})
+        return int(s.get("running", 0)) + int(s.get("creating", 0)) + self.in_flight[name]
+
     def _load(self, name: str) -> float:
         s = self.watcher.snapshot[name]
         busy = s.get("running", 0) + s.get("creating", 0) + self.in_flight[name]
@@ -145,7 +153,21 @@ class Placement:
     ) -> str:
         """A node for a ``backend`` sandbox; ``features``: capabilities of that backend the node
         must report true (a gVisor sandbox needs a node where runsc works)."""
-        exclude = exclude or set()
+        started = time.perf_counter()
+        try:
+            node = await self._choose(backend, exclude or set(), need, features)
+        except Exception as exc:
+            if self.on_choose is not None:
+                outcome = "refused" if isinstance(exc, CapacityExhausted) else "invalid"
+                self.on_choose(backend, outcome, started)
+            raise
+        if self.on_choose is not None:
+            self.on_choose(backend, "placed", started)
+        return node
+
+    async def _choose(
+        self, backend: str, exclude: set[str], need: Hardware | None, features: tuple[str, ...]
+    ) -> str:
         sample = self._sample(backend, exclude, need, features)
         if not sample:
             # The snapshot may be a poll old: a node that was full then may have room now.

@@ -2,8 +2,9 @@
 
 Every failure a caller can see is one of these classes, rooted at :class:`DSecError`. Each class
 has a stable wire ``code`` and an HTTP status; the apiserver serialises an error as
-``{"error": {"code": ..., "message": ..., "reason": ...}}`` and the SDK raises the same class
-again on the client side, so ``except SandboxNotFound`` works across the wire.
+``{"error": {"code": ..., "message": ..., "reason": ..., "request_id": ...}}`` and the SDK
+raises the same class again on the client side, so ``except SandboxNotFound`` works across the
+wire; ``err.request_id`` is the ID of the failed request (:mod:`dsec.observe.request_ids`).
 
     DSecError
     +-- InvalidRequest          400  bad input: malformed ID, limit out of range, path escape
@@ -88,6 +89,9 @@ class InfraReason(StrEnum):
     vhost_vsock_missing = "vhost_vsock_missing"
     fncall_worker_lost = "fncall_worker_lost"
     client = "client"  # the SDK's own side failed (fncall decoding)
+    # Another DSec cluster the apiserver sends creates to when its own is full
+    # (apiserver/overflow.py) could not be reached, or went away mid-answer.
+    overflow_unreachable = "overflow_unreachable"
 
 
 class NotFoundReason(StrEnum):
@@ -147,17 +151,22 @@ class DSecError(Exception):
     # The enum this class's reasons come from (None: the class carries no reason of its own).
     reasons: ClassVar[type[StrEnum] | None] = None
 
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
+    def __init__(self, message: str, *, reason: str | None = None, request_id: str | None = None) -> None:
         """``reason``: a member of ``type(self).reasons``; a string naming one becomes that
-        member, any other string (a newer peer's reason) is kept as it is."""
+        member, any other string (a newer peer's reason) is kept as it is. ``request_id``: the
+        ID of the request that failed (``X-Request-ID``, :mod:`dsec.observe.request_ids`), set
+        on the errors a client raises from a server's answer: what to quote to an operator."""
         super().__init__(message)
         self.message = message
         self.reason: str | None = _as_member(type(self).reasons, reason)
+        self.request_id = request_id
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.reason is not None:
             body["reason"] = str(self.reason)  # the member's value: a plain string on the wire
+        if self.request_id is not None:
+            body["request_id"] = self.request_id  # an older client ignores it
         return {"error": body}
 
     def __str__(self) -> str:
@@ -266,6 +275,7 @@ def _all_subclasses(cls: type[DSecError]) -> list[type[DSecError]]:
 
 
 _BY_CODE: dict[str, type[DSecError]] = {c.code: c for c in _all_subclasses(DSecError)}
+_MAX_REQUEST_ID = 128  # dsec.observe.request_ids.MAX_LEN: that module imports this one
 
 
 def error_from_wire(status: int, body: Any) -> DSecError:
@@ -273,7 +283,10 @@ def error_from_wire(status: int, body: Any) -> DSecError:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         cls = _BY_CODE.get(str(err.get("code")), DSecError)
-        return cls(str(err.get("message", "")), reason=err.get("reason"))
+        rid = err.get("request_id")
+        # Only a string of a request ID's size: the body is another server's say.
+        rid = rid if isinstance(rid, str) and 0 < len(rid) <= _MAX_REQUEST_ID else None
+        return cls(str(err.get("message", "")), reason=err.get("reason"), request_id=rid)
     return InfraFailure(
         f"unexpected HTTP {status} from server: {str(body)[:200]}", reason=InfraReason.protocol
     )

@@ -33,6 +33,10 @@ Usage::
     finally:
         await client.close()
 
+Every request carries an ``X-Request-ID`` (:mod:`dsec.observe.request_ids`): the one of the
+request being served (the apiserver calling an edge), or the caller's choice, else a new one;
+an error raised from an answer carries the ID as ``request_id``.
+
 ``on_response`` sees every response before its status is checked (the edge link checks the
 edge's node and epoch headers there). Network failures leave :meth:`WireClient.send` as
 aiohttp raised them: the SDK maps them at once with :func:`unreachable`, the edge link first asks
@@ -49,6 +53,7 @@ from typing import Any, TypeVar
 import aiohttp
 from pydantic import BaseModel, ValidationError
 
+from dsec.observe import request_ids
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, error_from_wire
 
 M = TypeVar("M", bound=BaseModel)
@@ -70,14 +75,23 @@ def unreachable(what: str, exc: BaseException, peer: str = "") -> InfraFailure:
     return InfraFailure(f"{prefix}: {detail}", reason=InfraReason.edge_unreachable)
 
 
-async def wire_error(resp: aiohttp.ClientResponse) -> DSecError:
-    """The DSec error an error response (status >= 400) carries."""
+def _with_request_id(err: DSecError, resp: aiohttp.ClientResponse, sent: str | None) -> DSecError:
+    # The body's ID (the server's), else its header's, else the one sent (an older server).
+    if err.request_id is None:
+        header = resp.headers.get(request_ids.HEADER)
+        err.request_id = header if request_ids.valid(header) else sent
+    return err
+
+
+async def wire_error(resp: aiohttp.ClientResponse, sent: str | None = None) -> DSecError:
+    """The DSec error an error response (status >= 400) carries, with the request's ID
+    (``sent``: the ID the request went out with)."""
     text = await resp.text()
     try:
         body: Any = json.loads(text)
     except ValueError:
         body = text
-    return error_from_wire(resp.status, body)
+    return _with_request_id(error_from_wire(resp.status, body), resp, sent)
 
 
 async def ndjson_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
@@ -96,7 +110,7 @@ async def ndjson(resp: aiohttp.ClientResponse, model: type[M], *, peer: str) -> 
         except ValueError as exc:
             raise InfraFailure(f"{peer} sent a malformed stream line", reason=InfraReason.protocol) from exc
         if isinstance(obj, dict) and isinstance(obj.get("error"), dict):  # not an event's error
-            raise error_from_wire(500, obj)
+            raise _with_request_id(error_from_wire(500, obj), resp, None)
         try:
             parsed = model.model_validate_json(line)
         except ValidationError as exc:
@@ -165,6 +179,9 @@ class WireClient:
         never left (only for requests whose body can be sent again).
         """
         kw: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        # The request's ID: the caller's (a header given, or the request being served), else new.
+        rid = (headers or {}).get(request_ids.HEADER) or request_ids.outgoing()
+        headers = {**(headers or {}), request_ids.HEADER: rid}
         attempt = 0
         while True:
             try:
@@ -181,5 +198,5 @@ class WireClient:
             if self._on_response is not None:
                 self._on_response(resp)
             if resp.status >= 400:
-                raise await wire_error(resp)
+                raise await wire_error(resp, rid)
             yield resp

@@ -22,6 +22,15 @@ _NAMES_MAX = 1 << 20
 _LINKS_AT_ONCE = 256  # symlinks resolved by one readlink process
 _LINK_TARGET_MAX = 1 << 20
 _TYPES = {FileType.file: "FILE_TYPE_FILE", FileType.dir: "FILE_TYPE_DIRECTORY"}
+_DIR_BLOCK = 4096
+
+
+def dir_size(size: int) -> int:
+    """A directory's size as E2B's ext4 guests report it: whole 4 KiB blocks, at least one.
+    A disk-limited sandbox's writable layer is btrfs, whose directory size counts name bytes
+    (0 when empty); a directory's st_size means nothing else to a client, and SDK users (E2B's own
+    suite) take a directory's size as positive."""
+    return max(_DIR_BLOCK, -(-size // _DIR_BLOCK) * _DIR_BLOCK)
 
 
 async def _names(link: EdgeLink, sandbox_id: str, path: str) -> dict[int, str]:
@@ -61,7 +70,7 @@ class Owners:
             "name": info.name,
             "type": _TYPES.get(info.type, "FILE_TYPE_FILE"),
             "path": info.path,
-            "size": str(info.size),
+            "size": str(dir_size(info.size) if info.type == FileType.dir else info.size),
             "mode": mode,
             "permissions": stat.filemode(kind | mode),
             "owner": self.users.get(info.uid, str(info.uid)),

@@ -43,6 +43,8 @@ _WATCHER_IDLE_S = 600.0  # a polling watcher nobody asked for in this long is dr
 _GZIP_RATIO = 64
 _GZIP_FLOOR = 64 << 20
 _GZIP_MAX = 16 << 30
+_SETTLE_WAIT_S = 5.0  # a poll waits at most this long for an event whose entry is being read
+_XATTR_READS_AT_ONCE = 64
 _ENTRY_EVENTS = ("create", "write", "chmod")  # envd's opCarriesEntry: the entry still exists
 # The edge writes NAME through a temporary ".NAME.dsec-<16 hex>" in the same directory
 # (executor/files.py, NAME cut to 32 characters) renamed over NAME at the end.
@@ -214,48 +216,73 @@ class _UploadEvents:
         return [event]
 
 
-async def envd_events(
-    events: AsyncGenerator[WatchEvent, None], link: EdgeLink, sandbox_id: str, root: str, include_entry: bool
-) -> AsyncGenerator[dict[str, Any] | None, None]:
-    """None once the watch is in place, then envd's ``FilesystemEvent`` messages; with
+class _EnvdEvents:
+    """The edge's raw watch events as envd's ``FilesystemEvent`` messages; with
     ``include_entry`` an event of an entry that still exists carries it (best effort, as envd)."""
-    uploads = _UploadEvents()
-    owners: Owners | None = None
+
+    def __init__(self, link: EdgeLink, sandbox_id: str, root: str, include_entry: bool) -> None:
+        self.link, self.sandbox_id, self.root, self.include_entry = link, sandbox_id, root, include_entry
+        self.uploads = _UploadEvents()
+        self.owners: Owners | None = None
+
+    async def of(self, raw: WatchEvent) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for event in self.uploads.translate(raw):
+            message: dict[str, Any] = {"name": event.name, "type": _EVENTS[event.t]}
+            if self.include_entry and event.t in _ENTRY_EVENTS:
+                self.owners = self.owners or await Owners.of(self.link, self.sandbox_id)
+                with contextlib.suppress(DSecError):
+                    info = await self.link.stat(self.sandbox_id, posixpath.join(self.root, event.name))
+                    [entry] = await entries(self.link, self.sandbox_id, self.owners, [info])
+                    message["entry"] = await _with_metadata(entry, info, self.link, self.sandbox_id)
+            out.append(message)
+        return out
+
+
+async def envd_events(
+    events: AsyncGenerator[WatchEvent, None], mapper: _EnvdEvents
+) -> AsyncGenerator[dict[str, Any] | None, None]:
+    """None once the watch is in place, then envd's ``FilesystemEvent`` messages."""
     try:
         async for raw in events:
             if raw.t == "start":
                 yield None
                 continue
-            for event in uploads.translate(raw):
-                out: dict[str, Any] = {"name": event.name, "type": _EVENTS[event.t]}
-                if include_entry and event.t in _ENTRY_EVENTS:
-                    owners = owners or await Owners.of(link, sandbox_id)
-                    with contextlib.suppress(DSecError):
-                        info = await link.stat(sandbox_id, posixpath.join(root, event.name))
-                        [out["entry"]] = await entries(link, sandbox_id, owners, [info])
-                yield out
+            for message in await mapper.of(raw):
+                yield message
     finally:
         await events.aclose()
 
 
 class _Watcher:
-    """A polling watcher: the events of one ``watch_dir`` stream, kept until asked for."""
+    """A polling watcher: the events of one watch, kept until asked for. An event the edge
+    has delivered but whose entry is still being read (``include_entry``: a few file calls)
+    is not yet pending; a poll then waits for it (``settled``), so a poll right after a write
+    sees the write, as envd's in-process watcher shows it."""
 
-    def __init__(self, events: AsyncGenerator[dict[str, Any] | None, None]) -> None:
-        self.events = events
+    def __init__(self, events: AsyncGenerator[WatchEvent, None], mapper: _EnvdEvents) -> None:
+        self.events, self.mapper = events, mapper
         self.pending: list[dict[str, Any]] = []
         self.error: ConnectError | None = None
         self.last_poll = time.monotonic()
         self.task: asyncio.Task[None] | None = None
+        self.settled = asyncio.Event()
+        self.settled.set()
 
     async def run(self) -> None:
         try:
-            async for event in self.events:
-                if event is not None and len(self.pending) < _WATCHER_EVENTS:
-                    self.pending.append(event)
+            async for raw in self.events:
+                self.settled.clear()
+                try:
+                    for message in await self.mapper.of(raw):
+                        if len(self.pending) < _WATCHER_EVENTS:
+                            self.pending.append(message)
+                finally:
+                    self.settled.set()
         except DSecError as exc:
             self.error = from_dsec(exc)
         finally:
+            self.settled.set()
             await self.events.aclose()
 
 
@@ -277,12 +304,24 @@ async def _with_metadata(
     entry: dict[str, Any], info: FileStat, link: EdgeLink, sandbox_id: str
 ) -> dict[str, Any]:
     """``entry`` with the file's envd metadata (its ``user.e2b.*`` attributes), as envd's
-    Stat and Move answer it."""
+    Stat, Move, ListDir and watch entries carry it."""
     if info.type == FileType.file:
         with contextlib.suppress(FileNotFound, InvalidRequest):  # gone or replaced meanwhile
             if metadata := await link.xattrs(sandbox_id, info.path, METADATA_PREFIX):
                 entry["metadata"] = metadata
     return entry
+
+
+async def _all_with_metadata(
+    out: list[dict[str, Any]], infos: list[FileStat], link: EdgeLink, sandbox_id: str
+) -> list[dict[str, Any]]:
+    """Each file's metadata into its entry: one attribute read per file, as envd's walk does,
+    ``_XATTR_READS_AT_ONCE`` in flight (a listing holds up to ``_MAX_ENTRIES``)."""
+    files = [n for n, i in enumerate(infos) if i.type == FileType.file]
+    for start in range(0, len(files), _XATTR_READS_AT_ONCE):
+        batch = files[start : start + _XATTR_READS_AT_ONCE]
+        await asyncio.gather(*(_with_metadata(out[n], infos[n], link, sandbox_id) for n in batch))
+    return out
 
 
 class FilesystemService:
@@ -329,7 +368,8 @@ class FilesystemService:
             info = stack.pop()
             ordered.append(info)
             stack.extend(reversed(below.get(info.path, [])))
-        return {"entries": await entries(link, sandbox_id, owners, ordered)}
+        listed = await entries(link, sandbox_id, owners, ordered)
+        return {"entries": await _all_with_metadata(listed, ordered, link, sandbox_id)}
 
     async def make_dir(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
@@ -355,27 +395,42 @@ class FilesystemService:
         return {}
 
     @staticmethod
-    def _events(
+    async def _watch(
         msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
-    ) -> AsyncGenerator[dict[str, Any] | None, None]:
+    ) -> tuple[AsyncGenerator[WatchEvent, None], _EnvdEvents]:
+        """The edge's watch, in place (its ``start`` read; a refusal raises here), and the
+        mapper of its events to envd's."""
         path = absolute(field(msg, "path", ""), user)
         events = link.watch_dir(sandbox_id, path, bool(field(msg, "recursive", False)))
-        return envd_events(events, link, sandbox_id, path, bool(field(msg, "includeEntry", False)))
+        try:
+            first = await anext(events)
+        except BaseException:
+            await events.aclose()
+            raise
+        assert first.t == "start", first
+        return events, _EnvdEvents(link, sandbox_id, path, bool(field(msg, "includeEntry", False)))
 
     async def watch_dir(
         self, request: web.Request, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
     ) -> web.StreamResponse:
-        events = self._events(msg, link, sandbox_id, user)
-        return await pump(ServerStream(request), events, _watch_message, {"keepalive": {}})
+        async def messages() -> AsyncGenerator[dict[str, Any] | None, None]:
+            events, mapper = await self._watch(msg, link, sandbox_id, user)
+            try:
+                yield None
+            except BaseException:  # closed before the events are read: end the edge's watch
+                await events.aclose()
+                raise
+            async for message in envd_events(events, mapper):
+                yield message
+
+        return await pump(ServerStream(request), messages(), _watch_message, {"keepalive": {}})
 
     async def create_watcher(
         self, msg: dict[str, Any], link: EdgeLink, sandbox_id: str, user: str
     ) -> dict[str, Any]:
         self._expire()
-        events = self._events(msg, link, sandbox_id, user)
-        first = await anext(events)  # the watch is in place (or the error is the answer)
-        assert first is None, first
-        watcher = _Watcher(events)
+        events, mapper = await self._watch(msg, link, sandbox_id, user)
+        watcher = _Watcher(events, mapper)
         watcher.task = asyncio.create_task(watcher.run())
         watcher_id = secrets.token_hex(8)
         self._watchers[watcher_id] = (sandbox_id, watcher)
@@ -395,6 +450,8 @@ class FilesystemService:
     ) -> dict[str, Any]:
         _, watcher = self._get(msg, sandbox_id)
         watcher.last_poll = time.monotonic()
+        with contextlib.suppress(TimeoutError):  # an entry slower than this comes next poll
+            await asyncio.wait_for(watcher.settled.wait(), _SETTLE_WAIT_S)
         if watcher.error is not None and not watcher.pending:
             raise watcher.error
         events, watcher.pending = watcher.pending, []

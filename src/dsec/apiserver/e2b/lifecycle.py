@@ -301,7 +301,7 @@ class LifecycleRoutes:
         spec = self.sandboxes.tenancy.admit(principal, None, spec)
         spec = await self.sandboxes.admit_layers(principal, spec)  # a template may be another's
         [info] = await self.sandboxes.create_many(principal, spec, 1, 120)
-        link = self.sandboxes.links[info.node]
+        link = self.sandboxes.link_for(info.id)
         try:
             rules = to_rules(network, internet_offered=await self._offers_internet(link, info.node))
             if rules:

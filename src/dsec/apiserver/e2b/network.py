@@ -2,15 +2,27 @@
 
 E2B filters a sandbox's egress by address and name (``allowOut``/``denyOut``, everything open
 unless denied, an allow winning over a deny); DSec opens by permission names the operator
-configured (``pypi``, ``github``, ``internet``...), nothing unless granted. The mapping:
+configured (``pypi``, ``github``, ``internet``...), nothing unless granted, and never private
+addresses through ``internet`` (public ones only). The mapping:
 
 - nothing denied (E2B's default, ``allow_internet_access`` true): ``internet`` when the node
   offers it, plus every name in ``allowOut``;
 - ``denyOut`` of ``0.0.0.0/0`` or ``allow_internet_access`` false: only the names in
   ``allowOut`` (``0.0.0.0/0`` there is ``internet``).
 
-What has no DSec counterpart is a 400 naming it: denying single addresses, allowing an address
-or range, header transforms (``rules``), an egress proxy, DNS servers.
+Addresses and ranges are taken where what DSec enforces already is what E2B would do:
+
+- a ``denyOut`` range E2B's allow overrides (an ``allowOut`` range holding it) or one that
+  holds no public address (DSec's ``internet`` never reaches those; a permission named in
+  ``allowOut`` that does is an allow, which wins over a deny in E2B too), or any ``denyOut``
+  entry when the sandbox is granted no ``internet``;
+- an ``allowOut`` range of public addresses while the sandbox has ``internet`` (open anyway).
+
+Everything else is a 400 naming the entry: a public address denied beside ``internet`` (DSec
+denies nothing inside a permission), an address or range allowed beyond what the sandbox's
+permissions reach (DSec opens addresses per operator permission, never per sandbox), header
+transforms (``rules``), an egress proxy, DNS servers. A ``denyOut`` entry that is no address or
+range is E2B's own 400 ("invalid denied CIDR").
 """
 
 from __future__ import annotations
@@ -24,14 +36,37 @@ from dsec.protocol.models import NetworkRules
 ALL_TRAFFIC = "0.0.0.0/0"  # E2B's "everything" (the SDKs' ALL_TRAFFIC)
 INTERNET = "internet"  # the permission that opens every public address (DSec's catalogue)
 _HOW = "DSec opens the network by the permission names its operator configured (pypi, github, internet...)"
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# What DSec's `internet` never opens (netpolicy/names.py's non-public set, IPv6 too: DSec
+# gives sandboxes no IPv6 route at all).
+_NONPUBLIC = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+        "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",
+        "203.0.113.0/24", "224.0.0.0/3", "::/0",
+    )
+)  # fmt: skip
 
 
-def _is_address(entry: str) -> bool:
+def _network(entry: str) -> Network | None:
     try:
-        ipaddress.ip_network(entry, strict=False)
+        return ipaddress.ip_network(entry.strip(), strict=False)
     except ValueError:
-        return False
-    return True
+        return None
+
+
+def _within(inner: Network, outer: Network) -> bool:
+    return inner.version == outer.version and inner.subnet_of(outer)  # type: ignore[arg-type]
+
+
+def _nonpublic(net: Network) -> bool:
+    return any(_within(net, n) for n in _NONPUBLIC)
+
+
+def _public(net: Network) -> bool:
+    """Every address of ``net`` is public (no part of it overlaps a non-public range)."""
+    return not any(net.version == n.version and net.overlaps(n) for n in _NONPUBLIC)
 
 
 def to_rules(net: NetworkUpdate, *, internet_offered: bool) -> NetworkRules:
@@ -42,24 +77,40 @@ def to_rules(net: NetworkUpdate, *, internet_offered: bool) -> NetworkRules:
         raise InvalidRequest("an egress proxy is not supported: sandboxes reach the network through the node")
     if net.dns_servers:
         raise InvalidRequest("dns_servers is not supported: sandboxes resolve through the node's name server")
-    denied = net.deny_out or []
-    refused = [d for d in denied if d != ALL_TRAFFIC]
-    if refused:
-        raise InvalidRequest(
-            f"deny_out {refused[0]!r}: only {ALL_TRAFFIC} (everything) can be denied, since a sandbox"
-            f" reaches nothing it was not granted; {_HOW}"
-        )
+    denied: list[tuple[str, Network]] = []
+    for entry in net.deny_out or []:
+        found = _network(entry)
+        if found is None:  # E2B's validateEgressRules: deny rules take addresses only
+            raise InvalidRequest(f"invalid denied CIDR {entry}")
+        denied.append((entry, found))
     rules: NetworkRules = {}
+    allowed: list[tuple[str, Network]] = []
     for entry in net.allow_out or []:
         if entry == ALL_TRAFFIC:
             rules[INTERNET] = True
-        elif _is_address(entry):
-            raise InvalidRequest(f"allow_out {entry!r}: an address or range; {_HOW}, name one of those")
+        elif (found := _network(entry)) is not None:
+            allowed.append((entry, found))
         else:
             rules[entry] = True  # the edge refuses a name its node does not offer (400)
-    closed = net.allow_internet_access is False or ALL_TRAFFIC in denied
+    closed = net.allow_internet_access is False or ALL_TRAFFIC in (e for e, _ in denied)
     if not closed and internet_offered:
         rules[INTERNET] = True
+    internet = INTERNET in rules
+    for entry, found in allowed:
+        if not (internet and _public(found)):
+            raise InvalidRequest(
+                f"allow_out {entry!r}: an address or range beyond what the sandbox's permissions "
+                f"reach; {_HOW}, name one of those (DSec opens no address per sandbox)"
+            )
+    everything_allowed = ALL_TRAFFIC in (net.allow_out or [])
+    for entry, found in denied:
+        overridden = everything_allowed or entry == ALL_TRAFFIC or any(_within(found, a) for _, a in allowed)
+        if internet and not overridden and not _nonpublic(found):
+            raise InvalidRequest(
+                f"deny_out {entry!r}: a public address beside the internet permission; DSec denies "
+                f"nothing inside a permission: deny {ALL_TRAFFIC} (everything) and allow names "
+                f"instead; {_HOW}"
+            )
     return rules
 
 

@@ -292,7 +292,7 @@ class SnapshotRoutes:
         return web.json_response(results, status=201)
 
     async def _stop(self, info: SandboxInfo) -> None:
-        await self.sandboxes.links[info.node].stop(info.id)
+        await self.sandboxes.link_for(info.id).stop(info.id)
         await self.sandboxes.tenancy.release(info.id)
 
     async def _one_fork(
@@ -302,7 +302,7 @@ class SnapshotRoutes:
             [info] = await self.sandboxes.create_many(principal, spec, 1, _CREATE_TIMEOUT_S)
             if timeout > 0:
                 try:
-                    info = await self.sandboxes.links[info.node].set_deadline(info.id, timeout, action)
+                    info = await self.sandboxes.link_for(info.id).set_deadline(info.id, timeout, action)
                 except BaseException:
                     await asyncio.shield(self._stop(info))
                     raise

@@ -139,7 +139,7 @@ class Build:
         spec = self.sandboxes.tenancy.admit(principal, None, spec)
         spec = await self.sandboxes.admit_layers(principal, spec)
         [info] = await self.sandboxes.create_many(principal, spec, 1, 120)
-        link = self.sandboxes.links[info.node]
+        link = self.sandboxes.link_for(info.id)
         try:
             if await self.internet(link, info.node):
                 rules: NetworkRules = {"internet": True}  # E2B's builds reach the internet
@@ -160,8 +160,13 @@ class Build:
         finally:
             await self.sandboxes.tenancy.release(sandbox_id)
 
-    def _path(self, path: str) -> str:
-        return posixpath.normpath(posixpath.join(self.config.workdir or "/", path))
+    def _path(self, path: str, *, unset: str | None = None) -> str:
+        """``path`` from the workdir; without one, from ``unset`` or else where RUN steps run
+        then (the user's home, the edge's default cwd), so ``copy(src, "d")`` then
+        ``run_cmd("cat d/f")`` meet."""
+        user = self.config.user
+        home = "/root" if user in (None, "", "root") else f"/home/{user}"
+        return posixpath.normpath(posixpath.join(self.config.workdir or unset or home, path))
 
     async def _step(self, link: EdgeLink, sid: str, number: int, step: Step) -> None:
         cfg, name = self.config, str(number)
@@ -170,7 +175,7 @@ class Build:
         if step.type == "ENV":
             cfg.env.update(zip(step.args[::2], step.args[1::2], strict=True))
         elif step.type == "WORKDIR":
-            cfg.workdir = self._path(step.args[0])
+            cfg.workdir = self._path(step.args[0], unset="/")  # Docker's WORKDIR starts at /
             await self._run(link, sid, name, f"mkdir -p {shlex.quote(cfg.workdir)}", "root", "/")
             if cfg.user and cfg.user != "root":
                 await self._run(link, sid, name, f"chown {cfg.user} {shlex.quote(cfg.workdir)}", "root", "/")
@@ -190,7 +195,9 @@ class Build:
         archive = self.files(step.files_hash)
         staged = f"/tmp/.e2b-copy-{name}.tar"
         await link.write_stream(sid, staged, _read_chunks(archive), mode=0o600)
-        target = self._path(dest) + ("/" if dest.endswith("/") else "")
+        # Several sources (a glob) make dest a directory, as Docker's COPY (E2B's model) does.
+        many = dest.endswith("/") or any(c in src for c in "*?[")
+        target = self._path(dest) + ("/" if many else "")
         script = _copy_script(staged, src, target, "" if owner == "root" else owner, mode)
         await self._run(link, sid, name, script, "root", "/", env={"SRC": src})
 

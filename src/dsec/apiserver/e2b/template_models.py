@@ -168,3 +168,4 @@ class TemplateRecord(BaseModel):
     last_build: str = ""
     last_status: Literal["waiting", "building", "ready", "error"] = "waiting"
     tags: dict[str, TemplateConfig] = Field(default_factory=dict)  # tag -> its build's config
+    tagged_at: dict[str, float] = Field(default_factory=dict)  # tag -> when it was assigned

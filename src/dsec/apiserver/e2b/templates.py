@@ -8,6 +8,7 @@ Routes (what the v2 ``Template()`` builder of SDKs 2.34 and 2.63 calls)::
     POST   /v2/templates/{id}/builds/{buildID}        BuildStart -> 202; the build runs
     GET    /templates/{id}/builds/{buildID}/status    ?logsOffset=&limit= -> TemplateBuildInfo
     GET    /templates/aliases/{alias}                 -> {templateID, public} (404: none of yours)
+    ...    /templates/tags, /templates/{id}/tags, /templates/{id}/builds/{buildID}/logs (.template_tags)
     GET    /templates                                 -> [Template] of the key's project
     GET    /templates/{id}                            -> Template with its builds
     DELETE /templates/{id}                            -> 204 (the layers stay: `dsec layer rm`)
@@ -46,6 +47,7 @@ from dsec.apiserver.e2b.template_models import (
     TemplateRecord,
     split_name,
 )
+from dsec.apiserver.e2b.template_tags import TemplateTagRoutes
 from dsec.apiserver.layer_access import layer_viewer
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
@@ -108,6 +110,7 @@ class Templates:
         self.delete_fallback: Handler | None = None  # DELETE of an ID no template has (snapshots)
 
     def register(self, r: web.UrlDispatcher) -> None:
+        TemplateTagRoutes(self).register(r)  # first: /templates/tags is no template ID
         r.add_post("/v3/templates", self.request_build)
         r.add_put(UPLOAD_PREFIX + "{token}", self.upload)
         r.add_get("/templates/aliases/{alias}", self.alias)
@@ -373,6 +376,7 @@ class Templates:
             if config is not None:
                 for tag in state.tags:
                     rec.tags[tag] = config
+                    rec.tagged_at[tag] = rec.updated_at
             await self._save()
 
     async def status(self, request: web.Request) -> web.Response:

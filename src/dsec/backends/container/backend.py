@@ -27,24 +27,19 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import HOST_PROCESSES, CreateContext, Spawned, User
-from dsec.backends.container import (
-    cgroups,
-    diskquota,
-    gvisor,
-    gvisor_exec,
-    nodefs,
-    oci,
-    spares,
-    teardown,
-    volumes,
-)
+from dsec.backends.container import cgroups, diskquota, gvisor, nodefs, oci, spares, teardown, volumes
+from dsec.backends.container.crun import Crun
+from dsec.backends.container.handle import ContainerHandle
+from dsec.backends.container.runsc import Runsc
+from dsec.backends.container.runtime import OciRuntime
+from dsec.backends.handle import Handle
 from dsec.density import coresched, memory
 from dsec.edge.fncall import RUNNER_PATH as FNCALL_RUNNER
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import SandboxProcess
 from dsec.native import enter, init, rootfs, spawner
-from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
+from dsec.protocol.errors import InfraFailure, InfraReason
 from dsec.protocol.models import ContainerSpec
 
 _CRUN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -105,6 +100,7 @@ def _remove_workdir(workdir: Path) -> None:
 
 class ContainerBackend:
     name = "container"
+    handle_type = ContainerHandle
 
     def __init__(
         self,
@@ -123,19 +119,32 @@ class ContainerBackend:
         self.state_dir = data_dir / "run" / runtime
         self.runtime_dir = data_dir / "runtime"  # read-only tools bind-mounted at /.dsec
         # The exec helper runs as root on the host: kept out of runtime_dir, which sandboxes mount.
-        self.enter_helper = enter.helper_path(data_dir / "bin")
+        self.crun = Crun(self.runtime, self.state_dir, enter.helper_path(data_dir / "bin"))
         self.rootfs_helper = data_dir / "bin" / rootfs.NAME  # built by prepare_node
         self.spawn_helper = data_dir / "bin" / spawner.NAME  # built by prepare_node
         self.volumes = volumes.DiskVolumes(data_dir / "disk-quota", size_mb=disk_quota_mb)
         # runtime="gvisor" sandboxes (gvisor.py): runsc, when the node has a working one.
         self.gvisor = gvisor.GVisor(data_dir)
+        self.runsc = Runsc(self.gvisor)
+        # Chosen once per sandbox: from its spec at create, from its handle after.
+        self.runtimes: dict[str, OciRuntime] = {"crun": self.crun, "gvisor": self.runsc}
         # Destroyed sandboxes' cgroups, kept for the next creates (spares.py); 0: none kept.
         self.spares = spares.SpareCgroups(self.cgroup_parent, spare_cgroups)
         # The runtime directory's own tmpfs and the node's LXCFS (nodefs.py).
         self.nodefs = nodefs.NodeFs(data_dir, self.runtime_dir)
 
-    def _cmd(self, *args: str) -> list[str]:
-        return [self.runtime, "--root", str(self.state_dir), *args]
+    @property
+    def enter_helper(self) -> Path:
+        """dsec-enter, through which every process enters a crun sandbox (native/enter.py)."""
+        return self.crun.enter_helper
+
+    @enter_helper.setter
+    def enter_helper(self, path: Path) -> None:
+        self.crun.enter_helper = path
+
+    def _runtime(self, handle: ContainerHandle) -> OciRuntime:
+        """The runtime a sandbox was started on, which its handle names (crun's say nothing)."""
+        return self.runtimes[handle.runtime or "crun"]
 
     async def prepare_node(self) -> None:
         await asyncio.to_thread(self._prepare_node)
@@ -184,17 +193,16 @@ class ContainerBackend:
         """The node's quota file system (disk_limit_mb), made on first use."""
         return self.volumes.fs
 
-    async def create(self, ctx: CreateContext) -> dict[str, Any]:
+    async def create(self, ctx: CreateContext) -> ContainerHandle:
         try:
             return await self._start(ctx)
         except BaseException:
-            await asyncio.shield(self.destroy(ctx.sandbox_id, {}, ctx.workdir))
+            await asyncio.shield(self.destroy(ctx.sandbox_id, ContainerHandle(), ctx.workdir))
             raise
 
-    async def _start(self, ctx: CreateContext) -> dict[str, Any]:
-        on_gvisor = ctx.spec.runtime == "gvisor"
-        if on_gvisor:
-            self.gvisor.require()
+    async def _start(self, ctx: CreateContext) -> ContainerHandle:
+        rt = self.runtimes[ctx.spec.runtime]
+        rt.require()
         missing = [str(p) for p in ctx.layer_dirs if not p.is_dir()]
         if missing:
             raise InfraFailure(
@@ -208,8 +216,8 @@ class ContainerBackend:
         for d in (upper, work, root, bundle):
             d.mkdir(parents=True, exist_ok=True)
         # A destroyed sandbox's cgroups, if the node keeps some (spares.py): crun then makes none.
-        kept_quota = None if on_gvisor else self.spares.take(ctx.sandbox_id)
-        if not on_gvisor and not self.nodefs.lxcfs.healthy():  # its files are bound below
+        kept_quota = self.spares.take(ctx.sandbox_id) if rt.reuses_cgroups else None
+        if rt.lxcfs and not self.nodefs.lxcfs.healthy():  # its files are bound below
             await asyncio.to_thread(self.nodefs.lxcfs.ensure)
         if not cgroups.is_placed(ctx.sandbox_id):  # no spare: crun makes them in its ID's bucket
             cgroups.place(ctx.sandbox_id, cgroups.hashed_bucket(ctx.sandbox_id, self.cgroup_parent))
@@ -223,11 +231,9 @@ class ContainerBackend:
             nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
             resolv_conf=self._resolv_conf(ctx.nameserver),
             cpu_quota_set=kept_quota == oci.cpu_quota(ctx.spec),
-            # runsc answers /proc from its sentry: LXCFS's files are crun's only.
-            lxcfs=None if on_gvisor else self.nodefs.lxcfs.path,
+            lxcfs=self.nodefs.lxcfs.path if rt.lxcfs else None,
         )
-        if on_gvisor:
-            config = self.gvisor.adapt_config(config, root, ctx.link)
+        config = rt.adapt_config(config, root, ctx.link)
         (bundle / "config.json").write_text(json.dumps(config))
         # overlayfs lists lowerdirs top-most first; the spec lists base first.
         lower = ":".join(str(p) for p in reversed(ctx.layer_dirs))
@@ -241,39 +247,14 @@ class ContainerBackend:
         cookie = coresched.wants_cookie(ctx.spec.cpu_class, coresched.node_support())
         log = bundle / "crun.log"
         pid_file = bundle / "init.pid"
-        if on_gvisor:
-            run = self.gvisor.run_argv(
-                bundle=bundle, log_file=log, pid_file=pid_file, sandbox_id=ctx.sandbox_id, link=ctx.link
-            )
-        else:
-            run = [
-                *self._cmd(
-                    "--log",
-                    f"file:{log}",
-                    "run",
-                    "--detach",
-                    # The edge's session keyring, not one per sandbox: joining a named keyring
-                    # searches every keyring on the host by name (perf: O(sandboxes) per
-                    # create), and sandboxes cannot use keyrings at all (keyctl, add_key and
-                    # request_key fail under seccomp; dsec-enter's processes never had their own).
-                    "--no-new-keyring",
-                    # fd 3: dsec-rootfs --own-root's socket, over which the init gets its root.
-                    "--preserve-fds",
-                    "1",
-                    "--bundle",
-                    str(bundle),
-                ),
-                "--pid-file",
-                str(pid_file),
-                ctx.sandbox_id,
-            ]
+        run = rt.run_argv(
+            bundle=bundle, log_file=log, pid_file=pid_file, sandbox_id=ctx.sandbox_id, link=ctx.link
+        )
         if ctx.spec.cpu_class == "be":
             # Best effort: SCHED_IDLE for the runtime and so for everything it starts (children inherit).
             run = ["chrt", "--idle", "0", *run]
         # Mounted by dsec-rootfs after a vfork+exec (native/rootfs.py): a preexec_fn would fork the
         # whole edge, whose page tables grow with the sandboxes it holds.
-        # A networked runsc must not see the host's net sysctls (gvisor.py: its root-netns test).
-        hide = on_gvisor and ctx.link is not None
         rc = await rootfs.run(
             self.rootfs_helper,
             options,
@@ -281,62 +262,46 @@ class ContainerBackend:
             run,
             _CRUN_ENV,
             new_core_cookie=cookie,
-            hide_net_sysctls=hide,
-            own_root=not on_gvisor,
+            hide_net_sysctls=rt.hides_net_sysctls and ctx.link is not None,
+            own_root=rt.own_root,
         )
         if rc != 0:
             detail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            which = "runsc" if on_gvisor else "crun"
             raise InfraFailure(
-                f"{which} run failed (exit {rc}): {detail.strip()}", reason=InfraReason.runtime
+                f"{rt.name} run failed (exit {rc}): {detail.strip()}", reason=InfraReason.runtime
             )
         pid = int(pid_file.read_text())  # gVisor: the sentry, whose death is the sandbox's
-        handle = {"pid": pid, "start_time": _linux.proc_start_time(pid), "cpu_class": ctx.spec.cpu_class}
+        handle = ContainerHandle(
+            pid=pid, start_time=_linux.proc_start_time(pid), cpu_class=ctx.spec.cpu_class
+        )
         if cookie:
-            handle["core_cookie"] = True  # dsec-enter makes every later process share the init's
+            handle.core_cookie = True  # dsec-enter makes every later process share the init's
         if ctx.spec.allow_setuid:
-            handle["allow_setuid"] = True  # dsec-enter leaves no_new_privs off: sudo works
-        if on_gvisor:
-            handle.update(self.gvisor.handle_extra(ctx.sandbox_id))
+            handle.allow_setuid = True  # dsec-enter leaves no_new_privs off: sudo works
+        rt.started(ctx.sandbox_id, handle)
         if limit_mb is not None:
-            handle["disk_limit_mb"] = limit_mb
+            handle.disk_limit_mb = limit_mb
         return handle
 
-    async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
-        pid = int(handle.get("pid", 0))
-        return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
+    async def alive(self, sandbox_id: str, handle: Handle) -> bool:
+        h = ContainerHandle.of(handle)
+        return h.pid > 0 and _linux.proc_start_time(h.pid) == h.start_time
 
-    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+    async def destroy(self, sandbox_id: str, handle: Handle, workdir: Path) -> None:
+        h = ContainerHandle.of(handle)
         memcg = cgroups.sandbox_dir("memory", sandbox_id)
-        layer_gone = False
-        if _on_gvisor(handle) or self.gvisor.knows(sandbox_id):  # an empty handle: runsc's state says
-            if _on_gvisor(handle) and await teardown.end_gvisor(handle, memcg):
-                # As below: what its gofer read and wrote for it goes before runsc removes the
-                # cgroups (else they stay dying).
-                await self._remove_writable_layer(sandbox_id, workdir)
-                layer_gone = True
-                await teardown.release(memcg)
-            await self.gvisor.delete(sandbox_id)
-        else:
-            if await teardown.end_processes(handle):
-                # Nothing runs in it any more: its written pages go with its files, and what it
-                # still has charged is reclaimed, so its memory cgroup dies with it (teardown.py).
-                await self._remove_writable_layer(sandbox_id, workdir)
-                layer_gone = True
-                await teardown.release(memcg)
+        # An empty handle (no record of the sandbox): runsc's state says whether it was gVisor's.
+        rt = self.runsc if self.runsc.knows(sandbox_id) else self._runtime(h)
+        ended = await rt.end(h, memcg)
+        if ended:
+            # Nothing runs in it any more: its written pages go with its files, and what it
+            # still has charged is reclaimed, so its memory cgroup dies with it (teardown.py);
+            # on gVisor before runsc removes the cgroups (else they stay dying).
+            await self._remove_writable_layer(sandbox_id, workdir)
+            await teardown.release(memcg)
+            if rt.reuses_cgroups:
                 self.spares.give(sandbox_id)
-                # What `crun delete` would still do is below: remove the cgroups no spare
-                # took, and crun's state directory (status, config, seccomp filter). One
-                # process fewer per destroy.
-            else:  # no init known, or it outlived the timeout: crun kills and removes it
-                proc = await spawner.create_subprocess_exec(
-                    *self._cmd("delete", "--force", sandbox_id),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.DEVNULL,
-                    env=_CRUN_ENV,
-                )
-                await proc.wait()
+        await rt.delete(sandbox_id, ended=ended)
         # The cgroups no spare took (`crun delete` removes its own, unless it crashed or was
         # never told about them).
         for _ in range(100):
@@ -344,7 +309,7 @@ class ContainerBackend:
                 break
             cgroups.remove(sandbox_id)
             await asyncio.sleep(0.01)
-        if not layer_gone:
+        if not ended:
             await self._remove_writable_layer(sandbox_id, workdir)
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(self.state_dir / sandbox_id)
@@ -356,44 +321,21 @@ class ContainerBackend:
         await self.volumes.destroy(sandbox_id)
 
     async def spawn(
-        self,
-        sandbox_id: str,
-        handle: dict[str, Any],
-        argv: list[str],
-        *,
-        env: dict[str, str],
-        cwd: str,
-        user: User,
+        self, sandbox_id: str, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str, user: User
     ) -> SandboxProcess:
-        if _on_gvisor(handle):  # its processes live in the sentry: only runsc can start them
-            return await gvisor_exec.spawn(self.gvisor, sandbox_id, argv, env=env, cwd=cwd, user=user)
-        # Straight into the sandbox's namespaces and cgroups (dsec-enter), not through `crun
-        # exec`: 2.3x faster here (bench/exec.py), and nothing on the path scans global state.
-        # In a cgroup of its own: a timeout ends all it started, detached or not.
-        return await enter.spawn_command(
-            sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper
-        )
+        h = ContainerHandle.of(handle)
+        return await self._runtime(h).spawn(sandbox_id, h, argv, env=env, cwd=cwd, user=user)
 
     async def spawn_session(
-        self,
-        sandbox_id: str,
-        handle: dict[str, Any],
-        argv: list[str],
-        *,
-        env: dict[str, str],
-        cwd: str,
-        user: User,
+        self, sandbox_id: str, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str, user: User
     ) -> SandboxProcess:
-        if _on_gvisor(handle):  # runsc exec holds the shell's stdin: 2 edge fds, as crun's
-            return await gvisor_exec.spawn_session(self.gvisor, sandbox_id, argv, env=env, cwd=cwd, user=user)
-        return await enter.spawn_session(
-            sandbox_id, handle, argv, env=env, cwd=cwd, user=user, helper=self.enter_helper, own_cgroup=True
-        )
+        h = ContainerHandle.of(handle)
+        return await self._runtime(h).spawn_session(sandbox_id, h, argv, env=env, cwd=cwd, user=user)
 
     async def spawn_held(
         self,
         sandbox_id: str,
-        handle: dict[str, Any],
+        handle: Handle,
         argv: list[str],
         *,
         env: dict[str, str],
@@ -402,41 +344,15 @@ class ContainerBackend:
         tty: int | None,
         stdin: bool,
     ) -> Spawned:
-        if _on_gvisor(handle):
-            proc = await gvisor_exec.spawn(
-                self.gvisor,
-                sandbox_id,
-                argv,
-                env=env,
-                cwd=cwd,
-                user=user,
-                stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-                raise_signal=True,
-                tty=tty,
-            )
-            if proc.inner_pid is None:  # it never ran: as a held process, a failed start
-                err = await proc.communicate()
-                raise InvalidRequest(f"cannot start {argv[0]!r}: {err[1].decode(errors='replace').strip()}")
-            return Spawned(proc, proc.inner_pid, None)  # not a host process: signalled via runsc
-        return await enter.spawn_held(
-            sandbox_id,
-            handle,
-            argv,
-            env=env,
-            cwd=cwd,
-            user=user,
-            helper=self.enter_helper,
-            tty=tty,
-            stdin=stdin,
-        )
+        h = ContainerHandle.of(handle)
+        rt = self._runtime(h)
+        return await rt.spawn_held(sandbox_id, h, argv, env=env, cwd=cwd, user=user, tty=tty, stdin=stdin)
 
     @asynccontextmanager
-    async def writable_layer(
-        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
-    ) -> AsyncIterator[Path]:
+    async def writable_layer(self, sandbox_id: str, handle: Handle, workdir: Path) -> AsyncIterator[Path]:
         await self.freeze(sandbox_id, handle)
         try:
-            if handle.get("disk_limit_mb"):
+            if ContainerHandle.of(handle).disk_limit_mb:
                 # A pack copies the directories of a possibly full volume into the same volume
                 # (hard links cannot cross volumes): lifted while frozen, restored by thaw.
                 await self.volumes.set_limit(sandbox_id, None)
@@ -444,21 +360,21 @@ class ContainerBackend:
         finally:
             await self.thaw(sandbox_id, handle)
 
-    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+    async def freeze(self, sandbox_id: str, handle: Handle) -> None:
         await cgroups.set_frozen(sandbox_id, True)  # the cgroup freezer: well under a millisecond
 
-    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        limit_mb = handle.get("disk_limit_mb")
+    async def thaw(self, sandbox_id: str, handle: Handle) -> None:
+        limit_mb = ContainerHandle.of(handle).disk_limit_mb
         if limit_mb:
             # Always (re)applied before the sandbox runs again: also after an edge that died
             # in the middle of a pack, whose restart thaws every running sandbox.
-            await self.volumes.set_limit(sandbox_id, int(limit_mb) << 20)
+            await self.volumes.set_limit(sandbox_id, limit_mb << 20)
         await cgroups.set_frozen(sandbox_id, False)
 
-    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def page_out(self, sandbox_id: str, handle: Handle) -> int:
         return await asyncio.to_thread(memory.page_out, cgroups.memory_dir(sandbox_id))
 
-    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def prefetch(self, sandbox_id: str, handle: Handle) -> int:
         return await asyncio.to_thread(memory.prefetch, cgroups.pids(sandbox_id))
 
     def memory_bytes(self, sandbox_id: str) -> int:
@@ -475,23 +391,23 @@ class ContainerBackend:
             tmp.rename(path)
         return str(path)
 
-    def host_terminals(self, handle: dict[str, Any]) -> bool:
+    def host_terminals(self, handle: Handle) -> bool:
         """Whether this sandbox's terminals are the host's (gVisor: the host cannot reach the
         sentry's devpts; runsc imports a host terminal) rather than its own devpts'."""
-        return _on_gvisor(handle)
+        return self._runtime(ContainerHandle.of(handle)).host_terminals
 
     def link_at_start(self, spec: ContainerSpec) -> bool:
-        return spec.runtime == "gvisor"  # netstack copies its namespace's links once, at start
+        return self.runtimes[spec.runtime].link_at_start
 
-    def netns_pid(self, handle: dict[str, Any]) -> int | None:
-        return None if _on_gvisor(handle) else int(handle["pid"])
+    def netns_pid(self, handle: Handle) -> int | None:
+        h = ContainerHandle.of(handle)
+        return self._runtime(h).netns_pid(h)
 
-    def root_path(self, handle: dict[str, Any]) -> str:
-        if _on_gvisor(handle):  # the gofer serves the root to the sentry, writing through
-            return f"/proc/{int(handle['gofer_pid'])}/root"
-        return f"/proc/{int(handle['pid'])}/root"
+    def root_path(self, handle: Handle) -> str:
+        h = ContainerHandle.of(handle)
+        return f"/proc/{self._runtime(h).root_pid(h)}/root"
 
-    def files(self, handle: dict[str, Any], user: User) -> FileOps:
+    def files(self, handle: Handle, user: User) -> FileOps:
         return HostFileOps(SandboxFiles(self.root_path(handle), uid=user.uid, gid=user.gid))
 
     def oom_kills(self, sandbox_id: str) -> int:
@@ -533,11 +449,5 @@ class ContainerBackend:
 
     async def leftovers(self) -> list[str]:
         known = set(await self.volumes.volumes())
-        if self.state_dir.is_dir():
-            known.update(p.name for p in self.state_dir.iterdir() if p.is_dir())
-        known.update(self.gvisor.known())
+        known.update(self.crun.known(), self.runsc.known())
         return sorted(known)
-
-
-def _on_gvisor(handle: dict[str, Any]) -> bool:
-    return handle.get("runtime") == "gvisor"

@@ -36,7 +36,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dsec import _linux
 from dsec.backends.base import GuestLink
 from dsec.backends.container import oci
 from dsec.netpolicy import links
@@ -213,12 +212,9 @@ class GVisor:
         process = {**config["process"], "args": [oci.INIT]}  # runsc's init keeps the root it starts in
         return {**config, "process": process, "linux": linux, "mounts": mounts}
 
-    def handle_extra(self, sandbox_id: str) -> dict[str, Any]:
-        """What the edge keeps beyond crun's handle: the gofer, whose root is the sandbox's."""
-        gofer = int(self._state(sandbox_id).get("goferPid") or 0)
-        if gofer <= 0:
-            raise InfraFailure(f"runsc reports no gofer for {sandbox_id}", reason=InfraReason.runtime)
-        return {"runtime": "gvisor", "gofer_pid": gofer, "gofer_start_time": _linux.proc_start_time(gofer)}
+    def gofer_pid(self, sandbox_id: str) -> int:
+        """The sandbox's gofer, whose root is the sandbox's (0: runsc reports none)."""
+        return int(self._state(sandbox_id).get("goferPid") or 0)
 
     def _state_file(self, sandbox_id: str) -> Path:
         return self.state_dir / f"{sandbox_id}_sandbox:{sandbox_id}.state"

@@ -29,9 +29,9 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from dsec import _linux
+from dsec.backends.container.handle import ContainerHandle
 from dsec.density import memory
 from dsec.executor.fdwait import fd_ready
 
@@ -42,20 +42,20 @@ EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsec-teardown")
 _LRU = ("inactive_anon", "active_anon", "inactive_file", "active_file", "unevictable")
 
 
-async def end_processes(handle: dict[str, Any]) -> bool:
+async def end_processes(handle: ContainerHandle) -> bool:
     """SIGKILL the sandbox's init, found by PID *and* start time, and wait until it has exited
     (then every process of its pid namespace has). False if it could not be told to have ended
     (no init in the handle, or it outlived the timeout); True if it is gone."""
-    return await _end(int(handle.get("pid") or 0), handle.get("start_time"))
+    return await _end(handle.pid, handle.start_time)
 
 
-async def end_gvisor(handle: dict[str, Any], cgroup: Path) -> bool:
+async def end_gvisor(handle: ContainerHandle, cgroup: Path) -> bool:
     """:func:`end_processes` for a gVisor sandbox: its sentry (the handle's init) and its gofer,
     then wait until the memory cgroup has no process left (the sentry's stubs end with it).
     True once so; False if that could not be told within the timeout."""
     ended = await asyncio.gather(
-        _end(int(handle.get("pid") or 0), handle.get("start_time")),
-        _end(int(handle.get("gofer_pid") or 0), handle.get("gofer_start_time")),
+        _end(handle.pid, handle.start_time),
+        _end(handle.gofer_pid, handle.gofer_start_time),
     )
     if not all(ended):
         return False
@@ -73,7 +73,7 @@ async def end_gvisor(handle: dict[str, Any], cgroup: Path) -> bool:
     return False  # pragma: no cover - the delays never end
 
 
-async def _end(pid: int, start_time: Any) -> bool:
+async def _end(pid: int, start_time: int | None) -> bool:
     if pid <= 0:
         return False
     try:

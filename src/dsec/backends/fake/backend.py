@@ -51,6 +51,7 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import HOST_PROCESSES, CreateContext, User
+from dsec.backends.handle import Handle
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason
@@ -155,12 +156,21 @@ def _map_cwd(sandbox_id: str, root: Path, cwd: str) -> Path:
     return host_cwd
 
 
+class FakeHandle(Handle):
+    """pid/start_time: its init (a ``sleep``); its copied root and working directory."""
+
+    root: str = ""
+    workdir: str = ""
+
+
 class FakeBackend:
     """A :class:`~dsec.backends.base.Backend` for tests: host processes, copied roots, no isolation.
 
     ``name`` defaults to ``"container"`` because placement matches a spec's ``type`` against the
     names of the backends an edge reports; the fake stands in for the container backend.
     """
+
+    handle_type = FakeHandle
 
     def __init__(
         self,
@@ -225,7 +235,7 @@ class FakeBackend:
     async def prepare_node(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
 
-    async def create(self, ctx: CreateContext) -> dict[str, Any]:
+    async def create(self, ctx: CreateContext) -> FakeHandle:
         sid = ctx.sandbox_id
         root = ctx.workdir / "root"
         state: dict[str, Any] = {"root": str(root), "workdir": str(ctx.workdir)}
@@ -251,12 +261,12 @@ class FakeBackend:
             self._inits[sid] = proc
             state.update(pid=proc.pid, start_time=_linux.proc_start_time(proc.pid))
             self._write_state(sid, state)
-            ctx.handle.update(state)
+            ctx.handle = FakeHandle.model_validate(state)  # what the failure below leaves
             if self.fail_create:
                 raise InfraFailure(
                     f"fake create of {sid} failed on purpose (fail_create=True)", reason=InfraReason.runtime
                 )
-            return dict(state)
+            return FakeHandle.model_validate(state)
         except BaseException as exc:
             self.failed_creates.append(sid)
             await asyncio.shield(self._destroy(sid, state, ctx.workdir))
@@ -264,17 +274,17 @@ class FakeBackend:
                 raise
             raise InfraFailure(f"fake create of {sid} failed: {exc}", reason=InfraReason.runtime) from exc
 
-    async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
-        pid = int(handle.get("pid", 0))
-        return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
+    async def alive(self, sandbox_id: str, handle: Handle) -> bool:
+        h = FakeHandle.of(handle)
+        return h.pid > 0 and _linux.proc_start_time(h.pid) == h.start_time
 
-    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+    async def destroy(self, sandbox_id: str, handle: Handle, workdir: Path) -> None:
         if self.fail_destroy:
             raise InfraFailure(
                 f"fake destroy of {sandbox_id} failed on purpose (fail_destroy=True)",
                 reason=InfraReason.runtime,
             )
-        await self._destroy(sandbox_id, handle, workdir)
+        await self._destroy(sandbox_id, FakeHandle.of(handle).dump(), workdir)
 
     async def _destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
         state = {**self._read_state(sandbox_id), **handle}
@@ -287,7 +297,7 @@ class FakeBackend:
     async def spawn(
         self,
         sandbox_id: str,
-        handle: dict[str, Any],
+        handle: Handle,
         argv: list[str],
         *,
         env: dict[str, str],
@@ -318,30 +328,28 @@ class FakeBackend:
             )
 
     @asynccontextmanager
-    async def writable_layer(
-        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
-    ) -> AsyncIterator[Path]:
+    async def writable_layer(self, sandbox_id: str, handle: Handle, workdir: Path) -> AsyncIterator[Path]:
         yield workdir / "root"  # no overlay here: a commit packs the whole copied tree
 
-    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+    async def freeze(self, sandbox_id: str, handle: Handle) -> None:
         return None
 
-    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
+    async def thaw(self, sandbox_id: str, handle: Handle) -> None:
         return None
 
-    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def page_out(self, sandbox_id: str, handle: Handle) -> int:
         return 0  # plain processes: nothing to push out
 
-    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def prefetch(self, sandbox_id: str, handle: Handle) -> int:
         return 0
 
     def memory_bytes(self, sandbox_id: str) -> int:
         return 0
 
-    def root_path(self, handle: dict[str, Any]) -> str:
-        return str(handle["root"])
+    def root_path(self, handle: Handle) -> str:
+        return FakeHandle.of(handle).root
 
-    def files(self, handle: dict[str, Any], user: User) -> FileOps:
+    def files(self, handle: Handle, user: User) -> FileOps:
         return HostFileOps(SandboxFiles(self.root_path(handle), uid=user.uid, gid=user.gid))
 
     def oom_kills(self, sandbox_id: str) -> int:

@@ -28,10 +28,12 @@ from typing import Any
 
 from dsec import _linux
 from dsec.backends.base import HOST_PROCESSES, CreateContext, User
+from dsec.backends.handle import Handle
 from dsec.backends.microvm import forks, host, qemu, vsock
 from dsec.backends.microvm.channel import AgentChannel, VmProcess
 from dsec.backends.microvm.files import VmFileOps
 from dsec.backends.microvm.forks import VmForks
+from dsec.backends.microvm.handle import MicroVmHandle, RecordedVm
 from dsec.backends.microvm.kit import GuestKit, ensure_kit
 from dsec.backends.microvm.templates import TemplateKey, Templates
 from dsec.backends.microvm.vmm import QemuVmm, Vmm
@@ -47,6 +49,7 @@ BOOT_TIMEOUT_S = 120.0  # TCG on a loaded 2-core host; a KVM boot takes well und
 
 class MicroVMBackend(VmForks):
     name = "microvm"
+    handle_type: type[MicroVmHandle] = MicroVmHandle
     flavour = "cloud"  # the guest kernel (kit.FLAVOURS)
 
     def __init__(
@@ -139,7 +142,7 @@ class MicroVMBackend(VmForks):
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def create(self, ctx: CreateContext) -> dict[str, Any]:
+    async def create(self, ctx: CreateContext) -> MicroVmHandle:
         if self.kit is None:
             raise InfraFailure(f"the {self.name} backend was not prepared", reason=InfraReason.runtime)
         # An image booted by its own bootloader has its own kernel command line: init cannot be
@@ -151,7 +154,7 @@ class MicroVMBackend(VmForks):
         work.mkdir(parents=True, exist_ok=True)
         socks = host.socket_dir(work)
         socks.mkdir(parents=True, exist_ok=True, mode=0o700)
-        handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work), "sockets": str(socks)}
+        handle = self.handle_type(sid=ctx.sandbox_id, dir=str(work), sockets=str(socks))
         config = qemu.MicroVMConfig(
             kernel=self.kit.kernel,
             initramfs=self.kit.initramfs,
@@ -170,7 +173,7 @@ class MicroVMBackend(VmForks):
             config.guest_net = f"{ctx.link.address},{ctx.link.gateway}"
         try:
             if use_vsock:  # in the handle at once: a failed create's destroy gives it back
-                config.vsock_cid = handle["vsock_cid"] = await asyncio.to_thread(self.cids.claim, work)
+                config.vsock_cid = handle.vsock_cid = await asyncio.to_thread(self.cids.claim, work)
             await self._boot(ctx, config, handle)
             return handle
         except BaseException as exc:
@@ -182,13 +185,13 @@ class MicroVMBackend(VmForks):
                 f"the VM did not boot: {exc}; console: {console}", reason=InfraReason.runtime
             ) from exc
 
-    async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
+    async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: MicroVmHandle) -> None:
         """Layers attached as they are, an ext4 disk for the writes; a clone when a template exists."""
         if self.layer_file is None:
             raise InfraFailure("the microVM backend has no layer store", reason=InfraReason.runtime)
         assert self.kit is not None
         config.layers = [self.layer_file(d) for d in ctx.layer_digests]
-        config.rw_disk = Path(handle["dir"]) / "rw.img"
+        config.rw_disk = Path(handle.dir) / "rw.img"
         disk_mb = int(getattr(ctx.spec, "disk_mb", DEFAULT_DISK_MB))
         # A template's saved devices include its agent channel's: a clone must have the same.
         channel = "serial" if config.vsock_cid is None else "vsock"
@@ -201,7 +204,7 @@ class MicroVMBackend(VmForks):
         template = self.templates.ready(key) if templated else None
         if template is not None:
             await self._clone(ctx.sandbox_id, config, template, handle)
-            handle["template"] = key.name
+            handle.template = key.name
             return
         await asyncio.to_thread(host.make_rw_disk, config.rw_disk, disk_mb)
         await self._start(ctx.sandbox_id, config, handle)
@@ -209,20 +212,23 @@ class MicroVMBackend(VmForks):
         if templated and not self.templates.building(key):
             self.templates.start_build(key, self._build_template(key, config))
 
-    async def _start(self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
-        work = Path(handle["dir"])
+    async def _start(self, sandbox_id: str, config: qemu.MicroVMConfig, handle: MicroVmHandle) -> None:
+        work = Path(handle.dir)
         pid = await self.vmm.start(config, work)
         # Everything a restart from a pause snapshot needs to rebuild the same machine.
-        handle["vm"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(config).items()}
-        handle["vm"]["layers"] = [str(x) for x in config.layers]
-        handle.update(pid=pid, start_time=_linux.proc_start_time(pid))
-        await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
+        handle.vm = RecordedVm.of(config)
+        handle.pid, handle.start_time = pid, _linux.proc_start_time(pid)
+        await self._record(sandbox_id, handle)
+
+    async def _record(self, sandbox_id: str, handle: MicroVmHandle) -> None:
+        """The handle in the backend's own state directory (an orphan's destroy reads it)."""
+        await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle.dump()))
 
     async def _clone(
-        self, sandbox_id: str, config: qemu.MicroVMConfig, template: Path, handle: dict[str, Any]
+        self, sandbox_id: str, config: qemu.MicroVMConfig, template: Path, handle: MicroVmHandle
     ) -> None:
         """Start from ``template``'s saved state instead of booting (see templates.py)."""
-        overlay = Path(handle["dir"]) / "rw.qcow2"
+        overlay = Path(handle.dir) / "rw.qcow2"
         await host.run_tool(
             "qemu-img",
             "create",
@@ -299,47 +305,47 @@ class MicroVMBackend(VmForks):
             if tdir.exists():
                 await asyncio.to_thread(shutil.rmtree, tdir, True)
 
-    def has_link(self, handle: dict[str, Any]) -> bool:
-        return bool((handle.get("vm") or {}).get("tap"))
+    def has_link(self, handle: Handle) -> bool:
+        return self.handle_type.of(handle).has_tap()
 
-    async def alive(self, sandbox_id: str, handle: dict[str, Any]) -> bool:
-        if handle.get("snapshot"):  # paused to a file: no process, and that is its state
-            return await asyncio.to_thread(os.path.exists, handle["snapshot"])
-        pid = int(handle.get("pid", 0))
-        return pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time")
+    async def alive(self, sandbox_id: str, handle: Handle) -> bool:
+        h = self.handle_type.of(handle)
+        if h.snapshot:  # paused to a file: no process, and that is its state
+            return await asyncio.to_thread(os.path.exists, h.snapshot)
+        return h.pid > 0 and _linux.proc_start_time(h.pid) == h.start_time
 
-    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+    async def destroy(self, sandbox_id: str, handle: Handle, workdir: Path) -> None:
+        h = self.handle_type.of(handle)
         channel = self._channels.pop(sandbox_id, None)
         if channel is not None:
             await channel.close()
         state = self.state_dir / f"{sandbox_id}.json"
-        if not handle and state.exists():
+        if not h.model_fields_set and state.exists():  # an empty handle: the backend's own record
             with contextlib.suppress(ValueError, OSError):
-                handle = json.loads(state.read_text())
-        pid = int(handle.get("pid", 0))
-        if pid > 0 and _linux.proc_start_time(pid) == handle.get("start_time"):
+                h = self.handle_type.model_validate_json(state.read_text())
+        if h.pid > 0 and _linux.proc_start_time(h.pid) == h.start_time:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            await host.gone(pid, 5.0)
+                os.kill(h.pid, signal.SIGKILL)
+            await host.gone(h.pid, 5.0)
         await asyncio.to_thread(shutil.rmtree, workdir, True)
         await asyncio.to_thread(shutil.rmtree, host.socket_dir(workdir), True)
-        cid = handle.get("vsock_cid", (handle.get("vm") or {}).get("vsock_cid"))
+        cid = h.cid()
         if cid is not None:  # only if this VM still holds it (the claim names its directory)
-            await asyncio.to_thread(self.cids.release, int(cid), Path(handle.get("dir", workdir)))
-        if handle.get("fork_source"):
-            await asyncio.to_thread(forks.drop, Path(handle["fork_source"]), sandbox_id)
+            await asyncio.to_thread(self.cids.release, cid, Path(h.dir or workdir))
+        if h.fork_source:
+            await asyncio.to_thread(forks.drop, Path(h.fork_source), sandbox_id)
         state.unlink(missing_ok=True)
 
     # -- inside -------------------------------------------------------------------------------
 
-    async def _channel(self, sandbox_id: str, handle: dict[str, Any]) -> AgentChannel:
+    async def _channel(self, sandbox_id: str, handle: MicroVmHandle) -> AgentChannel:
         channel = self._channels.get(sandbox_id)
         if channel is not None and not channel.closed and not channel.suspended:
             return channel
         lock = self._connecting.setdefault(sandbox_id, asyncio.Lock())
         async with lock:  # after an edge restart: reconnect once, for every waiting caller
             channel = self._channels.get(sandbox_id)
-            if channel is not None and channel.suspended and not handle.get("snapshot"):
+            if channel is not None and channel.suspended and not handle.snapshot:
                 await channel.resume(host.agent_addr(handle))
             elif channel is None or channel.closed:
                 # A channel this edge never had: its sessions died with an earlier edge.
@@ -351,14 +357,14 @@ class MicroVMBackend(VmForks):
     async def spawn(
         self,
         sandbox_id: str,
-        handle: dict[str, Any],
+        handle: Handle,
         argv: list[str],
         *,
         env: dict[str, str],
         cwd: str,
         user: User,
     ) -> VmProcess:
-        channel = await self._channel(sandbox_id, handle)
+        channel = await self._channel(sandbox_id, self.handle_type.of(handle))
         try:
             return await channel.spawn(argv, env=env, cwd=cwd, uid=user.uid, gid=user.gid)
         except OSError as exc:
@@ -369,24 +375,24 @@ class MicroVMBackend(VmForks):
                 return VmProcess.ended(channel, code, str(exc.strerror))
             raise InvalidRequest(f"cannot run {argv[0]!r} in the microVM: {exc.strerror}") from exc
 
-    def files(self, handle: dict[str, Any], user: User) -> FileOps:
-        sid = str(handle["sid"])
-        return VmFileOps(lambda: self._channel(sid, handle), user.uid, user.gid)
+    def files(self, handle: Handle, user: User) -> FileOps:
+        h = self.handle_type.of(handle)
+        return VmFileOps(lambda: self._channel(h.sid, h), user.uid, user.gid)
 
     @asynccontextmanager
-    async def writable_layer(
-        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
-    ) -> AsyncIterator[Path]:
+    async def writable_layer(self, sandbox_id: str, handle: Handle, workdir: Path) -> AsyncIterator[Path]:
         """A copy of the upper directory on the VM's ext4 disk: the guest syncs, the VM stops
         while the disk is read (in a throw-away mount namespace), then it carries on."""
-        channel = await self._channel(sandbox_id, handle)
+        h = self.handle_type.of(handle)
+        vm = h.recorded()
+        channel = await self._channel(sandbox_id, h)
         sync = await channel.spawn(["sync"], env={"PATH": host.GUEST_PATH}, cwd="/", uid=0, gid=0)
         await sync.wait()
         export = workdir / "upper-export"
-        async with self.vmm.control(host.socket_dir(Path(handle["dir"])) / "qmp.sock") as control:
+        async with self.vmm.control(host.socket_dir(Path(h.dir)) / "qmp.sock") as control:
             await control.stop()
             try:
-                await host.export_upper(Path(handle["vm"]["rw_disk"]), handle["vm"]["rw_format"], export)
+                await host.export_upper(Path(str(vm.rw_disk)), vm.rw_format, export)
             finally:
                 await control.cont()
         try:
@@ -394,63 +400,69 @@ class MicroVMBackend(VmForks):
         finally:
             await asyncio.to_thread(shutil.rmtree, export, True)
 
-    async def freeze(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        if not handle.get("snapshot"):  # a VM saved to a file is as frozen as it gets
-            await self._qmp(handle, "stop")
+    async def freeze(self, sandbox_id: str, handle: Handle) -> None:
+        h = self.handle_type.of(handle)
+        if not h.snapshot:  # a VM saved to a file is as frozen as it gets
+            await self._qmp(h, "stop")
 
-    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        if handle.get("snapshot"):
-            await self.prefetch(sandbox_id, handle)  # a restart re-applying "running"
-        await self._qmp(handle, "cont")
-        if handle.pop("resumed", False):
+    async def thaw(self, sandbox_id: str, handle: Handle) -> None:
+        h = self.handle_type.of(handle)
+        if h.snapshot:
+            await self.prefetch(sandbox_id, h)  # a restart re-applying "running"
+        await self._qmp(h, "cont")
+        resumed = h.resumed
+        h.drop("resumed")
+        if resumed:
             channel = self._channels.get(sandbox_id)
             if channel is not None and channel.suspended:
-                await channel.resume(host.agent_addr(handle))
-            await host.refresh_guest(await self._channel(sandbox_id, handle))
+                await channel.resume(host.agent_addr(h))
+            await host.refresh_guest(await self._channel(sandbox_id, h))
 
-    async def _qmp(self, handle: dict[str, Any], command: str) -> None:
-        async with self.vmm.control(host.socket_dir(Path(handle["dir"])) / "qmp.sock") as control:
+    async def _qmp(self, handle: MicroVmHandle, command: str) -> None:
+        async with self.vmm.control(host.socket_dir(Path(handle.dir)) / "qmp.sock") as control:
             await (control.stop() if command == "stop" else control.cont())
 
-    async def page_out(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def page_out(self, sandbox_id: str, handle: Handle) -> int:
         """The microVM pause: save memory and device state to a file, end the QEMU process
         (all of its memory goes back to the host), keep the disk."""
-        if handle.get("snapshot"):
+        h = self.handle_type.of(handle)
+        if h.snapshot:
             return 0
         resident = self.memory_bytes(sandbox_id)
-        snapshot = Path(handle["dir"]) / "paused.state"
+        snapshot = Path(h.dir) / "paused.state"
         channel = self._channels.get(sandbox_id)
         if channel is not None:
             await channel.suspend()  # its sessions carry on after the resume
-        async with self.vmm.control(host.socket_dir(Path(handle["dir"])) / "qmp.sock") as control:
+        async with self.vmm.control(host.socket_dir(Path(h.dir)) / "qmp.sock") as control:
             await control.save(snapshot)
             await control.quit()
-        await host.gone(int(handle["pid"]))
-        handle.update(snapshot=str(snapshot), pid=0, start_time=None)
-        await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
+        await host.gone(h.pid)
+        h.snapshot, h.pid, h.start_time = str(snapshot), 0, None
+        await self._record(sandbox_id, h)
         return resident
 
-    async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int:
+    async def prefetch(self, sandbox_id: str, handle: Handle) -> int:
         """Resume's first half: a new QEMU loads the saved state (left stopped: thaw continues it)."""
-        if not handle.get("snapshot"):
+        h = self.handle_type.of(handle)
+        if not h.snapshot:
             return 0
-        snapshot = Path(handle["snapshot"])
-        config = host.config_of(handle["vm"])
+        snapshot = Path(h.snapshot)
+        config = h.recorded().config()
         config.incoming = True
-        await self._start(sandbox_id, config, handle)
+        await self._start(sandbox_id, config, h)
         async with self.vmm.control(config.qmp_socket) as control:
             await control.load(snapshot)
         size = (await asyncio.to_thread(os.stat, snapshot)).st_size
-        handle.pop("snapshot", None)
-        handle["resumed"] = True  # thaw: reconnect and refresh the guest's clock
+        h.drop("snapshot")
+        h.resumed = True  # thaw: reconnect and refresh the guest's clock
         await asyncio.to_thread(snapshot.unlink, True)
-        await asyncio.to_thread((self.state_dir / f"{sandbox_id}.json").write_text, json.dumps(handle))
+        await self._record(sandbox_id, h)
         return size
 
     def memory_bytes(self, sandbox_id: str) -> int:
         state = self.state_dir / f"{sandbox_id}.json"
         try:
-            pid = int(json.loads(state.read_text())["pid"])
+            pid = self.handle_type.model_validate_json(state.read_text()).pid
             with open(f"/proc/{pid}/status") as fh:
                 for line in fh:
                     if line.startswith("VmRSS:"):

@@ -10,16 +10,17 @@ copies share the source's files until the last of them stops: each holds a refer
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dsec.backends.base import CreateContext
+from dsec.backends.handle import ForkSource, Handle
 from dsec.backends.microvm import host, qemu
 from dsec.backends.microvm.channel import AgentChannel
+from dsec.backends.microvm.handle import MicroVmForkSource, MicroVmHandle, RecordedVm
 from dsec.backends.microvm.vmm import Vmm
 from dsec.backends.microvm.vsock import Cids
 from dsec.protocol.errors import InvalidRequest
@@ -48,14 +49,10 @@ def drop(source: Path, sandbox_id: str | None) -> None:
         shutil.rmtree(source, ignore_errors=True)
 
 
-def describe(source: Path, disk: Path, disk_format: str, vm: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "dir": str(source),
-        "state": str(source / "state"),
-        "disk": str(disk),
-        "format": disk_format,
-        "vm": vm,
-    }
+def describe(source: Path, disk: Path, disk_format: str, vm: RecordedVm) -> MicroVmForkSource:
+    return MicroVmForkSource(
+        dir=str(source), state=str(source / "state"), disk=str(disk), format=disk_format, vm=vm
+    )
 
 
 class VmForks:
@@ -63,30 +60,33 @@ class VmForks:
 
     if TYPE_CHECKING:
         state_dir: Path
+        handle_type: type[MicroVmHandle]
         vmm: Vmm
         cids: Cids
         _channels: dict[str, AgentChannel]
 
-        async def prefetch(self, sandbox_id: str, handle: dict[str, Any]) -> int: ...
-        async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None: ...
-        async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None: ...
+        async def prefetch(self, sandbox_id: str, handle: Handle) -> int: ...
+        async def thaw(self, sandbox_id: str, handle: Handle) -> None: ...
+        async def destroy(self, sandbox_id: str, handle: Handle, workdir: Path) -> None: ...
         async def _start(
-            self, sandbox_id: str, config: qemu.MicroVMConfig, handle: dict[str, Any]
+            self, sandbox_id: str, config: qemu.MicroVMConfig, handle: MicroVmHandle
         ) -> None: ...
+        async def _record(self, sandbox_id: str, handle: MicroVmHandle) -> None: ...
 
-    async def fork_source(self, sandbox_id: str, handle: dict[str, Any]) -> dict[str, Any]:
-        if handle.get("vm", {}).get("tap"):
+    async def fork_source(self, sandbox_id: str, handle: Handle) -> MicroVmForkSource:
+        h = self.handle_type.of(handle)
+        if h.has_tap():
             # Copies would share its tap and the address its guest configured: not yet.
             raise InvalidRequest("a VM with a network card (created with network rules) cannot be forked yet")
-        if handle.get("snapshot"):
-            await self.prefetch(sandbox_id, handle)  # a paused VM: bring it back first
-            await self.thaw(sandbox_id, handle)
+        if h.snapshot:
+            await self.prefetch(sandbox_id, h)  # a paused VM: bring it back first
+            await self.thaw(sandbox_id, h)
         source = new_source_dir(self.state_dir / "forks")
-        vm = dict(handle["vm"])
-        disk = Path(vm["root_disk"] or vm["rw_disk"])
-        fmt = "qcow2" if vm["root_disk"] else vm["rw_format"]
+        vm = h.recorded().model_copy()
+        disk = Path(str(vm.root_disk or vm.rw_disk))
+        fmt = "qcow2" if vm.root_disk else vm.rw_format
         copy = source / f"disk.{fmt}"
-        async with self.vmm.control(host.socket_dir(Path(handle["dir"])) / "qmp.sock") as control:
+        async with self.vmm.control(host.socket_dir(Path(h.dir)) / "qmp.sock") as control:
             await control.stop()
             try:
                 await control.save(source / "state")
@@ -97,14 +97,15 @@ class VmForks:
                 await control.cont()
         return describe(source, copy, fmt, vm)
 
-    async def create_fork(self, ctx: CreateContext, source: dict[str, Any]) -> dict[str, Any]:
+    async def create_fork(self, ctx: CreateContext, source: ForkSource) -> MicroVmHandle:
+        assert isinstance(source, MicroVmForkSource), "a fork source of this backend's"
         work = ctx.workdir
         work.mkdir(parents=True, exist_ok=True)
         socks = host.socket_dir(work)
         socks.mkdir(parents=True, exist_ok=True, mode=0o700)
-        handle: dict[str, Any] = {"sid": ctx.sandbox_id, "dir": str(work), "sockets": str(socks)}
+        handle = self.handle_type(sid=ctx.sandbox_id, dir=str(work), sockets=str(socks))
         try:
-            config = host.config_of(source["vm"])
+            config = source.vm.config()
             overlay = work / "disk.qcow2"
             await host.run_tool(
                 "qemu-img",
@@ -113,9 +114,9 @@ class VmForks:
                 "-f",
                 "qcow2",
                 "-b",
-                source["disk"],
+                source.disk,
                 "-F",
-                source["format"],
+                source.format,
                 str(overlay),
             )
             if config.root_disk is not None:
@@ -128,23 +129,22 @@ class VmForks:
                 # The same device as the source (its saved state has it), at a CID of its own:
                 # the CID is QEMU's command line, not migrated state, and the guest learns the
                 # new one from the transport reset vhost-vsock sends after the load.
-                config.vsock_cid = handle["vsock_cid"] = await asyncio.to_thread(self.cids.claim, work)
+                config.vsock_cid = handle.vsock_cid = await asyncio.to_thread(self.cids.claim, work)
             await self._start(ctx.sandbox_id, config, handle)
             async with self.vmm.control(config.qmp_socket) as control:
-                await control.load(Path(source["state"]))
+                await control.load(Path(source.state))
                 await control.cont()
             channel = await AgentChannel.connect(host.config_addr(config), 30.0, booting=False)
             self._channels[ctx.sandbox_id] = channel
             await host.refresh_guest(channel)
-            take(Path(source["dir"]), ctx.sandbox_id)
-            handle["fork_source"] = source["dir"]
-            await asyncio.to_thread(
-                (self.state_dir / f"{ctx.sandbox_id}.json").write_text, json.dumps(handle)
-            )
+            take(Path(source.dir), ctx.sandbox_id)
+            handle.fork_source = source.dir
+            await self._record(ctx.sandbox_id, handle)
             return handle
         except BaseException:
             await asyncio.shield(self.destroy(ctx.sandbox_id, handle, work))
             raise
 
-    async def release_fork_source(self, source: dict[str, Any]) -> None:
-        await asyncio.to_thread(drop, Path(source["dir"]), None)
+    async def release_fork_source(self, source: ForkSource) -> None:
+        assert isinstance(source, MicroVmForkSource), "a fork source of this backend's"
+        await asyncio.to_thread(drop, Path(source.dir), None)

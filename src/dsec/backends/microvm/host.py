@@ -1,5 +1,5 @@
 """Host-side helpers shared by the VM backends: where a VM's sockets live, running a tool,
-rebuilding a machine's configuration from its handle, refreshing a restored guest."""
+where its agent answers, refreshing a restored guest."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 from dsec import _linux
 from dsec.backends.microvm import qemu
 from dsec.backends.microvm.channel import AgentAddr, AgentChannel
+from dsec.backends.microvm.handle import MicroVmHandle
 from dsec.backends.microvm.vsock import VsockAddr
 from dsec.protocol.errors import InfraFailure, InfraReason
 
@@ -36,42 +36,12 @@ async def gone(pid: int, within_s: float = 30.0) -> bool:
     return False
 
 
-def config_of(vm: dict[str, Any]) -> qemu.MicroVMConfig:
-    """The machine a handle recorded (see ``_start``), to start it again from a snapshot."""
-
-    def path(key: str) -> Path:
-        return Path(vm[key])
-
-    return qemu.MicroVMConfig(
-        kernel=path("kernel"),
-        initramfs=path("initramfs"),
-        agent_socket=path("agent_socket"),
-        qmp_socket=path("qmp_socket"),
-        serial_log=path("serial_log"),
-        layers=[Path(x) for x in vm["layers"]],
-        rw_disk=None if vm["rw_disk"] is None else path("rw_disk"),
-        memory_mb=int(vm["memory_mb"]),
-        cpus=int(vm["cpus"]),
-        accel=vm["accel"],
-        rw_format=vm["rw_format"],
-        mem_path=None if vm["mem_path"] is None else path("mem_path"),
-        mem_shared=bool(vm["mem_shared"]),
-        machine=vm.get("machine", "microvm"),
-        root_disk=None if vm.get("root_disk") is None else path("root_disk"),
-        idle=bool(vm.get("idle", False)),
-        boot_disk=None if vm.get("boot_disk") is None else path("boot_disk"),
-        tap=vm.get("tap"),
-        guest_net=vm.get("guest_net"),
-        vsock_cid=None if vm.get("vsock_cid") is None else int(vm["vsock_cid"]),
-    )
-
-
-def agent_addr(handle: dict[str, Any]) -> AgentAddr:
+def agent_addr(handle: MicroVmHandle) -> AgentAddr:
     """Where a VM's agent answers: its journaled vsock CID, else its virtio-serial socket."""
-    cid = (handle.get("vm") or {}).get("vsock_cid")
+    cid = None if handle.vm is None else handle.vm.vsock_cid
     if cid is not None:
-        return VsockAddr(int(cid))
-    return socket_dir(Path(handle["dir"])) / "agent.sock"
+        return VsockAddr(cid)
+    return socket_dir(Path(handle.dir)) / "agent.sock"
 
 
 def config_addr(config: qemu.MicroVMConfig) -> AgentAddr:

@@ -18,7 +18,6 @@ for its READY up to the boot deadline, and without it answers that the image has
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 from collections import Counter
@@ -28,13 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.base import CreateContext
+from dsec.backends.handle import Handle
 from dsec.backends.microvm import qemu
 from dsec.backends.microvm.backend import BOOT_TIMEOUT_S, DEFAULT_DISK_MB, MicroVMBackend
 from dsec.backends.microvm.channel import AgentChannel
+from dsec.backends.microvm.handle import MicroVmHandle
 from dsec.backends.microvm.host import config_addr, run_tool, socket_dir
 from dsec.backends.microvm.vmm import QemuVmm, QmpControl
 from dsec.backends.vm import bases
 from dsec.backends.vm.display import qmp_events
+from dsec.backends.vm.handle import VmHandle
 from dsec.images.vm_images import VmImageStore
 from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.models import InputEvent
@@ -42,6 +44,7 @@ from dsec.protocol.models import InputEvent
 
 class FullVMBackend(MicroVMBackend):
     name = "vm"
+    handle_type = VmHandle
     flavour = "generic"  # Debian's full kernel: it has the VESA framebuffer the display needs
 
     def __init__(
@@ -67,7 +70,8 @@ class FullVMBackend(MicroVMBackend):
         self.vm_images = vm_images
         self._agent_waits: dict[str, asyncio.Task[AgentChannel]] = {}
 
-    async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: dict[str, Any]) -> None:
+    async def _boot(self, ctx: CreateContext, config: qemu.MicroVMConfig, handle: MicroVmHandle) -> None:
+        handle = VmHandle.of(handle)  # made by handle_type: the same object
         ref = getattr(ctx.spec, "disk_image", None)
         if ref is not None:
             await self._boot_image(ctx.sandbox_id, ref, config, handle)
@@ -77,12 +81,12 @@ class FullVMBackend(MicroVMBackend):
         self._taking[key] += 1  # a collection now must not take the base from under this create
         try:
             base = await self._base_image(key, ctx.layer_digests, ctx.layer_dirs, disk_mb)
-            root = Path(handle["dir"]) / "root.qcow2"
+            root = Path(handle.dir) / "root.qcow2"
             await run_tool(
                 "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(root)
             )
             config.machine, config.root_disk = "q35", root
-            handle["base"] = key  # what the collection of bases keeps while this VM lives
+            handle.base = key  # what the collection of bases keeps while this VM lives
             await self._start(ctx.sandbox_id, config, handle)
         finally:
             self._taking[key] -= 1
@@ -100,25 +104,25 @@ class FullVMBackend(MicroVMBackend):
         return image
 
     async def _boot_image(
-        self, sandbox_id: str, ref: str, config: qemu.MicroVMConfig, handle: dict[str, Any]
+        self, sandbox_id: str, ref: str, config: qemu.MicroVMConfig, handle: VmHandle
     ) -> None:
         if self.vm_images is None:
             raise InvalidRequest("this node has no VM image store")
         if config.tap is not None:  # our init configures the card; an image's own OS does not know how
             raise InvalidRequest("network rules are not available yet for VMs booting their own image")
         image = await asyncio.to_thread(self.vm_images.resolve, ref)  # LayerNotFound if unknown
-        disk = Path(handle["dir"]) / "image.qcow2"
+        disk = Path(handle.dir) / "image.qcow2"
         base = self.vm_images.blob(image.digest)
         await run_tool("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(disk))
         config.machine, config.boot_disk = "q35", disk
-        handle["disk_image"] = image.digest  # what gc must keep while this VM lives
+        handle.disk_image = image.digest  # what gc must keep while this VM lives
         await self._start(sandbox_id, config, handle)
         # Created once QEMU runs: whether the image's guest runs our agent shows later.
         wait = asyncio.ensure_future(AgentChannel.connect(config.agent_socket, BOOT_TIMEOUT_S))
         self._agent_waits[sandbox_id] = wait
 
-    async def _channel(self, sandbox_id: str, handle: dict[str, Any]) -> AgentChannel:
-        if not handle.get("disk_image"):
+    async def _channel(self, sandbox_id: str, handle: MicroVmHandle) -> AgentChannel:
+        if not VmHandle.of(handle).disk_image:
             return await super()._channel(sandbox_id, handle)
         wait = self._agent_waits.get(sandbox_id)
         try:
@@ -134,17 +138,18 @@ class FullVMBackend(MicroVMBackend):
                 " pause and stop work without"
             ) from exc
 
-    async def thaw(self, sandbox_id: str, handle: dict[str, Any]) -> None:
-        if handle.get("disk_image") and sandbox_id not in self._channels:
+    async def thaw(self, sandbox_id: str, handle: Handle) -> None:
+        h = VmHandle.of(handle)
+        if h.disk_image and sandbox_id not in self._channels:
             # No agent to reconnect to (or not known yet): the machine just carries on.
-            if handle.get("snapshot"):
-                await self.prefetch(sandbox_id, handle)
-            handle.pop("resumed", None)
-            await self._qmp(handle, "cont")
+            if h.snapshot:
+                await self.prefetch(sandbox_id, h)
+            h.drop("resumed")
+            await self._qmp(h, "cont")
             return
-        await super().thaw(sandbox_id, handle)
+        await super().thaw(sandbox_id, h)
 
-    async def destroy(self, sandbox_id: str, handle: dict[str, Any], workdir: Path) -> None:
+    async def destroy(self, sandbox_id: str, handle: Handle, workdir: Path) -> None:
         wait = self._agent_waits.pop(sandbox_id, None)
         if wait is not None:
             wait.cancel()
@@ -159,9 +164,9 @@ class FullVMBackend(MicroVMBackend):
         found = set(self._taking)
         root = self.bases.root
         for handle in self._journaled():
-            key = handle.get("base")
-            if key is None and (handle.get("vm") or {}).get("root_disk"):
-                key = bases.base_of(Path(handle["vm"]["root_disk"]), root)  # a VM from before "base"
+            key = handle.base
+            if key is None and handle.vm is not None and handle.vm.root_disk:
+                key = bases.base_of(Path(handle.vm.root_disk), root)  # a VM from before "base"
             if key:
                 found.add(str(key))
         # A fork's saved disk is a copy of its VM's overlay, on the same base.
@@ -178,32 +183,30 @@ class FullVMBackend(MicroVMBackend):
 
     def images_in_use(self) -> set[str]:
         """Digests of the imported images the VMs of this node boot from."""
-        return {str(h["disk_image"]) for h in self._journaled() if h.get("disk_image")}
+        return {h.disk_image for h in self._journaled() if h.disk_image}
 
-    def _journaled(self) -> Iterator[dict[str, Any]]:
+    def _journaled(self) -> Iterator[VmHandle]:
         """The handles of this node's VMs as journaled (an unreadable one is skipped)."""
         for state in self.state_dir.glob("sb-*.json") if self.state_dir.is_dir() else []:
             try:
-                yield json.loads(state.read_text())
+                yield VmHandle.model_validate_json(state.read_text())
             except (OSError, ValueError):
                 continue
 
-    def qemu(self, handle: dict[str, Any]) -> AbstractAsyncContextManager[QmpControl]:
+    def qemu(self, handle: Handle) -> AbstractAsyncContextManager[QmpControl]:
         """QEMU's own control of the VM: display and input are QEMU calls (no other monitor)."""
         if not isinstance(self.vmm, QemuVmm):
             raise InfraFailure(f"full VMs need QEMU, not {self.vmm.name}", reason=InfraReason.runtime)
-        return self.vmm.control(socket_dir(Path(handle["dir"])) / "qmp.sock")
+        return self.vmm.control(socket_dir(Path(VmHandle.of(handle).dir)) / "qmp.sock")
 
     @asynccontextmanager
-    async def writable_layer(
-        self, sandbox_id: str, handle: dict[str, Any], workdir: Path
-    ) -> AsyncIterator[Path]:
+    async def writable_layer(self, sandbox_id: str, handle: Handle, workdir: Path) -> AsyncIterator[Path]:
         raise InvalidRequest("a full VM's disk is one image, not layers: it cannot be packed or diffed")
         yield workdir  # (unreachable: makes this the generator asynccontextmanager needs)
 
-    async def screenshot(self, sandbox_id: str, handle: dict[str, Any]) -> bytes:
+    async def screenshot(self, sandbox_id: str, handle: Handle) -> bytes:
         """What the VM's display shows now, as a PNG."""
-        shot = Path(handle["dir"]) / "screen.png"
+        shot = Path(VmHandle.of(handle).dir) / "screen.png"
         async with self.qemu(handle) as control:
             await control.execute("screendump", filename=str(shot), format="png")
         try:
@@ -211,7 +214,7 @@ class FullVMBackend(MicroVMBackend):
         finally:
             await asyncio.to_thread(shot.unlink, True)
 
-    async def send_input(self, sandbox_id: str, handle: dict[str, Any], events: list[InputEvent]) -> int:
+    async def send_input(self, sandbox_id: str, handle: Handle, events: list[InputEvent]) -> int:
         """Send keyboard and mouse events to the VM; returns how many QEMU input events that was."""
         translated = qmp_events(events)
         async with self.qemu(handle) as control:

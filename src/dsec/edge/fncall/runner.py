@@ -6,7 +6,7 @@ sandbox and run by the image's python3, which has neither pydantic nor dsec. The
 once per sandbox, as root, through a pipe:
 
     python3 runner.py --workdir /tmp/fncall --preload json,math
-                      [--uid 65534 --gid 65534] [--scrub /tmp,/var/tmp,/dev/shm,/run/lock]
+                      [--uid 65534 --gid 65534] [--scrub /tmp,/var/tmp,/dev/shm,/run/lock,/dev/mqueue]
                       [--mergeable SEED]
 
 and speaks newline-delimited JSON (the shapes of ``dsec.protocol.fncall``). First line out:
@@ -23,9 +23,10 @@ Isolation of a call:
 - Every process of a call is forked by a zygote, itself forked from this runner after the
   preloads and before any task was read: a Python call starts with the modules imported, but
   cannot find an earlier call's task or inputs, or its own ``expected_stdout``, in its memory.
-- The child: its own session (one killpg reaches its tree), its own network and IPC
-  namespaces when the runner may create them, a fresh 0700 call dir as cwd, rlimits, then the
-  unprivileged call uid with no_new_privs; stdin from a memfd, output to pipes read here.
+- The child: its own session (one killpg reaches its tree), when the runner may create
+  namespaces its own IPC namespace and a network namespace with no socket of an earlier call
+  in it (shared by calls while that holds: ``_SharedNet``), a fresh 0700 call dir as cwd,
+  rlimits, then the unprivileged call uid with no_new_privs; stdin from a memfd, output to pipes read here.
 - After it: when neither the runner nor the zygote has a child of the call left (every process
   of a call descends from its first one, and orphans come to the runner, the subreaper), none
   is alive and none can start: proven without a fork. Otherwise kill(-1, SIGKILL) from a
@@ -51,6 +52,7 @@ import argparse
 import base64
 import ctypes
 import dataclasses
+import gc
 import importlib
 import json
 import math
@@ -131,7 +133,7 @@ ENV = {
     "LOGNAME": "sandbox",
     "MPLBACKEND": "Agg",
 }
-CLONE_NEWIPC, CLONE_NEWNET = 0x08000000, 0x40000000
+CLONE_NEWIPC, CLONE_NEWNET, IPC_RMID = 0x08000000, 0x40000000, 0
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 MADV_MERGEABLE, ADDR_NO_RANDOMIZE, PER_QUERY = 12, 0x0040000, 0xFFFFFFFF
 LAYOUT_ENV = "DSEC_FNCALL_LAYOUT"  # set in the runner's re-exec with the pool's layout
@@ -322,12 +324,17 @@ def _zygote(sock: socket.socket, netns: bool, root: bool) -> NoReturn:
     reaped, while the runner cleans up and the edge answers: the fork, the new session and
     namespaces are then off the next call's path. It is forked from this zygote, which holds
     no task, and learns its request only when the call starts."""
+    global _shared_net
     spare: tuple[int, socket.socket | None, str] = (-1, None, "")
     code = 1
     try:
         null = os.open(os.devnull, os.O_RDWR)  # calls must never reach the edge's pipe
         os.dup2(null, 0)
         os.dup2(null, 1)
+        # A call's collections then skip the preloads' objects instead of writing to (and so
+        # copying) every page that holds one.
+        gc.freeze()
+        _shared_net = _SharedNet.create() if netns else None
         # A process the call made with clone(CLONE_PARENT) is this zygote's child: reaped as soon
         # as it ends (the runner's cleanup kills it), or it would stay a zombie of the call uid.
         wake_r, wake_w = os.pipe()
@@ -346,6 +353,11 @@ def _zygote(sock: socket.socket, netns: bool, root: bool) -> NoReturn:
             if not msg:
                 code = 0
                 break
+            if _shared_net is not None and not _shared_net.empty():
+                # The last call left a socket (a cycle of descriptors in flight, TIME_WAIT): the
+                # calls from here on share a fresh namespace, this one included.
+                spare = _drop(spare)
+                _shared_net = _shared_net.renew()
             if spare[0] < 0:
                 spare = _fork_spare(sock, netns, root)
             (pid, chan, error), spare = spare, (-1, None, "")
@@ -369,11 +381,78 @@ def _zygote(sock: socket.socket, netns: bool, root: bool) -> NoReturn:
             spare = _fork_spare(sock, netns, root)
     finally:
         try:
-            if spare[0] > 0:
-                os.kill(spare[0], signal.SIGKILL)
-                os.waitpid(spare[0], 0)
+            _drop(spare)
         finally:
             os._exit(code)
+
+
+def _drop(spare: tuple[int, socket.socket | None, str]) -> tuple[int, socket.socket | None, str]:
+    """Kill and reap a spare that will serve no call."""
+    if spare[0] > 0:
+        os.kill(spare[0], signal.SIGKILL)
+        os.waitpid(spare[0], 0)
+    if spare[1] is not None:
+        spare[1].close()
+    return -1, None, ""
+
+
+class _SharedNet:
+    """The network namespace calls share while no socket of an earlier call is in it.
+
+    Creating a namespace per call cost ~1 ms of CPU (its loopback, sysctls, and the kernel's
+    teardown after the call). The zygote holds one instead, and before each call reads its
+    socket counts: once the runner has proven every process of the last call gone, a socket
+    there outlives them (descriptors in flight in a cycle of unix sockets, TCP TIME_WAIT), and
+    the calls from then on get a fresh namespace. So a call never meets anything an earlier
+    one bound or left queued; the IPC namespace (System V objects outlive their processes)
+    stays per call. Counts that are not per namespace (alloc, mem) are left out."""
+
+    def __init__(self, ns: int, stats: list[int]) -> None:
+        self.ns, self.stats = ns, stats
+
+    @staticmethod
+    def create() -> _SharedNet | None:
+        """A fresh namespace (the zygote stays in its own); None when one cannot be made."""
+        here = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if _libc.unshare(CLONE_NEWNET) != 0:
+                return None
+            fds: list[int] = []
+            try:
+                fds.append(os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
+                for name in ("sockstat", "sockstat6"):  # no sockstat6 without IPv6
+                    try:
+                        fds.append(os.open(f"/proc/self/net/{name}", os.O_RDONLY | os.O_CLOEXEC))
+                    except FileNotFoundError:
+                        pass
+            except OSError:
+                for fd in fds:
+                    os.close(fd)
+                fds = []
+            finally:
+                if _libc.setns(here, CLONE_NEWNET) != 0:  # never serve from a call's namespace
+                    os._exit(1)
+            return _SharedNet(fds[0], fds[1:]) if len(fds) > 1 else None
+        finally:
+            os.close(here)
+
+    def empty(self) -> bool:
+        """No per-namespace count (sockets used, TCP inuse/orphan/tw, UDP, RAW, FRAG) above 0."""
+        for fd in self.stats:
+            for line in os.pread(fd, 4096, 0).split(b"\n"):
+                fields = line.split()[1:]
+                for key, value in zip(fields[::2], fields[1::2], strict=False):
+                    if key not in (b"alloc", b"mem") and value != b"0":
+                        return False
+        return True
+
+    def renew(self) -> _SharedNet | None:
+        for fd in (self.ns, *self.stats):
+            os.close(fd)
+        return _SharedNet.create()
+
+
+_shared_net: _SharedNet | None = None  # the zygote's; its spares enter it
 
 
 def _reap_strays(spare: tuple[int, socket.socket | None, str]) -> tuple[int, socket.socket | None, str]:
@@ -415,7 +494,14 @@ def _spare(chan: socket.socket, netns: bool, root: bool) -> NoReturn:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
-        if netns and _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) != 0:
+        if netns and _shared_net is not None:
+            if _libc.setns(_shared_net.ns, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET)")
+            for fd in (_shared_net.ns, *_shared_net.stats):
+                os.close(fd)
+            if _libc.unshare(CLONE_NEWIPC) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWIPC)")
+        elif netns and _libc.unshare(CLONE_NEWNET | CLONE_NEWIPC) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET|CLONE_NEWIPC)")
         if root:
             try:
@@ -654,6 +740,35 @@ def _children(pid: int, tasks: list[str]) -> list[str]:
     return found
 
 
+def _sysv_ipc_of(uid: int) -> list[tuple[str, int]]:
+    """The System V IPC objects (kind, id) of this IPC namespace that ``uid`` owns or created."""
+    found = []
+    for kind, id_column in (("shm", "shmid"), ("sem", "semid"), ("msg", "msqid")):
+        try:
+            with open(f"/proc/sysvipc/{kind}", "rb") as f:
+                header, *rows = f.read().split(b"\n")
+        except OSError:
+            continue
+        columns = header.decode().split()
+        for row in rows:
+            entry = dict(zip(columns, row.split(), strict=False))
+            if entry and str(uid).encode() in (entry.get("uid"), entry.get("cuid")):
+                found.append((kind, int(entry[id_column])))
+    return found
+
+
+def _remove_sysv_ipc(objects: list[tuple[str, int]]) -> int:
+    """IPC_RMID on each (as their owner or creator: without CAP_SYS_ADMIN root may not)."""
+    for kind, ident in objects:
+        if kind == "shm":
+            _libc.shmctl(ident, IPC_RMID, None)
+        elif kind == "sem":
+            _libc.semctl(ident, 0, IPC_RMID)
+        else:
+            _libc.msgctl(ident, IPC_RMID, None)
+    return 0
+
+
 class Runner:
     def __init__(
         self, workdir: str, uid: int, gid: int, scrub: list[str], mark: Callable[[], int] | None = None
@@ -821,9 +936,7 @@ class Runner:
             return False
 
     def _kill_as_call_uid(self) -> int:
-        os.setgroups([])
-        os.setgid(self.gid)
-        os.setuid(self.uid)
+        self._as_call_uid()
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
@@ -870,8 +983,24 @@ class Runner:
             for path in mine:
                 _remove(path)
                 scrubbed = scrubbed and not os.path.lexists(path)
-        clean = procs_gone and scrubbed and absolute_undone and not self.zygote_dead
+        # Without a private IPC namespace per call (a sandbox without CAP_SYS_ADMIN: every pool
+        # sandbox), System V objects outlive the call, readable by the next one (same uid).
+        ipc_gone = not self.root or self.private_net or self._drop_sysv_ipc()
+        clean = procs_gone and scrubbed and absolute_undone and ipc_gone and not self.zygote_dead
         return clean and not os.listdir(self.workdir)
+
+    def _drop_sysv_ipc(self) -> bool:
+        """Remove the call uid's System V objects (no process of the call is alive, so a segment
+        goes at once); True when none is left. A read of three /proc files when there is none."""
+        if objects := _sysv_ipc_of(self.uid):
+            self._try_in_child(lambda: self._as_call_uid() or _remove_sysv_ipc(objects))
+        return not _sysv_ipc_of(self.uid)
+
+    def _as_call_uid(self) -> int:
+        os.setgroups([])
+        os.setgid(self.gid)
+        os.setuid(self.uid)
+        return 0
 
     def _uid_entries(self, d: str) -> list[str]:
         try:
@@ -1024,7 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--uid", type=int, default=65534, help="calls run as this uid (when root)")
     ap.add_argument("--gid", type=int, default=65534)
     scrub_help = "writable dirs: their entries owned by the call uid go after each call"
-    ap.add_argument("--scrub", default="/tmp,/var/tmp,/dev/shm,/run/lock", help=scrub_help)
+    ap.add_argument("--scrub", default="/tmp,/var/tmp,/dev/shm,/run/lock,/dev/mqueue", help=scrub_help)
     merge_help = "the pool's hash seed: lay memory out as every runner of the pool does, for KSM"
     ap.add_argument("--mergeable", type=int, default=None, metavar="SEED", help=merge_help)
     args = ap.parse_args(argv)

@@ -1,0 +1,478 @@
+"""Another DSec cluster as one :class:`~dsec.edge.link.EdgeLink`: the home apiserver's adapter
+for sandboxes it sent there (overflow, :mod:`dsec.apiserver.overflow`).
+
+It speaks the other cluster's *public* API (``/v1/...``) with an API key of a project there,
+through :class:`~dsec.protocol.wire_client.WireClient` (the SDK's client), so the home
+apiserver's per-sandbox code paths (``SandboxRoutes.owned`` and every route behind it) work
+unchanged. IDs are translated both ways without a table: the other cluster's ID
+``sb-<node>-<epoch>-<tag>`` is ``sb-<cluster>--<node>-<epoch>-<tag>`` at home
+(:meth:`~dsec.protocol.ids.SandboxId.in_cluster`). Every sandbox there lives in the one project
+of the key; the home project it belongs to travels as label :data:`HOME_PROJECT_LABEL` (set
+here at create, whatever the caller's labels say), and is given back as the sandbox's
+``project``, so visibility and quota are the home cluster's. A sandbox of that project without
+the label was not sent by a home cluster: it is not shown.
+
+A network failure is ``InfraFailure(reason="overflow_unreachable")`` with the network error as
+its cause (so ``never_sent`` still tells an unsent create from one that may have run).
+Nothing is retried here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, NoReturn, TypeVar, cast
+from urllib.parse import quote
+
+import aiohttp
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from dsec.edge.link import EdgeLink
+from dsec.edge.ports import PortStream
+from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
+from dsec.iam.base import in_subtree
+from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, SandboxNotFound
+from dsec.protocol.files import path_query
+from dsec.protocol.fncall import FnResult, FnTask
+from dsec.protocol.ids import SandboxId
+from dsec.protocol.models import (
+    PROJECT_LABEL,
+    RESERVED_LABEL_PREFIX,
+    BulkAction,
+    BulkResult,
+    Change,
+    CommandResult,
+    CommitRequest,
+    ContainerSpec,
+    ExecEvent,
+    ExecRequest,
+    FileStat,
+    InputEvent,
+    InputRequest,
+    LayerInfo,
+    LeaseRequest,
+    LeaseResult,
+    NetworkRules,
+    NetworkRulesRequest,
+    SandboxInfo,
+    ShellRequest,
+    TrajectoryEntry,
+    invalid_request,
+)
+from dsec.protocol.ops import Call, Image, Stream
+from dsec.protocol.wire_client import WireClient, ndjson, never_sent
+
+M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
+E = TypeVar("E")
+# Set by the home apiserver on every sandbox it creates in another cluster: the home project.
+HOME_PROJECT_LABEL = "overflow.dsec/home-project"
+_INFOS = TypeAdapter(list[SandboxInfo])
+_STATS = TypeAdapter(list[FileStat])
+_ENTRIES = TypeAdapter(list[TrajectoryEntry])
+_CHANGES = TypeAdapter(list[Change])
+_BULK_CONCURRENCY = 32
+
+
+def _body(model: type[M], op: BaseModel) -> M:
+    """An op's fields as the public route's request model (the op is that model plus ``kind``)."""
+    return model.model_validate(op.model_dump(exclude={"kind"}))
+
+
+def never_reached_overflow(exc: BaseException) -> bool:
+    """Whether ``exc`` (from an :class:`OverflowLink` call) means the request never left: only
+    then may a create go to another target or home without risking a sandbox nobody knows."""
+    return (
+        isinstance(exc, InfraFailure)
+        and exc.reason == InfraReason.overflow_unreachable
+        and never_sent(exc.__cause__)
+    )
+
+
+class OverflowLink(EdgeLink):
+    """Cluster ``name``'s public API at ``url``, with ``api_key`` (a key of a project there).
+
+    Operations the other cluster's public API does not carry (deadlines, metrics, forks,
+    extended attributes, the process table, watches, ports) answer ``InvalidRequest``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        api_key: str,
+        *,
+        connect_timeout: float = 3.0,
+        control_timeout: float = 30.0,
+    ) -> None:
+        self.name = name
+        self._wire = WireClient(url.rstrip("/"), {"Authorization": f"Bearer {api_key}"})
+        self._connect_timeout = connect_timeout
+        self._control_timeout = control_timeout
+
+    @property
+    def url(self) -> str:
+        return self._wire.url
+
+    @property
+    def epoch(self) -> int | None:
+        return None  # a cluster has no epoch: the IDs it makes carry its nodes' own
+
+    async def close(self) -> None:
+        await self._wire.close()
+
+    # -- IDs and infos ------------------------------------------------------------------------
+
+    def remote_id(self, sandbox_id: str) -> str:
+        sid = SandboxId.parse(sandbox_id)
+        if sid.cluster != self.name:
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not run in overflow cluster {self.name!r}")
+        return str(sid.within_cluster())
+
+    def home_info(self, info: SandboxInfo) -> SandboxInfo | None:
+        """The other cluster's ``info`` as the home cluster shows it; None: not a home sandbox."""
+        labels = dict(info.labels)
+        project = labels.pop(HOME_PROJECT_LABEL, None)
+        if project is None:
+            return None
+        try:
+            sid = SandboxId.parse(info.id).in_cluster(self.name)
+        except InvalidRequest:
+            return None
+        return info.model_copy(
+            update={"id": str(sid), "node": sid.node, "labels": labels, "project": project}
+        )
+
+    def _info(self, raw: bytes, sandbox_id: str) -> SandboxInfo:
+        info = self.home_info(self._parse(SandboxInfo, raw))
+        if info is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
+        return info
+
+    def _infos(self, raw: bytes) -> list[SandboxInfo]:
+        try:
+            infos = _INFOS.validate_json(raw)
+        except ValidationError as exc:
+            raise self._malformed("list", exc) from exc
+        return [h for h in map(self.home_info, infos) if h is not None]
+
+    def _parse(self, model: type[M], raw: bytes) -> M:
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            raise self._malformed(model.__name__, exc) from exc
+
+    def _malformed(self, what: str, exc: Exception) -> InfraFailure:
+        return InfraFailure(
+            f"overflow cluster {self.name!r} sent a malformed {what}: {exc}", reason=InfraReason.protocol
+        )
+
+    def _sandbox(self, sandbox_id: str, tail: str = "") -> str:
+        return f"/v1/sandboxes/{quote(self.remote_id(sandbox_id), safe='')}{tail}"
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _unreachable(self, what: str, exc: BaseException) -> InfraFailure:
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return InfraFailure(
+            f"overflow cluster {self.name!r} at {self.url} is unreachable ({what}): {detail}",
+            reason=InfraReason.overflow_unreachable,
+        )
+
+    @asynccontextmanager
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | list[tuple[str, str]] | None = None,
+        data: Any = None,
+        json_body: Any = None,
+        total: float | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        timeout = aiohttp.ClientTimeout(total=total, sock_connect=self._connect_timeout)
+        try:
+            async with self._wire.send(
+                method, path, params=params, data=data, json_body=json_body, timeout=timeout
+            ) as resp:
+                yield resp
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise self._unreachable(f"{method} {path}", exc) from exc
+
+    async def _read(self, method: str, path: str, *, quick: bool = False, **kw: Any) -> bytes:
+        async with self._call(method, path, total=self._control_timeout if quick else None, **kw) as resp:
+            return await resp.read()
+
+    def _unsupported(self, what: str) -> NoReturn:
+        raise InvalidRequest(f"{what} is not available for sandboxes in overflow cluster {self.name!r}")
+
+    # -- operations as data (protocol/ops.py): onto the named methods below -------------------
+
+    async def call(self, sandbox_id: str, op: Call[R]) -> R:
+        o: Any = op
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "pause": lambda: self.pause(sandbox_id),
+            "resume": lambda: self.resume(sandbox_id),
+            "set_network_rules": lambda: self.set_network_rules(sandbox_id, o.network_rules),
+            "trajectory": lambda: self.trajectory(sandbox_id, o.after, o.limit),
+            "changes": lambda: self.changes(sandbox_id, o.under),
+            "screenshot": lambda: self._image(sandbox_id),
+            "send_input": lambda: self.send_input(sandbox_id, o.events),
+            "run_shell": lambda: self.run_shell(sandbox_id, _body(ShellRequest, o)),
+            "commit": lambda: self.commit(sandbox_id, _body(CommitRequest, o)),
+            "stat": lambda: self.stat(sandbox_id, o.path),
+            "list_dir": lambda: self.list_dir(sandbox_id, o.path),
+            "mkdir": lambda: self.mkdir(sandbox_id, o.path, parents=o.parents),
+            "remove": lambda: self.remove(sandbox_id, o.path, recursive=o.recursive),
+            "move": lambda: self.move(sandbox_id, o.source, o.destination),
+        }
+        run = calls.get(o.kind)
+        if run is None:
+            self._unsupported(str(o.kind))
+        return cast(R, await run())
+
+    async def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
+        o: Any = op
+        if o.kind != "exec":
+            self._unsupported(str(o.kind))
+        stdin = None if o.stdin_b64 is None else base64.b64decode(o.stdin_b64)
+        events = self.exec_stream(
+            sandbox_id,
+            o.argv,
+            stdin=stdin,
+            env=o.env,
+            cwd=o.cwd,
+            timeout=o.timeout,
+            max_output=o.max_output_bytes,
+            idempotency_key=o.idempotency_key,
+        )
+        try:
+            async for event in events:
+                yield cast(E, event)
+        finally:
+            await events.aclose()  # an early close must reach the other cluster: it kills the tree
+
+    async def _image(self, sandbox_id: str) -> Image:
+        return Image(png=await self.screenshot(sandbox_id))
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        return {"overflow": self.name, "url": self.url, "sandboxes": len(await self.sandbox_ids())}
+
+    async def create(
+        self, spec: ContainerSpec, sandbox_id: str | None = None, *, timeout: float = 120
+    ) -> SandboxInfo:
+        """``sandbox_id`` is not used: the other cluster names the sandbox (the answer's ID)."""
+        home = spec.labels.get(PROJECT_LABEL)
+        if home is None:
+            raise InvalidRequest("an overflow create needs the spec's project (tenancy.admit sets it)")
+        labels = {k: v for k, v in spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
+        body = spec.model_copy(update={"labels": {**labels, HOME_PROJECT_LABEL: home}})
+        request = {"spec": body.model_dump(mode="json"), "timeout": timeout}
+        raw = await self._read("POST", "/v1/sandboxes", json_body=request)
+        return self._info(raw, "made by the overflow create")
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._info(await self._read("GET", self._sandbox(sandbox_id), quick=True), sandbox_id)
+
+    async def list_sandboxes(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        return self._infos(await self._read("GET", "/v1/sandboxes", params=params, quick=True))
+
+    async def sandbox_ids(self) -> list[str]:
+        return [i.id for i in await self.list_sandboxes()]
+
+    async def stop(self, sandbox_id: str) -> SandboxInfo:
+        return self._info(await self._read("DELETE", self._sandbox(sandbox_id)), sandbox_id)
+
+    async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
+        """One by one: the other cluster's bulk routes act on its whole project, and the home
+        projects it holds sandboxes of are only told apart here (``within``)."""
+        if not labels:
+            raise InvalidRequest(f"a bulk {action} needs at least one label")
+        ids = [i.id for i in await self.list_sandboxes(labels) if in_subtree(i.project, within)]
+        acts: dict[str, Callable[[str], Awaitable[SandboxInfo]]]
+        acts = {"stop": self.stop, "pause": self.pause, "resume": self.resume}
+        gate = asyncio.Semaphore(_BULK_CONCURRENCY)
+
+        async def one(sid: str) -> SandboxInfo:
+            async with gate:
+                return await acts[action](sid)
+
+        result = BulkResult(action=action)
+        for sid, outcome in zip(
+            ids, await asyncio.gather(*map(one, ids), return_exceptions=True), strict=True
+        ):
+            if isinstance(outcome, SandboxInfo):
+                result.done.append(outcome)
+            elif isinstance(outcome, Exception):
+                result.failed[sid] = str(outcome)
+            else:
+                raise outcome
+        return result
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        return self._info(await self._read("POST", self._sandbox(sandbox_id, "/pause")), sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        return self._info(await self._read("POST", self._sandbox(sandbox_id, "/resume")), sandbox_id)
+
+    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
+        body = NetworkRulesRequest(network_rules=rules).model_dump(mode="json")
+        raw = await self._read("PUT", self._sandbox(sandbox_id, "/network"), json_body=body)
+        return self._info(raw, sandbox_id)
+
+    async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
+        """Renews the job's leases in the whole project there (every home project's sandboxes
+        of that job name): the public route knows no narrower scope."""
+        body = LeaseRequest(lease_s=lease_s).model_dump()
+        raw = await self._read("POST", f"/v1/jobs/{quote(job, safe='')}/lease", json_body=body)
+        result = self._parse(LeaseResult, raw)
+        return result.sandboxes, result.expires_at
+
+    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
+        params = {"after": str(after), "limit": str(limit)}
+        raw = await self._read("GET", self._sandbox(sandbox_id, "/trajectory"), params=params, quick=True)
+        return self._list(_ENTRIES, raw)
+
+    async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
+        raw = await self._read(
+            "GET", self._sandbox(sandbox_id, "/changes"), params=path_query("under", under)
+        )
+        return self._list(_CHANGES, raw)
+
+    def _list(self, adapter: TypeAdapter[list[Any]], raw: bytes) -> list[Any]:
+        try:
+            return adapter.validate_json(raw)
+        except ValidationError as exc:
+            raise self._malformed("list", exc) from exc
+
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        return await self._read("GET", self._sandbox(sandbox_id, "/screenshot"))
+
+    async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int:
+        body = InputRequest(events=events).model_dump(mode="json")
+        raw = await self._read("POST", self._sandbox(sandbox_id, "/input"), json_body=body)
+        try:
+            return int(json.loads(raw)["sent"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise self._malformed("input answer", exc) from exc
+
+    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
+        body = req.model_dump(exclude_none=True)
+        raw = await self._read("POST", self._sandbox(sandbox_id, "/shell"), json_body=body)
+        return self._parse(CommandResult, raw)
+
+    async def exec_stream(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        stdin: bytes | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        try:
+            req = ExecRequest(
+                argv=argv,
+                stdin_b64=None if stdin is None else base64.b64encode(stdin).decode(),
+                env=env or {},
+                cwd=cwd,
+                timeout=timeout,
+                max_output_bytes=max_output,
+                idempotency_key=idempotency_key,
+            )
+        except ValidationError as exc:
+            raise invalid_request(exc) from exc
+        path = self._sandbox(sandbox_id, "/exec")
+        # Closing this generator closes the response: the other cluster kills the process tree.
+        async with self._call("POST", path, json_body=req.model_dump(exclude_none=True)) as resp:
+            async for event in ndjson(resp, ExecEvent, peer=f"overflow cluster {self.name!r}"):
+                yield event
+                if event.t == "exit":
+                    return
+        raise InfraFailure(
+            f"overflow cluster {self.name!r} ended an exec stream before its result",
+            reason=InfraReason.overflow_unreachable,
+        )
+
+    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
+        """The layer lands in the other cluster's store (under its project), not the home one."""
+        raw = await self._read("POST", self._sandbox(sandbox_id, "/commit"), json_body=req.model_dump())
+        return self._parse(LayerInfo, raw)
+
+    async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
+        return set()  # its layers are in the other cluster's store, not the home one's
+
+    async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
+        self._unsupported("a function call")
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
+        url = self._sandbox(sandbox_id, "/files/content")
+        async with self._call("GET", url, params=path_query("path", path)) as resp:
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                yield chunk
+
+    async def write_stream(
+        self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
+    ) -> FileStat:
+        source_error: list[BaseException] = []
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except BaseException as exc:
+                source_error.append(exc)  # the caller's own failure, raised as itself
+                raise
+
+        params = {**path_query("path", path), "mode": format(mode & 0o7777, "o")}
+        try:
+            raw = await self._read(
+                "PUT", self._sandbox(sandbox_id, "/files/content"), params=params, data=body()
+            )
+        except BaseException:
+            if source_error:
+                raise source_error[0] from None
+            raise
+        return self._parse(FileStat, raw)
+
+    async def stat(self, sandbox_id: str, path: str) -> FileStat:
+        raw = await self._read(
+            "GET", self._sandbox(sandbox_id, "/files/stat"), params=path_query("path", path)
+        )
+        return self._parse(FileStat, raw)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+        raw = await self._read(
+            "GET", self._sandbox(sandbox_id, "/files/list"), params=path_query("path", path)
+        )
+        return self._list(_STATS, raw)
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
+        params = {**path_query("path", path), "parents": "true" if parents else "false"}
+        return self._parse(
+            FileStat, await self._read("POST", self._sandbox(sandbox_id, "/files/mkdir"), params=params)
+        )
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        params = {**path_query("path", path), "recursive": "true" if recursive else "false"}
+        await self._read("DELETE", self._sandbox(sandbox_id, "/files"), params=params)
+
+    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
+        params = {**path_query("source", source), **path_query("destination", destination)}
+        return self._parse(
+            FileStat, await self._read("POST", self._sandbox(sandbox_id, "/files/move"), params=params)
+        )
+
+    async def open_port(self, sandbox_id: str, port: int) -> PortStream:
+        self._unsupported("ports")
