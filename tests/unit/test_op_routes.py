@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxNotFound
-from dsec.apiserver.op_routes import PUBLIC
 from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import FileNotFound, InvalidRequest
-from dsec.protocol.ops import OPS, Call
+from dsec.protocol.ops import OPS, PUBLIC, Call
 
 from .conftest import TINY
 from .test_tenancy import team_client

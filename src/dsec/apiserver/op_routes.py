@@ -6,7 +6,7 @@ checks the key may see it once (:meth:`SandboxRoutes.owned`: another project's s
 found), then forwards the op unchanged to the sandbox's node, in this process or across the
 network.
 
-Only the kinds in :data:`PUBLIC` are served: those whose own REST route (kept for the SDK's
+Only the kinds in :data:`~dsec.protocol.ops.PUBLIC` are served: those whose own REST route (kept for the SDK's
 earlier releases) does no more than that check and forward. The others stay internal: a whole
 fork takes sandbox IDs and quota the apiserver reserves, a fork spec names a layer the fork
 route chooses, the xattrs carry the E2B front's metadata, and streams keep their NDJSON routes.
@@ -18,16 +18,7 @@ from aiohttp import web
 
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.protocol.errors import InvalidRequest
-from dsec.protocol.ops import Call, parse_op
-
-PUBLIC: frozenset[str] = frozenset(
-    {
-        "stat", "list_dir", "mkdir", "remove", "move", "changes",
-        "pause", "resume", "set_network_rules", "trajectory", "metrics", "screenshot", "send_input",
-        "run_shell", "commit",
-        "list_processes", "send_process_input", "close_process_stdin", "signal_process", "resize_process",
-    }
-)  # fmt: skip
+from dsec.protocol.ops import PUBLIC, Call, parse_op
 
 
 class OpRoutes:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, NoReturn, TypeVar, cast
@@ -44,25 +43,17 @@ from dsec.protocol.models import (
     BulkAction,
     BulkResult,
     Change,
-    CommandResult,
-    CommitRequest,
     ContainerSpec,
     ExecEvent,
     ExecRequest,
     FileStat,
-    InputEvent,
-    InputRequest,
-    LayerInfo,
     LeaseRequest,
     LeaseResult,
-    NetworkRules,
-    NetworkRulesRequest,
     SandboxInfo,
-    ShellRequest,
     TrajectoryEntry,
     invalid_request,
 )
-from dsec.protocol.ops import Call, Image, Stream
+from dsec.protocol.ops import PUBLIC, Call, Stream
 from dsec.protocol.wire_client import WireClient, ndjson, never_sent
 
 M = TypeVar("M", bound=BaseModel)
@@ -95,8 +86,9 @@ def never_reached_overflow(exc: BaseException) -> bool:
 class OverflowLink(EdgeLink):
     """Cluster ``name``'s public API at ``url``, with ``api_key`` (a key of a project there).
 
-    Operations the other cluster's public API does not carry (deadlines, metrics, forks,
-    extended attributes, the process table, watches, ports) answer ``InvalidRequest``.
+    Calls go to the other cluster as data (its public ops route), ``exec`` and file contents
+    through their streaming routes; the rest (deadlines, forks, extended attributes, starting
+    or attaching to processes, watches, ports) answer ``InvalidRequest``.
     """
 
     def __init__(
@@ -212,27 +204,23 @@ class OverflowLink(EdgeLink):
     # -- operations as data (protocol/ops.py): onto the named methods below -------------------
 
     async def call(self, sandbox_id: str, op: Call[R]) -> R:
-        o: Any = op
-        calls: dict[str, Callable[[], Awaitable[Any]]] = {
-            "pause": lambda: self.pause(sandbox_id),
-            "resume": lambda: self.resume(sandbox_id),
-            "set_network_rules": lambda: self.set_network_rules(sandbox_id, o.network_rules),
-            "trajectory": lambda: self.trajectory(sandbox_id, o.after, o.limit),
-            "changes": lambda: self.changes(sandbox_id, o.under),
-            "screenshot": lambda: self._image(sandbox_id),
-            "send_input": lambda: self.send_input(sandbox_id, o.events),
-            "run_shell": lambda: self.run_shell(sandbox_id, _body(ShellRequest, o)),
-            "commit": lambda: self.commit(sandbox_id, _body(CommitRequest, o)),
-            "stat": lambda: self.stat(sandbox_id, o.path),
-            "list_dir": lambda: self.list_dir(sandbox_id, o.path),
-            "mkdir": lambda: self.mkdir(sandbox_id, o.path, parents=o.parents),
-            "remove": lambda: self.remove(sandbox_id, o.path, recursive=o.recursive),
-            "move": lambda: self.move(sandbox_id, o.source, o.destination),
-        }
-        run = calls.get(o.kind)
-        if run is None:
-            self._unsupported(str(o.kind))
-        return cast(R, await run())
+        """The op through the other cluster's ``/v1/sandboxes/{id}/ops/{kind}`` (the kinds of
+        :data:`~dsec.protocol.ops.PUBLIC`), unchanged; a sandbox's info comes back as home shows
+        it. A commit's layer lands in the other cluster's store, under its project."""
+        if op.kind not in PUBLIC:
+            self._unsupported(str(op.kind))
+        path = self._sandbox(sandbox_id, f"/ops/{op.kind}")
+        raw = await self._read("POST", path, json_body=op.model_dump(mode="json"))
+        try:
+            answer = op.adapter.validate_json(raw)
+        except ValidationError as exc:
+            raise self._malformed(f"{op.kind} answer", exc) from exc
+        if isinstance(answer, SandboxInfo):
+            home = self.home_info(answer)
+            if home is None:
+                raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
+            answer = home
+        return cast(R, answer)
 
     async def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
         o: Any = op
@@ -254,9 +242,6 @@ class OverflowLink(EdgeLink):
                 yield cast(E, event)
         finally:
             await events.aclose()  # an early close must reach the other cluster: it kills the tree
-
-    async def _image(self, sandbox_id: str) -> Image:
-        return Image(png=await self.screenshot(sandbox_id))
 
     # -- sandboxes ----------------------------------------------------------------------------
 
@@ -315,17 +300,6 @@ class OverflowLink(EdgeLink):
                 raise outcome
         return result
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        return self._info(await self._read("POST", self._sandbox(sandbox_id, "/pause")), sandbox_id)
-
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        return self._info(await self._read("POST", self._sandbox(sandbox_id, "/resume")), sandbox_id)
-
-    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
-        body = NetworkRulesRequest(network_rules=rules).model_dump(mode="json")
-        raw = await self._read("PUT", self._sandbox(sandbox_id, "/network"), json_body=body)
-        return self._info(raw, sandbox_id)
-
     async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
         """Renews the job's leases in the whole project there (every home project's sandboxes
         of that job name): the public route knows no narrower scope."""
@@ -333,39 +307,6 @@ class OverflowLink(EdgeLink):
         raw = await self._read("POST", f"/v1/jobs/{quote(job, safe='')}/lease", json_body=body)
         result = self._parse(LeaseResult, raw)
         return result.sandboxes, result.expires_at
-
-    async def trajectory(self, sandbox_id: str, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
-        params = {"after": str(after), "limit": str(limit)}
-        raw = await self._read("GET", self._sandbox(sandbox_id, "/trajectory"), params=params, quick=True)
-        return self._list(_ENTRIES, raw)
-
-    async def changes(self, sandbox_id: str, under: str = "/") -> list[Change]:
-        raw = await self._read(
-            "GET", self._sandbox(sandbox_id, "/changes"), params=path_query("under", under)
-        )
-        return self._list(_CHANGES, raw)
-
-    def _list(self, adapter: TypeAdapter[list[Any]], raw: bytes) -> list[Any]:
-        try:
-            return adapter.validate_json(raw)
-        except ValidationError as exc:
-            raise self._malformed("list", exc) from exc
-
-    async def screenshot(self, sandbox_id: str) -> bytes:
-        return await self._read("GET", self._sandbox(sandbox_id, "/screenshot"))
-
-    async def send_input(self, sandbox_id: str, events: list[InputEvent]) -> int:
-        body = InputRequest(events=events).model_dump(mode="json")
-        raw = await self._read("POST", self._sandbox(sandbox_id, "/input"), json_body=body)
-        try:
-            return int(json.loads(raw)["sent"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise self._malformed("input answer", exc) from exc
-
-    async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
-        body = req.model_dump(exclude_none=True)
-        raw = await self._read("POST", self._sandbox(sandbox_id, "/shell"), json_body=body)
-        return self._parse(CommandResult, raw)
 
     async def exec_stream(
         self,
@@ -402,11 +343,6 @@ class OverflowLink(EdgeLink):
             f"overflow cluster {self.name!r} ended an exec stream before its result",
             reason=InfraReason.overflow_unreachable,
         )
-
-    async def commit(self, sandbox_id: str, req: CommitRequest) -> LayerInfo:
-        """The layer lands in the other cluster's store (under its project), not the home one."""
-        raw = await self._read("POST", self._sandbox(sandbox_id, "/commit"), json_body=req.model_dump())
-        return self._parse(LayerInfo, raw)
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
         return set()  # its layers are in the other cluster's store, not the home one's
@@ -445,34 +381,6 @@ class OverflowLink(EdgeLink):
                 raise source_error[0] from None
             raise
         return self._parse(FileStat, raw)
-
-    async def stat(self, sandbox_id: str, path: str) -> FileStat:
-        raw = await self._read(
-            "GET", self._sandbox(sandbox_id, "/files/stat"), params=path_query("path", path)
-        )
-        return self._parse(FileStat, raw)
-
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
-        raw = await self._read(
-            "GET", self._sandbox(sandbox_id, "/files/list"), params=path_query("path", path)
-        )
-        return self._list(_STATS, raw)
-
-    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True) -> FileStat:
-        params = {**path_query("path", path), "parents": "true" if parents else "false"}
-        return self._parse(
-            FileStat, await self._read("POST", self._sandbox(sandbox_id, "/files/mkdir"), params=params)
-        )
-
-    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        params = {**path_query("path", path), "recursive": "true" if recursive else "false"}
-        await self._read("DELETE", self._sandbox(sandbox_id, "/files"), params=params)
-
-    async def move(self, sandbox_id: str, source: str, destination: str) -> FileStat:
-        params = {**path_query("source", source), **path_query("destination", destination)}
-        return self._parse(
-            FileStat, await self._read("POST", self._sandbox(sandbox_id, "/files/move"), params=params)
-        )
 
     async def open_port(self, sandbox_id: str, port: int) -> PortStream:
         self._unsupported("ports")

@@ -31,7 +31,6 @@ from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from dsec.edge.edge import Edge
-from dsec.edge.metrics import MetricSample
 from dsec.edge.op_handlers import CALLS, STREAMS
 from dsec.edge.ports import PortStream, connect_port
 from dsec.executor.file_ops import DEFAULT_FILE_MODE, FileOps
@@ -39,6 +38,7 @@ from dsec.iam.base import in_subtree
 from dsec.protocol.errors import InvalidRequest, NotFoundReason, SandboxNotFound
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
+from dsec.protocol.metrics import MetricSample
 from dsec.protocol.models import (
     BulkAction,
     BulkResult,

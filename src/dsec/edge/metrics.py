@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from dsec.backends.base import Backend
 from dsec.backends.container import cgroups
 from dsec.edge.journal import Record
 from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.metrics import MAX_UNIX_S, MetricSample
 from dsec.protocol.models import SandboxState
 
 log = logging.getLogger("dsec.edge.metrics")
@@ -52,19 +52,7 @@ INTERVAL_S = 5.0  # E2B's orchestrator exports each sandbox's figures every 5 s 
 CAPACITY = 360  # samples kept per sandbox: 30 minutes at INTERVAL_S
 _BATCH = 128  # sandboxes read between two yields to the event loop (~5 ms)
 _FIELDS = 5  # ts offset, cpu_used_pct, mem_used, mem_cache, disk_used
-MAX_UNIX_S = 10_413_791_999  # 2299-12-31T23:59:59Z, the last second E2B's API takes
 _UNIX_TIME = re.compile(r"\d{1,11}(\.\d{1,9})?")
-
-
-class MetricSample(BaseModel):
-    ts: float  # unix seconds
-    cpu_count: int
-    cpu_used_pct: float
-    mem_used: int
-    mem_total: int
-    mem_cache: int
-    disk_used: int
-    disk_total: int
 
 
 @dataclass

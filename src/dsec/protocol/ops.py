@@ -26,11 +26,11 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from dsec.edge.metrics import MAX_UNIX_S, MetricSample
 from dsec.protocol.bounds import MAX_PATH_LEN, no_nul
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.files import Change, FileStat, _BytesNames
 from dsec.protocol.http import MAX_COUNT, MAX_TRAJECTORY_PAGE
+from dsec.protocol.metrics import MAX_UNIX_S, MetricSample
 from dsec.protocol.models import (
     CommandResult,
     CommitRequest,
@@ -379,6 +379,18 @@ AnyOp = Annotated[
     Field(discriminator="kind"),
 ]  # fmt: skip
 ANY_OP: TypeAdapter[Any] = TypeAdapter(AnyOp)
+
+
+PUBLIC: frozenset[str] = frozenset(
+    {
+        "stat", "list_dir", "mkdir", "remove", "move", "changes",
+        "pause", "resume", "set_network_rules", "trajectory", "metrics", "screenshot", "send_input",
+        "run_shell", "commit",
+        "list_processes", "send_process_input", "close_process_stdin", "signal_process", "resize_process",
+    }
+)  # fmt: skip
+"""The calls the public API serves as data (``POST /v1/sandboxes/{id}/ops/{kind}``): those
+whose REST route does no more than check the key's ownership and forward."""
 
 
 def parse_op(kind: str, body: bytes) -> _Op:

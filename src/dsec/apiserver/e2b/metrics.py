@@ -25,9 +25,10 @@ from aiohttp import web
 from dsec.apiserver._http import PRINCIPAL
 from dsec.apiserver.e2b.lifecycle import not_found_message
 from dsec.apiserver.sandboxes import SandboxRoutes
-from dsec.edge.metrics import INTERVAL_S, MAX_UNIX_S, MetricSample
+from dsec.edge.metrics import INTERVAL_S
 from dsec.protocol.errors import Forbidden, InfraFailure, InvalidRequest, SandboxNotFound
 from dsec.protocol.ids import SandboxId
+from dsec.protocol.metrics import MAX_UNIX_S, MetricSample
 from dsec.protocol.models import SandboxState
 
 log = logging.getLogger("dsec.apiserver.e2b")
