@@ -117,16 +117,32 @@ install_e2b_js() {
   touch "$stamp"
 }
 
+install_console_js() {
+  # xterm.js for the web console's terminal (src/dsec/apiserver/console/), pinned by
+  # .node-console/package-lock.json; the apiserver serves its dist files, no CDN at run time.
+  local dir=.node-console stamp
+  if ! command -v npm >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+  fi
+  stamp="$dir/node_modules/.installed-$(sha256sum "$dir/package-lock.json" | cut -c1-16)"
+  [ -f "$stamp" ] && return 0
+  (cd "$dir" && npm ci -s --no-audit --no-fund)
+  touch "$stamp"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   up)
     # HAProxy: the edge's name check (TLS server name, HTTP Host) for permissions naming domains.
-    need_root; install_debian; install_services_quietly haproxy; install_python base
+    need_root; install_debian; install_services_quietly haproxy; install_python base; install_console_js
     exec .venv/bin/dsec up "$@"
     ;;
   test)
+    apt_packages+=(chromium chromium-driver)  # the web console's browser test (tests/e2e/test_console.py)
     need_root; install_debian; install_services_quietly postgresql haproxy prometheus; install_python test; install_e2b_sdks
+    install_console_js
     .venv/bin/dsec base --data-dir "${DSEC_TEST_DATA_DIR:-/var/lib/dsec-test}"
     .venv/bin/ruff check src tests bench
     .venv/bin/ruff format --check src tests bench
@@ -140,17 +156,17 @@ case "$cmd" in
   bench)
     which=${1:-create}
     shift || true
-    if [ "$which" = controlplane ]; then
+    if [ "$which" = controlplane ] || [ "$which" = burst ]; then
       # Simulated nodes only: no sandbox, no mount, no sshd; the Python package is enough.
       [ -x .venv/bin/python ] || { need_root; install_debian; }
       install_python base
-      exec .venv/bin/python bench/controlplane.py "$@"
+      exec .venv/bin/python "bench/$which.py" "$@"
     fi
     need_root; install_debian; install_services_quietly openssh-server openssh-client sshfs haproxy; install_python test
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|egress_names|exec|density|e2b|gvisor|ksm|seccomp|socket_tables|create_phases|lxcfs" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|egress_names|exec|density|e2b|gvisor|ksm|seccomp|socket_tables|create_phases|lxcfs|burst" >&2
     exit 2
     ;;
 esac

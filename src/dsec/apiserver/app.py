@@ -25,6 +25,7 @@ from dsec.apiserver._http import (
     require_admin,
     respond,
 )
+from dsec.apiserver.console import is_console_path, register_console
 from dsec.apiserver.e2b import E2BFront, E2BOptions
 from dsec.apiserver.e2b.envd import is_envd_path
 from dsec.apiserver.e2b.front import e2b_errors_middleware
@@ -95,6 +96,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)  # E2B's in-sandbox API: a sandbox's envd token (e2b/tokens.py)
     if is_template_upload_path(request.path):
         return await handler(request)  # a one-time upload link E2B's SDK PUTs to, keyless
+    if is_console_path(request.path):
+        return await handler(request)  # static pages; its terminal checks the key (apiserver/console/)
     header = request.headers.get("Authorization", "")
     key = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key")
     # SandboxFusion clients send no headers: their URL carries the key (apiserver/fncall.py).
@@ -163,6 +166,7 @@ class ApiServer:
         VmImageRoutes(self.store).register(r)
         ProjectRoutes(self.iam, self.store).register(r)
         app.on_startup.append(lambda _: sync_storage_quotas(self.iam, self.store))
+        register_console(r, self.sandboxes, self.iam)  # the web console: apiserver/console/
         self.e2b.register(r)
         app.on_cleanup.append(lambda _: self.e2b.close())
         return app

@@ -24,6 +24,7 @@ from dsec.apiserver.e2b.tokens import secret_from_cluster
 from dsec.apiserver.layer_access import LayerLimits
 from dsec.apiserver.membership import Membership
 from dsec.apiserver.overflow import Overflow, OverflowConfig
+from dsec.apiserver.scaling import FencingWatcher, Scaler, ScalingConfig
 from dsec.backends.base import Backend
 from dsec.backends.container.backend import ContainerBackend
 from dsec.edge.config import EdgeConfig
@@ -35,9 +36,10 @@ from dsec.iam import IamStore, open_iam_store
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.node.embedded import NodeConfig, open_layer_store, vm_backends
+from dsec.node.provider import NodeProvider
 from dsec.observe.audit import AuditLog
 from dsec.observe.metrics import serve_cluster_metrics
-from dsec.placement.placement import Placement, Watcher
+from dsec.placement.placement import Placement
 from dsec.protocol.http import listen
 
 log = logging.getLogger("dsec.cluster")
@@ -111,6 +113,10 @@ class ApiServerConfig:
     e2b_domain: str | None = None  # sandbox hosts are PORT-ID.<this> (E2B's get_host)
     audit_log: Path | None = None  # admin actions, one JSON line each; None: to the log only
     overflow: OverflowConfig | None = None  # other clusters creates go to when this one is full
+    # Nodes on demand (apiserver/scaling.py): the policy, and the provider it drives (its
+    # owner closes it). Give them to one apiserver of the cluster: the fence is per apiserver.
+    scaling: ScalingConfig | None = None
+    node_provider: NodeProvider | None = None
 
 
 class ClusterApiServer:
@@ -119,12 +125,13 @@ class ClusterApiServer:
     def __init__(self, config: ApiServerConfig) -> None:
         self.config = config
         self.links: dict[str, EdgeLink] = {}  # filled and kept current by the membership
-        self.watcher = Watcher(self.links, interval_s=config.watch_interval_s)
+        self.watcher = FencingWatcher(self.links, interval_s=config.watch_interval_s)
         self.placement = Placement(self.watcher, k=config.placement_k)
         self.iam: IamStore
         self.api: ApiServer
         self.membership: Membership
         self.overflow: Overflow | None = None
+        self.scaler: Scaler | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -165,6 +172,11 @@ class ClusterApiServer:
         self.api.tenancy.start(links)
         if self.overflow is not None:
             await self.overflow.start()
+        if self.config.scaling is not None and self.config.node_provider is not None:
+            self.scaler = Scaler(
+                self.config.scaling, self.config.node_provider, self.watcher, self.placement, self.links
+            )
+            await self.scaler.start()
         return self.url
 
     @property
@@ -172,6 +184,8 @@ class ClusterApiServer:
         return self.config.store
 
     async def close(self) -> None:
+        if self.scaler is not None:
+            await self.scaler.close()
         if self._runner is not None:
             await self._runner.cleanup()
         if hasattr(self, "api"):

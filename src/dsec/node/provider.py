@@ -10,8 +10,8 @@ a ``dsec edge`` process in a network namespace of its own, joined to the host by
 a private /30, reaching the apiservers at the host end of its link only (as across machines).
 A node's size is emulated by the edge's admission caps (``--admission cpu=R,memory=R``: the
 sum of its sandboxes' limits stays within ``cpus`` cores and ``memory_mib``). It needs root,
-iproute2 and util-linux's ``nsenter``. A cloud or VM provider (libvirt, Libcloud) implements the
-same Protocol.
+iproute2 and util-linux's ``nsenter``. :class:`~dsec.node.libvirt_provider.LibvirtProvider`
+implements the same Protocol over libvirt VMs; the policy is :mod:`dsec.apiserver.scaling`.
 """
 
 from __future__ import annotations
