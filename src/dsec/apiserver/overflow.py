@@ -39,7 +39,7 @@ import tomllib
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -56,6 +56,8 @@ from dsec.protocol.errors import (
 )
 from dsec.protocol.ids import SandboxId, validate_cluster_name
 from dsec.protocol.models import ContainerSpec, SandboxInfo
+
+C = TypeVar("C", bound=BaseModel)
 
 log = logging.getLogger("dsec.apiserver.overflow")
 _MAX_KEY = 512
@@ -123,13 +125,17 @@ class OverflowConfig(BaseModel):
 
     @classmethod
     def load(cls, path: Path) -> OverflowConfig:
-        """From a JSON or (``.toml``) TOML file; ``ValueError`` naming what is wrong."""
-        text = path.read_text()
-        try:
-            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-            return cls.model_validate(raw)
-        except (ValueError, ValidationError) as exc:
-            raise ValueError(f"{path}: {exc}") from None
+        return load_config(cls, path)
+
+
+def load_config(model: type[C], path: Path) -> C:
+    """``model`` from a JSON or (``.toml``) TOML file; ``ValueError`` naming what is wrong."""
+    text = path.read_text()
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return model.model_validate(raw)
+    except (ValueError, ValidationError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def utilisation(

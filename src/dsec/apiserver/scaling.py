@@ -30,19 +30,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import tomllib
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.apiserver.overflow import utilisation
+from dsec.apiserver.overflow import load_config, utilisation
 from dsec.edge.link import EdgeLink
 from dsec.node.provider import NodeProvider, NodeRequest
 from dsec.placement.placement import Placement, Watcher
@@ -81,13 +79,7 @@ class ScalingConfig(BaseModel):
 
     @classmethod
     def load(cls, path: Path) -> ScalingConfig:
-        """From a JSON or (``.toml``) TOML file; ``ValueError`` naming what is wrong."""
-        text = path.read_text()
-        try:
-            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-            return cls.model_validate(raw)
-        except (ValueError, ValidationError) as exc:
-            raise ValueError(f"{path}: {exc}") from None
+        return load_config(cls, path)
 
     def request(self, name: str) -> NodeRequest:
         return NodeRequest(name=name, labels=dict(self.labels), cpus=self.cpus, memory_mib=self.memory_mib)
