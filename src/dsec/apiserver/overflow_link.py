@@ -20,7 +20,6 @@ Nothing is retried here.
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, NoReturn, TypeVar, cast
@@ -45,13 +44,11 @@ from dsec.protocol.models import (
     Change,
     ContainerSpec,
     ExecEvent,
-    ExecRequest,
     FileStat,
     LeaseRequest,
     LeaseResult,
     SandboxInfo,
     TrajectoryEntry,
-    invalid_request,
 )
 from dsec.protocol.ops import PUBLIC, Call, Stream
 from dsec.protocol.wire_client import WireClient, ndjson, never_sent
@@ -223,25 +220,21 @@ class OverflowLink(EdgeLink):
         return cast(R, answer)
 
     async def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
-        o: Any = op
-        if o.kind != "exec":
-            self._unsupported(str(o.kind))
-        stdin = None if o.stdin_b64 is None else base64.b64decode(o.stdin_b64)
-        events = self.exec_stream(
-            sandbox_id,
-            o.argv,
-            stdin=stdin,
-            env=o.env,
-            cwd=o.cwd,
-            timeout=o.timeout,
-            max_output=o.max_output_bytes,
-            idempotency_key=o.idempotency_key,
-        )
-        try:
-            async for event in events:
+        """Only ``exec`` reaches another cluster: the op is the public exec route's body."""
+        if op.kind != "exec":
+            self._unsupported(str(op.kind))
+        path = self._sandbox(sandbox_id, "/exec")
+        body = op.model_dump(mode="json", exclude={"kind"}, exclude_none=True)
+        # Closing this generator closes the response: the other cluster kills the process tree.
+        async with self._call("POST", path, json_body=body) as resp:
+            async for event in ndjson(resp, ExecEvent, peer=f"overflow cluster {self.name!r}"):
                 yield cast(E, event)
-        finally:
-            await events.aclose()  # an early close must reach the other cluster: it kills the tree
+                if event.t == "exit":
+                    return
+        raise InfraFailure(
+            f"overflow cluster {self.name!r} ended an exec stream before its result",
+            reason=InfraReason.overflow_unreachable,
+        )
 
     # -- sandboxes ----------------------------------------------------------------------------
 
@@ -307,42 +300,6 @@ class OverflowLink(EdgeLink):
         raw = await self._read("POST", f"/v1/jobs/{quote(job, safe='')}/lease", json_body=body)
         result = self._parse(LeaseResult, raw)
         return result.sandboxes, result.expires_at
-
-    async def exec_stream(
-        self,
-        sandbox_id: str,
-        argv: list[str],
-        *,
-        stdin: bytes | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float | None = None,
-        max_output: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> AsyncGenerator[ExecEvent, None]:
-        try:
-            req = ExecRequest(
-                argv=argv,
-                stdin_b64=None if stdin is None else base64.b64encode(stdin).decode(),
-                env=env or {},
-                cwd=cwd,
-                timeout=timeout,
-                max_output_bytes=max_output,
-                idempotency_key=idempotency_key,
-            )
-        except ValidationError as exc:
-            raise invalid_request(exc) from exc
-        path = self._sandbox(sandbox_id, "/exec")
-        # Closing this generator closes the response: the other cluster kills the process tree.
-        async with self._call("POST", path, json_body=req.model_dump(exclude_none=True)) as resp:
-            async for event in ndjson(resp, ExecEvent, peer=f"overflow cluster {self.name!r}"):
-                yield event
-                if event.t == "exit":
-                    return
-        raise InfraFailure(
-            f"overflow cluster {self.name!r} ended an exec stream before its result",
-            reason=InfraReason.overflow_unreachable,
-        )
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
         return set()  # its layers are in the other cluster's store, not the home one's
