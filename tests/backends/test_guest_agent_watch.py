@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsec._linux import landlock_abi
-from dsec.backends.microvm import host, kit
+from dsec.backends.microvm import host, kit, shell_watch
 from dsec.backends.microvm.channel import AgentChannel, VmProcess
 from dsec.executor.process import SandboxProcess
 from dsec.executor.session import DRIVER, Session
@@ -119,6 +119,30 @@ async def test_shells_that_wait_otherwise_are_not_watched_and_still_work(
         assert (await run(s, 'echo "$X $(pwd)"')).stdout == "1 /tmp\n"
     finally:
         await s.kill()
+
+
+async def test_a_shell_holding_stdout_elsewhere_for_a_moment_is_asked_again_not_given_up(
+    channel: AgentChannel,
+) -> None:
+    """Right after its end markers a driver loop's `printf ... >&2` still holds stdout on the
+    stderr pipe; a loaded machine preempts it there. Taken for "not watchable", the session
+    would run unwatched for good (CI saw it): it is "not yet", and calibration goes on."""
+    script = "{ echo held; read -r x; } >&2; echo back; read -r y"
+    proc = await channel.spawn(["bash", "-c", script], env=ENV, cwd="/", uid=0, gid=0)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
+        assert await proc.stderr.readline() == b"held\n"
+        view = proc.shell_watch()
+        assert view is not None
+        # Blocked in read(2) of its stdin pipe or about to be, stdout on the stderr pipe.
+        assert (await proc._watch(bytes([shell_watch.CALIBRATE])))[0] == shell_watch.NO
+        proc.stdin.write(b"x\n")
+        await proc.stdin.drain()
+        assert await proc.stdout.readline() == b"back\n"
+        assert await view.calibrate()  # its pipes back in place, waiting for its next line
+    finally:
+        proc.kill()
+        await proc.wait()
 
 
 async def test_an_agent_without_watch_leaves_sessions_to_the_nonce(channel: AgentChannel) -> None:

@@ -477,7 +477,7 @@ static int waits_for_input(struct proc *p, char *line, size_t size)
 	       fd_is(p->pid, fd, p->in);
 }
 
-/* A shell known to wait that way (busybox ash polls first), with our pipes as fds 0-2. */
+/* A shell known to wait that way (busybox ash polls first). */
 static int watchable(struct proc *p)
 {
 	char path[64], exe[PATH_MAX];
@@ -489,8 +489,19 @@ static int watchable(struct proc *p)
 		return 0;
 	exe[n] = 0;
 	base = strrchr(exe, '/') ? strrchr(exe, '/') + 1 : exe;
-	return (!strcmp(base, "bash") || !strcmp(base, "dash")) && fd_is(p->pid, 0, p->in) &&
-	       fd_is(p->pid, 1, p->out) && fd_is(p->pid, 2, p->err);
+	return !strcmp(base, "bash") || !strcmp(base, "dash");
+}
+
+/*
+ * Whether a watchable shell waits for its next command with our pipes as fds 0-2. Not yet is
+ * not never: right after the no-op's end markers the driver's `printf ... >&2` may still hold
+ * stdout on the stderr pipe (a loaded machine preempts it there), so CALIBRATE answers NO and
+ * is asked again rather than giving the shell up.
+ */
+static int waits_with_our_pipes(struct proc *p, char *line, size_t size)
+{
+	return waits_for_input(p, line, size) && fd_is(p->pid, 1, p->out) &&
+	       fd_is(p->pid, 2, p->err);
 }
 
 /* Forwards what pipe *fd holds now (not what is written meanwhile), then the token. */
@@ -523,7 +534,7 @@ static void do_watch(uint32_t chan, const unsigned char *p, size_t n)
 		return;
 	}
 	if (pr && !pr->reaped && p[0] == W_CALIBRATE && watchable(pr)) {
-		res[0] = waits_for_input(pr, line, sizeof line) ? W_YES : W_NO;
+		res[0] = waits_with_our_pipes(pr, line, sizeof line) ? W_YES : W_NO;
 		if (res[0] == W_YES)
 			memcpy(pr->rest, line, sizeof line);
 	} else if (pr && !pr->reaped && pr->rest[0] && p[0] == W_CHECK) {
