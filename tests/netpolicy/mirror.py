@@ -108,18 +108,18 @@ def mirror(root: Path) -> Iterator[None]:
         for cmd in ("link set lo up", f"addr add {ADDRESS}/24 dev eth0", "link set eth0 up"):
             _ip("-n", ns, *cmd.split())
         _ip("-n", ns, "route", "add", "default", "via", HOST_SIDE)
+        repo = Path(__file__).resolve().parents[2]
+        serve = [sys.executable, "-m", "tests.netpolicy.file_server", ADDRESS]
         for port in (PORT, OTHER_PORT, HTTP_PORT):
-            argv = ["ip", "netns", "exec", ns, "/usr/bin/python3", "-u", "-m", "http.server"]
             proc = subprocess.Popen(
-                [*argv, str(port), "--bind", ADDRESS, "--directory", str(root)],
+                ["ip", "netns", "exec", ns, *serve, str(port), str(root)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
+                cwd=repo,
             )
             servers.append(proc)
             assert proc.stdout is not None
-            # http.server says "Serving HTTP on ..." once it listens.
-            assert b"Serving HTTP" in proc.stdout.readline(), f"mirror server on {port} did not start"
-        repo = Path(__file__).resolve().parents[2]
+            assert proc.stdout.readline() == b"ready\n", f"mirror server on {port} did not start"
         cert, key = root / "cert.pem", root / "key.pem"
         req = [
             "openssl",
@@ -134,9 +134,10 @@ def mirror(root: Path) -> Iterator[None]:
             f"/CN={DNS_NAME}",
         ]
         subprocess.run([*req, "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-        tls_argv = [sys.executable, "-m", "tests.netpolicy.tls_server", ADDRESS, str(HTTPS_PORT), str(root)]
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *tls_argv, str(cert), str(key)], stdout=subprocess.PIPE, cwd=repo
+            ["ip", "netns", "exec", ns, *serve, str(HTTPS_PORT), str(root), str(cert), str(key)],
+            stdout=subprocess.PIPE,
+            cwd=repo,
         )
         servers.append(proc)
         assert proc.stdout is not None
