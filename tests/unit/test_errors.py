@@ -77,3 +77,22 @@ def test_an_unknown_code_from_a_newer_server_is_still_a_dsec_error() -> None:
     back = error_from_wire(418, {"error": {"code": "from_the_future", "message": "m", "reason": "r"}})
     assert isinstance(back, DSecError)
     assert (back.message, back.reason) == ("m", "r")
+
+
+STATUSES = [
+    ("edge_starting", 503), ("edge_unreachable", 503), ("node_lost", 503), ("overflow_unreachable", 503),
+    ("upstream", 502), ("runtime", 500), (None, 500),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("reason", "status"), STATUSES)
+def test_an_infra_failure_out_of_reach_for_now_answers_service_unavailable(
+    reason: str | None, status: int
+) -> None:
+    """A starting or unreachable edge is not the server's bug: 503 tells a client, a proxy or a
+    load balancer to try again; the code and reason on the wire stay the same."""
+    err = InfraFailure("x", reason=reason)
+    assert err.status == status
+    back = error_from_wire(err.status, json.loads(json.dumps(err.to_wire())))
+    assert type(back) is InfraFailure and back.reason == reason and back.status == status
+    assert dsec.SandboxStopped("gone", reason="node_lost").status == 410  # its own status stays

@@ -20,6 +20,9 @@ wire; ``err.request_id`` is the ID of the failed request (:mod:`dsec.observe.req
     +-- CapacityExhausted       503  no node can admit the sandbox right now
     +-- CommandTimeout          504  a command ran past its timeout (its process tree was killed)
     +-- InfraFailure            500  the platform failed, not the agent: mask it out of rewards
+    |                           503  ... a part out of reach for now: edge starting, shutting
+    |                                down or unreachable, node lost, overflow cluster unreachable
+    |                           502  ... a server inside the sandbox broke HTTP (``upstream``)
         +-- SessionLost         500  a shell session died under the command (e.g. edge restart)
         +-- SandboxStopped      410  the sandbox was stopped or reclaimed under the command
 
@@ -147,7 +150,7 @@ class DSecError(Exception):
     """Root of every error DSec raises, on the server and in the SDK."""
 
     code: ClassVar[str] = "error"
-    status: ClassVar[int] = 500
+    status: int = 500  # the class's; an InfraFailure's follows its reason (_UNAVAILABLE)
     # The enum this class's reasons come from (None: the class carries no reason of its own).
     reasons: ClassVar[type[StrEnum] | None] = None
 
@@ -252,6 +255,28 @@ class InfraFailure(DSecError):
     code = "infra_failure"
     status = 500
     reasons = InfraReason
+
+    def __init__(self, message: str, *, reason: str | None = None, request_id: str | None = None) -> None:
+        super().__init__(message, reason=reason, request_id=request_id)
+        # Not the server's bug but a part out of reach for now: what a client, a proxy or a
+        # load balancer should treat as "try again" (the wire code and reason are the same).
+        if type(self).status != 500:
+            pass  # a subclass's own status (SandboxStopped's 410) stays
+        elif self.reason in _UNAVAILABLE:
+            self.status = 503
+        elif self.reason == InfraReason.upstream:
+            self.status = 502  # a server inside the sandbox broke HTTP: a bad gateway's answer
+
+
+_UNAVAILABLE = frozenset(
+    {
+        InfraReason.edge_starting,
+        InfraReason.edge_shutdown,
+        InfraReason.edge_unreachable,
+        InfraReason.node_lost,
+        InfraReason.overflow_unreachable,
+    }
+)
 
 
 class SessionLost(InfraFailure):
