@@ -44,6 +44,8 @@ def node_config(tmp: Path, data_dir: Path = DATA_DIR / "node") -> NodeConfig:
         microvm=True,
         vm=True,
         microvm_accel="tcg",
+        # The session node's kits: a node on a fresh data dir would otherwise build two.
+        guest_kit_dir=DATA_DIR / "node" / "guest-kit",
     )
 
 

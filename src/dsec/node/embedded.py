@@ -61,6 +61,10 @@ class NodeConfig:
     # else virtio-serial), "vsock" (creates fail without it) or "serial".
     agent_channel: str = "auto"
     vm: bool = False  # also run full VMs (q35 with a display; Debian's full kernel is fetched)
+    # Where guest kits (kernels, initramfs) are built; None: <data_dir>/guest-kit. Kits are
+    # keyed by their inputs and built under a lock, so nodes of one host may share the folder
+    # (a node started on a fresh data dir then skips two kernel unpacks and initramfs builds).
+    guest_kit_dir: Path | None = None
     e2b_template: str = DEFAULT_TEMPLATE  # what E2B's templateID "base" means here
     e2b_domain: str | None = None  # sandbox hosts are PORT-ID.<this> (E2B's get_host)
     layer_limits: LayerLimits = field(default_factory=LayerLimits)  # caps on one layer import
@@ -82,7 +86,9 @@ def open_layer_store(config: NodeConfig) -> LayerStore:
 def vm_backends(config: NodeConfig, store: LayerStore) -> list[Backend]:
     """The VM backends ``config`` asks for: microVMs, full VMs, both or neither."""
     out: list[Backend] = []
-    micro = microvm_backend(config.data_dir, store, config.microvm_accel, config.agent_channel)
+    micro = microvm_backend(
+        config.data_dir, store, config.microvm_accel, config.agent_channel, config.guest_kit_dir
+    )
     if config.microvm:
         out.append(micro)
     if config.vm:
@@ -92,6 +98,7 @@ def vm_backends(config: NodeConfig, store: LayerStore) -> list[Backend]:
             FullVMBackend(
                 config.data_dir,
                 accel=accel,
+                kit_dir=config.guest_kit_dir,
                 vm_images=images,
                 layer_exists=store.blobs.exists,
                 agent_channel=config.agent_channel,
@@ -101,7 +108,11 @@ def vm_backends(config: NodeConfig, store: LayerStore) -> list[Backend]:
 
 
 def microvm_backend(
-    data_dir: Path, store: LayerStore, accel: str | None, agent_channel: str = "auto"
+    data_dir: Path,
+    store: LayerStore,
+    accel: str | None,
+    agent_channel: str = "auto",
+    kit_dir: Path | None = None,
 ) -> MicroVMBackend:
     """The microVM backend of a node whose layers are in ``store``."""
 
@@ -120,7 +131,9 @@ def microvm_backend(
         chosen = "tcg"
     elif accel is not None:
         raise InvalidRequest(f"microVM accelerator {accel!r}: say kvm or tcg (or nothing: detect)")
-    return MicroVMBackend(data_dir, accel=chosen, layer_file=layer_file, agent_channel=agent_channel)
+    return MicroVMBackend(
+        data_dir, accel=chosen, layer_file=layer_file, agent_channel=agent_channel, kit_dir=kit_dir
+    )
 
 
 class EmbeddedNode:
