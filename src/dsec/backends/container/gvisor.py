@@ -46,6 +46,10 @@ RUNSC = "runsc"
 ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 PROBE_DEADLINE_S = 5.0  # a platform that has not run `true` by then does not work here (PVM: hangs)
 _probed: dict[str, dict[str, Any]] = {}  # per runsc binary (path, size, mtime): one probe per process
+# Which platform runs runsc is the host's property: every node of this boot shares one answer
+# (/run is emptied at boot), so a node started on a fresh data dir skips the probe (7 s here,
+# most of it the KVM platform failing on a PVM host).
+HOST_CACHE = Path("/run/dsec/gvisor-probe.json")
 
 
 def _binary_key(path: str) -> str:
@@ -83,11 +87,12 @@ class GVisor:
         key = _binary_key(self.runsc)
         cache = self.data_dir / "gvisor.json"
         answer = _probed.get(key)
-        if answer is None:
-            with contextlib.suppress(OSError, ValueError):
-                stored = json.loads(cache.read_text())
-                if stored.get("key") == key:
-                    answer = stored
+        for stored_at in (cache, HOST_CACHE):
+            if answer is None:
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stored = json.loads(stored_at.read_text())
+                    if stored.get("key") == key:
+                        answer = stored
         if answer is None:
             answer = {"key": key, "platform": None, "why_not": "no platform ran a sandbox"}
             candidates = (["kvm"] if os.access("/dev/kvm", os.R_OK | os.W_OK) else []) + ["ptrace"]
@@ -102,6 +107,11 @@ class GVisor:
                 answer["why_not"] = "; ".join(errors)
             with contextlib.suppress(OSError):
                 cache.write_text(json.dumps(answer))
+            with contextlib.suppress(OSError):
+                HOST_CACHE.parent.mkdir(parents=True, exist_ok=True)
+                part = HOST_CACHE.with_name(f"{HOST_CACHE.name}.{os.getpid()}")
+                part.write_text(json.dumps(answer))
+                part.replace(HOST_CACHE)  # whole or not at all for a node reading it meanwhile
             log.info("gVisor: platform %s (%s)", answer["platform"], answer["why_not"] or "works")
         _probed[key] = answer
         self.platform, self.why_not = answer["platform"], answer["why_not"]
