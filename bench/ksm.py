@@ -7,7 +7,7 @@ preloading --preload (on `debian:bookworm-cc`, which `./setup.sh up` or `dsec ba
   - the baseline: a node with `ksm` off, whose runners are started as before (randomized
     layout, nothing marked mergeable);
   - a node with `ksm` on: it starts ksmd if it is stopped (with the kernel's scan settings,
-    printed), and its runners come up `--mergeable`, laid out alike (fncall/runner.py).
+    printed), and its runners come up `--mergeable`, laid out alike (fncall/runner/layout.py).
 For each, with the core count: the anonymous memory each pool sandbox's memory cgroup is
 charged (`rss` of memory.stat; a page KSM merged is charged once, to one of them), p50/p99 over
 the pool, and the ratio merged / unmerged; what ksmd reports saved (pages_sharing) per

@@ -15,15 +15,22 @@ import os
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, TypeVar
 
+import aiohttp
 import pytest
+from pydantic import BaseModel
 
-from dsec import CapacityExhausted, DSecClient, DSecContainerRunArgs, DSecError, InfraFailure
+from dsec import CapacityExhausted, Conflict, DSecClient, DSecContainerRunArgs, DSecError, InfraFailure
+from dsec.apiserver.overflow_link import HOME_PROJECT_LABEL
 from dsec.iam import open_iam_store
+from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.store import LayerStore
-from dsec.protocol.errors import InfraReason
+from dsec.protocol.errors import InfraReason, error_from_wire
 from dsec.protocol.ids import SandboxId
+from dsec.protocol.processes import ProcessEvent, WatchEvent
+from tests.conftest import DATA_DIR
 from tests.support import DSEC, eventually
 
 from .harness import (
@@ -38,6 +45,7 @@ from .harness import (
 from .netns import Netns
 from .procs import Proc
 
+M = TypeVar("M", bound=BaseModel)
 HOME_EDGE, AWAY_EDGE = "edge1", "edge2"  # names tests/cluster's leak checks look for
 
 
@@ -103,7 +111,7 @@ class TwoClusters:
             "--shared-layers", str(self.tmp / f"{side}-layers"),
             "--secret-file", str(self.secret_file),
             "--heartbeat", str(HEARTBEAT_S),
-            "--fncall-pool-size", "0",
+            "--fncall-pool-size", "1" if node == AWAY_EDGE else "0",  # function calls overflow too
             "--swap", "host",
             "--no-microvm",
             "--no-vm",
@@ -119,6 +127,9 @@ class TwoClusters:
         whose key the home apiserver overflows with."""
         for side in ("home", "away"):
             seed_shared_store(self.tmp / f"{side}-layers", base_layer)
+        with LayerStore(DATA_DIR / "layers") as store:  # the away edge keeps a FnCall pool
+            ensure_base_layer(store, TOOLCHAIN_REF, packages=TOOLCHAIN_PACKAGES)
+        seed_shared_store(self.tmp / "away-layers", TOOLCHAIN_REF)
         away_store = LayerStore.over(SharedMountBlobStore(self.tmp / "away-layers"))
         away_store.mark_public(base_layer)  # the burst project's key may use it
         # The home registry is the session's shared Postgres: nodes earlier cluster tests
@@ -235,3 +246,115 @@ async def test_creates_overflow_to_another_cluster_and_are_served_through_home(
         await local[0].stop()
         again = await home.run_container(args)
         assert SandboxId.parse(again.id).node == HOME_EDGE
+
+
+async def _events(client: DSecClient, model: type[M], method: str, path: str, **kw: Any) -> AsyncIterator[M]:
+    """An NDJSON route's events, as a plain client reads them."""
+    async for line in client._t.lines(method, path, **kw):
+        yield model.model_validate_json(line)
+
+
+async def _port_get(url: str, key: str, path: str) -> bytes:
+    """``GET path`` over HTTP/1.0 through the apiserver's port WebSocket at ``url``: the answer."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession(headers=headers) as session, session.ws_connect(url) as ws:
+        first = await ws.receive()
+        if first.type is aiohttp.WSMsgType.TEXT and first.data != "open":
+            body = json.loads(first.data)
+            raise error_from_wire(int(body.pop("status")), body)
+        await ws.send_bytes(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+        answer = b""
+        async for msg in ws:
+            if msg.type is not aiohttp.WSMsgType.BINARY:
+                break  # "eof": the server closed its side
+            answer += msg.data
+        return answer
+
+
+@pytest.mark.slow
+async def test_streams_forks_deadlines_xattrs_ports_and_fncalls_reach_the_other_cluster(
+    two: TwoClusters, base_layer: str
+) -> None:
+    """Every call the home apiserver carries to another cluster, driven through home against a
+    sandbox the away cluster runs, and checked there through the away cluster's own API."""
+    args = DSecContainerRunArgs(container_image=base_layer, cpu_cores_limit=1, labels={"job": "carried"})
+    async with two.client() as home, two.client("away") as away:
+        local = [await home.run_container(args) for _ in range(2)]
+        over = await home.run_container(args)
+        sid = SandboxId.parse(over.id)
+        assert sid.cluster == "west", over.id
+        there = await away.get(str(sid.within_cluster()))
+        base, away_base = f"/v1/sandboxes/{over.id}", f"/v1/sandboxes/{there.id}"
+
+        # A kept process started through home runs on in the other cluster; attach, type, end.
+        start = {"argv": ["sh", "-c", "echo started; cat"], "tag": "kept"}
+        started = _events(home, ProcessEvent, "POST", f"{base}/processes", json_body=start)
+        first = await anext(started)
+        assert first.t == "start" and (await anext(started)).data == b"started\n"
+        await started.aclose()
+        listed = await away._t.request("GET", f"{away_base}/processes")
+        assert [(p["pid"], p["tag"], p["running"]) for p in listed] == [(first.pid, "kept", True)]
+        attached = _events(home, ProcessEvent, "GET", f"{base}/processes/{first.pid}/events")
+        assert (await anext(attached)).t == "start"
+        await home._t.request("POST", f"{base}/processes/{first.pid}/input", json_body={"data": "aGkK"})
+        assert (await anext(attached)).data == b"hi\n"
+        await home._t.request("POST", f"{base}/processes/{first.pid}/close-stdin")
+        ended = [e async for e in attached]
+        assert ended[-1].t == "end" and ended[-1].exit_code == 0, ended
+
+        # A directory watched through home sees a file the away cluster's own client writes.
+        await over.run_shell("mkdir -p /root/watched /root/www")
+        watch = _events(home, WatchEvent, "GET", f"{base}/watch", params={"path": "/root/watched"})
+        assert (await anext(watch)).t == "start"
+        await there.write_file("/root/watched/new.txt", "from away")
+        async for seen in watch:  # written atomically: a temporary name, then renamed
+            if seen.name == "new.txt":
+                break
+        await watch.aclose()
+
+        # A deadline and extended attributes set through home are the other cluster's.
+        info = await home._t.request("POST", f"{base}/ops/set_deadline", json_body={"timeout_s": 3600})
+        assert info["id"] == over.id and info["deadline_at"] is not None
+        assert (await away.get(there.id)).info.deadline_at == info["deadline_at"]
+        await over.write_file("/root/www/hello.txt", "hello through two clusters\n")
+        attrs = {"path": "/root/www/hello.txt", "prefix": "user.meta.", "attrs": {"owner": "home"}}
+        await home._t.request("POST", f"{base}/ops/set_xattrs", json_body=attrs)
+        query = {"path": "/root/www/hello.txt", "prefix": "user.meta."}
+        assert await away._t.request("POST", f"{away_base}/ops/xattrs", json_body=query) == {"owner": "home"}
+
+        # A port: a web server in the sandbox, reached through home's port route, two hops away.
+        server = {"argv": ["python3", "-m", "http.server", "8000", "--bind", "127.0.0.1"], "cwd": "/root/www"}
+        serving = _events(home, ProcessEvent, "POST", f"{base}/processes", json_body=server)
+        assert (await anext(serving)).t == "start"
+        await serving.aclose()  # it runs on
+        ws_url = two.url("home").replace("http://", "ws://") + f"{base}/ports/8000"
+
+        async def page() -> bytes | None:
+            try:
+                return await _port_get(ws_url, two.home_key, "/hello.txt")
+            except Conflict:  # not listening yet
+                return None
+
+        answer = await eventually(page, "the sandbox's web server to answer through home", 30)
+        assert answer.startswith(b"HTTP/1.0 200") and answer.endswith(b"hello through two clusters\n")
+        with pytest.raises(Conflict):  # nothing listens there: the edge's answer, two hops back
+            await _port_get(ws_url.replace("/8000", "/8001"), two.home_key, "/")
+
+        # A fork lands in the other cluster, labelled for home; its copy has the file.
+        (copy,) = await over.fork(1, labels={"job": "forked"})
+        assert SandboxId.parse(copy.id).cluster == "west" and copy.info.labels == {"job": "forked"}
+        assert await copy.read_file("/root/www/hello.txt") == b"hello through two clusters\n"
+        copy_there = await away.get(str(SandboxId.parse(copy.id).within_cluster()))
+        assert copy_there.info.labels[HOME_PROJECT_LABEL] == "root"
+        assert {s.id for s in await home.list({"job": "forked"})} == {copy.id}
+
+        # No node at home has a function-call pool: the call runs in the other cluster's.
+        async def away_pool_ready() -> bool:
+            return any("fncall" in n.get("backends", ()) for n in await away.nodes() if n.get("healthy"))
+
+        await eventually(away_pool_ready, "the away edge's function-call pool to serve", 60)
+        result = await home.fncall({"language": "python", "code": "print(6 * 7)"})
+        assert result.stdout == "42\n", result
+        for sb in [*local, over, copy]:
+            await sb.stop()
+        assert await away.list() == []

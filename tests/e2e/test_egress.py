@@ -21,6 +21,7 @@ from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes, node_config
 from tests.netpolicy import mirror
 from tests.support import RestartedNode
+from tests.unit.test_metrics_prometheus import parse, value
 
 GATEWAY = str(ipaddress.ip_network(mirror.POOL).network_address + 1)  # the session node's
 
@@ -116,6 +117,25 @@ async def test_a_permission_opens_exactly_its_endpoints_and_names(
     # The resolver configuration is the node's, read-only.
     res = await sb.run_shell("cat /etc/resolv.conf; echo x >> /etc/resolv.conf")
     assert f"nameserver {GATEWAY}" in res.stdout and res.exit_code != 0
+
+
+async def test_the_edge_counts_what_its_firewall_granted_and_refused(
+    the_mirror: None, make_sandbox: Sandboxes, node: EmbeddedNode
+) -> None:
+    sb = await make_sandbox(network_rules={"mirror": True, "other": False})
+    before = parse((await node.edge.prom.scrape()).decode())
+    out = await probe(sb, connect=BOTH_PORTS)
+    assert out["open"] == [[mirror.ADDRESS, mirror.PORT]]
+    after = parse((await node.edge.prom.scrape()).decode())
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # The refused connect is one reset SYN; the granted one one new connection (at least:
+    # other sandboxes of the session may use the node at the same time).
+    assert grew("dsec_egress_denied_packets_total", reason="not_granted") >= 1
+    assert grew("dsec_egress_granted_connections_total") >= 1
+    assert grew("dsec_egress_denied_packets_total", reason="spoofed") == 0
 
 
 async def test_a_port_scan_from_inside_finds_only_what_was_allowed(

@@ -10,7 +10,9 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
 from dsec.apiserver.app import ApiServer
@@ -19,7 +21,7 @@ from dsec.edge.server import EdgeServer
 from dsec.node.embedded import EmbeddedNode
 from dsec.observe.audit import AuditLog
 from dsec.observe.logs import RequestIdFilter
-from dsec.observe.request_ids import request_id
+from dsec.observe.request_ids import request_id, valid
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.errors import FileNotFound, Forbidden
 from dsec.protocol.http import listen
@@ -149,3 +151,48 @@ async def test_admin_actions_land_in_the_audit_log_and_a_project_keys_attempt_is
     assert escalation["target"] == {"project": f"root/{name}", "admin": True, "name": ""}
     (deleted,) = _audit_lines(audit, f"{name}-delete")
     assert (deleted["action"], deleted["outcome"]) == ("project.delete", "ok")
+
+
+CLOSED_PORT = 9  # discard: nothing listens on it in a sandbox
+
+
+async def _tunnel_error(url: str, key: str, sandbox_id: str, rid: str) -> tuple[str | None, dict[str, Any]]:
+    """Open the sandbox's port tunnel on a closed port: the handshake's ``X-Request-ID`` and
+    the error body sent inside the socket."""
+    ws_url = url.replace("http", "ws", 1) + f"/v1/sandboxes/{sandbox_id}/ports/{CLOSED_PORT}"
+    headers = {"Authorization": f"Bearer {key}", "X-Request-ID": rid}
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url, headers=headers) as ws:
+        echoed = ws._response.headers.get("X-Request-ID")
+        first = await ws.receive()
+    assert first.type is aiohttp.WSMsgType.TEXT, first
+    body: dict[str, Any] = json.loads(first.data)
+    return echoed, body
+
+
+async def test_a_port_tunnel_carries_the_request_id_to_the_edge_and_back(
+    node: EmbeddedNode, remote_url: str, sandbox: Sandbox, records: Records
+) -> None:
+    # Through an apiserver that reaches the edge over HTTP: the edge refuses the closed port
+    # with the caller's ID, and both hops log it before answering.
+    echoed, body = await _tunnel_error(remote_url, node.api_key, sandbox.id, "e2e-port-remote-1")
+    assert echoed == "e2e-port-remote-1"
+    assert body["status"] == 409 and body["error"]["reason"] == "port_closed"
+    assert body["error"]["request_id"] == "e2e-port-remote-1"
+    assert len(records.of("e2e-port-remote-1")["dsec.edge.ports"]) == 2  # the edge's, the apiserver's
+
+    # The embedded node, whose apiserver opens the port in-process: the same ID comes back.
+    echoed, body = await _tunnel_error(node.url, node.api_key, sandbox.id, "e2e-port-embedded-1")
+    assert echoed == "e2e-port-embedded-1" and body["error"]["request_id"] == "e2e-port-embedded-1"
+
+    # E2B's traffic to a sandbox port (no API key, the sandbox and port in headers): its
+    # answer names the ID, and the edge's refusal was logged under it.
+    headers = {"E2b-Sandbox-Id": sandbox.id, "E2b-Sandbox-Port": str(CLOSED_PORT)}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(remote_url + "/", headers={**headers, "X-Request-ID": "e2e-port-e2b-1"}) as resp,
+    ):
+        assert resp.status == 502 and resp.headers.get("X-Request-ID") == "e2e-port-e2b-1"
+    assert records.of("e2e-port-e2b-1")["dsec.edge.ports"]
+    # A client that sends none gets one made for it, on the answer.
+    async with aiohttp.ClientSession() as http, http.get(remote_url + "/", headers=headers) as resp:
+        assert resp.status == 502 and valid(resp.headers.get("X-Request-ID"))

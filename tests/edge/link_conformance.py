@@ -482,6 +482,18 @@ class LinkConformance(ProcessConformance):
         with pytest.raises(CapacityExhausted):
             await link.create(spec())
 
+    async def test_a_fenced_node_refuses_creates_for_everyone_until_unfenced(self, link: EdgeLink) -> None:
+        # Scale-in's drain: every apiserver's placement reads `fenced` and skips the node.
+        assert await link.fence(True, "scale-in drains it") is True
+        stats = await link.stats()
+        assert stats["fenced"] is True and stats["capacity"] == 0
+        with pytest.raises(CapacityExhausted, match="scale-in drains it"):
+            await link.create(spec())
+        assert await link.fence(False) is False
+        assert (await link.stats())["fenced"] is False
+        info = await link.create(spec())
+        await link.stop(info.id)
+
     # -- failures only a network has ----------------------------------------------------------
 
     async def test_a_wrong_or_missing_secret_is_unauthorized(

@@ -16,7 +16,7 @@ GiB = 1 << 30
 
 
 def small_node(env: EdgeEnv, *, ratio: float = 2.0, min_idle_s: float = 0.0) -> None:
-    env.edge.total_memory = lambda: GiB  # type: ignore[method-assign]
+    env.edge.admission.total_memory = lambda: GiB  # type: ignore[method-assign]
     env.edge.config.memory_overcommit = ratio
     env.edge.config.pressure_min_idle_s = min_idle_s
 
@@ -38,13 +38,13 @@ async def test_a_create_that_does_not_fit_pauses_the_idlest(edge_env: EdgeEnv) -
     small_node(edge_env, ratio=1.0)
     edge = edge_env.edge
     old, recent = await edge.create(spec()), await edge.create(spec())
-    await edge.run_shell(recent.id, ShellRequest(command="true"))  # recent is the less idle
+    await edge.commands.run_shell(recent.id, ShellRequest(command="true"))  # recent is the less idle
     new = await edge.create(spec())
     assert new.state is SandboxState.running
     assert edge.get(old.id).state is SandboxState.paused and edge.get(old.id).pause_reason == "admission"
     assert edge.get(recent.id).state is SandboxState.running
     # The paused one resumes on use (and the node is over its ratio meanwhile: use wins).
-    r = await edge.run_shell(old.id, ShellRequest(command="echo back"))
+    r = await edge.commands.run_shell(old.id, ShellRequest(command="echo back"))
     assert r.stdout == "back\n" and edge.get(old.id).state is SandboxState.running
 
 
@@ -63,10 +63,10 @@ async def test_memory_pressure_pauses_the_idlest_until_relieved(edge_env: EdgeEn
     small_node(edge_env, ratio=100.0)
     edge = edge_env.edge
     a, b, c = [await edge.create(spec(mb=64)) for _ in range(3)]
-    await edge.run_shell(c.id, ShellRequest(command="true"))
+    await edge.commands.run_shell(c.id, ShellRequest(command="true"))
     readings = iter([0, 0, GiB])  # short, still short after one pause, fine after two
-    edge.available_memory = lambda: next(readings, GiB)  # type: ignore[method-assign]
-    await edge.relieve_pressure()
+    edge.admission.available_memory = lambda: next(readings, GiB)  # type: ignore[method-assign]
+    await edge.admission.relieve_pressure()
     states = {i.id: edge.get(i.id) for i in (a, b, c)}
     assert [states[i.id].state for i in (a, b, c)] == [
         SandboxState.paused,
@@ -80,12 +80,12 @@ async def test_a_node_short_of_memory_makes_room_or_refuses(edge_env: EdgeEnv) -
     small_node(edge_env, ratio=100.0, min_idle_s=3600)
     edge = edge_env.edge
     info = await edge.create(spec(mb=64))
-    edge.available_memory = lambda: 0  # type: ignore[method-assign]
+    edge.admission.available_memory = lambda: 0  # type: ignore[method-assign]
     with pytest.raises(CapacityExhausted, match="MiB of memory is available"):
         await edge.create(spec(mb=64))
     edge.config.pressure_min_idle_s = 0
     readings = iter([0])  # one pause is enough
-    edge.available_memory = lambda: next(readings, GiB)  # type: ignore[method-assign]
+    edge.admission.available_memory = lambda: next(readings, GiB)  # type: ignore[method-assign]
     assert (await edge.create(spec(mb=64))).state is SandboxState.running
     assert edge.get(info.id).pause_reason == "admission"
 
@@ -94,6 +94,6 @@ async def test_sandboxes_in_use_or_recently_used_are_never_paused_for_room(edge_
     small_node(edge_env, ratio=100.0, min_idle_s=3600)
     edge = edge_env.edge
     info = await edge.create(spec(mb=64))
-    edge.available_memory = lambda: 0  # type: ignore[method-assign]
-    await edge.relieve_pressure()
+    edge.admission.available_memory = lambda: 0  # type: ignore[method-assign]
+    await edge.admission.relieve_pressure()
     assert edge.get(info.id).state is SandboxState.running

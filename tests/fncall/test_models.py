@@ -8,7 +8,7 @@ from typing import Any, get_args
 import pytest
 from pydantic import ValidationError
 
-from dsec.edge.fncall import runner
+from dsec.edge.fncall.runner import wire as runner
 from dsec.protocol import fncall
 from dsec.protocol.fncall import FnResult, FnTask
 

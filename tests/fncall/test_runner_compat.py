@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.edge.fncall import runner as runner_module
+from dsec.edge.fncall.runner import process as runner_module
 from tests.fncall.client import Runner, procs_of
 
 THREADS = """

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from dsec.apiserver.sandboxfusion import OUTPUT_CAP, RunCodeRequest, Unsupported, from_result, to_task
-from dsec.edge.fncall import runner
+from dsec.edge.fncall.runner import wire as runner
 from dsec.protocol.fncall import FnResult
 
 

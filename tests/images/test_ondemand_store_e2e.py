@@ -15,6 +15,7 @@ from pathlib import Path
 from dsec import DSecClient, DSecContainerRunArgs, SandboxState
 from dsec.node.embedded import EmbeddedNode, NodeConfig
 from tests.conftest import node_config
+from tests.unit.test_metrics_prometheus import parse, value
 
 from .test_mounts_split import files_outside
 
@@ -79,3 +80,50 @@ async def test_sandbox_runs_on_split_layers_from_a_shared_store_and_survives_a_r
         for n in running:
             await n.close(stop_sandboxes=True)
     assert not list((tmp_path / "node" / "layer-meta").iterdir())  # unmounted with the layers
+
+
+def _drop_cache(root: Path) -> None:
+    """Forget the page cache of every file under ``root``: a cold shared store, as another
+    node's would be (this node wrote the blobs at import, so it holds them)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+async def test_the_edge_reports_what_a_read_fetched_from_the_shared_store(tmp_path: Path) -> None:
+    shared = tmp_path / "shared-fs"
+    shared.mkdir()
+    cfg: NodeConfig = dataclasses.replace(
+        node_config(tmp_path, data_dir=tmp_path / "node"), shared_layer_dir=shared, init_shared=True
+    )
+    ws = tmp_path / "ws"
+    (ws / "work").mkdir(parents=True)
+    (ws / "work/weights.bin").write_bytes(os.urandom(8 << 20))
+    (ws / "work/unread.bin").write_bytes(os.urandom(8 << 20))
+    node = EmbeddedNode(cfg)
+    await node.start()
+    try:
+        node.store.import_path(busybox_tree(tmp_path / "base"), "tiny-base:1")
+        node.store.import_path(ws, "tiny-ws:1")
+        _drop_cache(shared)
+        async with DSecClient(node.url, node.api_key) as c:
+            sb = await c.run_container(DSecContainerRunArgs(layers=["tiny-base:1", "tiny-ws:1"]))
+            before = parse((await node.edge.prom.scrape()).decode())
+            r = await sb.run_shell("cat /work/weights.bin | wc -c")
+            assert r.stdout == f"{8 << 20}\n"
+            after = parse((await node.edge.prom.scrape()).decode())
+            await sb.stop()
+    finally:
+        await node.close(stop_sandboxes=True)
+    assert value(after, "dsec_ondemand_layers") == 2
+    data = value(after, "dsec_ondemand_data_bytes")
+    assert data >= 16 << 20  # both files of the workspace, and busybox
+    fetched = value(after, "dsec_ondemand_fetched_bytes", state="cached")
+    # The file read came over (readahead may add a little); the file not read stayed there.
+    assert fetched - value(before, "dsec_ondemand_fetched_bytes", state="cached") >= 8 << 20
+    assert fetched < data - (4 << 20)

@@ -43,22 +43,17 @@ def test_a_vm_with_a_tap_gets_a_card_on_it_and_its_address_on_the_command_line(
 
 class _Edge(Networking):
     def __init__(self, backend: object, handle: dict[str, Any]) -> None:
-        self.egress = EgressPolicy(egress_config(), "t", SimpleNamespace(), Path("/nonexistent"))  # type: ignore[arg-type]
+        egress = EgressPolicy(egress_config(), "t", SimpleNamespace(), Path("/nonexistent"))  # type: ignore[arg-type]
         self.record = SimpleNamespace(id="sb-1", handle=handle, backend="microvm")
-        self.backend = backend
-
-    def _get_live(self, sandbox_id: str) -> Any:
-        return SimpleNamespace(record=self.record)
-
-    def backend_of(self, rec: Any) -> Any:
-        return self.backend
+        live = SimpleNamespace(touch=lambda sandbox_id: SimpleNamespace(record=self.record))
+        super().__init__(egress, None, None, live, lambda rec: backend, "t")  # type: ignore[arg-type]
 
 
 async def test_vms_accept_rules_at_create_and_refuse_a_grant_without_a_card(tmp_path: Path) -> None:
     backend = MicroVMBackend(tmp_path)
     assert isinstance(backend, Tapped)
     edge = _Edge(backend, {"vm": {"tap": None}})
-    edge._check_network(ContainerSpec(image="x:1", network_rules={"mirror": True}), backend)
+    edge.check(ContainerSpec(image="x:1", network_rules={"mirror": True}), backend)
     with pytest.raises(InvalidRequest, match="created without network rules"):
         await edge.set_network_rules("sb-1", {"mirror": True})
     assert backend.has_link({"vm": {"tap": "dsvx"}}) and not backend.has_link({})

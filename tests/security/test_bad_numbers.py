@@ -162,7 +162,7 @@ async def test_an_oversized_header_answers_the_json_error_shape(http: aiohttp.Cl
 async def test_a_memory_limit_beyond_the_node_is_refused_not_admitted(
     http: aiohttp.ClientSession, node: EmbeddedNode, base_layer: str
 ) -> None:
-    ram_mib = node.edge.total_memory() >> 20
+    ram_mib = node.edge.admission.total_memory() >> 20
     too_big = ram_mib + 1024
     if too_big > 1024 * 1024:
         pytest.skip("this node has more RAM than a spec may ask for")

@@ -91,7 +91,7 @@ RAW_VALUES = [
 RAW_PARAMS = [
     "", "-1", "1e400", "nan", "inf", "99999999999999999999", str(1 << 63), "+1", "1_0", "٣",
     "0x10", "\x00", "/tmp\x00x", "a=b", "=", "==", " k=v", "k=" + "v" * 300, "x" * 5000,
-    "17777", "100644", "7777", "../..", "\u202e", "💥",
+    "17777", "100644", "7777", "../..", "\u202e", "💥", "²",
 ]  # fmt: skip
 
 
@@ -130,6 +130,9 @@ def _routes(project: str) -> list[Route]:
         Route("POST", "/v1/sandboxes/{id}/files/move", params={"source": "/tmp/a", "destination": "/tmp/b"}),
         Route("GET", "/v1/sandboxes/{id}/trajectory", params={"after": "0", "limit": "10"}),
         Route("GET", "/v1/sandboxes/{id}/changes", params={"under": "/tmp"}),
+        # The console's terminal WebSocket, sent as plain GETs: a bad size or a missing upgrade
+        # is a 400 before a shell starts (its frames: tests/e2e/test_console.py).
+        Route("GET", "/console/ws/sandboxes/{id}/terminal", params={"rows": "24", "cols": "80"}),
         Route("POST", "/v1/jobs/{job}/lease", LeaseRequest, {"lease_s": 60}),
         Route("POST", "/v1/projects", ProjectCreate, {"parent": project, "name": "x", "quota": {}},
               nested={"quota": QuotaModel}),

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from dsec.edge.admission import NEVER_FITS, Admission
 from dsec.edge.config import EdgeConfig
+from dsec.edge.tally import LiveSandboxes
 from dsec.protocol.errors import CapacityExhausted, DSecError
 from dsec.protocol.http import count_param, file_mode_param, label_filter, listen, text_param
 from dsec.protocol.models import ContainerSpec, MicroVMSpec
@@ -28,9 +29,7 @@ class _Node(Admission):
     available_memory = staticmethod(lambda: 20 * GiB)
 
     def __init__(self, config: EdgeConfig) -> None:
-        self.config = config
-        self._live = {}  # type: ignore[assignment]
-        self._creating = 0
+        super().__init__(config, LiveSandboxes(), creating=lambda: 0, pause=None)  # type: ignore[arg-type]
 
 
 class _Backend:
@@ -48,10 +47,10 @@ class _Backend:
 async def test_a_memory_limit_above_the_nodes_ram_never_fits(tmp_path: Path) -> None:
     node = _Node(EdgeConfig(data_dir=tmp_path))
     with pytest.raises(CapacityExhausted, match="memory_limit_mb=25600") as exc:
-        async with node._admitted(ContainerSpec(image="x", memory_limit_mb=25 * 1024)):
+        async with node.reserve(ContainerSpec(image="x", memory_limit_mb=25 * 1024)):
             pass
     assert exc.value.reason == NEVER_FITS  # the apiserver tries other nodes, then answers 400
-    async with node._admitted(ContainerSpec(image="x", memory_limit_mb=24 * 1024)):
+    async with node.reserve(ContainerSpec(image="x", memory_limit_mb=24 * 1024)):
         pass  # the whole RAM is a limit one sandbox may have
 
 

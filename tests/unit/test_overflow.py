@@ -8,24 +8,38 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
+import aiohttp
 import pytest
+from pydantic import BaseModel
 
-from dsec import DSecClient, DSecContainerRunArgs, InfraFailure, QuotaExceeded, SandboxNotFound
+from dsec import (
+    CapacityExhausted,
+    DSecClient,
+    DSecContainerRunArgs,
+    InfraFailure,
+    QuotaExceeded,
+    SandboxNotFound,
+)
 from dsec.apiserver.overflow import OverflowConfig, OverflowTarget, utilisation
 from dsec.apiserver.overflow_link import HOME_PROJECT_LABEL
+from dsec.apiserver.remote_ports import open_remote_port
 from dsec.backends.fake import FakeBackend
 from dsec.iam import Quota, open_iam_store
 from dsec.images.store import LayerStore
 from dsec.node.cluster import ApiServerConfig, ClusterApiServer, EdgeNode
 from dsec.node.embedded import NodeConfig
-from dsec.protocol.errors import InfraReason, InvalidRequest
+from dsec.protocol.errors import InfraReason, InvalidRequest, ProcessNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.ops import Exec, RunShell, Stat
+from dsec.protocol.processes import ProcessEvent, ProcessStart, WatchEvent
+from dsec.sdk.client import Sandbox
 from tests.support import eventually
 
 from .conftest import TINY, build_tiny_layer
 
+M = TypeVar("M", bound=BaseModel)
 SECRET = "s3cret-for-this-test-only"
 HOME_SLOTS = 4
 THRESHOLD = 0.5  # two of the home edge's four slots
@@ -163,7 +177,7 @@ async def test_creates_overflow_past_the_threshold_and_are_served_through_home(t
         assert events[-1].t == "exit" and events[-1].result is not None
         assert (await link.call(sb.id, Stat(path="/tmp/f.txt"))).size == len("remote bytes")
         with pytest.raises(InvalidRequest, match="overflow cluster 'west'"):
-            await link.set_deadline(sb.id, 60)  # what the public API does not carry: a 400
+            await link.fork_spec(sb.id, "a-layer")  # what the public API does not carry: a 400
         assert (await sb.pause()).state == "paused"
         assert (await sb.resume()).state == "running"
         # Another apiserver of the home cluster, with the same targets, serves it by its ID.
@@ -197,6 +211,114 @@ async def test_creates_overflow_past_the_threshold_and_are_served_through_home(t
         assert (await client.get(sb.id)).info.state == "stopped"  # kept a while, as at home
         with pytest.raises(SandboxNotFound):  # a cluster that is not a target
             await client.get(str(SandboxId.parse(sb.id).within_cluster().in_cluster("east")))
+
+
+async def _overflowed(two: Two, client: DSecClient) -> tuple[list[Sandbox], Sandbox]:
+    """Two sandboxes at home (the threshold), then one in the overflow cluster."""
+    await eventually(lambda: _home_sees(two, 0), "the home apiserver sees its edge")
+    local = [await client.run_container(ARGS) for _ in range(2)]
+    await eventually(lambda: _home_sees(two, 2), "the watcher counts both")
+    over = await client.run_container(ARGS)
+    assert SandboxId.parse(over.id).cluster == "west", over.id
+    return local, over
+
+
+async def _events(client: DSecClient, model: type[M], method: str, path: str, **kw: Any) -> AsyncIterator[M]:
+    """An NDJSON route's events, as a plain client reads them."""
+    async for line in client._t.lines(method, path, **kw):
+        yield model.model_validate_json(line)
+
+
+async def test_streams_reach_a_sandbox_in_the_other_cluster(two: Two) -> None:
+    """Starting a kept process, attaching to it and watching a directory, through the home
+    apiserver's public routes, on a sandbox the other cluster runs (and sees there)."""
+    async with two.client() as client, two.away_client() as away:
+        local, sb = await _overflowed(two, client)
+        there = await away.get(str(SandboxId.parse(sb.id).within_cluster()))
+        base = f"/v1/sandboxes/{sb.id}"
+        start = {"argv": ["sh", "-c", "echo started; cat"], "tag": "kept"}
+        started = _events(client, ProcessEvent, "POST", f"{base}/processes", json_body=start)
+        first = await anext(started)
+        assert first.t == "start" and first.pid > 0
+        assert (await anext(started)).data == b"started\n"
+        await started.aclose()  # detaches: the process runs on, in the other cluster
+        listed = await away._t.request("GET", f"/v1/sandboxes/{there.id}/processes")
+        assert [(p["pid"], p["tag"], p["running"]) for p in listed] == [(first.pid, "kept", True)]
+        attached = _events(client, ProcessEvent, "GET", f"{base}/processes/{first.pid}/events")
+        assert (await anext(attached)).t == "start"
+        await client._t.request("POST", f"{base}/processes/{first.pid}/input", json_body={"data": "aGkK"})
+        assert (await anext(attached)).data == b"hi\n"
+        await client._t.request("POST", f"{base}/processes/{first.pid}/close-stdin")
+        ended = [e async for e in attached]
+        assert ended[-1].t == "end" and ended[-1].exit_code == 0
+        with pytest.raises(ProcessNotFound):  # an unknown process: the other cluster's answer
+            await anext(_events(client, ProcessEvent, "GET", f"{base}/processes/999999/events"))
+        # A watch from home sees a file the other cluster's own client writes.
+        await client._t.request("POST", f"{base}/ops/mkdir", json_body={"path": "/tmp/watched"})
+        watch = _events(client, WatchEvent, "GET", f"{base}/watch", params={"path": "/tmp/watched"})
+        assert (await anext(watch)).t == "start"
+        await there.write_file("/tmp/watched/new.txt", "from away")
+        async for seen in watch:  # written atomically: a temporary name, then renamed
+            if seen.name == "new.txt":
+                assert seen.t in ("create", "rename", "write"), seen
+                break
+        await watch.aclose()
+        for s in [*local, sb]:
+            await s.stop()
+
+
+async def test_forks_deadlines_xattrs_and_ports_reach_the_other_cluster(two: Two) -> None:
+    async with two.client() as client, two.away_client() as away:
+        local, sb = await _overflowed(two, client)
+        remote = str(SandboxId.parse(sb.id).within_cluster())
+        await sb.write_file("/tmp/state.txt", "before the fork")
+        ops, away_ops = f"/v1/sandboxes/{sb.id}/ops", f"/v1/sandboxes/{remote}/ops"
+        # A deadline set at home is the other cluster's (its reaper keeps it).
+        info = await client._t.request("POST", f"{ops}/set_deadline", json_body={"timeout_s": 3600})
+        assert info["id"] == sb.id and info["deadline_at"] is not None
+        assert (await away.get(remote)).info.deadline_at == info["deadline_at"]
+        assert two.home.api is not None and two.home.api.overflow is not None
+        link = two.home.api.overflow.link("west")
+        assert (await link.set_deadline(sb.id, None)).deadline_at is None
+        # Extended attributes (E2B's file metadata) both ways.
+        attrs = {"path": "/tmp/state.txt", "prefix": "user.meta.", "attrs": {"owner": "home"}}
+        assert await client._t.request("POST", f"{ops}/set_xattrs", json_body=attrs) is None
+        query = {"path": "/tmp/state.txt", "prefix": "user.meta."}
+        assert await away._t.request("POST", f"{away_ops}/xattrs", json_body=query) == {"owner": "home"}
+        assert await link.xattrs(sb.id, "/tmp/state.txt", "user.meta.") == {"owner": "home"}
+        # A fork lands where its source runs: IDs of that cluster, the home project, home quota.
+        # (what it holds there is an upper bound until a poll settles it: room for two copies)
+        await eventually(lambda: two.home.api.overflow.held("west") == 1, "a poll to count it")
+        copies = await sb.fork(2, labels={"job": "forked"})
+        assert {SandboxId.parse(c.id).cluster for c in copies} == {"west"}
+        assert all(c.info.project == "root" and c.info.labels == {"job": "forked"} for c in copies)
+        for copy in copies:
+            assert await copy.read_file("/tmp/state.txt") == b"before the fork"
+            there = await away.get(str(SandboxId.parse(copy.id).within_cluster()))
+            assert there.info.labels == {"job": "forked", HOME_PROJECT_LABEL: "root"}
+        assert {c.id for c in copies} <= {s.id for s in await client.list({"job": "forked"})}
+        assert (await two.home.api.iam.usage("root")).sandboxes == 5
+        with pytest.raises(CapacityExhausted, match="limit"):  # the target's max_sandboxes (3)
+            await sb.fork(1)
+        # A port: the other cluster's port route answers through home (here the fake backend's
+        # refusal, carried inside the socket as on a local node).
+        with pytest.raises(InvalidRequest, match="network stack"):
+            await link.open_port(sb.id, 8000)
+        # The home apiserver's public port route: the owner's key gets that far, another
+        # project's key is told the sandbox does not exist (inside the socket).
+        await two.home.api.iam.create_project("root", "other")
+        keys = {"owner": two.home_key, "other": await two.home.api.iam.issue_key("root/other")}
+        url = f"{two.home.api.url}/v1/sandboxes/{sb.id}/ports/8000"
+        for who, error, match in (
+            ("owner", InvalidRequest, "network stack"),
+            ("other", SandboxNotFound, "does not"),
+        ):
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {keys[who]}"}) as session:
+                with pytest.raises(error, match=match):
+                    await open_remote_port(session, url, "home", 5)
+        for s in [*local, sb, *copies]:
+            await s.stop()
+        assert (await two.home.api.iam.usage("root")).sandboxes == 0
 
 
 async def test_home_again_when_local_capacity_frees(two: Two) -> None:
@@ -254,6 +376,23 @@ async def test_a_lost_target_is_classified_and_local_creates_go_on(two: Two) -> 
         with pytest.raises(InfraFailure) as err:
             await over.run_shell("echo gone")
         assert err.value.reason == InfraReason.overflow_unreachable
+        assert two.home.api is not None and two.home.api.overflow is not None
+        link = two.home.api.overflow.link("west")
+        usage = (await two.home.api.iam.usage("root")).sandboxes
+        lost = [
+            anext(link.watch_dir(over.id, "/tmp", False)),
+            anext(link.start_process(over.id, ProcessStart(argv=["true"]))),
+            link.open_port(over.id, 8000),
+            over.fork(1),  # its quota, reserved at home first, is released again
+        ]
+        for attempt in lost:
+            with pytest.raises(InfraFailure) as err:
+                await attempt
+            assert err.value.reason == InfraReason.overflow_unreachable, attempt
+        assert (await two.home.api.iam.usage("root")).sandboxes == usage
+        # No pool at home, the target lost: a function call is refused as without overflow.
+        with pytest.raises(CapacityExhausted):
+            await client.fncall({"language": "python", "code": "print(1)"})
         more = await client.run_container(ARGS)  # past the threshold, the target unreachable
         assert SandboxId.parse(more.id).node == "h1"
         assert two.home.api is not None and two.home.api.overflow is not None

@@ -92,7 +92,7 @@ async def test_liveness_is_checked_a_batch_at_a_time_and_every_sandbox_in_turn(
     # Each check reads /proc: a full node is swept over several passes, none left out.
     boxes = await client.run_containers(DSecContainerRunArgs(container_image=TINY), 5)
     node.edge.config.liveness_batch = 2
-    seen = [node.edge._liveness_batch() for _ in range(3)]
+    seen = [node.edge.reclaimer._liveness_batch() for _ in range(3)]
     assert all(len(batch) == 2 for batch in seen)
     assert set().union(*seen) == {sb.id for sb in boxes}
 
@@ -108,10 +108,10 @@ async def test_only_activity_that_changed_is_written_to_the_journal(
         monkeypatch.setattr(
             node.edge.journal, "touch_many", lambda a: (written.append(set(a)), touch_many(a))
         )
-        node.edge._flush_activity()
-        node.edge._flush_activity()  # nothing happened in between: nothing to write
+        node.edge.reclaimer.flush_activity()
+        node.edge.reclaimer.flush_activity()  # nothing happened in between: nothing to write
         await boxes[1].run_shell("true")
-        node.edge._flush_activity()
+        node.edge.reclaimer.flush_activity()
     assert written == [{sb.id for sb in boxes}, {boxes[1].id}]
     record = node.edge.journal.get(boxes[1].id)
     assert record is not None and record.last_active_at == node.edge._live[boxes[1].id].record.last_active_at
@@ -127,15 +127,15 @@ async def test_a_pass_looks_only_at_sandboxes_whose_time_came(
         plain = await client.run_containers(DSecContainerRunArgs(container_image=TINY), 4)
         idle = await client.run_container(DSecContainerRunArgs(container_image=TINY, ttl_running_stop=0.2))
         looked: list[str] = []
-        look_again = edge.look_again
+        look_again = edge._wakeups.look_again
         monkeypatch.setattr(
-            edge, "look_again", lambda live: (looked.append(live.record.id), look_again(live))
+            edge._wakeups, "look_again", lambda live: (looked.append(live.record.id), look_again(live))
         )
-        edge._last_liveness = time.time()
-        assert await edge.reap_once() == []  # nothing is due yet: nobody is looked at
+        edge.reclaimer._last_liveness = time.time()
+        assert await edge.reclaimer.reap_once() == []  # nothing is due yet: nobody is looked at
         assert looked == []
         await eventually(lambda: time.time() >= edge._live[idle.id].record.last_active_at + 0.2, "its ttl")
-        assert await edge.reap_once() == [idle.id]
+        assert await edge.reclaimer.reap_once() == [idle.id]
         assert idle.id not in edge._live and all(sb.id in edge._live for sb in plain)
         assert plain[0].id not in looked
 
@@ -166,7 +166,7 @@ async def test_a_sandbox_pausing_is_not_taken_for_dead(
     node.edge.config.liveness_batch = 100
     pausing = asyncio.create_task(sandbox.pause())
     await paging.wait()
-    reaping = asyncio.create_task(node.edge.reap_once())
+    reaping = asyncio.create_task(node.edge.reclaimer.reap_once())
     looked = asyncio.create_task(checked.wait())
     # A pass that left it alone returns at once; one that took it for dead waits on the pause.
     await asyncio.wait({reaping, looked}, return_when=asyncio.FIRST_COMPLETED)

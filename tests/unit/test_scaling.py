@@ -5,6 +5,9 @@ nodes are fake edges, a fake clock, the real watcher and placement. No sleeps: e
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -12,11 +15,12 @@ from typing import Any, cast
 import pytest
 from pydantic import ValidationError
 
-from dsec.apiserver.scaling import FencingWatcher, Scaler, ScalingConfig
+from dsec.apiserver.scaling import FencingWatcher, Scaler, ScalingConfig, build_provider
 from dsec.edge.link import EdgeLink
-from dsec.node.provider import NodeRequest, ProvidedNode
+from dsec.node.libvirt_provider import LibvirtProvider
+from dsec.node.provider import LocalNetnsProvider, NodeRequest, ProvidedNode
 from dsec.placement.placement import Placement
-from dsec.protocol.errors import CapacityExhausted, InfraFailure
+from dsec.protocol.errors import CapacityExhausted, InfraFailure, InvalidRequest
 
 
 @dataclass
@@ -25,11 +29,20 @@ class FakeEdge:
     running: int = 0
     paused: int = 0
     ids: list[str] = field(default_factory=list)
+    fenced: bool = False  # POST /edge/v1/fence: it refuses creates, whoever places them
+    reachable: bool = True
 
     async def stats(self) -> dict[str, Any]:
         # As the edge reports it: ``running`` counts paused sandboxes too.
-        return {"capacity": self.capacity, "running": self.running + self.paused, "paused": self.paused,
-                "creating": 0, "backends": ["container"], "hardware": {}}  # fmt: skip
+        return {"capacity": 0 if self.fenced else self.capacity, "running": self.running + self.paused,
+                "paused": self.paused, "creating": 0, "backends": ["container"], "hardware": {},
+                "fenced": self.fenced}  # fmt: skip
+
+    async def fence(self, fenced: bool, reason: str = "") -> bool:
+        if not self.reachable:
+            raise InfraFailure("edge unreachable")
+        self.fenced = fenced
+        return fenced
 
     async def sandbox_ids(self) -> list[str]:
         return list(self.ids)
@@ -205,6 +218,8 @@ async def test_a_sandbox_that_lands_during_the_drain_keeps_the_node() -> None:
     await r.at(96)
     assert r.provider.stopped == [] and not r.watcher.fenced
     assert r.scaler.nodes["burst-1"].state == "running"
+    assert not r.links["burst-1"].fenced, "the edge was told to take creates again"
+    await r.watcher.poll()
     assert r.watcher.snapshot["burst-1"]["capacity"] == 10, "unfenced: placement may use it again"
 
 
@@ -285,3 +300,133 @@ async def test_nodes_the_provider_already_runs_are_adopted_counted_and_stopped_w
     for t in range(300, 400, 5):
         await r.at(t)
     assert sorted(r.provider.stopped) == ["burst-1", "burst-7"]
+
+
+async def test_the_edge_itself_is_fenced_so_every_apiservers_placement_skips_it() -> None:
+    r = rig()
+    await _one_provider_node(r)
+    await r.at(31)
+    await r.at(91)  # idle for idle_s
+    assert r.links["burst-1"].fenced, "the edge was told to refuse creates"
+    other = FencingWatcher(r.links)  # another apiserver of the cluster, with no scaler of its own
+    await other.poll()
+    assert other.snapshot["burst-1"]["fenced"] is True
+    r.load("home", 10)
+    await other.poll()
+    with pytest.raises(CapacityExhausted):  # home is full, and the fenced node takes nothing
+        await Placement(other).choose("container")
+    r.load("home", 2)
+    await r.at(96)
+    assert r.provider.stopped == ["burst-1"]
+
+
+async def test_a_node_whose_edge_cannot_be_fenced_is_not_drained() -> None:
+    r = rig()
+    await _one_provider_node(r)
+    r.links["burst-1"].reachable = False
+    for t in range(31, 200, 5):
+        await r.at(t)
+    assert r.provider.stopped == [] and not r.watcher.fenced, "another apiserver could still place there"
+    r.links["burst-1"].reachable = True
+    for t in range(200, 300, 5):
+        await r.at(t)
+    assert r.provider.stopped == ["burst-1"]
+
+
+async def test_an_edge_that_forgot_its_fence_is_kept() -> None:
+    r = rig()
+    await _one_provider_node(r)
+    await r.at(31)
+    await r.at(91)
+    r.links["burst-1"].fenced = False  # the edge restarted: it takes creates again
+    await r.at(96)
+    assert r.provider.stopped == [] and r.scaler.nodes["burst-1"].state == "running"
+
+
+async def test_an_unfence_that_did_not_reach_the_edge_is_sent_again() -> None:
+    r = rig()
+    await _one_provider_node(r)
+    await r.at(31)
+    await r.at(91)
+    edge = r.links["burst-1"]
+    edge.ids, edge.reachable = ["sb-burst-1-1-" + "a" * 20], False  # a sandbox landed; then a blip
+    await r.at(96)
+    assert edge.fenced and r.scaler.nodes["burst-1"].state == "running"
+    edge.reachable = True
+    await r.at(97)
+    assert not edge.fenced, "a kept node takes creates again"
+
+
+def test_provider_settings_load_with_the_file_and_field_in_errors(tmp_path: Path) -> None:
+    path = tmp_path / "scaling.toml"
+    path.write_text(
+        'provider = "libvirt"\nmax_nodes = 2\n[libvirt]\napiservers = ["http://10.0.0.1:8642"]\n'
+        'uri = "qemu+ssh://host/system"\ndisk_gib = 20\n'
+    )
+    config = ScalingConfig.load(path)
+    assert config.libvirt is not None and config.libvirt.settings.uri == "qemu+ssh://host/system"
+    assert config.libvirt.settings.disk_gib == 20 and config.libvirt.apiservers == ["http://10.0.0.1:8642"]
+    bad = {
+        'provider = "libvirt"\n': "libvirt table",
+        'provider = "libvirt"\n[libvirt]\nuri = "qemu:///system"\n': "apiservers",
+        'provider = "libvirt"\n[libvirt]\napiservers = ["h:1"]\n': "http",
+        'provider = "libvirt"\n[libvirt]\napiservers = ["http://a:1"]\ndisk_gib = 0\n': "disk_gib",
+        'provider = "libvirt"\n[libvirt]\napiservers = ["http://a:1"]\nurl = "x"\n': "url",
+        "[local_netns]\napiserver_ports = [0]\n": "apiserver_ports",
+        '[local_netns]\nedge_arg = ["--no-vm"]\n': "edge_arg",
+    }
+    for text, field_named in bad.items():
+        path.write_text(text)
+        with pytest.raises(ValueError, match=field_named) as err:
+            ScalingConfig.load(path)
+        assert str(path) in str(err.value)
+
+
+def test_the_provider_named_is_built_for_this_apiserver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = tmp_path / "secret"
+    where = dict(port=8642, secret="s" * 24, secret_file=secret, scratch=tmp_path / "scratch")
+    built = build_provider(ScalingConfig(), shared_layers=tmp_path / "layers", **where)  # type: ignore[arg-type]
+    assert isinstance(built, LocalNetnsProvider)
+    assert built.apiserver_ports == [8642] and built.data_root == tmp_path / "scratch" / "nodes"
+    options = {"apiserver_ports": [1, 2], "edge_args": ["--no-vm"], "data_root": str(tmp_path / "n")}
+    built = build_provider(
+        ScalingConfig.model_validate({"local_netns": options}),
+        shared_layers=tmp_path,
+        **where,  # type: ignore[arg-type]
+    )
+    assert isinstance(built, LocalNetnsProvider)
+    assert (
+        built.apiserver_ports == [1, 2]
+        and built.edge_args == ["--no-vm"]
+        and built.data_root == tmp_path / "n"
+    )
+    with pytest.raises(InvalidRequest, match="--secret-file"):
+        build_provider(ScalingConfig(), shared_layers=tmp_path, **{**where, "secret_file": None})  # type: ignore[arg-type]
+    virt = ScalingConfig.model_validate({"provider": "libvirt", "libvirt": {"apiservers": ["http://a:1"]}})
+    monkeypatch.setitem(sys.modules, "libvirt", None)  # a host without the binding
+    with pytest.raises(InfraFailure, match="libvirt-python"):
+        build_provider(virt, shared_layers=tmp_path, **where)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "libvirt", types.ModuleType("libvirt"))
+    made = build_provider(virt, shared_layers=tmp_path, **where)  # type: ignore[arg-type]
+    assert isinstance(made, LibvirtProvider)
+    assert made.apiservers == ["http://a:1"] and made.secret == "s" * 24
+
+
+def test_the_cli_refuses_a_bad_scaling_file_naming_file_and_field(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dsec.cli.main import app
+
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps({"provider": "local-netns", "sustain_s": -1}))
+    argv = ["apiserver", "--iam", str(tmp_path / "iam.sqlite"), "--shared-layers", str(tmp_path)]
+    done = CliRunner().invoke(app, [*argv, "--scaling", str(path)])
+    assert done.exit_code == 2
+    assert str(path) in done.output and "sustain_s" in done.output
+    path.write_text("{}")  # valid, but local-netns needs the secret as a file
+    done = CliRunner().invoke(app, [*argv, "--scaling", str(path)], env={"DSEC_CLUSTER_SECRET": "x" * 24})
+    assert done.exit_code == 2 and "--secret-file" in done.output and str(path) in done.output
+    done = CliRunner().invoke(app, [*argv, "--scaling", str(tmp_path / "missing.toml")])
+    assert done.exit_code == 2 and "missing.toml" in done.output

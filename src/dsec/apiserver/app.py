@@ -35,6 +35,7 @@ from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.layer_access import LayerLimits, layer_viewer
 from dsec.apiserver.op_routes import OpRoutes
 from dsec.apiserver.overflow import Overflow
+from dsec.apiserver.port_routes import PortRoutes
 from dsec.apiserver.processes import SandboxProcessRoutes
 from dsec.apiserver.projects import ProjectRoutes, sync_storage_quotas
 from dsec.apiserver.sandboxes import SandboxRoutes
@@ -127,16 +128,17 @@ class ApiServer:
         self.layer_limits = layer_limits or LayerLimits()
         self.tenancy = Tenancy(iam)
         self.sandboxes = SandboxRoutes(edges, placement, self.tenancy, store, overflow=overflow)
-        self.fncalls = FnCallRoutes(edges, placement)
+        self.fncalls = FnCallRoutes(edges, placement, overflow)
         self.e2b = E2BFront(self.sandboxes, store, e2b)
         self.prom = ApiMetrics(placement, edges)  # its own registry: an edge may share the process
 
     def app(self) -> web.Application:
         app = web.Application(
-            # Sandbox traffic first: its paths are the sandbox's, and it carries no API key.
+            # The request's ID first: sandbox traffic (a port tunnel) carries one as every request
+            # does. Then sandbox traffic: its paths are the sandbox's, and it carries no API key.
             middlewares=[
-                self.e2b.traffic.middleware,
                 request_middleware("apiserver"),  # outside the errors: it sees every answer
+                self.e2b.traffic.middleware,
                 errors_middleware,
                 e2b_errors_middleware,
                 auth_middleware,
@@ -153,6 +155,7 @@ class ApiServer:
         self.sandboxes.register(r)
         SandboxProcessRoutes(self.sandboxes).register_public(r)  # terminals: apiserver/processes.py
         OpRoutes(self.sandboxes).register(r)  # any operation as data: apiserver/op_routes.py
+        PortRoutes(self.sandboxes).register(r)  # a sandbox's TCP port: apiserver/port_routes.py
         JobRoutes(self.sandboxes, self.store).register(r)
         self.fncalls.register(r)
         r.add_get("/v1/layers", self.layers)

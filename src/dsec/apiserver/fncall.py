@@ -7,8 +7,9 @@ the API key rides in that URL because such clients send no headers of their own.
 
 Calls go through placement like creates (nodes that offer the ``fncall`` backend, power of
 k on load) and move to another node when one refuses (no such pool, or all its sandboxes
-busy past the queue timeout) or cannot be reached. Pool sandboxes belong to the edge, so a
-call holds no quota of the caller's project.
+busy past the queue timeout) or cannot be reached; when no node here serves it, to an
+overflow target's ``/v1/fncall`` (:meth:`~dsec.apiserver.overflow.Overflow.fncall`). Pool
+sandboxes belong to the edge, so a call holds no quota of the caller's project.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.apiserver._http import read_body, respond
+from dsec.apiserver.overflow import Overflow
 from dsec.apiserver.sandboxes import attempt_on
 from dsec.apiserver.sandboxfusion import RunCodeRequest, RunCodeResponse, Unsupported, from_result, to_task
 from dsec.edge.link import EdgeLink
 from dsec.placement.placement import Placement
-from dsec.protocol.errors import DSecError
+from dsec.protocol.errors import CapacityExhausted, DSecError
 from dsec.protocol.fncall import FnResult, FnTask
 
 FNCALL_BACKEND = "fncall"
@@ -42,9 +44,12 @@ class FnCallRequest(BaseModel):
 
 
 class FnCallRoutes:
-    def __init__(self, links: Mapping[str, EdgeLink], placement: Placement) -> None:
+    def __init__(
+        self, links: Mapping[str, EdgeLink], placement: Placement, overflow: Overflow | None = None
+    ) -> None:
         self.links = links
         self.placement = placement
+        self.overflow = overflow  # where a call goes when no node here serves it
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_post("/v1/fncall", self.fncall)
@@ -70,7 +75,13 @@ class FnCallRoutes:
         tried: set[str] = set()
         async with asyncio.timeout(timeout):
             while True:
-                node = await self.placement.choose(FNCALL_BACKEND, tried)
+                try:
+                    node = await self.placement.choose(FNCALL_BACKEND, tried)
+                except CapacityExhausted:
+                    made = None if self.overflow is None else await self.overflow.fncall(task, pool)
+                    if made is None:
+                        raise
+                    return made
                 call = functools.partial(self.links[node].fncall, task, pool)
                 result = await attempt_on(self.placement, node, tried, call)
                 if result is not None:

@@ -13,7 +13,8 @@ import contextlib
 from aiohttp import web
 
 from dsec.apiserver._http import PRINCIPAL, read_body, respond
-from dsec.apiserver.sandboxes import SandboxRoutes
+from dsec.apiserver.overflow_link import OverflowLink
+from dsec.apiserver.sandboxes import SandboxRoutes, from_body
 from dsec.edge.link import EdgeLink
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
@@ -23,11 +24,11 @@ from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
     ContainerSpec,
     ForkRequest,
-    InputRequest,
     LeaseRequest,
     LeaseResult,
     SandboxInfo,
 )
+from dsec.protocol.ops import Changes, Pause, Resume, Screenshot, SendInput, Trajectory
 
 _MAX_JOB_LEN = 256
 _WHOLE_FORK = ("microvm", "vm")  # copied with memory and processes, on their own node
@@ -56,23 +57,27 @@ class JobRoutes:
     async def resume_all(self, request: web.Request) -> web.Response:
         return respond(await self.sandboxes.bulk(request, "resume"))
 
+    # Each call below builds its op (dsec.protocol.ops) and forwards it: SandboxRoutes.forward.
+
     async def pause(self, request: web.Request) -> web.Response:
-        link, sid = await self.sandboxes.owned(request)
-        return respond(await link.pause(sid))
+        return await self.sandboxes.answer(request, lambda _: Pause())
 
     async def resume(self, request: web.Request) -> web.Response:
-        link, sid = await self.sandboxes.owned(request)
-        return respond(await link.resume(sid))
+        return await self.sandboxes.answer(request, lambda _: Resume())
 
     async def trajectory(self, request: web.Request) -> web.Response:
-        link, sid = await self.sandboxes.owned(request)
-        after = count_param(request, "after", 0)
-        limit = count_param(request, "limit", 1000, maximum=MAX_TRAJECTORY_PAGE)
-        return respond(await link.trajectory(sid, after, limit))
+        def build(_: bytes) -> Trajectory:
+            after = count_param(request, "after", 0)
+            limit = count_param(request, "limit", 1000, maximum=MAX_TRAJECTORY_PAGE)
+            return Trajectory(after=after, limit=limit)
+
+        return await self.sandboxes.answer(request, build)
 
     async def changes(self, request: web.Request) -> web.Response:
-        link, sid = await self.sandboxes.owned(request)
-        return respond(await link.changes(sid, text_param(request, "under", "/")))
+        def build(_: bytes) -> Changes:
+            return Changes(under=text_param(request, "under", "/"))
+
+        return await self.sandboxes.answer(request, build)
 
     async def fork(self, request: web.Request) -> web.Response:
         """``count`` new sandboxes with the sandbox's disk state: its changes are packed once
@@ -81,6 +86,10 @@ class JobRoutes:
         link, sid = await self.sandboxes.owned(request)
         req = await read_body(request, ForkRequest)
         source = await link.get(sid)
+        overflow = self.sandboxes.overflow
+        if overflow is not None and isinstance(link, OverflowLink):  # made where the source runs
+            made = await overflow.fork(self.sandboxes.tenancy, request[PRINCIPAL], link, source, req)
+            return respond(made, status=201)
         if source.backend in _WHOLE_FORK:
             return respond(await self._fork_whole(request, link, source, req), status=201)
         if req.processes:
@@ -104,13 +113,11 @@ class JobRoutes:
         return respond(made, status=201)
 
     async def screenshot(self, request: web.Request) -> web.Response:
-        link, sid = await self.sandboxes.owned(request)
-        return web.Response(body=await link.screenshot(sid), content_type="image/png")
+        image = await self.sandboxes.forward(request, lambda _: Screenshot())
+        return web.Response(body=image.png, content_type="image/png")
 
     async def send_input(self, request: web.Request) -> web.Response:
-        link, sid = await self.sandboxes.owned(request)
-        req = await read_body(request, InputRequest)
-        return respond({"sent": await link.send_input(sid, req.events)})
+        return respond({"sent": await self.sandboxes.forward(request, from_body(SendInput))})
 
     async def _fork_whole(
         self, request: web.Request, link: EdgeLink, source: SandboxInfo, req: ForkRequest

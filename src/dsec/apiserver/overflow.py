@@ -16,6 +16,10 @@ project's quota counts an overflow sandbox like any other: it is reserved before
 cluster is asked (under a provisional name, bound to the ID the other cluster answers, on the
 ledger's node ``<cluster>`` so that quota reconciliation releases what the other cluster reaped).
 
+A fork of an overflow sandbox is made in its cluster (:meth:`Overflow.fork`: the source's
+layers and packed state are there), its quota held at home as a create's; a function call no
+node here serves goes to a target (:meth:`Overflow.fncall`).
+
 A target that cannot be reached is skipped until a poll reaches it again, so a lost target
 costs local creates nothing; a create goes to the next target (or home) only when it never
 reached the failed one (:func:`~dsec.apiserver.overflow_link.never_reached_overflow`).
@@ -50,12 +54,14 @@ from dsec.iam import Principal
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import (
     CapacityExhausted,
+    InfraFailure,
     InvalidRequest,
     QuotaExceeded,
     SandboxNotFound,
 )
+from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId, validate_cluster_name
-from dsec.protocol.models import ContainerSpec, SandboxInfo
+from dsec.protocol.models import RESERVED_LABEL_PREFIX, ContainerSpec, ForkRequest, SandboxInfo
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -198,9 +204,14 @@ class Overflow:
     def over_threshold(self) -> bool:
         return self.utilisation() >= self.config.threshold
 
-    def order(self) -> list[str]:
-        """Targets with room, reached at the last poll, in a weighted random order."""
-        names = [n for n, t in self.targets.items() if n not in self.down and self.held(n) < t.max_sandboxes]
+    def order(self, *, room: bool = True) -> list[str]:
+        """Targets reached at the last poll (with room for a sandbox: ``room``), in a weighted
+        random order."""
+        names = [
+            n
+            for n, t in self.targets.items()
+            if n not in self.down and (not room or self.held(n) < t.max_sandboxes)
+        ]
         ordered: list[str] = []
         while names:
             pick = random.choices(names, weights=[self.targets[n].weight for n in names])[0]
@@ -246,6 +257,68 @@ class Overflow:
             await asyncio.shield(tenancy.release(pending))
             raise
         await tenancy.release(pending)
+        return None
+
+    async def fork(
+        self,
+        tenancy: Tenancy,
+        principal: Principal,
+        link: OverflowLink,
+        source: SandboxInfo,
+        req: ForkRequest,
+    ) -> list[SandboxInfo]:
+        """Copies of ``source`` (an overflow sandbox) made in its own cluster, where its layers
+        and the packed state are; their quota held at home as an overflow create's is."""
+        name = link.name
+        limit = self.targets[name].max_sandboxes
+        if self.held(name) + req.count > limit:
+            raise CapacityExhausted(
+                f"a fork of {req.count} would pass overflow cluster {name!r}'s limit of {limit} sandboxes"
+            )
+        # Billed as the source's resources, as a whole fork at home is (jobs.py).
+        resources = ContainerSpec(
+            layers=source.layers,
+            memory_limit_mb=source.memory_limit_mb,
+            cpu_cores_limit=source.cpu_cores_limit,
+        )
+        bill = tenancy.admit(principal, source.project, resources)
+        own = source.labels if req.labels is None else req.labels
+        labels = {k: v for k, v in own.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
+        pending = [f"overflow-{SandboxId.new_tag()}" for _ in range(req.count)]
+        reserved: list[str] = []
+        sent = False
+        self.sending[name] += req.count
+        try:
+            for row in pending:
+                await tenancy.reserve(principal, row, bill)  # QuotaExceeded: the home quota counts them
+                reserved.append(row)
+            sent = True
+            made = await link.fork(source.id, req, labels, source.project)
+        except BaseException as exc:
+            if sent and not never_reached_overflow(exc):
+                self.made[name] += req.count  # they may run there: counted until a poll says
+            await asyncio.shield(tenancy.release_many(reserved))
+            raise
+        finally:
+            self.sending[name] -= req.count
+        self.made[name] += len(made)
+        for row, info in zip(pending, made, strict=True):
+            await tenancy.iam.bind(row, info.id, node=name)
+        return made
+
+    async def fncall(self, task: FnTask, pool: str | None) -> tuple[str, FnResult] | None:
+        """A function call run by a target (no node here serves it): the target's name and the
+        result; None when each refused it or was never reached. Pool sandboxes are the other
+        cluster's nodes' own, so nothing is counted or reserved here."""
+        for name in self.order(room=False):
+            try:
+                return name, await self.overflow_links[name].fncall(task, pool)
+            except CapacityExhausted as exc:
+                log.info("overflow target %s refused a function call: %s", name, exc)
+            except InfraFailure as exc:
+                if not never_reached_overflow(exc):
+                    raise  # it may have run there: once is what a caller expects
+                self.down.add(name)
         return None
 
     # -- counting ------------------------------------------------------------------------------

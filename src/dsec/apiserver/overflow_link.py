@@ -28,8 +28,9 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from dsec.apiserver.remote_ports import open_remote_port
 from dsec.edge.link import EdgeLink
-from dsec.edge.ports import PortStream
+from dsec.edge.ports import PortStream, check_port
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
 from dsec.iam.base import in_subtree
 from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, SandboxNotFound
@@ -43,14 +44,14 @@ from dsec.protocol.models import (
     BulkResult,
     Change,
     ContainerSpec,
-    ExecEvent,
     FileStat,
+    ForkRequest,
     LeaseRequest,
     LeaseResult,
     SandboxInfo,
     TrajectoryEntry,
 )
-from dsec.protocol.ops import PUBLIC, Call, Stream
+from dsec.protocol.ops import PUBLIC, Call, ConnectProcess, Exec, StartProcess, Stream, WatchDir
 from dsec.protocol.wire_client import WireClient, ndjson, never_sent
 
 M = TypeVar("M", bound=BaseModel)
@@ -83,9 +84,10 @@ def never_reached_overflow(exc: BaseException) -> bool:
 class OverflowLink(EdgeLink):
     """Cluster ``name``'s public API at ``url``, with ``api_key`` (a key of a project there).
 
-    Calls go to the other cluster as data (its public ops route), ``exec`` and file contents
-    through their streaming routes; the rest (deadlines, forks, extended attributes, starting
-    or attaching to processes, watches, ports) answer ``InvalidRequest``.
+    Calls go to the other cluster as data (its public ops route); streams (exec, kept
+    processes, watches), file contents, ports, forks and function calls through their own
+    public routes. What the public API does not serve (a VM's whole fork on one node by IDs
+    the caller picks, a fork spec) answers ``InvalidRequest``.
     """
 
     def __init__(
@@ -219,22 +221,38 @@ class OverflowLink(EdgeLink):
             answer = home
         return cast(R, answer)
 
-    async def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
-        """Only ``exec`` reaches another cluster: the op is the public exec route's body."""
-        if op.kind != "exec":
-            self._unsupported(str(op.kind))
-        path = self._sandbox(sandbox_id, "/exec")
+    def _stream_route(self, sandbox_id: str, op: Stream[Any]) -> tuple[str, str, dict[str, str] | None, Any]:
+        """The other cluster's public NDJSON route for ``op``: method, path, query, JSON body."""
         body = op.model_dump(mode="json", exclude={"kind"}, exclude_none=True)
-        # Closing this generator closes the response: the other cluster kills the process tree.
-        async with self._call("POST", path, json_body=body) as resp:
-            async for event in ndjson(resp, ExecEvent, peer=f"overflow cluster {self.name!r}"):
+        match op:
+            case Exec():
+                return "POST", self._sandbox(sandbox_id, "/exec"), None, body
+            case StartProcess():
+                return "POST", self._sandbox(sandbox_id, "/processes"), None, body
+            case ConnectProcess(pid=pid):
+                return "GET", self._sandbox(sandbox_id, f"/processes/{pid}/events"), None, None
+            case WatchDir(path=path, recursive=recursive):
+                query = {**path_query("path", path), "recursive": "true" if recursive else "false"}
+                return "GET", self._sandbox(sandbox_id, "/watch"), query, None
+        self._unsupported(str(op.kind))
+
+    async def stream(self, sandbox_id: str, op: Stream[E]) -> AsyncGenerator[E, None]:
+        """The op through the other cluster's public route for it (an exec, a kept process
+        started or attached to, a directory watch), its events unchanged. Closing this generator
+        closes the response, which does there what it does here: an exec's process tree is
+        killed, a kept process runs on, a watch is removed."""
+        method, path, query, body = self._stream_route(sandbox_id, op)
+        peer = f"overflow cluster {self.name!r}"
+        async with self._call(method, path, params=query, json_body=body) as resp:
+            async for event in ndjson(resp, op.response, peer=peer):
                 yield cast(E, event)
-                if event.t == "exit":
+                if op.last is not None and event.t == op.last:
                     return
-        raise InfraFailure(
-            f"overflow cluster {self.name!r} ended an exec stream before its result",
-            reason=InfraReason.overflow_unreachable,
-        )
+        if op.last is not None:  # a watch runs until closed; the others end with their last event
+            raise InfraFailure(
+                f"{peer} ended a {op.kind} stream before its {op.last!r}",
+                reason=InfraReason.overflow_unreachable,
+            )
 
     # -- sandboxes ----------------------------------------------------------------------------
 
@@ -305,7 +323,24 @@ class OverflowLink(EdgeLink):
         return set()  # its layers are in the other cluster's store, not the home one's
 
     async def fncall(self, task: FnTask, pool: str | None = None) -> FnResult:
-        self._unsupported("a function call")
+        """Through the other cluster's ``POST /v1/fncall``: placed there on a node with a pool."""
+        body = {"task": task.model_dump(mode="json"), **({"pool": pool} if pool else {})}
+        return self._parse(FnResult, await self._read("POST", "/v1/fncall", json_body=body))
+
+    async def fork(
+        self, sandbox_id: str, req: ForkRequest, labels: dict[str, str], project: str
+    ) -> list[SandboxInfo]:
+        """Copies made by the other cluster's ``POST /v1/sandboxes/{id}/fork`` (its layers and
+        the packed state are there, so the copies are too: their IDs name that cluster, as
+        their source's does), with ``labels`` and home project ``project``."""
+        body = req.model_copy(update={"labels": {**labels, HOME_PROJECT_LABEL: project}})
+        raw = await self._read(
+            "POST", self._sandbox(sandbox_id, "/fork"), json_body=body.model_dump(mode="json")
+        )
+        made = self._infos(raw)
+        if len(made) != req.count:  # a copy without the home label would run unseen
+            raise self._malformed("fork answer", ValueError(f"{len(made)} of {req.count} copies labelled"))
+        return made
 
     # -- files --------------------------------------------------------------------------------
 
@@ -340,4 +375,14 @@ class OverflowLink(EdgeLink):
         return self._parse(FileStat, raw)
 
     async def open_port(self, sandbox_id: str, port: int) -> PortStream:
-        self._unsupported("ports")
+        """The other cluster's ``GET /v1/sandboxes/{id}/ports/{port}`` WebSocket (its edge's
+        port protocol, :mod:`dsec.apiserver.port_routes`)."""
+        url = self.url + self._sandbox(sandbox_id, f"/ports/{check_port(port)}")
+        return await open_remote_port(
+            self._wire.session(),
+            url,
+            self.name,
+            self._connect_timeout,
+            peer=f"overflow cluster {self.name!r}",
+            reason=InfraReason.overflow_unreachable,
+        )

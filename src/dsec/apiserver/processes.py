@@ -8,13 +8,18 @@ to the sandbox's node over its link, in this process or across the network. This
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from aiohttp import web
 
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.edge.server_processes import ProcessRoutes
+from dsec.protocol.ops import Call
 
 PREFIX = "/v1"
+R = TypeVar("R")
 
 
 class SandboxProcessRoutes(ProcessRoutes):
@@ -23,6 +28,9 @@ class SandboxProcessRoutes(ProcessRoutes):
 
     async def target(self, request: web.Request) -> tuple[EdgeLink, str]:
         return await self.sandboxes.owned(request)
+
+    async def forward(self, request: web.Request, build: Callable[[bytes], Call[R]]) -> R:
+        return await self.sandboxes.forward(request, build)  # the path every sandbox op takes
 
     def register_public(self, r: web.UrlDispatcher) -> None:
         self.register(r, PREFIX)

@@ -30,7 +30,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dsec.apiserver.node_verdict import NODE_LOST, NodeView
 from dsec.apiserver.remote_ports import open_remote_port
-from dsec.edge.link import EdgeLink
+from dsec.edge.link import EdgeLink, FenceRequest
 from dsec.edge.ports import PortStream, check_port
 from dsec.edge.server import EPOCH_HEADER, NODE_HEADER, PREFIX, STARTING_REASON
 from dsec.executor.file_ops import CHUNK, DEFAULT_FILE_MODE
@@ -285,6 +285,15 @@ class RemoteEdgeLink(EdgeLink):
                 f"edge {self.node!r} sent a malformed ID list", reason=InfraReason.protocol
             ) from exc
         return [str(i) for i in ids]
+
+    async def fence(self, fenced: bool, reason: str = "") -> bool:
+        body = FenceRequest(fenced=fenced, reason=reason)
+        try:
+            return bool(json.loads(await self._json("POST", "/fence", body=body, quick=True))["fenced"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed fence answer", reason=InfraReason.protocol
+            ) from exc
 
     async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
         params = [("label", f"{k}={v}") for k, v in labels.items()] + [("within", within)]

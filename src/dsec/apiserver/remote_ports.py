@@ -13,6 +13,7 @@ import json
 import aiohttp
 
 from dsec.edge.ports import CHUNK, EOF_MESSAGE, OPEN_MESSAGE, PortStream
+from dsec.observe import request_ids
 from dsec.protocol.errors import InfraFailure, InfraReason, error_from_wire
 
 
@@ -46,9 +47,22 @@ class WebSocketStream:
 
 
 async def open_remote_port(
-    session: aiohttp.ClientSession, url: str, node: str, connect_timeout: float
+    session: aiohttp.ClientSession,
+    url: str,
+    node: str,
+    connect_timeout: float,
+    *,
+    peer: str | None = None,
+    reason: InfraReason = InfraReason.edge_unreachable,
 ) -> PortStream:
-    """Open the edge's port route at ``url`` (node ``node``); DSec errors raised as themselves."""
+    """Open the edge's port route at ``url`` (node ``node``); DSec errors raised as themselves.
+    ``peer`` and ``reason``: what serves it and how it is unreachable, when not an edge (an
+    overflow cluster's public port route speaks the same protocol).
+
+    The request's ID (:mod:`dsec.observe.request_ids`) goes with the upgrade, so the edge logs
+    the caller's; an error the edge sends back carries it as ``request_id``."""
+    who = peer or f"edge {node!r}"
+    rid = request_ids.outgoing()
     timeout = aiohttp.ClientWSTimeout(ws_receive=None, ws_close=connect_timeout)
     try:
         ws = await session.ws_connect(
@@ -57,23 +71,20 @@ async def open_remote_port(
             max_msg_size=CHUNK * 2,
             autoping=True,
             heartbeat=None,
+            headers={request_ids.HEADER: rid},
         )
     except aiohttp.WSServerHandshakeError as exc:
         raise InfraFailure(
-            f"edge {node!r} refused to open a port (HTTP {exc.status}): {exc.message}",
+            f"{who} refused to open a port (HTTP {exc.status}): {exc.message}",
             reason=InfraReason.protocol,
         ) from exc
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        raise InfraFailure(
-            f"edge {node!r} is unreachable: {exc}", reason=InfraReason.edge_unreachable
-        ) from exc
+        raise InfraFailure(f"{who} is unreachable: {exc}", reason=reason) from exc
     try:
         first = await ws.receive()
     except (aiohttp.ClientError, OSError) as exc:
         await ws.close()
-        raise InfraFailure(
-            f"edge {node!r} dropped a port it was opening: {exc}", reason=InfraReason.edge_unreachable
-        ) from exc
+        raise InfraFailure(f"{who} dropped a port it was opening: {exc}", reason=reason) from exc
     if first.type is aiohttp.WSMsgType.TEXT and first.data == OPEN_MESSAGE:
         return WebSocketStream(ws)
     await ws.close()
@@ -83,5 +94,7 @@ async def open_remote_port(
             status = int(body.pop("status"))
         except (ValueError, KeyError, TypeError, AttributeError):
             body, status = first.data, 500
-        raise error_from_wire(status, body)
-    raise InfraFailure(f"edge {node!r} closed a port it was opening", reason=InfraReason.protocol)
+        err = error_from_wire(status, body)
+        err.request_id = err.request_id or rid
+        raise err
+    raise InfraFailure(f"{who} closed a port it was opening", reason=InfraReason.protocol)

@@ -3,6 +3,11 @@
 Nodes are :class:`~dsec.edge.link.EdgeLink` s, in this process (``dsec up``) or across the
 network (a cluster); this module holds no per-sandbox state, so any apiserver instance serves
 any request.
+
+A sandbox operation (:mod:`dsec.protocol.ops`) takes one path whatever route it came by (its
+REST shape of the SDK's earlier releases, or as data on ``.../ops/{kind}``): the route builds
+the op from its request and :meth:`SandboxRoutes.forward` checks the key may see the sandbox
+(:meth:`SandboxRoutes.owned`, once) and hands the op unchanged to ``link.call``.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -45,17 +50,27 @@ from dsec.protocol.models import (
     BatchCreateRequest,
     BulkAction,
     BulkResult,
-    CommitRequest,
     ContainerSpec,
     CreateRequest,
-    ExecRequest,
-    NetworkRulesRequest,
     SandboxInfo,
-    ShellRequest,
+)
+from dsec.protocol.ops import (
+    Call,
+    Commit,
+    Exec,
+    ListDir,
+    Mkdir,
+    Move,
+    Remove,
+    RunShell,
+    SetNetworkRules,
+    Stat,
 )
 
 _CHUNK = 1 << 20
 T = TypeVar("T")
+R = TypeVar("R")
+Op = TypeVar("Op", bound=Call[Any])
 _PROJECT_CACHE = 100_000
 # Quota reconciliation spares rows younger than 30 s; a create slower than this re-confirms its row.
 _SLOW_CREATE_S = 10.0
@@ -85,6 +100,15 @@ async def attempt_on(
                 raise  # e.g. a create that may have run: retrying could make two
             tried.add(node)
         return None
+
+
+def from_body(model: type[Op]) -> Callable[[bytes], Op]:
+    """Builds a ``model`` op from a JSON request body (a bad field: a 400 naming it)."""
+
+    def build(body: bytes) -> Op:
+        return model.model_validate_json(body or b"{}")
+
+    return build
 
 
 class SandboxRoutes:
@@ -152,6 +176,19 @@ class SandboxRoutes:
             self._projects[sid] = project
         self.tenancy.check_visible(request[PRINCIPAL], sid, project)
         return link, sid
+
+    async def forward(self, request: web.Request, build: Callable[[bytes], Call[R]]) -> R:
+        """The op ``build`` makes of the request's body, run on the sandbox the request names
+        (once :meth:`owned` let the key see it) and its answer: every route of a sandbox
+        operation, whatever its shape, goes this way to ``link.call``."""
+        link, sid = await self.owned(request)
+        return await link.call(sid, build(await request.read()))
+
+    async def answer(
+        self, request: web.Request, build: Callable[[bytes], Call[Any]], status: int = 200
+    ) -> web.Response:
+        """:meth:`forward`, its answer as the JSON response."""
+        return respond(await self.forward(request, build), status=status)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -312,9 +349,7 @@ class SandboxRoutes:
         return respond(await link.get(sid))
 
     async def set_network_rules(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        req = await read_body(request, NetworkRulesRequest)
-        return respond(await link.set_network_rules(sid, req.network_rules))
+        return await self.answer(request, from_body(SetNetworkRules))
 
     async def stop(self, request: web.Request) -> web.Response:
         link, sid = await self.owned(request)
@@ -325,22 +360,13 @@ class SandboxRoutes:
     # -- commands -----------------------------------------------------------------------------
 
     async def shell(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        return respond(await link.run_shell(sid, await read_body(request, ShellRequest)))
+        return await self.answer(request, from_body(RunShell))
 
     async def exec(self, request: web.Request) -> web.StreamResponse:
         link, sid = await self.owned(request)
-        req = await read_body(request, ExecRequest)
-        events = link.exec_stream(
-            sid,
-            req.argv,
-            stdin=req.stdin_bytes(),
-            env=req.env,
-            cwd=req.cwd,
-            timeout=req.timeout,
-            max_output=req.max_output_bytes,
-            idempotency_key=req.idempotency_key,
-        )
+        op = await read_body(request, Exec)
+        op.stdin_bytes()  # bad base64 is the caller's 400 here, before the edge is asked
+        events = link.stream(sid, op)
         try:
             first = await anext(events)  # errors before any output still become a proper 4xx/5xx
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -354,8 +380,7 @@ class SandboxRoutes:
             await events.aclose()  # kills the process tree if the client went away
 
     async def commit(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        return respond(await link.commit(sid, await read_body(request, CommitRequest)), status=201)
+        return await self.answer(request, from_body(Commit), status=201)
 
     # -- files --------------------------------------------------------------------------------
 
@@ -370,26 +395,33 @@ class SandboxRoutes:
         info = await link.write_stream(sid, path, request.content.iter_chunked(_CHUNK), mode=mode)
         return respond(info, status=201)
 
+    # The file routes of the earlier SDK take their op's fields as query parameters.
+
     async def stat(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        return respond(await link.stat(sid, query_param(request, "path")))
+        return await self.answer(request, lambda _: Stat(path=query_param(request, "path")))
 
     async def list_dir(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        return respond(await link.list_dir(sid, query_param(request, "path")))
+        return await self.answer(request, lambda _: ListDir(path=query_param(request, "path")))
 
     async def mkdir(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        parents = flag_param(request, "parents", True)
-        return respond(await link.mkdir(sid, query_param(request, "path"), parents=parents), status=201)
+        def build(_: bytes) -> Mkdir:
+            parents = flag_param(request, "parents", True)
+            return Mkdir(path=query_param(request, "path"), parents=parents)
+
+        return await self.answer(request, build, status=201)
 
     async def remove(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        recursive = flag_param(request, "recursive", False)
-        await link.remove(sid, query_param(request, "path"), recursive=recursive)
+        def build(_: bytes) -> Remove:
+            recursive = flag_param(request, "recursive", False)
+            return Remove(path=query_param(request, "path"), recursive=recursive)
+
+        await self.forward(request, build)
         return respond({"removed": True})
 
     async def move(self, request: web.Request) -> web.Response:
-        link, sid = await self.owned(request)
-        source, destination = query_param(request, "source"), query_param(request, "destination")
-        return respond(await link.move(sid, source, destination))
+        def build(_: bytes) -> Move:
+            return Move(
+                source=query_param(request, "source"), destination=query_param(request, "destination")
+            )
+
+        return await self.answer(request, build)

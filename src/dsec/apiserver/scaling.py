@@ -11,16 +11,17 @@ runs a :class:`Scaler`. Every ``interval_s`` it reads the watcher's view of the 
   shorter than ``sustain_s`` starts nothing.
 - **In.** A provider node the watcher has seen holding no sandbox (running, paused or being
   created, nor placed there since the poll) for ``idle_s``, while the cluster is below the
-  threshold, is *fenced*: placement sees it with no capacity (as an edge that fenced itself
-  reports), so no create lands there. After ``drain_s`` (creates placed before the fence
-  reach the edge) the edge itself is asked, its stats and its sandbox IDs; only if it holds
-  nothing is it stopped. A node holding a sandbox, running or paused, or one that cannot be
-  asked, is never stopped: it is unfenced and its idle clock starts again.
+  threshold, is *fenced*: this apiserver's placement sees it with no capacity at once, and
+  the edge itself is told (``EdgeLink.fence``, ``POST /edge/v1/fence``): it refuses creates
+  and reports ``fenced``, so every apiserver's placement skips it. After ``drain_s`` (creates
+  placed before the fence reach the edge and are refused) the edge is asked, its stats and
+  its sandbox IDs; only if it still refuses creates and holds nothing is it stopped. A node
+  holding a sandbox, running or paused, or one that cannot be asked or told, is never
+  stopped: it is unfenced (on the edge too) and its idle clock starts again.
 
-Only nodes this scaler's provider started are ever stopped. The fence is this apiserver's
-(placement is per apiserver): run the scaler on one apiserver of a cluster; another
-apiserver may still place on a fenced node until the edge is stopped, which is why the edge
-is asked just before, and a create that reaches a stopping edge fails as any lost node's.
+Only nodes this scaler's provider started are ever stopped. Run the scaler on one apiserver
+of a cluster (``dsec apiserver --scaling FILE``; :func:`build_provider` makes the provider
+the config names): two would each start nodes for the same load.
 
 Time comes from an injected clock, and :meth:`Scaler.tick` is one decision, so tests drive
 the policy step by step without sleeping.
@@ -36,17 +37,82 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from dsec.apiserver.overflow import load_config, utilisation
 from dsec.edge.link import EdgeLink
-from dsec.node.provider import NodeProvider, NodeRequest
+from dsec.node.libvirt_provider import LibvirtProvider, LibvirtSettings
+from dsec.node.provider import LocalNetnsProvider, NodeProvider, NodeRequest
 from dsec.placement.placement import Placement, Watcher
 from dsec.protocol.errors import InvalidRequest
 
 log = logging.getLogger("dsec.apiserver.scaling")
+
+
+class LocalNetnsOptions(BaseModel):
+    """How the ``local-netns`` provider starts its edges (:class:`LocalNetnsProvider`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    apiserver_ports: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="the cluster's apiservers on this host its edges register with (none: this one)",
+    )
+    data_root: Path | None = Field(default=None, description="nodes' data and logs (<scratch>/nodes)")
+    edge_args: list[str] = Field(default_factory=list, max_length=64, description="more `dsec edge` options")
+    edge_port: int = Field(default=8643, ge=1, le=65535)
+    start_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+
+    @field_validator("apiserver_ports")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        if any(not 0 < p < 65536 for p in v):
+            raise ValueError(f"apiserver_ports {v}: each 1-65535")
+        return v
+
+
+class LibvirtOptions(BaseModel):
+    """The ``libvirt`` provider's settings: the fields of :class:`LibvirtSettings`, flat, and
+    the apiserver URLs its VMs register with (the VMs' view of the network, so no default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    apiservers: list[str] = Field(min_length=1, max_length=64)
+    settings: LibvirtSettings = Field(default_factory=LibvirtSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "settings" not in raw:
+            rest = {k: v for k, v in raw.items() if k != "apiservers"}
+            return {**({"apiservers": raw["apiservers"]} if "apiservers" in raw else {}), "settings": rest}
+        return raw
+
+    @field_validator("settings", mode="wrap")
+    @classmethod
+    def _settings(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> LibvirtSettings:
+        try:
+            return cast(LibvirtSettings, handler(v))
+        except InvalidRequest as exc:  # LibvirtSettings' own checks
+            raise ValueError(exc.message) from None
+
+    @field_validator("apiservers")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"apiservers: {url!r} is not an http(s):// URL")
+        return v
 
 
 class ScalingConfig(BaseModel):
@@ -67,6 +133,14 @@ class ScalingConfig(BaseModel):
     cpus: float | None = Field(default=None, gt=0, le=4096)
     memory_mib: int | None = Field(default=None, gt=0, le=1 << 30)
     name_prefix: str = Field(default="burst", pattern=r"^[a-z][a-z0-9]{0,15}$")
+    local_netns: LocalNetnsOptions = Field(default_factory=LocalNetnsOptions)
+    libvirt: LibvirtOptions | None = Field(default=None, description="required by provider libvirt")
+
+    @model_validator(mode="after")
+    def _provider_settings(self) -> ScalingConfig:
+        if self.provider == "libvirt" and self.libvirt is None:
+            raise ValueError("provider libvirt needs a libvirt table (apiservers, uri, storage_pool...)")
+        return self
 
     @field_validator("labels")
     @classmethod
@@ -85,6 +159,47 @@ class ScalingConfig(BaseModel):
         return NodeRequest(name=name, labels=dict(self.labels), cpus=self.cpus, memory_mib=self.memory_mib)
 
 
+def build_provider(
+    config: ScalingConfig,
+    *,
+    port: int,
+    secret: str,
+    secret_file: Path | None,
+    scratch: Path,
+    shared_layers: Path,
+) -> NodeProvider:
+    """The provider ``config.provider`` names, for an apiserver listening on ``port``
+    (``InvalidRequest`` naming what is missing)."""
+    if config.provider == "libvirt":
+        assert config.libvirt is not None  # the model requires it
+        return LibvirtProvider(config.libvirt.settings, config.libvirt.apiservers, secret)
+    if secret_file is None:
+        raise InvalidRequest(
+            "provider local-netns hands its edges the cluster secret as a file: give --secret-file"
+        )
+    LocalNetnsProvider.require_tools()
+    opts = config.local_netns
+    return LocalNetnsProvider(
+        opts.apiserver_ports or [port],
+        shared_layers,
+        secret_file,
+        opts.data_root or scratch / "nodes",
+        edge_args=opts.edge_args,
+        edge_port=opts.edge_port,
+        start_timeout_s=opts.start_timeout_s,
+    )
+
+
+async def release_provider(provider: NodeProvider) -> None:
+    """What an apiserver that exits does with its provider. Local edges are its children in
+    namespaces only it knows of: they stop with it. VMs outlive it: the next apiserver's
+    scaler adopts them (``Scaler.start``), so only the connection is closed."""
+    if isinstance(provider, LocalNetnsProvider):
+        await provider.close()
+    elif isinstance(provider, LibvirtProvider):
+        await provider.disconnect()
+
+
 class FencingWatcher(Watcher):
     """The watcher, with nodes fenced from placement: their snapshot entry says
     ``capacity: 0, fenced: true`` (what an edge that fenced itself reports), so placement finds
@@ -101,6 +216,10 @@ class FencingWatcher(Watcher):
         self._polled = self.snapshot
         if self.fenced:
             self.snapshot = self._marked(self._polled)
+
+    def polled(self, name: str) -> dict[str, Any]:
+        """Node ``name`` as its edge last reported it (not as this watcher marks it)."""
+        return self._polled.get(name, {})
 
     def fence(self, name: str) -> None:
         self.fenced.add(name)
@@ -174,7 +293,7 @@ class Scaler:
             self.above_since = None
         for tracked in list(self.nodes.values()):
             if tracked.state == "running":
-                self._watch_idle(tracked, now, load)
+                await self._watch_idle(tracked, now, load)
             elif tracked.state == "fenced":
                 await self._drain(tracked, now)
 
@@ -208,22 +327,45 @@ class Scaler:
         held = int(s.get("running", 0)) + int(s.get("paused", 0)) + int(s.get("creating", 0))
         return held > 0 or self.placement.busy(name) > 0
 
-    def _watch_idle(self, tracked: _Tracked, now: float, load: float) -> None:
+    async def _watch_idle(self, tracked: _Tracked, now: float, load: float) -> None:
+        if self.watcher.polled(tracked.name).get("fenced"):
+            # Kept after a drain, but the unfence did not reach the edge: it refuses creates.
+            await self._fence_edge(tracked.name, False)
         if self._holds_anything(tracked.name):
             tracked.idle_since = None
             return
         if tracked.idle_since is None:
             tracked.idle_since = now
         if now - tracked.idle_since >= self.config.idle_s and load < self.config.threshold:
-            self.watcher.fence(tracked.name)
+            self.watcher.fence(tracked.name)  # this apiserver's placement: at once
+            if not await self._fence_edge(tracked.name, True):  # every apiserver's
+                self.watcher.unfence(tracked.name)
+                tracked.idle_since = None  # not fenced, so not drained: try again once idle
+                return
             tracked.state, tracked.fenced_at = "fenced", now
             self._event("fenced", tracked.name)
+
+    async def _fence_edge(self, name: str, fenced: bool) -> bool:
+        """The edge itself refuses creates (or stops refusing), so that every apiserver's
+        placement skips it, not only this one's; False if it could not be told."""
+        link = self.links.get(name)
+        if link is None:
+            return False
+        why = "scale-in drains this idle provider node" if fenced else "scale-in keeps this node"
+        try:
+            await asyncio.wait_for(link.fence(fenced, why), 10)
+        except Exception as exc:
+            what = "fenced" if fenced else "unfenced"
+            log.warning("scale-in: node %s could not be %s: %s", name, what, exc)
+            return False
+        return True
 
     async def _drain(self, tracked: _Tracked, now: float) -> None:
         assert tracked.fenced_at is not None
         if now - tracked.fenced_at < self.config.drain_s:
             return
         if not await self._edge_is_empty(tracked.name):
+            await self._fence_edge(tracked.name, False)  # else retried while it runs
             self.watcher.unfence(tracked.name)
             tracked.state, tracked.idle_since, tracked.fenced_at = "running", None, None
             self._event("unfenced", tracked.name)
@@ -250,6 +392,9 @@ class Scaler:
             ids = await asyncio.wait_for(link.sandbox_ids(), 10)
         except Exception as exc:
             log.warning("scale-in: node %s did not answer, kept: %s", name, exc)
+            return False
+        if not stats.get("fenced"):
+            log.warning("scale-in: node %s no longer refuses creates (restarted?), kept", name)
             return False
         held = int(stats.get("running", 0)) + int(stats.get("paused", 0)) + int(stats.get("creating", 0))
         return held == 0 and not ids

@@ -311,8 +311,17 @@ def apiserver_cmd(
             " (targets: name, url, api_key_file, weight, max_sandboxes; threshold, default 0.8)"
         ),
     ] = None,
+    scaling: Annotated[
+        Path | None,
+        typer.Option(
+            help="JSON or TOML file: start nodes under sustained load and stop idle ones"
+            " (provider local-netns or libvirt, threshold, sustain_s, idle_s, max_nodes, labels...;"
+            " docs/overflow.md). Give it to one apiserver of the cluster"
+        ),
+    ] = None,
 ) -> None:
     """Run a stateless apiserver over the edges that register with the cluster (run several)."""
+    from dsec.apiserver.scaling import release_provider
     from dsec.edge.server import read_cluster_secret
     from dsec.images.blobstore import SharedMountBlobStore
     from dsec.node.cluster import ApiServerConfig, ClusterApiServer
@@ -321,6 +330,7 @@ def apiserver_cmd(
 
     limits = _layer_limits(layer_limits)  # a bad value stops here, before anything starts
     bursts = None if overflow is None else _overflow_config(overflow)
+    scale = None if scaling is None else _scaling(scaling, port, secret_file, scratch, shared_layers)
 
     async def serve() -> None:
         store = LayerStore.over(SharedMountBlobStore(shared_layers), scratch=scratch)
@@ -338,11 +348,18 @@ def apiserver_cmd(
             e2b_domain,
             audit_log or scratch / "audit.log",
             overflow=bursts,
+            scaling=None if scale is None else scale[0],
+            node_provider=None if scale is None else scale[1],
         )
         server = ClusterApiServer(cfg)
-        url = await server.start()
-        await _serve_until_signalled(f"[green]apiserver is up[/green] at {url} ({len(server.links)} edges)")
-        await server.close()
+        try:
+            url = await server.start()
+            up = f"[green]apiserver is up[/green] at {url} ({len(server.links)} edges)"
+            await _serve_until_signalled(up)
+            await server.close()
+        finally:
+            if scale is not None:
+                await release_provider(scale[1])
 
     try:
         asyncio.run(serve())
@@ -357,6 +374,32 @@ def _overflow_config(path: Path) -> Any:
         return OverflowConfig.load(path)
     except (OSError, ValueError) as exc:
         raise _fail(DSecError(f"--overflow: {exc}")) from None
+
+
+def _scaling(
+    path: Path, port: int, secret_file: Path | None, scratch: Path, shared_layers: Path
+) -> tuple[Any, Any]:
+    """The scaling policy and the provider it names, before anything starts."""
+    from dsec.apiserver.scaling import ScalingConfig, build_provider
+    from dsec.edge.server import read_cluster_secret
+
+    try:
+        config = ScalingConfig.load(path)  # a ValueError names the file and the field
+    except (OSError, ValueError) as exc:
+        raise _fail(DSecError(f"--scaling: {exc}")) from None
+    try:
+        secret = read_cluster_secret(secret_file)
+        provider = build_provider(
+            config,
+            port=port,
+            secret=secret,
+            secret_file=secret_file,
+            scratch=scratch,
+            shared_layers=shared_layers,
+        )
+    except DSecError as exc:
+        raise _fail(DSecError(f"--scaling {path}: {exc}")) from None
+    return config, provider
 
 
 def _fncall_pools(path: Path | None, default_size: int) -> list[Any]:

@@ -2,7 +2,7 @@
 are kept once.
 
 What is marked (``madvise(MADV_MERGEABLE)``): QEMU's guest RAM (its default), and FnCall
-runners' warm interpreters (``fncall/runner.py --mergeable``: every runner of a pool lays out
+runners' warm interpreters (``fncall/runner/layout.py``, ``--mergeable``: every runner of a pool lays out
 its memory alike, so most of what its preloads built is the same page in every sandbox of the
 pool). Container sandboxes are not marked, and ksmd scans nothing else: a node of containers
 costs it nothing.

@@ -17,15 +17,13 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from dsec.backends.base import Backend
+from dsec.edge.config import EdgeConfig
+from dsec.edge.tally import LiveSandboxes
 from dsec.protocol.errors import CapacityExhausted, CapacityReason, DSecError
 from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
-
-if TYPE_CHECKING:
-    from dsec.backends.base import Backend
-    from dsec.edge.config import EdgeConfig
-    from dsec.edge.tally import LiveSandboxes
 
 log = logging.getLogger("dsec.edge")
 MiB = 1 << 20
@@ -46,24 +44,30 @@ def mem_total_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+class Pause(Protocol):
+    """How admission pauses a sandbox to make room (:meth:`dsec.edge.pausing.Pausing.pause`)."""
+
+    async def __call__(self, sandbox_id: str, *, reason: str, drain_s: float | None) -> SandboxInfo: ...
+
+
 class Admission:
-    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
-
-    if TYPE_CHECKING:
-        config: EdgeConfig
-        _live: LiveSandboxes
-        _creating: int
-
-        async def pause(
-            self, sandbox_id: str, *, reason: str = ..., drain_s: float | None = ...
-        ) -> SandboxInfo: ...
+    """Whether a create fits the node, and room made for it by pausing the idlest."""
 
     # What the node has; replaced in tests to simulate a small or a pressed node.
     available_memory: Callable[[], int] = staticmethod(mem_available_bytes)
     total_memory: Callable[[], int] = staticmethod(mem_total_bytes)
-    _reserved: tuple[int, float] = (0, 0.0)  # admitted creates not running yet
-    _enforces_disk: dict[str, bool] | None = None  # backend name -> can it enforce disk_limit_mb
-    _default_disk_cap: int = 1 << 30  # MiB: the quota file system's size, once asked
+
+    def __init__(
+        self, config: EdgeConfig, live: LiveSandboxes, *, creating: Callable[[], int], pause: Pause
+    ) -> None:
+        """``creating``: how many creates are under way (they count against ``max_sandboxes``)."""
+        self.config = config
+        self.live = live
+        self.creating = creating
+        self.pause = pause
+        self._reserved: tuple[int, float] = (0, 0.0)  # admitted creates not running yet
+        self._enforces_disk: dict[str, bool] = {}  # backend name -> can it enforce disk_limit_mb
+        self._default_disk_cap = 1 << 30  # MiB: the quota file system's size, once asked
 
     def with_default_disk(self, spec: ContainerSpec, backend: Backend) -> ContainerSpec:
         """``spec`` with the node's ``default_disk_limit_mb`` if it sets no limit of its own:
@@ -73,8 +77,6 @@ class Admission:
         default = self.config.default_disk_limit_mb
         if default is None or spec.type != "container" or spec.disk_limit_mb is not None:
             return spec
-        if self._enforces_disk is None:
-            self._enforces_disk = {}
         can = self._enforces_disk.get(backend.name)
         if can is None:
             caps = backend.capabilities()
@@ -93,7 +95,7 @@ class Admission:
     def committed(self) -> tuple[int, float]:
         """(memory bytes, CPU cores) the running sandboxes may use at most."""
         mem, cpu = 0, 0.0
-        for live in self._live.values():
+        for live in self.live.values():
             if live.record.state in (SandboxState.running, SandboxState.creating):
                 mem += live.record.spec.memory_limit_mb * MiB
                 cpu += live.record.spec.cpu_cores_limit
@@ -137,7 +139,7 @@ class Admission:
         return None
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, spec: ContainerSpec) -> AsyncIterator[None]:
+    async def reserve(self, spec: ContainerSpec) -> AsyncIterator[None]:
         """Room for ``spec`` while it is created (held until it runs and counts by itself),
         made by pausing idle sandboxes if need be; else CapacityExhausted."""
         ceiling = self.memory_limit_ceiling()
@@ -147,7 +149,7 @@ class Admission:
                 f" one sandbox ({ceiling // MiB} MiB)",
                 reason=NEVER_FITS,
             )
-        if len(self._live) + self._creating >= self.config.max_sandboxes:
+        if len(self.live) + self.creating() >= self.config.max_sandboxes:
             full = f"{self.config.max_sandboxes} sandboxes"
             raise CapacityExhausted(f"node {self.config.node} is full ({full})")
         why = self._fits(spec)
@@ -177,7 +179,7 @@ class Admission:
         cutoff = time.time() - self.config.pressure_min_idle_s
         idle = [
             live
-            for live in self._live.values()
+            for live in self.live.values()
             if live.record.state is SandboxState.running
             and not live.busy
             and live.record.last_active_at <= cutoff

@@ -1,7 +1,7 @@
 """Work inside a sandbox: shell commands, execs, files, and packing what it changed.
 
 Every request goes through the trajectory recorder (:mod:`dsec.edge.trajectory`), and through
-:meth:`~dsec.edge.pausing.Pausing._use`, which resumes a paused sandbox first. Packing never
+:meth:`~dsec.edge.pausing.Pausing.use`, which resumes a paused sandbox first. Packing never
 changes the sandbox: its upper directory is copied as hard links (the sandbox frozen, so the
 copy is one moment) and residue is scrubbed from the copy, not from the sandbox.
 """
@@ -9,25 +9,32 @@ copy is one moment) and residue is scrubbed from the copy, not from the sandbox.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dsec.backends.base import Display, HoldsSessions, sandbox_env
+from dsec.backends.base import Backend, Display, HoldsSessions, sandbox_env
 from dsec.edge.changes import NODE_TOOLS, check_under, walk_changes
+from dsec.edge.config import EdgeConfig
+from dsec.edge.journal import Record
+from dsec.edge.networking import Networking
+from dsec.edge.pausing import Pausing
+from dsec.edge.tally import LiveSandboxes, _Live
+from dsec.edge.trajectory import Recorder
 from dsec.executor.file_ops import FileOps
 from dsec.executor.process import DEFAULT_MAX_OUTPUT, SandboxProcess, run_streaming
 from dsec.executor.session import DRIVER, Session
 from dsec.iam.base import in_subtree
 from dsec.images.commit import DEFAULT_SCRUB, scrub
+from dsec.images.mounts import LayerMounts
 from dsec.images.refs import parse_tag
-from dsec.observe.edge_metrics import command_outcome
+from dsec.images.store import LayerStore
+from dsec.observe.edge_metrics import EdgeMetrics, command_outcome
 from dsec.protocol.errors import (
     DSecError,
     InfraFailure,
@@ -46,22 +53,11 @@ from dsec.protocol.models import (
     ExecEvent,
     InputEvent,
     LayerInfo,
-    NetworkRules,
     SandboxInfo,
     SandboxState,
     ShellRequest,
     TrajectoryEntry,
 )
-
-if TYPE_CHECKING:
-    from dsec.backends.base import Backend
-    from dsec.edge.config import EdgeConfig
-    from dsec.edge.journal import Record
-    from dsec.edge.tally import _Live
-    from dsec.edge.trajectory import Recorder
-    from dsec.images.mounts import LayerMounts
-    from dsec.images.store import LayerStore
-    from dsec.observe.edge_metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge")
 _VERSION_RETRIES = 20
@@ -90,26 +86,33 @@ def _summary(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class Commands:
-    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+    """Work inside the edge's sandboxes: commands, files, displays, packing, the trajectory."""
 
-    if TYPE_CHECKING:
-        config: EdgeConfig
-        backend: Backend
-        store: LayerStore
-        mounts: LayerMounts
-        recorder: Recorder
-        prom: EdgeMetrics
-
-        async def _use(self, sandbox_id: str) -> _Live: ...
-        def _working(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
-        def _starting(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
-        def _held_still(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
-        def _get_live(self, sandbox_id: str) -> _Live: ...
-        def _workdir(self, sandbox_id: str) -> Path: ...
-        def get(self, sandbox_id: str) -> SandboxInfo: ...
-        def backend_of(self, rec: Record) -> Backend: ...
-        def network_held(self, sandbox_id: str, rules: NetworkRules) -> list[str]: ...
-        def package_client_files(self, sandbox_id: str) -> list[str]: ...
+    def __init__(
+        self,
+        config: EdgeConfig,
+        store: LayerStore,
+        mounts: LayerMounts,
+        recorder: Recorder,
+        prom: EdgeMetrics,
+        live: LiveSandboxes,
+        backend_of: Callable[[Record], Backend],
+        pausing: Pausing,
+        networking: Networking,
+        *,
+        get: Callable[[str], SandboxInfo],
+    ) -> None:
+        """``get``: any sandbox the journal still holds, running or not (the edge's ``get``)."""
+        self.config = config
+        self.store = store
+        self.mounts = mounts
+        self.recorder = recorder
+        self.prom = prom
+        self.live = live
+        self.backend_of = backend_of
+        self.pausing = pausing
+        self.networking = networking
+        self.get = get
 
     async def run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         request = {"command": req.command, "session": req.session, "timeout": req.timeout}
@@ -125,7 +128,7 @@ class Commands:
         shell = "/bin/bash" if await self._exists(live, "/bin/bash") else "/bin/sh"
         backend = self.backend_of(rec)
         start = backend.spawn_session if isinstance(backend, HoldsSessions) else backend.spawn
-        async with self._starting(sandbox_id):
+        async with self.pausing.starting(sandbox_id):
             try:
                 return await start(
                     sandbox_id,
@@ -140,7 +143,7 @@ class Commands:
 
     async def _run_shell(self, sandbox_id: str, req: ShellRequest) -> CommandResult:
         started = time.perf_counter()
-        async with self._working(sandbox_id) as live:
+        async with self.pausing.working(sandbox_id) as live:
             session = live.sessions.get(req.session)
             if session is None:
                 # A partial, not a closure: one object per session, thousands held (decisions.md).
@@ -172,7 +175,7 @@ class Commands:
         max_output: int | None,
         idempotency_key: str | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        self._get_live(sandbox_id)  # a missing sandbox fails before anything is recorded
+        self.live.touch(sandbox_id)  # a missing sandbox fails before anything is recorded
         request = {
             "argv": argv,
             "cwd": cwd,
@@ -207,9 +210,9 @@ class Commands:
         max_output: int | None,
     ) -> AsyncGenerator[ExecEvent, None]:
         started = time.perf_counter()
-        async with self._working(sandbox_id) as live:
+        async with self.pausing.working(sandbox_id) as live:
             backend = self.backend_of(live.record)
-            async with self._starting(sandbox_id):
+            async with self.pausing.starting(sandbox_id):
                 try:
                     proc = await backend.spawn(
                         sandbox_id,
@@ -251,7 +254,7 @@ class Commands:
         """Pack what the sandbox changed into layer ``req.ref`` (a bare name: the next version),
         residue scrubbed from the packed copy. The sandbox keeps running, untouched."""
         patterns = [NODE_TOOLS, *(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
-        patterns += self.package_client_files(sandbox_id)  # the node's, pointing at this node
+        patterns += self.networking.package_client_files(sandbox_id)  # the node's, pointing at this node
 
         async def run() -> dict[str, Any]:
             return (await self._pack(sandbox_id, req.ref, patterns)).model_dump()
@@ -263,15 +266,15 @@ class Commands:
         """Pack the sandbox's whole state (nothing scrubbed) as ``ref`` and return the spec of
         a sandbox that starts from it: the same spec over the same layers plus the packed one."""
         info = await self.commit(sandbox_id, CommitRequest(ref=ref, scrub_defaults=False))
-        rec = self._get_live(sandbox_id).record
+        rec = self.live.touch(sandbox_id).record
         return rec.spec.model_copy(update={"image": None, "layers": [*rec.layers, info.digest]}), info
 
     async def _pack(self, sandbox_id: str, ref: str, patterns: list[str]) -> LayerInfo:
-        work = self._workdir(sandbox_id)
+        work = self.config.workdir(sandbox_id)
         staging = work / "pack"
         if ":" not in ref:
             parse_tag(f"{ref}:1")  # a bad name fails before the sandbox is frozen
-        async with self._held_still(sandbox_id) as live:
+        async with self.pausing.held_still(sandbox_id) as live:
             backend = self.backend_of(live.record)
             async with backend.writable_layer(sandbox_id, live.record.handle, work) as upper:
                 try:
@@ -281,7 +284,7 @@ class Commands:
                     # Still inside: the copy may share inodes with the sandbox, which must not
                     # write into them before mkfs has read them.
                     owner = live.record.spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT)
-                    network = self.network_held(sandbox_id, live.record.spec.network_rules)
+                    network = self.networking.network_held(sandbox_id, live.record.spec.network_rules)
                     return await asyncio.to_thread(self._import_versioned, staging, ref, owner, network)
                 finally:
                     await asyncio.to_thread(shutil.rmtree, staging, True)
@@ -311,21 +314,21 @@ class Commands:
         """What the sandbox changed relative to its layers, read from its upper directory on
         the host (nothing inside the sandbox can hide a change from this), below ``under``."""
         under = check_under(under)
-        async with self._held_still(sandbox_id) as live:
+        async with self.pausing.held_still(sandbox_id) as live:
             lowers = [self.mounts.path_for(d) for d in reversed(live.record.layers)]
             backend = self.backend_of(live.record)
             async with backend.writable_layer(
-                sandbox_id, live.record.handle, self._workdir(sandbox_id)
+                sandbox_id, live.record.handle, self.config.workdir(sandbox_id)
             ) as upper:
                 return await asyncio.to_thread(walk_changes, upper, lowers, under)
 
     async def files_ready(self, sandbox_id: str) -> FileOps:
         """File access to a sandbox (as its user), resumed first if it was paused."""
-        live = await self._use(sandbox_id)
+        live = await self.pausing.use(sandbox_id)
         return self.backend_of(live.record).files(live.record.handle, live.user)
 
     async def _display(self, sandbox_id: str) -> tuple[Display, _Live]:
-        live = await self._use(sandbox_id)
+        live = await self.pausing.use(sandbox_id)
         backend = self.backend_of(live.record)
         if not isinstance(backend, Display):
             raise InvalidRequest(

@@ -39,3 +39,7 @@ class EdgeConfig:
     # How long a caller's pause lets commands under way end before it freezes (edge/pausing.py);
     # those still running then resume with the sandbox. The reaper's pauses do not wait.
     pause_drain_s: float = 10.0
+
+    def workdir(self, sandbox_id: str) -> Path:
+        """Where the edge keeps a sandbox's files on the host (its backend's work directory)."""
+        return self.data_dir / "sandboxes" / sandbox_id

@@ -3,6 +3,10 @@
 It admits or rejects creates, journals each transition before acting on it, mounts layers
 once per node, drives the backend, owns every session and pipe, and reclaims sandboxes whose
 idle TTL or maximum lifetime ran out. A restart reconciles the journal with the runtime.
+
+The edge is the lifecycle (create, fork, stop, reconcile) and builds its services, each given
+what it uses and none importing the edge: ``edge.admission``, ``.pausing`` (with job leases),
+``.reclaimer``, ``.networking``, ``.processes``, ``.commands`` (:mod:`.op_handlers` calls them).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dsec.edge.tally import LiveSandboxes, _Live
 from dsec.edge.trajectory import Recorder, TrajectoryLog
 from dsec.edge.users import resolve_user
 from dsec.edge.wakeups import Wakeups
-from dsec.executor.process import watch_children_with_pidfds
+from dsec.executor.process import SandboxProcess, watch_children_with_pidfds
 from dsec.images.mounts import LayerMounts
 from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
@@ -53,8 +57,6 @@ from dsec.protocol.errors import (
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
-    DEFAULT_PROJECT,
-    PROJECT_LABEL,
     RESERVED_LABEL_PREFIX,
     ContainerSpec,
     SandboxInfo,
@@ -69,7 +71,7 @@ Registrar = Callable[[int | None], Awaitable[int]]
 _MAX_LABELS_REPORTED = 1000
 
 
-class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
+class Edge:
     def __init__(
         self,
         config: EdgeConfig,
@@ -91,22 +93,40 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         # The epoch this node's journal was written under; start() confirms it with the cluster.
         self.epoch = int(claimed) if claimed is not None else 0
         self.fenced = ""  # why this edge must not create (another registration replaced it)
+        # Why an apiserver fenced it (scale-in drains it: POST /edge/v1/fence); it may lift it.
+        self.drain_fence = ""
         self.hardware = hardware.detect(config.node_labels)
         self.pools = {c.name: FnPool(self, c) for c in config.fncall_pools}
         self.swap = Swap(config.swap, config.data_dir)
         self.ksm = Ksm(config.ksm, self.journal, owner=config.data_dir)  # claimed per node
         self.recorder = Recorder(TrajectoryLog(config.data_dir / "edge" / "trajectory.sqlite"))
-        self.leases = {(lease.project, lease.job): lease for lease in self.journal.leases()}
         self.egress = EgressPolicy(config.egress, config.node, self.journal, config.data_dir / "edge")
-        self.pause_totals = PauseTotals()
+        # The edge's services (each given what it uses, none the edge), over one sandbox table.
         self._live = LiveSandboxes()
         self._creating = 0
-        self._reaper: asyncio.Task[None] | None = None
-        self._last_liveness = 0.0
-        self._liveness_cursor = 0  # where the next liveness batch starts in _live's order
         self._wakeups = Wakeups()  # when the reaper next looks at each sandbox
         self.metrics = MetricsSampler(lambda: self._live, self.backend_of)  # E2B's get_metrics
         self.prom = EdgeMetrics()  # Prometheus: this edge's own registry (observe/edge_metrics.py)
+        self.pause_totals = PauseTotals()
+        live, journal, recorder, backend_of = self._live, self.journal, self.recorder, self.backend_of
+        self.networking: Networking = Networking(
+            self.egress, journal, recorder, live, backend_of, config.node
+        )
+        self.pausing: Pausing = Pausing(
+            config, journal, recorder, live, self._wakeups, self.prom, backend_of, self.pause_totals
+        )
+        self.admission: Admission = Admission(
+            config, live, creating=lambda: self._creating, pause=self.pausing.pause
+        )
+        self.reclaimer: Reclaimer = Reclaimer(
+            config, journal, recorder, live, self._wakeups, self.prom, backend_of, self.pausing,
+            stop=self.stop, relieve_pressure=self.admission.relieve_pressure
+        )  # fmt: skip
+        self.processes: Processes = Processes(recorder, live, backend_of, self.pausing)
+        self.commands: Commands = Commands(
+            config, store, mounts, recorder, self.prom, live, backend_of, self.pausing, self.networking,
+            get=self.get
+        )  # fmt: skip
         self.prom.bind(self)
 
     # -- lifecycle of the edge itself -------------------------------------------------------
@@ -132,7 +152,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         self.ksm.ensure()  # before the pools start: their runners mark memory only for a ksmd
         await self._reconcile()
         await self.egress.start({sid: live.record.spec.network_rules for sid, live in self._live.items()})
-        self._reaper = asyncio.create_task(self._reap_forever())
+        self.reclaimer.start()
         self.metrics.start()
         # Pool sandboxes do not outlive their runners' pipes, which died with the last edge.
         stale = [sid for sid, live in self._live.items() if POOL_LABEL in live.record.spec.labels]
@@ -142,11 +162,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
     async def close(self, *, stop_sandboxes: bool = False) -> None:
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         await self.metrics.close()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-        self._flush_activity()
+        await self.reclaimer.close()
         if stop_sandboxes:
             await asyncio.gather(*(self.stop(i, reason="edge_shutdown") for i in list(self._live)))
         for live in self._live.values():
@@ -179,7 +195,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 for digest in rec.layers:
                     self.mounts.acquire_layer(self.store, digest)
                 try:
-                    await self.reapply_pause_state(rec)
+                    await self.pausing.reapply_pause_state(rec)
                 except DSecError as exc:  # its cgroup vanished: the liveness check will reap it
                     log.warning("re-adopting %s: %s", rec.id, exc)
                 self._admit(_Live(rec, user))
@@ -191,20 +207,17 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             }.get(rec.state, "sandbox died while the edge was down")
             if not current and adoptable:
                 reason = f"the node re-registered with a new epoch ({self.epoch})"
-            await backend.destroy(rec.id, rec.handle, self._workdir(rec.id))
+            await backend.destroy(rec.id, rec.handle, self.config.workdir(rec.id))
             rec.state = SandboxState.stopped if rec.state is SandboxState.stopping else SandboxState.failed
             rec.stop_reason = reason
             self.journal.update(rec)
         for each in self.backends.values():
             for orphan in await each.leftovers():
                 if orphan not in known:
-                    await each.destroy(orphan, each.handle_type(), self._workdir(orphan))
+                    await each.destroy(orphan, each.handle_type(), self.config.workdir(orphan))
 
     def backend_of(self, rec: Record) -> Backend:
         return self.backends[rec.backend]
-
-    def _workdir(self, sandbox_id: str) -> Path:
-        return self.config.data_dir / "sandboxes" / sandbox_id
 
     # -- sandboxes --------------------------------------------------------------------------
 
@@ -226,6 +239,14 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 used.add(image)
         return used | set(self.mounts.mounted())
 
+    def committed(self) -> tuple[int, float]:
+        """(memory bytes, CPU cores) the running sandboxes may use at most (observe/edge_metrics.py)."""
+        return self.admission.committed()
+
+    async def spawn_service(self, sandbox_id: str, argv: list[str]) -> SandboxProcess:
+        """A FnCall runner (:class:`~dsec.edge.fncall.pool.PoolHost`)."""
+        return await self.processes.spawn_service(sandbox_id, argv)
+
     def fence(self, reason: str) -> None:
         """Refuse creates from now on: this node's name and epoch belong to another edge."""
         if not self.fenced:
@@ -242,7 +263,8 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             "running": len(self._live),  # paused ones included: they hold the node's disk
             "paused": len(live.paused),
             "creating": self._creating,
-            "capacity": 0 if self.fenced else self.config.max_sandboxes,
+            "capacity": 0 if self.fenced or self.drain_fence else self.config.max_sandboxes,
+            "fenced": bool(self.fenced or self.drain_fence),  # every apiserver's placement skips it
             "hardware": self.hardware,
             "by_backend": dict(live.by_backend),
             "by_project": dict(live.by_project),
@@ -250,7 +272,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             "by_label": dict(live.by_label.most_common(_MAX_LABELS_REPORTED)),
             "fncall": {name: pool.stats() for name, pool in self.pools.items()},
             "pause": dataclasses.asdict(self.pause_totals),
-            "admitted": self.admitted(),  # shares of admission's limits (0-1), overflow reads them
+            "admitted": self.admission.admitted(),  # shares of admission's limits (0-1), overflow reads them
             "swap_free_bytes": free_swap_bytes(),
             "ksm": self.ksm.stats(),
             "capabilities": {name: b.capabilities() for name, b in self.backends.items()},
@@ -259,8 +281,9 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
         """Admit and start a sandbox; ``sandbox_id`` is the ID the apiserver chose, if it did."""
-        if self.fenced:
-            raise CapacityExhausted(f"node {self.config.node} refuses creates: {self.fenced}")
+        if self.fenced or self.drain_fence:
+            why = self.fenced or self.drain_fence
+            raise CapacityExhausted(f"node {self.config.node} refuses creates: {why}")
         backend = self.backends.get(spec.type)
         if backend is None:
             raise CapacityExhausted(f"node {self.config.node} does not run {spec.type} sandboxes")
@@ -273,10 +296,10 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
         by_digest = {layer.digest: layer for layer in stacked}
         layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
         sid = self._new_id(sandbox_id)
-        spec = self.with_default_disk(spec, backend)
+        spec = self.admission.with_default_disk(spec, backend)
         admitting = time.perf_counter()
         try:
-            async with self._admitted(spec):
+            async with self.admission.reserve(spec):
                 self.prom.phase("admission", admitting)
                 digests = [layer.digest for layer in layers]
                 return await self._start(sid, spec, backend, digests, backend.create)
@@ -289,7 +312,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
     ) -> list[SandboxInfo]:
         """Copies of a running VM sandbox on this node, memory and processes included: one
         snapshot restored ``len(new_ids)`` times (IDs chosen by the apiserver), all or none."""
-        live = await self._use(sandbox_id)
+        live = await self.pausing.use(sandbox_id)
         backend = self.backend_of(live.record)
         if not isinstance(backend, Forkable):
             raise InvalidRequest(f"sandbox {sandbox_id} ({live.record.backend}) cannot be forked whole")
@@ -327,7 +350,9 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
     ) -> SandboxInfo:
         """Journal a new sandbox, mount its layers and have ``start`` run it; on failure the
         record says why and no layer reference is kept."""
-        self._check_network(spec, backend)
+        self.networking.check(spec, backend)
+        if self.drain_fence:  # fenced while admission held it: a drain counts on none landing
+            raise CapacityExhausted(f"node {self.config.node} refuses creates: {self.drain_fence}")
         self._creating += 1
         acquired: list[str] = []
         rec: Record | None = None
@@ -341,13 +366,13 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             user = resolve_user(dirs, spec.init_user)
             rec = Record(sid, SandboxState.creating, backend.name, spec, acquired, dataclasses.asdict(user))
             self.journal.insert(rec)
-            ctx = CreateContext(sid, spec, dirs, user, self._workdir(sid), layer_digests=acquired)
+            ctx = CreateContext(sid, spec, dirs, user, self.config.workdir(sid), layer_digests=acquired)
             ctx.nameserver = self.egress.config.gateway if self.egress.enabled else None
-            await self._open_link(ctx, backend)  # a VM's tap, before its QEMU starts
+            await self.networking.open_link(ctx, backend)  # a VM's tap, before its QEMU starts
             starting = time.perf_counter()
             rec.handle = await start(ctx)  # cleans up after itself when it fails
             try:
-                await self._connect(rec)
+                await self.networking.connect(rec)
             except BaseException:
                 await self.egress.release(sid)
                 await backend.destroy(sid, rec.handle, ctx.workdir)
@@ -358,7 +383,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
             self.prom.phase("runtime_start", starting)
             self.prom.created(sid, backend.name)
             self._admit(_Live(rec, user))
-            self.take_lease(spec)  # after it is live: a lease covering nothing is dropped
+            self.pausing.take_lease(spec)  # after it is live: a lease covering nothing is dropped
             return self._info(rec)
         except BaseException as exc:
             self.prom.create_failed(backend.name, exc)
@@ -468,16 +493,16 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
                 await session.kill()
             await live.processes.kill_all("sandbox stopped")
             try:
-                await self.backend_of(rec).destroy(sandbox_id, rec.handle, self._workdir(sandbox_id))
+                await self.backend_of(rec).destroy(sandbox_id, rec.handle, self.config.workdir(sandbox_id))
             except Exception as exc:
                 # Stays 'stopping': a later stop (or the reaper) tries again.
-                self.look_again(live)
+                self._wakeups.look_again(live)
                 log.exception("destroying %s failed", sandbox_id)
                 raise InfraFailure(
                     f"stopping {sandbox_id} failed: {exc}", reason=InfraReason.runtime
                 ) from exc
             await self.egress.release(sandbox_id)
-            self._forget_network(sandbox_id)
+            self.networking.forget(sandbox_id)
             for digest in rec.layers:
                 self.mounts.release(digest)
             rec.state = final
@@ -488,28 +513,7 @@ class Edge(Reclaimer, Pausing, Commands, Processes, Networking, Admission):
 
     def _admit(self, live: _Live) -> None:
         self._live.admit(live)
-        self.look_again(live)
+        self._wakeups.look_again(live)
 
     def _info(self, rec: Record) -> SandboxInfo:
-        return SandboxInfo(
-            id=rec.id,
-            state=rec.state,
-            backend=rec.backend,
-            node=self.config.node,
-            layers=rec.layers,
-            labels={k: v for k, v in rec.spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)},
-            project=rec.spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT),
-            init_user=rec.spec.init_user,
-            memory_limit_mb=rec.spec.memory_limit_mb,
-            cpu_cores_limit=rec.spec.cpu_cores_limit,
-            created_at=rec.created_at,
-            last_active_at=rec.last_active_at,
-            stop_reason=rec.stop_reason,
-            paused_at=rec.paused_at,
-            pause_reason=rec.pause_reason,
-            network_rules=rec.spec.network_rules,
-            refs=rec.spec.layer_refs(),
-            deadline_at=rec.deadline_at,
-            deadline_s=rec.deadline_s,
-            on_deadline="pause" if rec.on_deadline == "pause" else "stop" if rec.on_deadline else None,
-        )
+        return rec.info(self.config.node)

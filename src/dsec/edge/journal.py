@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.handle import Handle
-from dsec.protocol.models import ContainerSpec, SandboxState, parse_spec
+from dsec.protocol.models import (
+    DEFAULT_PROJECT,
+    PROJECT_LABEL,
+    RESERVED_LABEL_PREFIX,
+    ContainerSpec,
+    SandboxInfo,
+    SandboxState,
+    parse_spec,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -86,6 +94,31 @@ class Record:
     deadline_at: float | None = None
     deadline_s: float | None = None
     on_deadline: str | None = None
+
+    def info(self, node: str) -> SandboxInfo:
+        """What callers see of this sandbox on node ``node`` (reserved labels left out)."""
+        return SandboxInfo(
+            id=self.id,
+            state=self.state,
+            backend=self.backend,
+            node=node,
+            layers=self.layers,
+            labels={k: v for k, v in self.spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)},
+            project=self.spec.labels.get(PROJECT_LABEL, DEFAULT_PROJECT),
+            init_user=self.spec.init_user,
+            memory_limit_mb=self.spec.memory_limit_mb,
+            cpu_cores_limit=self.spec.cpu_cores_limit,
+            created_at=self.created_at,
+            last_active_at=self.last_active_at,
+            stop_reason=self.stop_reason,
+            paused_at=self.paused_at,
+            pause_reason=self.pause_reason,
+            network_rules=self.spec.network_rules,
+            refs=self.spec.layer_refs(),
+            deadline_at=self.deadline_at,
+            deadline_s=self.deadline_s,
+            on_deadline="pause" if self.on_deadline == "pause" else "stop" if self.on_deadline else None,
+        )
 
 
 @dataclass

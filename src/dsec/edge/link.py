@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.edge.edge import Edge
 from dsec.edge.op_handlers import CALLS, STREAMS
@@ -93,7 +96,17 @@ from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, Pty
 
 R = TypeVar("R")
 E = TypeVar("E")
+log = logging.getLogger("dsec.edge.link")
 _BULK_CONCURRENCY = 32  # stops in flight per node: each one kills a process tree and unmounts
+
+
+class FenceRequest(BaseModel):
+    """``POST /edge/v1/fence``: refuse creates (an apiserver drains the node) or stop refusing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fenced: bool
+    reason: str = Field(default="", max_length=500)
 
 
 @runtime_checkable
@@ -137,6 +150,12 @@ class EdgeLink(Protocol):
     async def sandbox_ids(self) -> list[str]:
         """The IDs of every sandbox running on the node: cheap, for quota reconciliation."""
         ...
+
+    async def fence(self, fenced: bool, reason: str = "") -> bool:
+        """Make the node refuse every create (``fenced``), for every apiserver, until lifted;
+        scale-in fences a node it drains (apiserver/scaling.py). Returns whether creates are
+        refused now (a takeover's fence, ``Edge.fence``, is not lifted by this)."""
+        raise InvalidRequest(f"{type(self).__name__} cannot fence a node")
 
     async def stop(self, sandbox_id: str) -> SandboxInfo: ...
 
@@ -378,13 +397,23 @@ class LocalEdgeLink(EdgeLink):
     async def sandbox_ids(self) -> list[str]:
         return self.edge.sandbox_ids()
 
+    async def fence(self, fenced: bool, reason: str = "") -> bool:
+        edge = self.edge
+        if fenced and not edge.drain_fence:
+            log.info("edge fenced by an apiserver, creates refused: %s", reason)
+        elif not fenced and edge.drain_fence:
+            log.info("edge unfenced by an apiserver: %s", reason)
+        edge.drain_fence = (reason or "fenced by an apiserver") if fenced else ""
+        return bool(edge.fenced or edge.drain_fence)
+
     async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:
         if not labels:
             raise InvalidRequest(f"a bulk {action} needs at least one label")
         ids = [i.id for i in self.edge.list_sandboxes(labels) if in_subtree(i.project, within)]
         gate = asyncio.Semaphore(_BULK_CONCURRENCY)
         acts: dict[str, Callable[[str], Awaitable[SandboxInfo]]]
-        acts = {"stop": self.edge.stop, "pause": self.edge.pause, "resume": self.edge.resume}
+        pausing = self.edge.pausing
+        acts = {"stop": self.edge.stop, "pause": pausing.pause, "resume": pausing.resume}
         act = acts[action]
 
         async def one(sid: str) -> SandboxInfo:
@@ -403,7 +432,7 @@ class LocalEdgeLink(EdgeLink):
         return result
 
     async def renew_lease(self, job: str, lease_s: float, within: str) -> tuple[int, float]:
-        return self.edge.renew_lease(job, lease_s, within)
+        return self.edge.pausing.renew_lease(job, lease_s, within)
 
     async def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
         return self.edge.layers_in_use(unmount_idle=unmount_idle)
@@ -417,7 +446,7 @@ class LocalEdgeLink(EdgeLink):
     # -- file content -------------------------------------------------------------------------
 
     async def _files(self, sandbox_id: str) -> FileOps:
-        return await self.edge.files_ready(self._routed(sandbox_id))
+        return await self.edge.commands.files_ready(self._routed(sandbox_id))
 
     async def read_stream(self, sandbox_id: str, path: str) -> AsyncGenerator[bytes, None]:
         files = await self._files(sandbox_id)

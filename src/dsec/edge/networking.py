@@ -5,44 +5,49 @@ The mechanics live in :mod:`dsec.netpolicy`."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from dsec.backends.base import Backend, CreateContext, GuestLink, Networked, Tapped, User
+from dsec.edge.journal import Journal, Record
+from dsec.edge.tally import LiveSandboxes
+from dsec.edge.trajectory import Recorder
 from dsec.netpolicy import grants
+from dsec.netpolicy.policy import EgressPolicy
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.models import ContainerSpec, NetworkRules, SandboxInfo
 from dsec.registry import clients as registry_clients
-
-if TYPE_CHECKING:
-    from dsec.edge.journal import Journal, Record
-    from dsec.edge.tally import _Live
-    from dsec.edge.trajectory import Recorder
-    from dsec.netpolicy.policy import EgressPolicy
 
 log = logging.getLogger(__name__)
 
 
 class Networking:
-    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+    """The edge's network permissions service: what its sandboxes may reach, and what they held."""
 
-    if TYPE_CHECKING:
-        egress: EgressPolicy
-        journal: Journal
-        recorder: Recorder
+    def __init__(
+        self,
+        egress: EgressPolicy,
+        journal: Journal,
+        recorder: Recorder,
+        live: LiveSandboxes,
+        backend_of: Callable[[Record], Backend],
+        node: str,
+    ) -> None:
+        self.egress = egress
+        self.journal = journal
+        self.recorder = recorder
+        self.live = live
+        self.backend_of = backend_of
+        self.node = node
 
-        def _get_live(self, sandbox_id: str) -> _Live: ...
-        def get(self, sandbox_id: str) -> SandboxInfo: ...
-        def backend_of(self, rec: Record) -> Backend: ...
-
-    def _check_network(self, spec: ContainerSpec, backend: Backend) -> None:
+    def check(self, spec: ContainerSpec, backend: Backend) -> None:
         """Before anything is made: known permission names, and a backend that can be linked."""
         self.egress.check(spec.network_rules)
         linkable = isinstance(backend, Networked | Tapped)
         if self.egress.rules_need_link(spec.network_rules) and not linkable:
             raise InvalidRequest(f"network permissions are not available for {backend.name} sandboxes yet")
 
-    async def _open_link(self, ctx: CreateContext, backend: Backend) -> None:
+    async def open_link(self, ctx: CreateContext, backend: Backend) -> None:
         """A sandbox that names network rules (even all False: it may be granted later) and
         takes its links only at start gets one before it starts: a VM its tap (QEMU attaches
         the network card at start, microvm cannot hot-plug), a gVisor sandbox a namespace with
@@ -89,7 +94,7 @@ class Networking:
         this node's proxy, for this sandbox's grants)."""
         held = {
             n.split("@", 1)[0]
-            for n in self.network_held(sandbox_id, self._get_live(sandbox_id).record.spec.network_rules)
+            for n in self.network_held(sandbox_id, self.live.touch(sandbox_id).record.spec.network_rules)
         }
         if not held & set(self.egress.config.registries):
             return []
@@ -99,14 +104,14 @@ class Networking:
         if held := set(grants.describe(rules)):
             self.journal.add_network_held(sandbox_id, held)
 
-    def _forget_network(self, sandbox_id: str) -> None:
+    def forget(self, sandbox_id: str) -> None:
         self.journal.drop_network_held(sandbox_id)
 
     def _netns_pid(self, rec: Record) -> int | None:
         backend = self.backend_of(rec)
         return backend.netns_pid(rec.handle) if isinstance(backend, Networked) else None
 
-    async def _connect(self, rec: Record) -> None:
+    async def connect(self, rec: Record) -> None:
         """A new sandbox gets what its rules allow (nothing to do for most: no rules)."""
         self.egress.started(rec.id)  # it runs in the namespace made for it, if one was
         self._note_network(rec.id, rec.spec.network_rules)
@@ -116,7 +121,7 @@ class Networking:
 
     async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
         """Replace the sandbox's network rules; effective in the kernel when this returns."""
-        live = self._get_live(sandbox_id)  # a paused sandbox's rules change without waking it
+        live = self.live.touch(sandbox_id)  # a paused sandbox's rules change without waking it
         self.egress.check(rules)
         backend = self.backend_of(live.record)
         if self.egress.rules_need_link(rules):
@@ -145,7 +150,7 @@ class Networking:
             return {"network_rules": grants.to_wire(rules)}
 
         await self.recorder.call(sandbox_id, "network", None, {"network_rules": grants.to_wire(rules)}, run)
-        return self.get(sandbox_id)
+        return live.record.info(self.node)
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:

@@ -60,7 +60,7 @@ async def _now(value: T) -> T:
 
 
 async def _files(edge: Edge, sandbox_id: str, act: Callable[[FileOps], Awaitable[T]]) -> T:
-    return await act(await edge.files_ready(sandbox_id))
+    return await act(await edge.commands.files_ready(sandbox_id))
 
 
 async def _recorded_stat(
@@ -70,7 +70,7 @@ async def _recorded_stat(
     request: dict[str, Any],
     act: Callable[[FileOps], Awaitable[FileStat]],
 ) -> FileStat:
-    files = await edge.files_ready(sid)
+    files = await edge.commands.files_ready(sid)
 
     async def run() -> dict[str, Any]:
         return (await act(files)).model_dump()
@@ -79,7 +79,7 @@ async def _recorded_stat(
 
 
 async def _remove(edge: Edge, sandbox_id: str, op: Remove) -> None:
-    files = await edge.files_ready(sandbox_id)
+    files = await edge.commands.files_ready(sandbox_id)
 
     async def rm() -> dict[str, Any]:
         await files.remove(op.path, op.recursive)
@@ -95,7 +95,7 @@ async def _metrics(edge: Edge, sandbox_id: str, op: Metrics) -> Any:
 
 
 async def _fork_spec(edge: Edge, sandbox_id: str, op: ForkSpec) -> ForkSpecResult:
-    spec, layer = await edge.fork_spec(sandbox_id, op.ref)
+    spec, layer = await edge.commands.fork_spec(sandbox_id, op.ref)
     return ForkSpecResult(spec=spec, layer=layer)
 
 
@@ -120,29 +120,29 @@ CALLS: dict[type, CallHandler] = {
         lambda f: f.move(o.source, o.destination),
     ),
     Remove: _remove,
-    Changes: lambda e, s, o: e.changes(s, o.under),
-    Pause: lambda e, s, o: e.pause(s),
-    Resume: lambda e, s, o: e.resume(s),
-    SetNetworkRules: lambda e, s, o: e.set_network_rules(s, o.network_rules),
-    SetDeadline: lambda e, s, o: _now(e.set_deadline(s, o.timeout_s, o.on_timeout)),
-    Trajectory: lambda e, s, o: _now(e.trajectory(s, o.after, o.limit)),
+    Changes: lambda e, s, o: e.commands.changes(s, o.under),
+    Pause: lambda e, s, o: e.pausing.pause(s),
+    Resume: lambda e, s, o: e.pausing.resume(s),
+    SetNetworkRules: lambda e, s, o: e.networking.set_network_rules(s, o.network_rules),
+    SetDeadline: lambda e, s, o: _now(e.reclaimer.set_deadline(s, o.timeout_s, o.on_timeout)),
+    Trajectory: lambda e, s, o: _now(e.commands.trajectory(s, o.after, o.limit)),
     Metrics: _metrics,
-    Screenshot: lambda e, s, o: _image(e.screenshot(s)),
+    Screenshot: lambda e, s, o: _image(e.commands.screenshot(s)),
     ForkLocal: lambda e, s, o: e.fork_local(s, o.ids, o.labels),
-    SendInput: lambda e, s, o: e.send_input(s, o.events),
+    SendInput: lambda e, s, o: e.commands.send_input(s, o.events),
     ForkSpec: _fork_spec,
-    RunShell: lambda e, s, o: e.run_shell(s, o),
-    Commit: lambda e, s, o: e.commit(s, _commit_request(o)),
-    ListProcesses: lambda e, s, o: _now(e.list_processes(s)),
-    SendProcessInput: lambda e, s, o: e.send_process_input(s, o.pid, o.data),
-    CloseProcessStdin: lambda e, s, o: e.close_process_stdin(s, o.pid),
-    SignalProcess: lambda e, s, o: e.signal_process(s, o.pid, o.signal),
-    ResizeProcess: lambda e, s, o: e.resize_process(s, o.pid, PtySize(rows=o.rows, cols=o.cols)),
+    RunShell: lambda e, s, o: e.commands.run_shell(s, o),
+    Commit: lambda e, s, o: e.commands.commit(s, _commit_request(o)),
+    ListProcesses: lambda e, s, o: _now(e.processes.list_processes(s)),
+    SendProcessInput: lambda e, s, o: e.processes.send_process_input(s, o.pid, o.data),
+    CloseProcessStdin: lambda e, s, o: e.processes.close_process_stdin(s, o.pid),
+    SignalProcess: lambda e, s, o: e.processes.signal_process(s, o.pid, o.signal),
+    ResizeProcess: lambda e, s, o: e.processes.resize_process(s, o.pid, PtySize(rows=o.rows, cols=o.cols)),
 }
 """Each call op's handler: ``(edge, sandbox_id, op) -> awaitable answer``."""
 
 STREAMS: dict[type, StreamHandler] = {
-    Exec: lambda e, s, o: e.exec_stream(
+    Exec: lambda e, s, o: e.commands.exec_stream(
         s,
         o.argv,
         stdin=o.stdin_bytes(),
@@ -152,9 +152,9 @@ STREAMS: dict[type, StreamHandler] = {
         max_output=o.max_output_bytes,
         idempotency_key=o.idempotency_key,
     ),
-    StartProcess: lambda e, s, o: e.start_process(s, o),
-    ConnectProcess: lambda e, s, o: e.connect_process(s, o.pid),
-    WatchDir: lambda e, s, o: e.watch_dir(s, o.path, o.recursive),
+    StartProcess: lambda e, s, o: e.processes.start_process(s, o),
+    ConnectProcess: lambda e, s, o: e.processes.connect_process(s, o.pid),
+    WatchDir: lambda e, s, o: e.processes.watch_dir(s, o.path, o.recursive),
 }
 """Each stream op's handler: ``(edge, sandbox_id, op) -> async generator of events``."""
 

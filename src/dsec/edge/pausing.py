@@ -8,8 +8,8 @@ has to know. The journaled state is re-applied on restart (freeze is idempotent)
 sandbox stays paused across an edge restart, and one caught mid-pause ends up as journaled.
 
 Pause and work exclude each other (the gate, state on :class:`~dsec.edge.tally._Live`): a
-command counts as work (:meth:`Pausing._working`) from before it starts until it answered, and
-every process the edge starts in the sandbox is a start (:meth:`Pausing._starting`). A pause
+command counts as work (:meth:`Pausing.working`) from before it starts until it answered, and
+every process the edge starts in the sandbox is a start (:meth:`Pausing.starting`). A pause
 closes the gate to new work, waits for the work under way to end (``pause_drain_s`` for a
 caller's pause, not at all for the reaper's), then waits for the starts under way and freezes;
 work that came meanwhile waits for the pause and resumes the sandbox. A start never meets a
@@ -34,22 +34,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dsec.edge.journal import Lease
-from dsec.edge.tally import LeaseKey, lease_key
+from dsec.backends.base import Backend
+from dsec.edge.config import EdgeConfig
+from dsec.edge.journal import Journal, Lease, Record
+from dsec.edge.tally import LeaseKey, LiveSandboxes, _Live, lease_key
+from dsec.edge.trajectory import Recorder
+from dsec.edge.wakeups import Wakeups
 from dsec.iam.base import in_subtree
+from dsec.observe.edge_metrics import EdgeMetrics
 from dsec.protocol.errors import Conflict, InfraFailure, InfraReason, SandboxNotFound
-from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec, SandboxInfo, SandboxState
-
-if TYPE_CHECKING:
-    from dsec.backends.base import Backend
-    from dsec.edge.config import EdgeConfig
-    from dsec.edge.journal import Journal, Record
-    from dsec.edge.tally import LiveSandboxes, _Live
-    from dsec.edge.trajectory import Recorder
-    from dsec.observe.edge_metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge")
 
@@ -67,34 +63,35 @@ class PauseTotals:
 
 
 class Pausing:
-    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+    """The edge's gate between work, pauses and stops, pause and resume, and job leases."""
 
-    if TYPE_CHECKING:
-        config: EdgeConfig
-        backend: Backend
-        journal: Journal
-        recorder: Recorder
-        _live: LiveSandboxes
-        leases: dict[LeaseKey, Lease]
-        pause_totals: PauseTotals
-        prom: EdgeMetrics
+    def __init__(
+        self,
+        config: EdgeConfig,
+        journal: Journal,
+        recorder: Recorder,
+        live: LiveSandboxes,
+        wakeups: Wakeups,
+        prom: EdgeMetrics,
+        backend_of: Callable[[Record], Backend],
+        totals: PauseTotals,
+    ) -> None:
+        self.config = config
+        self.journal = journal
+        self.recorder = recorder
+        self.live = live
+        self.wakeups = wakeups
+        self.prom = prom
+        self.backend_of = backend_of
+        self.totals = totals
+        self.leases: dict[LeaseKey, Lease] = {(x.project, x.job): x for x in journal.leases()}
 
-        def _info(self, rec: Record) -> SandboxInfo: ...
-        def backend_of(self, rec: Record) -> Backend: ...
-        def look_again(self, live: _Live) -> None: ...
+    def _info(self, rec: Record) -> SandboxInfo:
+        return rec.info(self.config.node)
 
-    def _get_live(self, sandbox_id: str) -> _Live:
-        """A sandbox that is running or paused; touching it counts as activity."""
-        SandboxId.parse(sandbox_id)  # a malformed ID is the caller's error, not a missing sandbox
-        live = self._live.get(sandbox_id)
-        if live is None or live.record.state not in (SandboxState.running, SandboxState.paused):
-            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist or is no longer running")
-        live.touch()
-        return live
-
-    async def _use(self, sandbox_id: str) -> _Live:
+    async def use(self, sandbox_id: str) -> _Live:
         """The sandbox a request works on, resumed first if it was paused."""
-        live = self._get_live(sandbox_id)
+        live = self.live.touch(sandbox_id)
         if live.record.state is SandboxState.paused:
             info = await self.resume(sandbox_id)
             if info.state is not SandboxState.running:  # stopped while it resumed
@@ -107,17 +104,17 @@ class Pausing:
         it :class:`SandboxNotFound` (``_get_live``). Returns without awaiting after its last
         check: the caller counts itself in before anything else runs."""
         while True:
-            live = self._get_live(sandbox_id)
+            live = self.live.touch(sandbox_id)
             shut = live.freezing if start else live.closed
             if live.record.state is SandboxState.running and not shut:
                 return live
             if live.record.state is SandboxState.paused and not shut:
-                await self._use(sandbox_id)
+                await self.use(sandbox_id)
             else:
                 await live.changed()
 
     @contextlib.asynccontextmanager
-    async def _working(self, sandbox_id: str) -> AsyncIterator[_Live]:
+    async def working(self, sandbox_id: str) -> AsyncIterator[_Live]:
         """A command of a caller, from its start until its answer: a pause lets it end first
         (for ``pause_drain_s``); one that comes during a pause waits for it, then resumes."""
         live = await self._open(sandbox_id, start=False)
@@ -125,7 +122,7 @@ class Pausing:
             yield live
 
     @contextlib.asynccontextmanager
-    async def _starting(self, sandbox_id: str) -> AsyncIterator[_Live]:
+    async def starting(self, sandbox_id: str) -> AsyncIterator[_Live]:
         """Around starting a process in the sandbox: never into a frozen cgroup, and a stop
         waits for it before it destroys the sandbox (the process then dies with it)."""
         live = await self._open(sandbox_id, start=True)
@@ -133,7 +130,7 @@ class Pausing:
             yield live
 
     @contextlib.asynccontextmanager
-    async def _held_still(self, sandbox_id: str) -> AsyncIterator[_Live]:
+    async def held_still(self, sandbox_id: str) -> AsyncIterator[_Live]:
         """Around the edge's own reading of a running sandbox's writable layer (pack, changes),
         for which the backend freezes it: no process starts meanwhile (it would meet a frozen
         cgroup), and no pause, resume or stop runs (a pause's freeze and the reading's thaw
@@ -160,7 +157,7 @@ class Pausing:
     ) -> SandboxInfo:
         """``drain_s``: how long commands under way may take to end before the freeze (default
         ``pause_drain_s``); those still running then resume with the sandbox."""
-        self._get_live(sandbox_id)  # unknown: an error, not a trajectory entry
+        self.live.touch(sandbox_id)  # unknown: an error, not a trajectory entry
         wait = self.config.pause_drain_s if drain_s is None else drain_s
 
         async def run() -> dict[str, Any]:
@@ -170,7 +167,7 @@ class Pausing:
         return SandboxInfo.model_validate(out)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
-        live = self._get_live(sandbox_id)
+        live = self.live.touch(sandbox_id)
         if live.record.state is not SandboxState.paused:
             return self._info(live.record)
 
@@ -180,7 +177,7 @@ class Pausing:
         return SandboxInfo.model_validate(await self.recorder.call(sandbox_id, "resume", None, {}, run))
 
     async def _pause(self, sandbox_id: str, reason: str, drain_s: float) -> SandboxInfo:
-        live = self._get_live(sandbox_id)
+        live = self.live.touch(sandbox_id)
         async with live.stopping:
             rec = live.record
             if rec.state is SandboxState.paused:
@@ -211,12 +208,12 @@ class Pausing:
             await backend.thaw(sandbox_id, rec.handle)
             raise InfraFailure(f"pausing {sandbox_id}: {exc}", reason=InfraReason.runtime) from exc
         rec.state = SandboxState.paused
-        self._live.mark_paused(sandbox_id, True)
+        self.live.mark_paused(sandbox_id, True)
         rec.paused_at = time.time()
         rec.pause_reason = reason
         self.journal.update(rec)
-        self.look_again(live)  # its idle TTL counts from now, whatever still runs in it
-        totals = self.pause_totals
+        self.wakeups.look_again(live)  # its idle TTL counts from now, whatever still runs in it
+        totals = self.totals
         totals.pauses += 1
         totals.returned_bytes += returned
         totals.last_pause_s = time.monotonic() - started
@@ -225,7 +222,7 @@ class Pausing:
         return self._info(rec)
 
     async def _resume(self, sandbox_id: str) -> SandboxInfo:
-        live = self._get_live(sandbox_id)
+        live = self.live.touch(sandbox_id)
         async with live.stopping:
             rec = live.record
             if rec.state is not SandboxState.paused:
@@ -235,15 +232,15 @@ class Pausing:
             prefetched = await backend.prefetch(sandbox_id, rec.handle)
             await backend.thaw(sandbox_id, rec.handle)
             rec.state = SandboxState.running
-            self._live.mark_paused(sandbox_id, False)
+            self.live.mark_paused(sandbox_id, False)
             rec.paused_at = None
             rec.pause_reason = None
             live.touch()
             if rec.deadline_s is not None:  # only running time counts against a deadline
                 rec.deadline_at = rec.last_active_at + rec.deadline_s
             self.journal.update(rec)
-            self.look_again(live)  # a deadline that counts again
-            totals = self.pause_totals
+            self.wakeups.look_again(live)  # a deadline that counts again
+            totals = self.totals
             totals.resumes += 1
             totals.prefetched_bytes += prefetched
             totals.last_resume_s = time.monotonic() - started
@@ -281,7 +278,7 @@ class Pausing:
                 lease.expires_at = expires
                 self.journal.put_lease(lease)
                 renewed.add(key)
-        covered = sum(len(self._live.by_lease.get(key, ())) for key in renewed)
+        covered = sum(len(self.live.by_lease.get(key, ())) for key in renewed)
         return covered, expires
 
     def lease_actions(self, now: float) -> tuple[list[str], list[str]]:
@@ -291,14 +288,14 @@ class Pausing:
         to_stop: list[str] = []
         for key in list(self.leases):
             lease = self.leases[key]
-            held = self._live.by_lease.get(key)
+            held = self.live.by_lease.get(key)
             if not held:
                 del self.leases[key]
                 self.journal.drop_lease(*key)
             elif now >= lease.expires_at + lease.grace_s:
                 to_stop.extend(held)
             elif now >= lease.expires_at:
-                to_pause.extend(sid for sid in held if self._live[sid].record.state is SandboxState.running)
+                to_pause.extend(sid for sid in held if self.live[sid].record.state is SandboxState.running)
         return to_pause, to_stop
 
 

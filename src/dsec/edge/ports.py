@@ -21,6 +21,7 @@ import asyncio
 import ctypes
 import errno
 import json
+import logging
 import os
 import socket
 import threading
@@ -31,6 +32,7 @@ from aiohttp import WSMsgType, web
 
 from dsec._linux import CLONE_NEWNET
 from dsec.backends.base import Networked
+from dsec.observe import request_ids
 from dsec.protocol.errors import (
     Conflict,
     ConflictReason,
@@ -51,6 +53,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.setns.restype = ctypes.c_int
 _REFUSED = (errno.ECONNREFUSED, errno.EADDRNOTAVAIL, errno.ENETUNREACH)
+log = logging.getLogger(__name__)
 
 
 class PortStream(Protocol):
@@ -148,7 +151,7 @@ async def connect_port(edge: Edge, sandbox_id: str, port: int) -> SocketStream:
     """Connect to ``port`` on the sandbox's loopback (resumed first if paused); a port nothing
     listens on is ``Conflict`` with reason :data:`PORT_CLOSED`."""
     check_port(port)
-    live = await edge._use(sandbox_id)
+    live = await edge.pausing.use(sandbox_id)
     backend = edge.backend_of(live.record)
     pid = backend.netns_pid(live.record.handle) if isinstance(backend, Networked) else None
     if pid is None:
@@ -181,12 +184,17 @@ async def connect_port(edge: Edge, sandbox_id: str, port: int) -> SocketStream:
 async def serve_port(request: web.Request, opening: Awaitable[PortStream]) -> web.WebSocketResponse:
     """The edge server's port route: a WebSocket to an apiserver whose first message is
     :data:`OPEN_MESSAGE`, or a DSec error body (with its ``status``) if ``opening`` failed, a
-    closed port as much as an unknown sandbox; then the stream's bytes both ways."""
+    closed port as much as an unknown sandbox; then the stream's bytes both ways.
+
+    The error body carries the request's ID (``request_id``), as an HTTP error body does: the
+    access line says 101 for the upgrade, so a refused port is logged here too, with the ID."""
     ws = web.WebSocketResponse(max_msg_size=CHUNK * 2)
     await ws.prepare(request)
     try:
         stream = await opening
     except DSecError as exc:
+        exc.request_id = exc.request_id or request_ids.current()
+        log.info("port of %s not opened: %s", request.match_info.get("id", "?")[:100], exc.message)
         await ws.send_str(json.dumps({**exc.to_wire(), "status": exc.status}))
         await ws.close()
         return ws

@@ -6,7 +6,7 @@ detach, send input and signals, and resize its terminal. Each start is a traject
 (kind ``process``) whose result is written when the process ends. Watches are inotify from
 the host on the sandbox's own directories (:mod:`dsec.executor.watch`).
 
-Every call goes through :meth:`~dsec.edge.pausing.Pausing._use` (a paused sandbox resumes);
+Every call goes through :meth:`~dsec.edge.pausing.Pausing.use` (a paused sandbox resumes);
 stopping a sandbox kills its processes (``end`` says ``error="sandbox stopped"``) and ends
 its watches.
 """
@@ -20,10 +20,13 @@ import os
 import posixpath
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING
 
-from dsec.backends.base import HoldsProcesses, HostRooted, Spawned, User, sandbox_env
+from dsec.backends.base import Backend, HoldsProcesses, HostRooted, Spawned, User, sandbox_env
 from dsec.backends.handle import Handle
+from dsec.edge.journal import Record
+from dsec.edge.pausing import Pausing
+from dsec.edge.tally import LiveSandboxes, _Live
+from dsec.edge.trajectory import Recorder
 from dsec.edge.users import find_user
 from dsec.executor import pty
 from dsec.executor.file_ops import FileOps
@@ -34,30 +37,28 @@ from dsec.protocol.errors import DSecError, FileNotFound, InfraFailure, InvalidR
 from dsec.protocol.models import FileType, SandboxState
 from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize, WatchEvent
 
-if TYPE_CHECKING:
-    from dsec.backends.base import Backend
-    from dsec.edge.journal import Record
-    from dsec.edge.tally import _Live
-    from dsec.edge.trajectory import Recorder
-
 PTY_TERM = "xterm-256color"
 _PASSWD_MAX = 1 << 20
 
 
 class Processes:
-    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+    """The edge's process table and directory watches, per sandbox."""
 
-    if TYPE_CHECKING:
-        recorder: Recorder
-
-        async def _use(self, sandbox_id: str) -> _Live: ...
-        def _starting(self, sandbox_id: str) -> contextlib.AbstractAsyncContextManager[_Live]: ...
-        def _get_live(self, sandbox_id: str) -> _Live: ...
-        def backend_of(self, rec: Record) -> Backend: ...
+    def __init__(
+        self,
+        recorder: Recorder,
+        live: LiveSandboxes,
+        backend_of: Callable[[Record], Backend],
+        pausing: Pausing,
+    ) -> None:
+        self.recorder = recorder
+        self.live = live
+        self.backend_of = backend_of
+        self.pausing = pausing
 
     async def spawn_service(self, sandbox_id: str, argv: list[str]) -> SandboxProcess:
         """A long-lived process in a sandbox whose pipes the edge holds (a FnCall runner)."""
-        live = self._get_live(sandbox_id)
+        live = self.live.touch(sandbox_id)
         env = sandbox_env(live.record.spec, live.user, None)
         return await self.backend_of(live.record).spawn(
             sandbox_id, live.record.handle, argv, env=env, cwd="/", user=live.user
@@ -65,7 +66,7 @@ class Processes:
 
     async def start_process(self, sandbox_id: str, req: ProcessStart) -> AsyncGenerator[ProcessEvent, None]:
         """Start ``req``: ``start`` (its PID), its output, ``end``. Closing this detaches."""
-        live = await self._use(sandbox_id)
+        live = await self.pausing.use(sandbox_id)
         live.processes.check_room()
         backend = self.backend_of(live.record)
         if req.pty is not None and not isinstance(backend, HoldsProcesses):
@@ -88,7 +89,7 @@ class Processes:
         started = time.monotonic()
         try:
             # Never into a frozen sandbox, nor one a stop is taking apart (edge/pausing.py).
-            async with self._starting(sandbox_id):
+            async with self.pausing.starting(sandbox_id):
                 spawned, master = await self._spawn(sandbox_id, live, backend, req, env, cwd, user)
         except BaseException as exc:
             failure = exc if isinstance(exc, DSecError) else InfraFailure(f"process start failed: {exc}")
@@ -201,7 +202,7 @@ class Processes:
 
     async def connect_process(self, sandbox_id: str, pid: int) -> AsyncGenerator[ProcessEvent, None]:
         """Attach to running process ``pid``: ``start``, its output from now on, ``end``."""
-        live = await self._use(sandbox_id)
+        live = await self.pausing.use(sandbox_id)
         held = live.processes.get(pid)
         events = held.follow(held.attach())
         with live.working():
@@ -212,11 +213,11 @@ class Processes:
                 await events.aclose()
 
     def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        procs = self._get_live(sandbox_id).processes.procs.values()
+        procs = self.live.touch(sandbox_id).processes.procs.values()
         return [held.info() for held in procs if not held.ended.is_set()]
 
     async def _held(self, sandbox_id: str, pid: int) -> HeldProcess:
-        return (await self._use(sandbox_id)).processes.get(pid)
+        return (await self.pausing.use(sandbox_id)).processes.get(pid)
 
     async def send_process_input(self, sandbox_id: str, pid: int, data: bytes) -> None:
         await (await self._held(sandbox_id, pid)).write(data)
@@ -234,7 +235,7 @@ class Processes:
         self, sandbox_id: str, path: str, recursive: bool
     ) -> AsyncGenerator[WatchEvent, None]:
         """``start`` once the watch is in place, then changes below ``path``; closing ends it."""
-        live = await self._use(sandbox_id)
+        live = await self.pausing.use(sandbox_id)
         backend = self.backend_of(live.record)
         if not isinstance(backend, HostRooted):
             raise InvalidRequest(f"watching directories is not supported on {backend.name} sandboxes")

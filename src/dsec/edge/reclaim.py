@@ -17,52 +17,74 @@ those under lapsed leases: its cost follows what it does, not how many sandboxes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
+from dsec.backends.base import Backend
+from dsec.edge.config import EdgeConfig
+from dsec.edge.journal import Journal, Record
+from dsec.edge.pausing import Pausing
+from dsec.edge.tally import LiveSandboxes
+from dsec.edge.trajectory import Recorder
+from dsec.edge.wakeups import Wakeups, working
+from dsec.observe.edge_metrics import EdgeMetrics
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import DeadlineAction, SandboxInfo, SandboxState
-
-if TYPE_CHECKING:
-    from dsec.backends.base import Backend
-    from dsec.edge.config import EdgeConfig
-    from dsec.edge.journal import Journal, Record
-    from dsec.edge.tally import LiveSandboxes, _Live
-    from dsec.edge.trajectory import Recorder
-    from dsec.edge.wakeups import Wakeups
-    from dsec.observe.edge_metrics import EdgeMetrics
 
 log = logging.getLogger("dsec.edge")
 
 
+class Stop(Protocol):
+    """How the reaper stops a sandbox (:meth:`dsec.edge.edge.Edge.stop`)."""
+
+    async def __call__(self, sandbox_id: str, *, reason: str, final: SandboxState) -> SandboxInfo: ...
+
+
 class Reclaimer:
-    """Mixed into :class:`~dsec.edge.edge.Edge`, whose state it reads."""
+    """The reaper: a pass every ``reap_interval_s`` (:meth:`start`), and sandboxes' deadlines."""
 
-    if TYPE_CHECKING:
-        config: EdgeConfig
-        backend: Backend
-        journal: Journal
-        _live: LiveSandboxes
-        _last_liveness: float
-        _liveness_cursor: int
-        _wakeups: Wakeups
-        recorder: Recorder
-        prom: EdgeMetrics
+    def __init__(
+        self,
+        config: EdgeConfig,
+        journal: Journal,
+        recorder: Recorder,
+        live: LiveSandboxes,
+        wakeups: Wakeups,
+        prom: EdgeMetrics,
+        backend_of: Callable[[Record], Backend],
+        pausing: Pausing,
+        *,
+        stop: Stop,
+        relieve_pressure: Callable[[], Awaitable[None]],
+    ) -> None:
+        """``relieve_pressure``: admission's pausing of the idlest while memory is short."""
+        self.config = config
+        self.journal = journal
+        self.recorder = recorder
+        self.live = live
+        self.wakeups = wakeups
+        self.prom = prom
+        self.backend_of = backend_of
+        self.pausing = pausing
+        self.stop = stop
+        self.relieve_pressure = relieve_pressure
+        self._last_liveness = 0.0
+        self._liveness_cursor = 0  # where the next liveness batch starts in live's order
+        self._reaper: asyncio.Task[None] | None = None
 
-        async def stop(
-            self, sandbox_id: str, *, reason: str = ..., final: SandboxState = ...
-        ) -> SandboxInfo: ...
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_forever())
 
-        async def pause(
-            self, sandbox_id: str, *, reason: str = ..., drain_s: float | None = ...
-        ) -> SandboxInfo: ...
-
-        def lease_actions(self, now: float) -> tuple[list[str], list[str]]: ...
-        def _get_live(self, sandbox_id: str) -> _Live: ...
-        def _info(self, rec: Record) -> SandboxInfo: ...
-        def backend_of(self, rec: Record) -> Backend: ...
-        async def relieve_pressure(self) -> None: ...
+    async def close(self) -> None:
+        """Stop the passes, and write the activity not journaled yet."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        self.flush_activity()
 
     def set_deadline(
         self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"
@@ -74,41 +96,17 @@ class Reclaimer:
         """
         if on_timeout not in ("stop", "pause"):
             raise InvalidRequest(f"on_timeout must be stop or pause, not {on_timeout!r}")
-        rec = self._get_live(sandbox_id).record
+        rec = self.live.touch(sandbox_id).record
         rec.deadline_at = None if timeout_s is None else time.time() + timeout_s
         rec.deadline_s = timeout_s
         rec.on_deadline = None if timeout_s is None else on_timeout
         self.journal.update(rec)
-        self.look_again(self._live[sandbox_id])
-        return self._info(rec)
+        self.wakeups.look_again(self.live[sandbox_id])
+        return rec.info(self.config.node)
 
-    @staticmethod
-    def _next_look(live: _Live, now: float) -> float | None:
-        """The earliest time one of the sandbox's time-based conditions could hold, as things
-        stand (activity only makes it later); None if it has none."""
-        rec, spec = live.record, live.record.spec
-        if rec.state is SandboxState.stopping:
-            return now  # a destroy that failed: the next pass tries again
-        idle_since = now if _working(live) else rec.last_active_at
-        times = [
-            rec.created_at + spec.max_lifetime_s if spec.max_lifetime_s is not None else None,
-            rec.deadline_at if rec.state is SandboxState.running else None,
-            idle_since + spec.ttl_running_stop if spec.ttl_running_stop is not None else None,
-            idle_since + spec.pause_after_idle_s
-            if spec.pause_after_idle_s is not None and rec.state is SandboxState.running
-            else None,
-        ]
-        return min((t for t in times if t is not None), default=None)
-
-    def look_again(self, live: _Live) -> None:
-        """Have the reaper look at this sandbox when its next time-based condition could hold."""
-        when = self._next_look(live, time.time())
-        if when is not None:
-            self._wakeups.at(live.record.id, when)
-
-    def _flush_activity(self) -> None:
+    def flush_activity(self) -> None:
         # Only what changed: rewriting every row each second was an edge's steady CPU at 8,000.
-        live, touched = self._live, self._live.touched
+        live, touched = self.live, self.live.touched
         if touched:
             self.journal.touch_many({i: live[i].record.last_active_at for i in touched if i in live})
             touched.clear()
@@ -116,7 +114,7 @@ class Reclaimer:
     def _liveness_batch(self) -> set[str]:
         """The next ``liveness_batch`` sandboxes, round robin: each check reads /proc, so a
         pass over every sandbox of a full node each time was a steady cost of its own."""
-        ids = list(self._live)
+        ids = list(self.live)
         batch = self.config.liveness_batch
         if len(ids) <= batch:
             return set(ids)
@@ -128,7 +126,7 @@ class Reclaimer:
         now = time.time()
         due: list[tuple[str, str]] = []
         dead: set[str] = set()
-        lapsed, expired = self.lease_actions(now)
+        lapsed, expired = self.pausing.lease_actions(now)
         to_pause = [(sid, "lease_lapsed") for sid in lapsed]
         lapsed_set = set(lapsed)
         expired_set = set(expired)
@@ -136,9 +134,9 @@ class Reclaimer:
         if now - self._last_liveness >= self.config.liveness_interval_s:
             self._last_liveness = now
             to_check = self._liveness_batch()
-        looked = {*self._wakeups.due(now), *to_check, *lapsed_set, *expired_set}
+        looked = {*self.wakeups.due(now), *to_check, *lapsed_set, *expired_set}
         for sid in looked:
-            live = self._live.get(sid)
+            live = self.live.get(sid)
             if live is None:
                 continue
             spec, rec = live.record.spec, live.record
@@ -164,7 +162,7 @@ class Reclaimer:
                     due.append((sid, "deadline"))
             elif (
                 spec.ttl_running_stop is not None
-                and not _working(live)
+                and not working(live)
                 and now - rec.last_active_at >= spec.ttl_running_stop
             ):
                 due.append((sid, "idle_ttl"))
@@ -182,7 +180,7 @@ class Reclaimer:
         # Without waiting for commands to end (those resume with the sandbox): a pass must
         # not stall on one sandbox, and nobody waits for these pauses.
         paused = await asyncio.gather(
-            *(self.pause(sid, reason=why, drain_s=0) for sid, why in to_pause), return_exceptions=True
+            *(self.pausing.pause(sid, reason=why, drain_s=0) for sid, why in to_pause), return_exceptions=True
         )
         for (sid, why), res in zip(to_pause, paused, strict=True):
             if isinstance(res, BaseException):
@@ -198,10 +196,10 @@ class Reclaimer:
             if isinstance(res, BaseException):
                 log.warning("reclaiming %s (%s) failed: %s", sid, why, res)
         for sid in looked:  # when to look next: later for the used, again for failed stops
-            if (live := self._live.get(sid)) is not None:
-                self.look_again(live)
+            if (live := self.live.get(sid)) is not None:
+                self.wakeups.look_again(live)
         await self.relieve_pressure()
-        self._flush_activity()
+        self.flush_activity()
         self.recorder.log.forget(self.journal.forget_before(now - self.config.keep_finished_s))
         return [sid for sid, _ in due]
 
@@ -212,10 +210,3 @@ class Reclaimer:
                 await self.reap_once()
             except Exception:
                 log.exception("reaper pass failed")
-
-
-def _working(live: _Live) -> bool:
-    """Whether the sandbox is busy for its idle TTL: running a command. A command frozen with
-    a paused sandbox is not activity (it waits for a resume that may never come), so a paused
-    sandbox's TTL counts from its pause, or its last request after it."""
-    return bool(live.busy) and live.record.state is not SandboxState.paused

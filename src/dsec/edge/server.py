@@ -13,6 +13,7 @@ Routes, all under ``/edge/v1`` (bodies are the wire models of :mod:`dsec.protoco
     POST   /bulk/{stop|pause|resume}?label=k=v...&within=PROJECT -> BulkResult (a whole job)
     POST   /leases/{job}?within=PROJECT            LeaseRequest -> {"sandboxes", "expires_at"}
     GET    /sandbox-ids                            -> {"ids": [...]} (running, for reconciliation)
+    POST   /fence                                  {"fenced": bool, "reason"} -> {"fenced": bool}
     GET    /sandboxes/{id}                         -> SandboxInfo
     DELETE /sandboxes/{id}                         -> SandboxInfo (stopped)
     POST   /sandboxes/{id}/ops/{kind}              an op (protocol/ops.py) as JSON -> its answer as JSON
@@ -48,7 +49,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from dsec.edge.edge import Edge
-from dsec.edge.link import LocalEdgeLink
+from dsec.edge.link import FenceRequest, LocalEdgeLink
 from dsec.edge.ports import port_param, serve_port
 from dsec.edge.server_processes import stream_ndjson
 from dsec.executor.file_ops import CHUNK
@@ -184,6 +185,7 @@ class EdgeServer:
         r.add_post(PREFIX + "/bulk/{action}", self.bulk)
         r.add_post(PREFIX + "/leases/{job}", self.renew_lease)
         r.add_get(f"{PREFIX}/sandbox-ids", self.sandbox_ids)
+        r.add_post(f"{PREFIX}/fence", self.fence)
         r.add_get(PREFIX + "/sandboxes/{id}", self.get)
         r.add_delete(PREFIX + "/sandboxes/{id}", self.stop)
         r.add_post(PREFIX + "/sandboxes/{id}/ops/{kind}", self.op)
@@ -225,6 +227,12 @@ class EdgeServer:
 
     async def sandbox_ids(self, request: web.Request) -> web.Response:
         return respond({"ids": await self.link.sandbox_ids()})
+
+    async def fence(self, request: web.Request) -> web.Response:
+        """Refuse creates (scale-in drains the node) or lift that fence: every apiserver's
+        placement then skips the node (its stats say ``fenced``), not only the caller's."""
+        req = FenceRequest.model_validate_json(await request.read() or b"{}")
+        return respond({"fenced": await self.link.fence(req.fenced, req.reason)})
 
     async def bulk(self, request: web.Request) -> web.Response:
         action = request.match_info["action"]

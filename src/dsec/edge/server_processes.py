@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -21,9 +22,18 @@ from pydantic import BaseModel
 from dsec.edge.link import EdgeLink, LocalEdgeLink
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.http import respond, text_param
+from dsec.protocol.ops import (
+    Call,
+    CloseProcessStdin,
+    ListProcesses,
+    ResizeProcess,
+    SendProcessInput,
+    SignalProcess,
+)
 from dsec.protocol.processes import ProcessInput, ProcessSignal, ProcessStart, PtySize
 
 log = logging.getLogger("dsec.edge.server")
+R = TypeVar("R")
 
 SANDBOX = "/sandboxes/{id}"
 PROCESS = "/sandboxes/{id}/processes/{pid}"
@@ -75,6 +85,11 @@ class ProcessRoutes:
         """The link that holds the sandbox a request names, and its ID."""
         return self.link, request.match_info["id"]
 
+    async def forward(self, request: web.Request, build: Callable[[bytes], Call[R]]) -> R:
+        """The op ``build`` makes of the request's body, on the sandbox the request names."""
+        link, sid = await self.target(request)
+        return await link.call(sid, build(await request.read()))
+
     def register(self, r: web.UrlDispatcher, prefix: str) -> None:
         r.add_post(prefix + SANDBOX + "/processes", self.start)
         r.add_get(prefix + SANDBOX + "/processes", self.list)
@@ -94,31 +109,39 @@ class ProcessRoutes:
         link, sid = await self.target(request)
         return await stream_ndjson(request, link.connect_process(sid, _pid(request)))
 
+    # The calls: each builds its op from the REST request (the PID from the path, the rest
+    # from the body as before) and forwards it.
+
     async def list(self, request: web.Request) -> web.Response:
-        link, sid = await self.target(request)
-        return respond(await link.list_processes(sid))
+        processes = await self.forward(request, lambda _: ListProcesses())
+        return respond(processes)
 
     async def input(self, request: web.Request) -> web.Response:
-        link, sid = await self.target(request)
-        req = ProcessInput.model_validate_json(await request.read() or b"{}")
-        await link.send_process_input(sid, _pid(request), req.data)
+        def build(body: bytes) -> SendProcessInput:
+            req = ProcessInput.model_validate_json(body or b"{}")
+            return SendProcessInput(pid=_pid(request), data=req.data)
+
+        await self.forward(request, build)
         return respond({})
 
     async def close_stdin(self, request: web.Request) -> web.Response:
-        link, sid = await self.target(request)
-        await link.close_process_stdin(sid, _pid(request))
+        await self.forward(request, lambda _: CloseProcessStdin(pid=_pid(request)))
         return respond({})
 
     async def signal(self, request: web.Request) -> web.Response:
-        link, sid = await self.target(request)
-        req = ProcessSignal.model_validate_json(await request.read() or b"{}")
-        await link.signal_process(sid, _pid(request), req.signal)
+        def build(body: bytes) -> SignalProcess:
+            req = ProcessSignal.model_validate_json(body or b"{}")
+            return SignalProcess(pid=_pid(request), signal=req.signal)
+
+        await self.forward(request, build)
         return respond({})
 
     async def resize(self, request: web.Request) -> web.Response:
-        link, sid = await self.target(request)
-        size = PtySize.model_validate_json(await request.read() or b"{}")
-        await link.resize_process(sid, _pid(request), size)
+        def build(body: bytes) -> ResizeProcess:
+            size = PtySize.model_validate_json(body or b"{}")
+            return ResizeProcess(pid=_pid(request), rows=size.rows, cols=size.cols)
+
+        await self.forward(request, build)
         return respond({})
 
     async def watch(self, request: web.Request) -> web.StreamResponse:

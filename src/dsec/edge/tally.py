@@ -22,6 +22,8 @@ from dsec.backends.base import User
 from dsec.edge.journal import Record
 from dsec.executor.held import ProcessTable
 from dsec.executor.session import Session
+from dsec.protocol.errors import SandboxNotFound
+from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     DEFAULT_PROJECT,
     JOB_LABEL,
@@ -93,7 +95,7 @@ class _Live:
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
-        """A process being started in the sandbox (see :meth:`Pausing._starting`)."""
+        """A process being started in the sandbox (see :meth:`Pausing.starting`)."""
         self.entering += 1
         try:
             yield
@@ -123,6 +125,15 @@ class LiveSandboxes(dict[str, _Live]):
         key = lease_key(rec.spec)
         if key is not None:
             self.by_lease.setdefault(key, set()).add(rec.id)
+
+    def touch(self, sandbox_id: str) -> _Live:
+        """A sandbox that is running or paused; touching it counts as activity."""
+        SandboxId.parse(sandbox_id)  # a malformed ID is the caller's error, not a missing sandbox
+        live = self.get(sandbox_id)
+        if live is None or live.record.state not in (SandboxState.running, SandboxState.paused):
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist or is no longer running")
+        live.touch()
+        return live
 
     def release(self, sandbox_id: str) -> None:
         live = self.pop(sandbox_id, None)

@@ -43,9 +43,11 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsec.images._pagecache import cache_use
 from dsec.images.blobstore import corrupt
 from dsec.images.mount import find_mount, mount_erofs, read_mountinfo, umount
 from dsec.images.ondemand import mount_split, probe_split, read_split_info
@@ -63,6 +65,18 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _COPY_CHUNK = 1 << 20
 
 
+@dataclass(frozen=True)
+class OnDemandUse:
+    """The node's split layers mounted, their data blobs' bytes, and how much of those this
+    node's page cache holds (``cached``) or held and evicted (``evicted``): see
+    :meth:`LayerMounts.ondemand_use`."""
+
+    layers: int
+    data_bytes: int
+    cached_bytes: int
+    evicted_bytes: int
+
+
 class LayerMounts:
     def __init__(self, mount_root: Path = DEFAULT_MOUNT_ROOT, *, meta_dir: Path | None = None) -> None:
         """``meta_dir``: node-local directory for split layers' META copies (default:
@@ -75,6 +89,8 @@ class LayerMounts:
         self._refs: dict[str, int] = {}  # hex digest -> users in this process
         # Single images hashed by this process: (hex digest, st_dev, st_ino, size, mtime_ns).
         self._verified: set[tuple[str, int, int, int, int]] = set()
+        # Mounted layers' data blobs (split) or None (single), for the on-demand metrics.
+        self._data: dict[str, tuple[Path, int] | None] = {}
         with self._node_lock():
             self._adopt_existing()
             self._prune_meta()
@@ -122,7 +138,9 @@ class LayerMounts:
         the module doc for what is checked per format), reason="storage" if a blob is missing
         or the mount fails. Nothing is mounted then.
         """
-        return self._acquire(digest, lambda target: self._mount_from_store(store, digest, target))
+        mounted = self._acquire(digest, lambda target: self._mount_from_store(store, digest, target))
+        self._note_data(store, digest)
+        return mounted
 
     def acquire(self, digest: str, blob_path: Path) -> Path:
         """Like :meth:`acquire_layer` for a single-format image at ``blob_path``."""
@@ -228,6 +246,36 @@ class LayerMounts:
                 reason=InfraReason.corrupt,
             )
         mount_split(meta, data, target)
+        self._data[digest_hex(digest)] = (data, info.blob_size)
+
+    def _note_data(self, store: LayerStore, digest: str) -> None:
+        """Remember an adopted split layer's data blob (a restart: its local META is there)."""
+        hexdigest = digest_hex(digest)
+        if hexdigest in self._data:
+            return
+        meta = self.meta_path(digest)
+        try:
+            info = read_split_info(meta) if meta.is_file() else None
+        except (InvalidRequest, OSError):
+            info = None
+        self._data[hexdigest] = None if info is None else (store.blob_path(info.blob_digest), info.blob_size)
+
+    def ondemand_use(self) -> OnDemandUse:
+        """What the split layers mounted here hold of their data, read now: one ``cachestat``
+        per data blob (``dsec_ondemand_*`` metrics). The kernel reads a data blob through its
+        page cache, so its cached pages are what this node fetched from the shared store (and
+        its readahead with it) and still holds; evicted pages were fetched and dropped since.
+        A layer mounted by another process and not acquired here is not counted."""
+        with self._lock:
+            split = [data for h, data in self._data.items() if data is not None and h in self._refs]
+        blobs = set(split)  # two layers may share one data blob: its pages are counted once
+        cached = evicted = 0
+        for path, _ in blobs:
+            use = cache_use(path)
+            if use is not None:
+                cached += use.cached
+                evicted += use.evicted
+        return OnDemandUse(len(split), sum(size for _, size in blobs), cached, evicted)
 
     def _local_meta(self, src: Path, digest: str) -> Path:
         """The node-local copy of META, made (and hashed while copied) on first use."""
@@ -293,6 +341,7 @@ class LayerMounts:
         except OSError as err:
             if err.errno not in (errno.ENOENT, errno.EBUSY, errno.ENOTEMPTY):
                 raise
+        self._data.pop(hexdigest, None)
         # A (lazily) detached mount keeps its META open; the next mount copies it again.
         with suppress(FileNotFoundError):
             (self.meta_dir / f"{hexdigest}.meta").unlink()

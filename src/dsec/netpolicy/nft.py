@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 from collections.abc import Iterable
 
@@ -60,6 +61,14 @@ NONPUBLIC = (
 
 # How long an established connection to a learned address outlives the address's answer.
 HOLD_S = 24 * 3600
+
+# The table's named counters, read at scrape time (:func:`read_counters`). Denials, packets:
+# not_granted: from a sandbox to an endpoint its rules do not grant (each refused TCP SYN is
+# one connection attempt); node: to the node itself beyond DNS and the proxies; spoofed: with
+# a source address not the link's; inbound: towards a sandbox, not a reply. Granted: new
+# connections (a TCP SYN, a UDP flow's first datagram) let out to a granted endpoint.
+DENIALS = ("not_granted", "node", "spoofed", "inbound")
+GRANTED = "granted"
 
 _TABLE = re.compile(r"[^A-Za-z0-9_]")
 
@@ -125,6 +134,17 @@ def ruleset(
     ranges = _init([_allowed(e) for e in allowed if _is_range(e)])
     publics = _init([f'"{i}"' for i in public])
     registries = _init([_registry(e) for e in registry])
+    counters = "\n  ".join(f"counter {name} {{ }}" for name in (*DENIALS, GRANTED))
+    # New connections only (``ct state new`` first: a packet of an established flow stops
+    # there), counted where they are let through; the plain rules below accept the rest.
+    to = "iifname . ip daddr . meta l4proto . th dport"
+    granted = "\n    ".join(
+        [
+            f"iifname @ifaces ct state new {to} @{s} counter name {GRANTED} accept"
+            for s in ("allowed", "ranges", "learned")
+        ]
+        + [f"iifname @public ct state new ip daddr != @nonpublic counter name {GRANTED} accept"]
+    )
     return f"""table inet {table}
 delete table inet {table}
 table inet {table} {{
@@ -166,32 +186,34 @@ table inet {table} {{
     flags interval
     elements = {{ {_elements(NONPUBLIC)} }}
   }}
+  {counters}
   chain input {{
     type filter hook input priority filter; policy accept;
-    iifname @ifaces iifname . ip saddr != @links drop
+    iifname @ifaces iifname . ip saddr != @links counter name spoofed drop
     iifname @ifaces ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport 53 accept
     {proxy_in}
     iifname @ifaces ip daddr {gateway} meta l4proto tcp iifname . th dport @registry accept
-    iifname @ifaces meta l4proto tcp reject with tcp reset
-    iifname @ifaces reject with icmpx admin-prohibited
+    iifname @ifaces meta l4proto tcp counter name node reject with tcp reset
+    iifname @ifaces counter name node reject with icmpx admin-prohibited
   }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
     oifname @ifaces ct state established,related accept
-    oifname @ifaces drop
-    iifname @ifaces iifname . ip saddr != @links drop
+    oifname @ifaces counter name inbound drop
+    iifname @ifaces iifname . ip saddr != @links counter name spoofed drop
     iifname @ifaces ct state established iifname . ip daddr . meta l4proto . th dport @holding accept
+    {granted}
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @allowed accept
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @ranges accept
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @learned accept
     iifname @public ip daddr != @nonpublic accept
-    iifname @ifaces meta l4proto tcp reject with tcp reset
-    iifname @ifaces reject with icmpx admin-prohibited
+    iifname @ifaces meta l4proto tcp counter name not_granted reject with tcp reset
+    iifname @ifaces counter name not_granted reject with icmpx admin-prohibited
   }}
   chain output {{
     type filter hook output priority filter; policy accept;
     oifname @ifaces ct state established,related accept
-    oifname @ifaces drop
+    oifname @ifaces counter name inbound drop
   }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
@@ -302,6 +324,34 @@ def unlearn(table: str, elements: Iterable[Element], held: Iterable[Element] = (
 
 def drop_table(table: str) -> str:
     return f"table inet {table}\ndelete table inet {table}\n"
+
+
+async def read_counters(table: str) -> dict[str, int]:
+    """The table's named counters (:data:`DENIALS`, :data:`GRANTED`): packets each, as the kernel
+    counts them now; empty if the table is not there (one ``nft -j`` run, ~ms)."""
+    try:
+        proc = await spawner.create_subprocess_exec(
+            "nft",
+            "-j",
+            "list",
+            "counters",
+            "table",
+            "inet",
+            table,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        return {}
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        return {}
+    try:
+        items = json.loads(out)["nftables"]
+        counters = [item["counter"] for item in items if isinstance(item, dict) and "counter" in item]
+        return {str(c["name"]): int(c["packets"]) for c in counters if c.get("table") == table}
+    except (ValueError, KeyError, TypeError):
+        return {}
 
 
 async def apply(script: str) -> None:

@@ -91,6 +91,7 @@ class EgressPolicy:
         self.upstream = Upstream([str(a) for a in config.upstream] or resolv_conf())
         self.admissions = Admissions(self.table, nft.apply)
         self._node_addresses: frozenset[str] = frozenset()
+        self._firewall: dict[str, int] = {}  # the table's counters at the last read_firewall
         # The name check runs only where some permission names domains (no HAProxy otherwise).
         self.proxy: SniProxy | None = None
         if any(getattr(r, "domains", None) for perm in config.permissions.values() for r in perm):
@@ -128,6 +129,17 @@ class EgressPolicy:
     def dns_answers(self) -> dict[str, int]:
         """The sandboxes' name server's answers by verdict (granted, denied, error)."""
         return dict(self._dns.answers) if self._dns is not None else {}
+
+    async def read_firewall(self) -> None:
+        """Read the table's counters (what :meth:`firewall_counts` answers until the next read):
+        the edge's metrics call it before each scrape. Nothing to read without a table."""
+        if self.enabled or self._links:
+            self._firewall = await nft.read_counters(self.table)
+
+    def firewall_counts(self) -> dict[str, int]:
+        """The firewall's counters at the last :meth:`read_firewall` (see :data:`nft.DENIALS`):
+        they start again at 0 when the edge rebuilds its table (a restart)."""
+        return dict(self._firewall)
 
     def has_link(self, sandbox_id: str) -> bool:
         return sandbox_id in self._links

@@ -114,7 +114,7 @@ class ApiServerConfig:
     audit_log: Path | None = None  # admin actions, one JSON line each; None: to the log only
     overflow: OverflowConfig | None = None  # other clusters creates go to when this one is full
     # Nodes on demand (apiserver/scaling.py): the policy, and the provider it drives (its
-    # owner closes it). Give them to one apiserver of the cluster: the fence is per apiserver.
+    # owner releases it: scaling.release_provider). Give them to one apiserver of the cluster.
     scaling: ScalingConfig | None = None
     node_provider: NodeProvider | None = None
 

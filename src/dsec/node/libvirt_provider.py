@@ -274,6 +274,13 @@ class LibvirtProvider:
                 out.append(ProvidedNode(mine[0], mine[1], state))
         return out
 
+    async def disconnect(self) -> None:
+        """Close the connection and leave the VMs running (an apiserver that exits: the next
+        one adopts them); :meth:`close` destroys them."""
+        if self._conn is not None:
+            await asyncio.to_thread(self._conn.close)
+            self._conn = None
+
     async def close(self) -> None:
         for node in await self.list():
             await asyncio.to_thread(self._destroy, node.name)

@@ -175,7 +175,7 @@ class LocalNetnsProvider:
     # -- the seam -------------------------------------------------------------------------------
 
     async def start(self, request: NodeRequest) -> ProvidedNode:
-        self._require_tools()
+        self.require_tools()
         name = request.name or self._next_name()
         if name in self._nodes and self._nodes[name].node.state in ("starting", "running"):
             raise InvalidRequest(f"node {name!r} is already started by this provider")
@@ -223,7 +223,8 @@ class LocalNetnsProvider:
     # -- plumbing -------------------------------------------------------------------------------
 
     @staticmethod
-    def _require_tools() -> None:
+    def require_tools() -> None:
+        """``InfraFailure`` unless this host can run the provider's nodes (root, ip, nsenter)."""
         missing = [tool for tool in ("ip", "nsenter") if shutil.which(tool) is None]
         if missing or os.geteuid() != 0:
             why = f"{', '.join(missing)} not found" if missing else "network namespaces need root"

@@ -4,7 +4,11 @@
 counts per backend and project, not per state and runtime, and a scrape every 5 s costs one
 walk: ``bench/prometheus_scrape.py`` measures it at 8,000 sandboxes). Everything else it
 reports is a field the edge keeps anyway: the pause totals, the sampler's last readings, the
-layer mounts' reference counts, ksmd's counter, /proc/meminfo.
+layer mounts' reference counts, ksmd's counter, /proc/meminfo; or one cheap read of the
+kernel's: the split layers' data blobs in the page cache (one ``cachestat`` each: what on-demand
+layers fetched from the shared store) and the egress table's counters (one ``nft -j`` run,
+awaited by :meth:`EdgeMetrics.scrape` before the collector runs: grants and denials of the
+sandboxes' firewall).
 
 The hooks (:class:`EdgeMetrics` methods) are called by the edge where each event happens:
 a create's phases in ``edge.py``, refusals in ``admission``, reclaims in ``reclaim``, pause
@@ -116,10 +120,19 @@ class EdgeMetrics(ProcessMetrics):
             registry=r,
         )
         self._created_at: dict[str, float] = {}  # awaiting their first command output
+        self._edge: Edge | None = None
 
     def bind(self, edge: Edge) -> None:
         self.registry.register(EdgeCollector(edge, self.options))
         edge.journal.observe_write = self.journal_write.observe
+        self._edge = edge
+
+    async def scrape(self) -> bytes:
+        # The firewall's counters are read with a subprocess: here, off the collector (which
+        # runs synchronously on the event loop), once per scrape.
+        if self._edge is not None:
+            await self._edge.egress.read_firewall()
+        return await super().scrape()
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -286,6 +299,7 @@ class EdgeCollector(Collector):
             " how many share each layer's page cache",
             value=sum(mounted.values()),
         )
+        yield from _ondemand(edge)
         ksm = edge.ksm.stats()
         yield GaugeMetricFamily(
             "dsec_node_ksm_saved_bytes", "Memory KSM merged away", value=ksm["saved_bytes"]
@@ -300,6 +314,7 @@ class EdgeCollector(Collector):
         for verdict, n in edge.egress.dns_answers().items():
             egress.add_metric([verdict], n)
         yield egress
+        yield from _firewall(edge)
 
     def _pausing(self, edge: Edge) -> Iterator[Metric]:
         t = edge.pause_totals
@@ -322,6 +337,59 @@ class EdgeCollector(Collector):
             recycled.add_metric([name], s["recycled"])
         yield ready
         yield recycled
+
+
+def _firewall(edge: Edge) -> Iterator[Metric]:
+    """The egress table's counters, read from the kernel just before the scrape."""
+    from dsec.netpolicy.nft import DENIALS, GRANTED
+
+    counts = edge.egress.firewall_counts()
+    if not counts:
+        return  # no egress table on this node (no permissions configured, no links)
+    denied = CounterMetricFamily(
+        "dsec_egress_denied_packets",
+        "Packets the sandboxes' firewall (nftables) refused, by reason: not_granted (to an"
+        " endpoint the sandbox's rules do not grant; a TCP connection attempt is one SYN,"
+        " answered with a reset), node (to the node itself beyond DNS and its proxies),"
+        " spoofed (a source address not the sandbox's), inbound (towards a sandbox, not a"
+        " reply). Reset when the edge rebuilds its table (a restart)",
+        labels=["reason"],
+    )
+    for reason in DENIALS:
+        denied.add_metric([reason], counts.get(reason, 0))
+    yield denied
+    yield CounterMetricFamily(
+        "dsec_egress_granted_connections",
+        "New connections (a TCP SYN, a UDP flow's first datagram) the sandboxes' firewall let"
+        " out to a granted endpoint",
+        value=counts.get(GRANTED, 0),
+    )
+
+
+def _ondemand(edge: Edge) -> Iterator[Metric]:
+    """Split layers' data read in place from the shared store (``LayerMounts.ondemand_use``)."""
+    use = edge.mounts.ondemand_use()
+    yield GaugeMetricFamily(
+        "dsec_ondemand_layers", "Split (on-demand) layers mounted on the node", value=use.layers
+    )
+    yield GaugeMetricFamily(
+        "dsec_ondemand_data_bytes",
+        "Size of the mounted split layers' data blobs on the shared store: all their sandboxes could read",
+        value=use.data_bytes,
+    )
+    fetched = GaugeMetricFamily(
+        "dsec_ondemand_fetched_bytes",
+        "Bytes of the mounted split layers' data blobs this node fetched from the shared store,"
+        " read at scrape time with cachestat(2): state=cached, held in the page cache now (what"
+        " sandboxes read plus the readahead around it); state=evicted, fetched and dropped"
+        " since (a lower bound: the kernel forgets evictions under pressure), a read there"
+        " fetches again. Over dsec_ondemand_data_bytes: the share of the layers the node"
+        " pulled",
+        labels=["state"],
+    )
+    fetched.add_metric(["cached"], use.cached_bytes)
+    fetched.add_metric(["evicted"], use.evicted_bytes)
+    yield fetched
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -1,8 +1,8 @@
 """Wire models of FnCall: one short stateless call into a warm pool sandbox, and its outcome.
 
 The edge validates an ``FnTask`` here and sends it, as one JSON line, to the runner in a pool
-sandbox (``dsec/edge/fncall/runner.py``), which answers with one ``FnResult`` line. The
-runner is stdlib-only and re-checks the same bounds (``runner.BOUNDS`` and friends; a test
+sandbox (``dsec/edge/fncall/runner/``), which answers with one ``FnResult`` line. The
+runner is stdlib-only and re-checks the same bounds (``runner.wire.BOUNDS`` and friends; a test
 keeps both sides equal).
 
 ``FnResult.status``, exactly. ``internal_error`` and ``compile_error`` end a call without a

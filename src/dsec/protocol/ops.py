@@ -383,8 +383,9 @@ ANY_OP: TypeAdapter[Any] = TypeAdapter(AnyOp)
 
 PUBLIC: frozenset[str] = frozenset(
     {
-        "stat", "list_dir", "mkdir", "remove", "move", "changes",
-        "pause", "resume", "set_network_rules", "trajectory", "metrics", "screenshot", "send_input",
+        "stat", "list_dir", "mkdir", "remove", "move", "changes", "set_xattrs", "xattrs",
+        "pause", "resume", "set_network_rules", "set_deadline",
+        "trajectory", "metrics", "screenshot", "send_input",
         "run_shell", "commit",
         "list_processes", "send_process_input", "close_process_stdin", "signal_process", "resize_process",
     }

@@ -2,27 +2,26 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
-from dsec.protocol.models import InputEvent, InputRequest
+from dsec.protocol.models import InputEvent
+from dsec.protocol.ops import Call, Screenshot, SendInput
 
-if TYPE_CHECKING:
-    from dsec.sdk._transport import Transport
+R = TypeVar("R")
 
 
 class SandboxDisplayCalls:
     if TYPE_CHECKING:
-        _t: Transport
-        _base: str
+
+        async def _call(self, op: Call[R], *, timeout: float | None = None) -> R: ...
 
     async def screenshot(self) -> bytes:
         """What the VM's display shows now, as PNG bytes (full VMs: ``run_vm``)."""
-        return b"".join([chunk async for chunk in self._t.stream("GET", self._base + "/screenshot")])
+        return (await self._call(Screenshot())).png
 
     async def send_input(self, events: list[InputEvent]) -> int:
         """Keyboard and mouse events, in order (see :class:`~dsec.protocol.models.InputEvent`)."""
-        body = InputRequest(events=events).model_dump(exclude_none=True)
-        return int((await self._t.request("POST", self._base + "/input", json_body=body))["sent"])
+        return await self._call(SendInput(events=events))
 
     async def press(self, *keys: str) -> int:
         """Press ``keys`` together (QEMU qcodes: "ctrl", "alt", "ret", "a", "f1"...)."""

@@ -41,9 +41,9 @@ class SyncPty(SyncWrapper, async_cls=_pty.Pty):
     """Blocking handle on a program on a terminal: the methods of :class:`Pty`, without ``await``."""
 
     def __init__(
-        self, transport: Transport, process_url: str, pid: int, events: Iterator[ProcessEvent]
+        self, transport: Transport, sandbox_id: str, pid: int, events: Iterator[ProcessEvent]
     ) -> None:
-        self._dsec_construct(transport, process_url, pid, events)
+        self._dsec_construct(transport, sandbox_id, pid, events)
 
     @property
     def pid(self) -> int:

@@ -16,7 +16,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from dsec.protocol.errors import DSecError, InfraFailure, error_from_wire
-from dsec.protocol.processes import ProcessEvent, ProcessInput, ProcessSignal, ProcessStart, PtySize
+from dsec.protocol.ops import ResizeProcess, SendProcessInput, SignalProcess
+from dsec.protocol.processes import ProcessEvent, ProcessStart, PtySize
 from dsec.sdk._transport import Transport
 
 # bash when the image has it (job control, history, line editing), else the POSIX shell.
@@ -42,10 +43,10 @@ class Pty:
     error: str | None  # why it ended, when not by itself (its sandbox stopped)
 
     def __init__(
-        self, transport: Transport, process_url: str, pid: int, events: AsyncGenerator[ProcessEvent, None]
+        self, transport: Transport, sandbox_id: str, pid: int, events: AsyncGenerator[ProcessEvent, None]
     ) -> None:
         self._t = transport
-        self._url = process_url
+        self._sandbox_id = sandbox_id
         self.pid = pid
         self._events = events
         self.exit_code = None
@@ -83,19 +84,16 @@ class Pty:
 
     async def write(self, data: bytes | str) -> None:
         """Type ``data`` (bytes as a terminal sends them: ``b"\\x03"`` is ^C, ``b"\\x04"`` ^D)."""
-        body = ProcessInput(data=data.encode() if isinstance(data, str) else data)
-        await self._t.request("POST", self._url + "/input", json_body=body.model_dump(mode="json"))
+        op = SendProcessInput(pid=self.pid, data=data.encode() if isinstance(data, str) else data)
+        await self._t.call(self._sandbox_id, op)
 
     async def resize(self, rows: int, cols: int) -> None:
         """Set the terminal's size; the program gets SIGWINCH."""
-        body = PtySize(rows=rows, cols=cols).model_dump()
-        await self._t.request("POST", self._url + "/resize", json_body=body)
+        await self._t.call(self._sandbox_id, ResizeProcess(pid=self.pid, rows=rows, cols=cols))
 
     async def signal(self, signal: int) -> None:
         """Send ``signal`` to the program and everything it started."""
-        await self._t.request(
-            "POST", self._url + "/signal", json_body=ProcessSignal(signal=signal).model_dump()
-        )
+        await self._t.call(self._sandbox_id, SignalProcess(pid=self.pid, signal=signal))
 
     async def close(self) -> None:
         """Hang up: a program still running gets SIGHUP (as when a terminal closes), then the
@@ -114,6 +112,7 @@ class SandboxPtyCalls:
     if TYPE_CHECKING:
         _t: Transport
         _base: str
+        id: str
 
     async def open_pty(
         self,
@@ -146,4 +145,4 @@ class SandboxPtyCalls:
         if first is None or first.t != "start":
             await events.aclose()
             raise InfraFailure(f"a terminal's stream began with {first!r}, not its start")
-        return Pty(self._t, f"{self._base}/processes/{first.pid}", first.pid, events)
+        return Pty(self._t, self.id, first.pid, events)

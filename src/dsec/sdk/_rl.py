@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
-from dsec.protocol.files import path_query
 from dsec.protocol.models import (
     BulkAction,
     BulkResult,
     Change,
-    CommitRequest,
     ForkRequest,
     LayerInfo,
     LeaseRequest,
@@ -19,6 +17,9 @@ from dsec.protocol.models import (
     SandboxInfo,
     TrajectoryEntry,
 )
+from dsec.protocol.ops import Call, Changes, Commit, Pause, Resume, Trajectory
+
+R = TypeVar("R")
 
 if TYPE_CHECKING:
     from dsec.sdk._transport import Transport
@@ -33,29 +34,27 @@ class SandboxRlCalls:
 
         def _sibling(self, info: SandboxInfo) -> Sandbox: ...
 
+        async def _call(self, op: Call[R], *, timeout: float | None = None) -> R: ...
+
     async def pause(self) -> SandboxInfo:
         """Freeze the sandbox and push its memory out of RAM. Any later call resumes it."""
-        self.info = SandboxInfo.model_validate(await self._t.request("POST", self._base + "/pause"))
+        self.info = await self._call(Pause())
         return self.info
 
     async def resume(self) -> SandboxInfo:
         """Resume now (memory prefetched, then thawed); calls resume by themselves anyway."""
-        self.info = SandboxInfo.model_validate(await self._t.request("POST", self._base + "/resume"))
+        self.info = await self._call(Resume())
         return self.info
 
     async def trajectory(self, *, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
         """What this sandbox was asked to do and the outcomes, as its edge recorded them
         (oldest first; page with ``after`` = the last ``seq`` seen)."""
-        body = await self._t.request(
-            "GET", self._base + "/trajectory", params={"after": str(after), "limit": str(limit)}
-        )
-        return [TrajectoryEntry.model_validate(x) for x in body]
+        return await self._call(Trajectory(after=after, limit=limit))
 
     async def changes(self, under: str = "/") -> list[Change]:
         """Paths this sandbox added, modified or deleted relative to its layers, below ``under``
         (read on the host from its writable layer: the sandbox cannot hide a change)."""
-        body = await self._t.request("GET", self._base + "/changes", params=path_query("under", under))
-        return [Change.model_validate(x) for x in body]
+        return await self._call(Changes(under=under))
 
     async def pack_diff(
         self, name: str, *, scrub_defaults: bool = True, exclude: list[str] | None = None
@@ -65,9 +64,8 @@ class SandboxRlCalls:
         (paths relative to /, glob per component) to the default build residue. Restore with
         ``run_container(DSecContainerRunArgs(layers=[*sandbox.info.layers, layer.digest]))``.
         The sandbox keeps running, untouched."""
-        req = CommitRequest(ref=name, exclude=exclude or [], scrub_defaults=scrub_defaults)
-        body = await self._t.request("POST", self._base + "/commit", json_body=req.model_dump(), timeout=3600)
-        return LayerInfo.model_validate(body)
+        op = Commit(ref=name, exclude=exclude or [], scrub_defaults=scrub_defaults)
+        return await self._call(op, timeout=3600)
 
     async def fork(
         self, n: int, *, labels: dict[str, str] | None = None, processes: bool = False, timeout: float = 120

@@ -1,6 +1,11 @@
 """The one HTTP seam of the SDK: every request goes through :class:`Transport`, the SDK's
 :class:`~dsec.protocol.wire_client.WireClient` (the same client the apiserver uses to reach edges).
 
+A sandbox operation (:mod:`dsec.protocol.ops`) goes through one method, :meth:`Transport.call`:
+the op as JSON to ``POST /v1/sandboxes/{id}/ops/{kind}``, its answer parsed as the op names it::
+
+    info = await transport.call(sandbox_id, Pause())  # -> SandboxInfo
+
 Errors come back typed: the server's ``{"error": {"code": ...}}`` body becomes the same
 ``DSecError`` subclass here; a connection failure becomes
 ``InfraFailure(reason="edge_unreachable")``, the reason the apiserver gives for an edge it
@@ -14,14 +19,18 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import aiohttp
+from pydantic import ValidationError
 
-from dsec.protocol.errors import DSecError
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason
+from dsec.protocol.ops import Call
 from dsec.protocol.wire_client import WireClient, ndjson_lines, unreachable
 
+R = TypeVar("R")
 _CHUNK = 1 << 20
+_JSON = {"Content-Type": "application/json"}
 
 
 async def file_chunks(path: Path) -> AsyncIterator[bytes]:
@@ -106,6 +115,20 @@ class Transport(WireClient):
         limit = aiohttp.ClientTimeout(total=timeout or self._timeout)
         async with self._send(method, path, limit, json_body=json_body, params=params, data=data) as resp:
             return await resp.json()
+
+    async def call(self, sandbox_id: str, op: Call[R], *, timeout: float | None = None) -> R:
+        """Run ``op`` on sandbox ``sandbox_id``; its answer, of the type the op names."""
+        limit = aiohttp.ClientTimeout(total=timeout or self._timeout)
+        path = f"/v1/sandboxes/{sandbox_id}/ops/{op.kind}"
+        async with self._send("POST", path, limit, data=op.model_dump_json(), headers=_JSON) as resp:
+            raw = await resp.read()
+        try:
+            return cast(R, op.adapter.validate_json(raw))
+        except ValidationError as exc:
+            # Version skew between this SDK and the server: not the caller's mistake.
+            raise InfraFailure(
+                f"the server sent a malformed answer to {op.kind}: {exc}", reason=InfraReason.protocol
+            ) from exc
 
     async def stream(
         self,

@@ -5,6 +5,9 @@
     result = await sandbox.run_shell("echo hello world")
     await sandbox.stop()
 
+A sandbox operation (:mod:`dsec.protocol.ops`) is a one-line method here: it builds the op
+and sends it through :meth:`Sandbox._call`, which answers with the type the op names.
+
 The sync API (:class:`dsec.sdk.DSec`) is generated from these classes; add methods here only.
 """
 
@@ -18,23 +21,21 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from dsec.protocol.files import path_query
 from dsec.protocol.models import (
     BatchCreateRequest,
     CommandResult,
-    CommitRequest,
     CreateRequest,
     ExecEvent,
     ExecRequest,
     FileStat,
     LayerInfo,
     NetworkRules,
-    NetworkRulesRequest,
     SandboxInfo,
-    ShellRequest,
 )
+from dsec.protocol.ops import Call, Commit, ListDir, Mkdir, Move, Remove, RunShell, SetNetworkRules, Stat
 from dsec.sdk._display import SandboxDisplayCalls
 from dsec.sdk._fncall import FnCalls
 from dsec.sdk._layers import LayerCalls
@@ -45,6 +46,8 @@ from dsec.sdk._transport import Transport, file_chunks
 from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
 from dsec.sdk.build import BuildEvent, build_layer
 from dsec.sdk.config import load_client_config
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
     def _sibling(self, info: SandboxInfo) -> Sandbox:
         return Sandbox(self._t, info)
 
+    async def _call(self, op: Call[R], *, timeout: float | None = None) -> R:
+        """``op`` on this sandbox (``POST /v1/sandboxes/{id}/ops/{kind}``); its answer."""
+        return await self._t.call(self.id, op, timeout=timeout)
+
     async def __aenter__(self) -> Sandbox:
         return self
 
@@ -90,9 +97,7 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
     async def set_network_rules(self, rules: NetworkRules) -> SandboxInfo:
         """Replace this sandbox's network permissions (names the node's operator configured,
         e.g. ``{"pypi": True}``); they are in force in the kernel when this returns."""
-        body = NetworkRulesRequest(network_rules=rules).model_dump(mode="json")
-        raw = await self._t.request("PUT", self._base + "/network", json_body=body)
-        self.info = SandboxInfo.model_validate(raw)
+        self.info = await self._call(SetNetworkRules(network_rules=rules))
         return self.info
 
     # -- commands ---------------------------------------------------------------------------
@@ -113,18 +118,14 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
         ``idempotency_key`` the command runs at most once in this sandbox: a repeat (a
         restarted agent loop replaying its history) gets the recorded result.
         """
-        req = ShellRequest(
+        op = RunShell(
             command=command,
             session=session,
             timeout=timeout,
             max_output_bytes=max_output_bytes,
             idempotency_key=idempotency_key,
         )
-        http_timeout = None if timeout is None else timeout + 30
-        body = await self._t.request(
-            "POST", self._base + "/shell", json_body=req.model_dump(exclude_none=True), timeout=http_timeout
-        )
-        return CommandResult.model_validate(body)
+        return await self._call(op, timeout=None if timeout is None else timeout + 30)
 
     async def exec_stream(
         self,
@@ -202,9 +203,8 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
         Caches, histories and temp files are scrubbed first (``scrub_defaults``), plus
         ``exclude`` (paths relative to /, glob per component). The sandbox keeps running.
         """
-        req = CommitRequest(ref=ref, exclude=exclude or [], scrub_defaults=scrub_defaults)
-        body = await self._t.request("POST", self._base + "/commit", json_body=req.model_dump(), timeout=3600)
-        return LayerInfo.model_validate(body)
+        op = Commit(ref=ref, exclude=exclude or [], scrub_defaults=scrub_defaults)
+        return await self._call(op, timeout=3600)
 
     # -- files ------------------------------------------------------------------------------
 
@@ -262,30 +262,20 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
         return written
 
     async def stat(self, path: str) -> FileStat:
-        return FileStat.model_validate(
-            await self._t.request("GET", self._base + "/files/stat", params=path_query("path", path))
-        )
+        return await self._call(Stat(path=path))
 
     async def list_dir(self, path: str) -> list[FileStat]:
-        body = await self._t.request("GET", self._base + "/files/list", params=path_query("path", path))
-        return [FileStat.model_validate(x) for x in body]
+        return await self._call(ListDir(path=path))
 
     async def mkdir(self, path: str, *, parents: bool = True) -> FileStat:
-        params = {**path_query("path", path), "parents": "true" if parents else "false"}
-        return FileStat.model_validate(
-            await self._t.request("POST", self._base + "/files/mkdir", params=params)
-        )
+        return await self._call(Mkdir(path=path, parents=parents))
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        params = {**path_query("path", path), "recursive": "true" if recursive else "false"}
-        await self._t.request("DELETE", self._base + "/files", params=params)
+        await self._call(Remove(path=path, recursive=recursive))
 
     async def move(self, source: str, destination: str) -> FileStat:
         """Rename a file or directory inside the sandbox (replaces a file at ``destination``)."""
-        params = {**path_query("source", source), **path_query("destination", destination)}
-        return FileStat.model_validate(
-            await self._t.request("POST", self._base + "/files/move", params=params)
-        )
+        return await self._call(Move(source=source, destination=destination))
 
 
 class DSecClient(ProjectCalls, FnCalls, JobCalls, LayerCalls):

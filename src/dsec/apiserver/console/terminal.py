@@ -77,7 +77,8 @@ def _size_param(request: web.Request, name: str, default: int) -> int:
     raw = request.query.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= 4096:
+    # ASCII digits only: str.isdigit() admits "²", which int() then refuses (a 500, not a 400).
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 4 or not 1 <= int(raw) <= 4096:
         raise InvalidRequest(f"query parameter {name!r} must be a whole number from 1 to 4096")
     return int(raw)
 
@@ -96,6 +97,9 @@ class TerminalRoutes:
         request[PRINCIPAL] = await self.iam.authenticate(offered_key(request))
         link, sid = await self.sandboxes.owned(request)
         size = PtySize(rows=_size_param(request, "rows", 24), cols=_size_param(request, "cols", 80))
+        ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=MAX_MESSAGE, heartbeat=30)
+        if not ws.can_prepare(request).ok:  # before a shell is started for nobody
+            raise InvalidRequest("this route is a WebSocket: send an upgrade (Upgrade: websocket)")
         if self.open >= MAX_TERMINALS:
             raise CapacityExhausted(f"this apiserver already holds {MAX_TERMINALS} console terminals")
         self.open += 1
@@ -105,7 +109,6 @@ class TerminalRoutes:
                 first = await anext(events, None)
                 if first is None or first.t != "start":
                     raise InfraFailure(f"a terminal's stream began with {first!r}, not its start")
-                ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=MAX_MESSAGE, heartbeat=30)
                 await ws.prepare(request)
                 await self._join(ws, link, sid, first.pid, events)
                 return ws

@@ -244,7 +244,7 @@ class TrafficRoutes:
         async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
             return await self.serve(request, handler)
 
-        self.middleware = middleware  # first of the apiserver's (app.py)
+        self.middleware = middleware  # the apiserver's first after the request ID's (app.py)
 
     def target(self, request: web.Request) -> tuple[str, int, bool] | None:
         """The sandbox ID and port a request is for, and whether its Host named them."""

@@ -34,7 +34,7 @@ from dsec.backends.container.runsc import Runsc
 from dsec.backends.container.runtime import OciRuntime
 from dsec.backends.handle import Handle
 from dsec.density import coresched, memory
-from dsec.edge.fncall import RUNNER_PATH as FNCALL_RUNNER
+from dsec.edge.fncall import runner_zip
 from dsec.executor.file_ops import FileOps, HostFileOps
 from dsec.executor.files import SandboxFiles
 from dsec.executor.process import SandboxProcess
@@ -168,7 +168,7 @@ class ContainerBackend:
             shutil.copy2(busybox, target.with_suffix(".tmp"))
             target.with_suffix(".tmp").replace(target)
         # The FnCall runner runs in pool sandboxes from here (read-only, like busybox).
-        runner = FNCALL_RUNNER.read_bytes()
+        runner = runner_zip()
         target = self.runtime_dir / "fncall-runner.py"
         if not target.exists() or target.read_bytes() != runner:
             target.with_suffix(".tmp").write_bytes(runner)

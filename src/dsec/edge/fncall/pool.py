@@ -2,7 +2,7 @@
 
 A pool is a set of ordinary container sandboxes of one environment (an image or layer list),
 created by the edge with no network and labelled as pool members (hidden from listings). In
-each, the edge starts ``runner.py`` (bind-mounted read-only from the node at ``/.dsec``) and
+each, the edge starts ``fncall-runner.py`` (bind-mounted read-only from the node at ``/.dsec``) and
 holds its pipes: one ``FnTask`` JSON line in, one ``FnResult`` line out, one call at a time
 per sandbox. Creating, namespacing and mounting happen when the pool fills, never on a call.
 
@@ -207,7 +207,7 @@ class FnPool:
         self.recycled = 0
         self.error = ""
         # One per pool: its runners then build the same heap page for page, which KSM keeps once
-        # (runner.py --mergeable). Every call of a sandbox shares its zygote's seed anyway.
+        # (the runner's --mergeable). Every call of a sandbox shares its zygote's seed anyway.
         self._hash_seed = secrets.randbelow(1 << 32)
 
     # -- filling ------------------------------------------------------------------------------
