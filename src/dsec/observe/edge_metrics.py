@@ -255,7 +255,7 @@ class EdgeCollector(Collector):
             PAUSED_AGE_BUCKETS,
         )
         yield GaugeMetricFamily("dsec_sandboxes_creating", "Creates under way", value=edge._creating)
-        capacity = 0 if edge.fenced else edge.config.max_sandboxes
+        capacity = 0 if edge.fenced or edge.drain_fence else edge.config.max_sandboxes
         yield GaugeMetricFamily(
             "dsec_node_capacity_sandboxes", "Sandboxes the node admits (0: fenced)", value=capacity
         )
