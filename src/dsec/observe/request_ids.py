@@ -19,7 +19,7 @@ quote it to an operator, who finds every line of that request in the logs.
 from __future__ import annotations
 
 import re
-import secrets
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -42,8 +42,11 @@ def valid(value: str | None) -> bool:
 
 
 def new_id() -> str:
-    """A fresh ID: 128 random bits in hex (as a UUID's worth, without the dashes)."""
-    return secrets.token_hex(16)
+    """A fresh ID: 128 random bits in hex (as a UUID's worth, without the dashes).
+
+    From ``random``, not ``secrets``: an ID correlates log lines and grants nothing, and the
+    system call behind ``secrets`` was a tenth of what a GET cost the apiserver."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def current() -> str | None:
