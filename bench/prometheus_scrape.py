@@ -29,6 +29,7 @@ from prometheus_client.exposition import generate_latest
 from _stats import pct
 from dsec.edge.journal import Record
 from dsec.edge.pausing import PauseTotals
+from dsec.images.mounts import OnDemandUse
 from dsec.observe.edge_metrics import EdgeCollector, EdgeMetrics
 from dsec.observe.metrics import MetricsOptions
 from dsec.protocol.models import JOB_LABEL, PROJECT_LABEL, ContainerSpec, SandboxState
@@ -58,6 +59,9 @@ class _Mounts:
     def mounted(self) -> dict[str, int]:
         return {f"sha256:{i:064x}": 200 for i in range(40)}
 
+    def ondemand_use(self) -> OnDemandUse:
+        return OnDemandUse(layers=0, data_bytes=0, cached_bytes=0, evicted_bytes=0)
+
 
 class _Ksm:
     def stats(self) -> dict[str, int | bool]:
@@ -68,12 +72,24 @@ class _Egress:
     def dns_answers(self) -> dict[str, int]:
         return {"granted": 120_000, "denied": 3_000}
 
+    def firewall_counts(self) -> dict[str, int]:
+        return {}  # no egress table: the collector leaves its families out
+
+    def name_checks(self) -> dict[tuple[str, str], int]:
+        return {}  # no name check proxy either
+
+
+@dataclass
+class _Creating:
+    under_way: int = 3
+
 
 @dataclass
 class SimEdge:
-    """The fields of :class:`dsec.edge.edge.Edge` the collector reads."""
+    """The fields of :class:`dsec.edge.edge.Edge` the collector reads
+    (:class:`dsec.observe.edge_metrics.MeteredEdge`)."""
 
-    _live: dict[str, _Held]
+    live: dict[str, _Held]
     metrics: _Sampler
     config: _Config = field(default_factory=_Config)
     mounts: _Mounts = field(default_factory=_Mounts)
@@ -82,11 +98,12 @@ class SimEdge:
     pause_totals: PauseTotals = field(default_factory=PauseTotals)
     pools: dict[str, Any] = field(default_factory=dict)
     fenced: str = ""
-    _creating: int = 3
+    drain_fence: str = ""
+    creating: _Creating = field(default_factory=_Creating)
 
     def committed(self) -> tuple[int, float]:
         mem, cpu = 0, 0.0
-        for held in self._live.values():
+        for held in self.live.values():
             if held.record.state is SandboxState.running:
                 mem += held.record.spec.memory_limit_mb << 20
                 cpu += held.record.spec.cpu_cores_limit

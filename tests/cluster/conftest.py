@@ -25,7 +25,7 @@ from tests.conftest import DATA_DIR
 from tests.iam.pgserver import PgServer, running_pg_server
 
 from . import hostscan, netns
-from .harness import NODES, Cluster, seed_shared_store
+from .harness import NODES, Cluster, forget_earlier_nodes, seed_shared_store
 
 
 @pytest.fixture(scope="session")
@@ -116,6 +116,7 @@ async def cluster(
     admin_key: str,
     tmp_path: Path,
 ) -> AsyncIterator[Cluster]:
+    await forget_earlier_nodes(cluster_pg.dsn)
     seed_shared_store(tmp_path / "shared-layers", base_layer)
     with LayerStore(DATA_DIR / "layers") as store:  # each edge keeps a one-sandbox FnCall pool
         ensure_base_layer(store, TOOLCHAIN_REF, packages=TOOLCHAIN_PACKAGES)

@@ -9,6 +9,7 @@ registry there to see epochs and heartbeats).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from dsec import DSecClient, DSecError
 from dsec.backends.container import cgroups
+from dsec.iam import open_iam_store
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.store import LayerStore
 from dsec.protocol.ids import SandboxId
@@ -74,6 +76,44 @@ def seed_shared_store(shared: Path, ref: str) -> str:
         link.unlink(missing_ok=True)
     store.tag(info.digest, ref)
     return info.digest
+
+
+async def forget_earlier_nodes(pg_dsn: str) -> None:
+    """The shared registry at ``pg_dsn`` forgets every node earlier cluster tests registered
+    (a provider-started node a test stopped stays registered): a bulk operation by label spans
+    every registered node, and one at an address an edge of this test now has would join."""
+    home = await open_iam_store(pg_dsn)
+    try:
+        for record in await home.list_nodes():
+            await home.forget_node(record.node)
+    finally:
+        await home.close()
+
+
+async def prepare_overflow_iam(tmp: Path, pg_dsn: str, away_url: str, admin_name: str) -> str:
+    """The IAM side of a home cluster that overflows to another, "west" at ``away_url``.
+
+    The home registry (the session's shared PostgreSQL at ``pg_dsn``) forgets the nodes earlier
+    cluster tests registered there: one at an address an edge of this test now has would join.
+    The away cluster's IAM (``tmp/away-iam.sqlite``) gets an admin key named ``admin_name``
+    (returned) and project root/burst, whose key (``tmp/west.key``) the home apiservers
+    overflow with, as their ``--overflow`` file (``tmp/overflow.json``) says.
+    """
+    await forget_earlier_nodes(pg_dsn)
+    iam = await open_iam_store(str(tmp / "away-iam.sqlite"))
+    try:
+        away_key = await iam.issue_key(admin=True, name=admin_name)
+        await iam.create_project("root", "burst")
+        burst_key = await iam.issue_key("root/burst", name="the home cluster")
+    finally:
+        await iam.close()
+    key_file = tmp / "west.key"
+    key_file.write_text(burst_key + "\n")
+    key_file.chmod(0o600)
+    target = {"name": "west", "url": away_url, "api_key_file": str(key_file)}
+    overflow = {"threshold": 1.0, "poll_interval_s": 0.2, "targets": [target]}
+    (tmp / "overflow.json").write_text(json.dumps(overflow))
+    return away_key
 
 
 class Cluster:

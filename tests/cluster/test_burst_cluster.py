@@ -33,7 +33,6 @@ from pathlib import Path
 import pytest
 
 from dsec import CapacityExhausted, DSecClient, DSecContainerRunArgs, DSecError, InfraFailure, Sandbox
-from dsec.iam import open_iam_store
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.store import LayerStore
 from dsec.protocol.ids import SandboxId
@@ -47,6 +46,7 @@ from .harness import (
     WATCH_INTERVAL_S,
     force_cleanup,
     free_port,
+    prepare_overflow_iam,
     seed_shared_store,
 )
 from .netns import NETNS_DIR, Netns
@@ -142,25 +142,7 @@ class BurstClusters:
         for side in ("home", "away"):
             seed_shared_store(self.tmp / f"{side}-layers", base_layer)
         LayerStore.over(SharedMountBlobStore(self.tmp / "away-layers")).mark_public(base_layer)
-        home = await open_iam_store(self.pg_dsn)  # nodes of earlier tests must not join
-        try:
-            for record in await home.list_nodes():
-                await home.forget_node(record.node)
-        finally:
-            await home.close()
-        iam = await open_iam_store(str(self.tmp / "away-iam.sqlite"))
-        try:
-            self.away_key = await iam.issue_key(admin=True, name="burst test")
-            await iam.create_project("root", "burst")
-            burst_key = await iam.issue_key("root/burst", name="the home cluster")
-        finally:
-            await iam.close()
-        key_file = self.tmp / "west.key"
-        key_file.write_text(burst_key + "\n")
-        key_file.chmod(0o600)
-        target = {"name": "west", "url": self.url("away"), "api_key_file": str(key_file)}
-        overflow = {"threshold": 1.0, "poll_interval_s": 0.2, "targets": [target]}
-        (self.tmp / "overflow.json").write_text(json.dumps(overflow))
+        self.away_key = await prepare_overflow_iam(self.tmp, self.pg_dsn, self.url("away"), "burst test")
         # Home at 2 of 2.5 admitted cores per edge is 0.8 (0.75: whatever the rounding of the
         # caps) for 0.5 s: one node. It is never idle long enough here to be drained.
         edge_args = ", ".join(json.dumps(a) for a in EDGE_ARGS)

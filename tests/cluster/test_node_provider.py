@@ -1,6 +1,7 @@
 """The local node provider: an edge started on demand in a network namespace of its own, with
 labels and a size, registers with a real apiserver process, runs a sandbox that asked for its
-label, and is stopped again with its namespace and veth gone."""
+label, and is stopped again with its namespace and veth gone. A node fenced for a drain and
+restarted on its data directory still refuses creates until it is unfenced."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from dsec import DSecClient, DSecContainerRunArgs
+from dsec import CapacityExhausted, DSecClient, DSecContainerRunArgs
+from dsec.apiserver.remote_edge import RemoteEdgeLink
 from dsec.node.provider import LocalNetnsProvider, NodeRequest
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.ids import SandboxId
-from dsec.protocol.models import Hardware
+from dsec.protocol.models import ContainerSpec, Hardware
 from tests.iam.pgserver import PgServer
 from tests.support import DSEC, eventually
 
@@ -92,6 +94,50 @@ async def test_a_provider_node_joins_runs_a_sandbox_and_goes(
     assert stopped.state == "stopped"
     assert [(n.name, n.state) for n in await provider.list()] == [(NODE, "stopped")]
     assert not list(Path("/run/netns").glob(f"dsecp-{os.getpid()}-*")), "its namespace is gone"
+
+
+@pytest.mark.slow
+async def test_a_drained_node_restarted_on_its_data_dir_still_refuses_creates(
+    api: tuple[str, LocalNetnsProvider], admin_key: str, base_layer: str, tmp_path: Path
+) -> None:
+    # Scale-in fences a node it drains; an edge restarted before the stop must not take creates.
+    url, provider = api
+    secret = (tmp_path / "secret").read_text().strip()
+    why = "scale-in drains this idle provider node"
+    request = NodeRequest(name=NODE, labels={"pool": "burst"}, cpus=2)
+    wants = Hardware(node_labels={"pool": "burst"})
+    node = await provider.start(request)
+    async with DSecClient(url, admin_key, timeout=CLIENT_TIMEOUT_S) as client:
+
+        async def seen(fenced: bool) -> bool:
+            entry = {n["node"]: n for n in await client.nodes()}.get(NODE, {})
+            return bool(entry.get("healthy")) and entry.get("fenced") is fenced
+
+        await eventually(lambda: seen(False), f"the apiserver to see {NODE} healthy", 30)
+        link = RemoteEdgeLink(node.url, secret, NODE)
+        try:
+            assert await link.fence(True, why) is True  # what the scaler sends (POST /edge/v1/fence)
+        finally:
+            await link.close()
+        await provider.stop(NODE)
+        node = await provider.start(request)  # the same name: the same data directory
+        link = RemoteEdgeLink(node.url, secret, NODE)
+        try:
+            stats = await link.stats()  # the restarted edge's own word, not a stale poll
+            assert (stats["fenced"], stats["capacity"]) == (True, 0)
+            with pytest.raises(CapacityExhausted, match=why):
+                await link.create(ContainerSpec(image=base_layer, hardware=wants))
+            await eventually(lambda: seen(True), f"the apiserver to see {NODE} fenced", 30)
+            with pytest.raises(CapacityExhausted):
+                await client.run_container(DSecContainerRunArgs(container_image=base_layer, hardware=wants))
+            assert await link.fence(False, "scale-in keeps this node") is False
+        finally:
+            await link.close()
+        await eventually(lambda: seen(False), f"the apiserver to see {NODE} unfenced", 30)
+        sb = await client.run_container(DSecContainerRunArgs(container_image=base_layer, hardware=wants))
+        assert SandboxId.parse(sb.id).node == NODE
+        await sb.stop()
+    assert (await provider.stop(NODE)).state == "stopped"
 
 
 def test_node_requests_are_validated() -> None:

@@ -23,7 +23,6 @@ from pydantic import BaseModel
 
 from dsec import CapacityExhausted, Conflict, DSecClient, DSecContainerRunArgs, DSecError, InfraFailure
 from dsec.apiserver.overflow_link import HOME_PROJECT_LABEL
-from dsec.iam import open_iam_store
 from dsec.images.base import TOOLCHAIN_PACKAGES, TOOLCHAIN_REF, ensure_base_layer
 from dsec.images.blobstore import SharedMountBlobStore
 from dsec.images.store import LayerStore
@@ -40,6 +39,7 @@ from .harness import (
     WATCH_INTERVAL_S,
     force_cleanup,
     free_port,
+    prepare_overflow_iam,
     seed_shared_store,
 )
 from .netns import Netns
@@ -132,27 +132,9 @@ class TwoClusters:
         seed_shared_store(self.tmp / "away-layers", TOOLCHAIN_REF)
         away_store = LayerStore.over(SharedMountBlobStore(self.tmp / "away-layers"))
         away_store.mark_public(base_layer)  # the burst project's key may use it
-        # The home registry is the session's shared Postgres: nodes earlier cluster tests
-        # registered there (edge2 at the address the away cluster's edge2 now has) would join.
-        home = await open_iam_store(self.pg_dsn)
-        try:
-            for record in await home.list_nodes():
-                await home.forget_node(record.node)
-        finally:
-            await home.close()
-        iam = await open_iam_store(str(self.tmp / "away-iam.sqlite"))
-        try:
-            self.away_key = await iam.issue_key(admin=True, name="overflow test")
-            await iam.create_project("root", "burst")
-            burst_key = await iam.issue_key("root/burst", name="the home cluster")
-        finally:
-            await iam.close()
-        key_file = self.tmp / "west.key"
-        key_file.write_text(burst_key + "\n")
-        key_file.chmod(0o600)
-        target = {"name": "west", "url": self.url("away"), "api_key_file": str(key_file)}
-        config = {"threshold": 1.0, "poll_interval_s": 0.2, "targets": [target]}
-        (self.tmp / "overflow.json").write_text(json.dumps(config))
+        # The home registry forgets earlier tests' nodes: their edge2, at the address the away
+        # cluster's edge2 now has, would join the home cluster.
+        self.away_key = await prepare_overflow_iam(self.tmp, self.pg_dsn, self.url("away"), "overflow test")
 
     async def start(self) -> None:
         procs = [self.start_api("home"), self.start_api("away")]

@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from dsec import BuildFailed, DSecClient
+from dsec.node.embedded import EmbeddedNode
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes
 from tests.e2e.test_egress import probe, the_mirror  # noqa: F401 (a fixture)
 from tests.netpolicy import mirror
+from tests.unit.test_metrics_prometheus import parse, scrape, value
 
 WEB = [mirror.ADDRESS, mirror.PORT]
 URL = f"http://{mirror.DNS_NAME}:{mirror.PORT}/hello.txt"
@@ -155,12 +157,57 @@ async def test_shared_addresses_open_only_the_allowed_names_by_sni_and_host(
         [mirror.DNS_NAME, mirror.DNS_NAME, "http", http],
         [mirror.ADDRESS, mirror.DNS_OUTSIDE, "http", http],
     ]
+    got = await named(sb, cases)
+    assert got[0] == mirror.BODY and got[3] == mirror.BODY, got
+    assert all(r.startswith("refused") for r in (got[1], got[2], got[4])), got
+
+
+async def test_the_edge_counts_what_its_name_check_let_through_and_refused(
+    the_mirror: None,  # noqa: F811
+    make_sandbox: Sandboxes,
+    node: EmbeddedNode,
+) -> None:
+    """dsec_egress_name_checks_total on the edge's /metrics follows what the sandbox tried:
+    a refused TLS connect each (another site's name, no name), a refused HTTP request each
+    (another Host), and what was let through."""
+    sb = await make_sandbox(network_rules={"mirror-dns": True})
+    await probe(sb, resolve=[mirror.DNS_NAME])
+    path = f"/metrics/edges/{node.config.node}"
+    status, _, text = await scrape(node, path, node.api_key)
+    assert status == 200
+    before = parse(text)
+    https, http = mirror.HTTPS_PORT, mirror.HTTP_PORT
+    got = await named(
+        sb,
+        [
+            [mirror.ADDRESS, mirror.DNS_OUTSIDE, "tls", https],
+            [mirror.ADDRESS, None, "tls", https],
+            [mirror.ADDRESS, mirror.DNS_OUTSIDE, "http", http],
+            [mirror.ADDRESS, "pypi.org", "http", http],
+            [mirror.DNS_NAME, mirror.DNS_NAME, "tls", https],
+            [mirror.DNS_NAME, mirror.DNS_NAME, "http", http],
+        ],
+    )
+    assert [r.startswith("refused") for r in got] == [True] * 4 + [False] * 2, got
+    after = parse((await scrape(node, path, node.api_key))[2])
+
+    def grew(kind: str, verdict: str) -> float:
+        name, labels = "dsec_egress_name_checks_total", {"kind": kind, "verdict": verdict}
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    # Exactly these: no other test's sandbox runs meanwhile, and nothing of the edge's own
+    # goes through the name check.
+    assert (grew("tls", "refused"), grew("http", "refused")) == (2, 2)
+    assert (grew("tls", "granted"), grew("http", "granted")) == (1, 1)
+
+
+async def named(sb: Sandbox, cases: list[list[object]]) -> list[str]:
+    """Run :data:`NAMED`'s cases in ``sb``: what each got."""
     await sb.write_file("/tmp/named.py", NAMED.encode())
     res = await sb.run_shell(f"python3 /tmp/named.py '{json.dumps(cases)}'", timeout=120)
     assert res.exit_code == 0, res.stderr
-    got = json.loads(res.stdout)
-    assert got[0] == mirror.BODY and got[3] == mirror.BODY, got
-    assert all(r.startswith("refused") for r in (got[1], got[2], got[4])), got
+    out: list[str] = json.loads(res.stdout)
+    return out
 
 
 FETCH = f"import urllib.request as u; print(u.urlopen('{URL}', timeout=10).read().decode(), end='')"

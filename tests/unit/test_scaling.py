@@ -333,14 +333,26 @@ async def test_a_node_whose_edge_cannot_be_fenced_is_not_drained() -> None:
     assert r.provider.stopped == ["burst-1"]
 
 
-async def test_an_edge_that_forgot_its_fence_is_kept() -> None:
+async def test_an_edge_unfenced_meanwhile_is_kept() -> None:
     r = rig()
     await _one_provider_node(r)
     await r.at(31)
     await r.at(91)
-    r.links["burst-1"].fenced = False  # the edge restarted: it takes creates again
+    r.links["burst-1"].fenced = False  # lifted by someone else (an operator): it takes creates
     await r.at(96)
     assert r.provider.stopped == [] and r.scaler.nodes["burst-1"].state == "running"
+
+
+async def test_a_fence_left_by_a_scaler_that_went_away_is_lifted_by_the_next() -> None:
+    # The edge journals its fence: a node fenced by an apiserver that then died stays fenced.
+    r = rig()
+    r.links["burst-7"] = FakeEdge(fenced=True)
+    await r.scaler.start()  # this apiserver's scaler adopts it, as any node the provider runs
+    await r.scaler.close()
+    await r.at(0)
+    assert not r.links["burst-7"].fenced, "adopted as running: it takes creates again"
+    await r.at(1)
+    assert r.watcher.snapshot["burst-7"]["capacity"] == 10 and r.provider.stopped == []
 
 
 async def test_an_unfence_that_did_not_reach_the_edge_is_sent_again() -> None:

@@ -24,9 +24,10 @@ from dsec.apiserver._http import read_body, respond
 from dsec.apiserver.remote_edge import RemoteEdgeLink
 from dsec.edge.link import EdgeLink
 from dsec.edge.registration import REGISTER_PATH
-from dsec.edge.server import check_secret, require_cluster_secret
+from dsec.edge.server import check_secret
 from dsec.iam import IamStore, NodeRecord
 from dsec.observe import audit
+from dsec.protocol.http import require_cluster_secret
 
 log = logging.getLogger("dsec.apiserver.membership")
 

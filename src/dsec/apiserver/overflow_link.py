@@ -52,7 +52,7 @@ from dsec.protocol.models import (
     TrajectoryEntry,
 )
 from dsec.protocol.ops import PUBLIC, Call, ConnectProcess, Exec, StartProcess, Stream, WatchDir
-from dsec.protocol.wire_client import WireClient, ndjson, never_sent
+from dsec.protocol.wire_client import WireClient, ndjson, never_sent, send_stream
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
@@ -353,25 +353,9 @@ class OverflowLink(EdgeLink):
     async def write_stream(
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
     ) -> FileStat:
-        source_error: list[BaseException] = []
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in chunks:
-                    yield chunk
-            except BaseException as exc:
-                source_error.append(exc)  # the caller's own failure, raised as itself
-                raise
-
         params = {**path_query("path", path), "mode": format(mode & 0o7777, "o")}
-        try:
-            raw = await self._read(
-                "PUT", self._sandbox(sandbox_id, "/files/content"), params=params, data=body()
-            )
-        except BaseException:
-            if source_error:
-                raise source_error[0] from None
-            raise
+        target = self._sandbox(sandbox_id, "/files/content")
+        raw = await send_stream(lambda body: self._read("PUT", target, params=params, data=body), chunks)
         return self._parse(FileStat, raw)
 
     async def open_port(self, sandbox_id: str, port: int) -> PortStream:

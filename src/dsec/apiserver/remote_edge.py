@@ -46,7 +46,7 @@ from dsec.protocol.models import (
     SandboxInfo,
 )
 from dsec.protocol.ops import Call, Stream
-from dsec.protocol.wire_client import WireClient, ndjson, never_sent, unreachable
+from dsec.protocol.wire_client import WireClient, ndjson, never_sent, send_stream, unreachable
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
@@ -341,27 +341,12 @@ class RemoteEdgeLink(EdgeLink):
     async def write_stream(
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE
     ) -> FileStat:
-        source_error: list[BaseException] = []
-
-        async def body() -> AsyncIterator[bytes]:
-            # aiohttp sends this as a chunked body, pulling one chunk at a time: memory stays flat.
-            try:
-                async for chunk in chunks:
-                    yield chunk
-            except BaseException as exc:
-                source_error.append(exc)  # the caller's own failure, to be raised as itself
-                raise
-
         params = {**path_query("path", path), "mode": format(mode & 0o7777, "o")}
-        try:
+
+        async def put(body: AsyncIterator[bytes]) -> bytes:
             async with self._call(
-                "PUT", self._sandbox(sandbox_id, "/files/content"), params=params, data=body()
+                "PUT", self._sandbox(sandbox_id, "/files/content"), params=params, data=body
             ) as resp:
-                raw = await resp.read()
-        except BaseException:
-            # However aiohttp reports a body that failed (wrapped, or as a broken connection),
-            # the caller gets back the error its own source raised.
-            if source_error:
-                raise source_error[0] from None
-            raise
-        return self._parse(FileStat, raw)
+                return await resp.read()
+
+        return self._parse(FileStat, await send_stream(put, chunks))

@@ -114,3 +114,16 @@ def prefetch(pids: Iterable[int]) -> int:
         finally:
             os.close(fd)
     return total
+
+
+def mem_available_bytes() -> int:
+    """The node's MemAvailable (what admission and the metrics read)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def mem_total_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from dsec.backends.base import Backend
+from dsec.density.memory import mem_available_bytes, mem_total_bytes
 from dsec.edge.config import EdgeConfig
 from dsec.edge.tally import LiveSandboxes
 from dsec.protocol.errors import CapacityExhausted, CapacityReason, DSecError
@@ -30,18 +31,6 @@ MiB = 1 << 20
 # CapacityExhausted's reason when no amount of waiting or pausing makes room: the apiserver
 # tries other nodes, and answers InvalidRequest if none of them could ever take it either.
 NEVER_FITS = CapacityReason.never_fits
-
-
-def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def mem_total_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Pause(Protocol):

@@ -5,8 +5,9 @@ once per node, drives the backend, owns every session and pipe, and reclaims san
 idle TTL or maximum lifetime ran out. A restart reconciles the journal with the runtime.
 
 The edge is the lifecycle (create, fork, stop, reconcile) and builds its services, each given
-what it uses and none importing the edge: ``edge.admission``, ``.pausing`` (with job leases),
-``.reclaimer``, ``.networking``, ``.processes``, ``.commands`` (:mod:`.op_handlers` calls them).
+what it uses and none importing the edge: ``edge.admission``, ``.creating`` (a create's steps
+from admission to running, and forks), ``.pausing`` (with job leases), ``.reclaimer``,
+``.networking``, ``.processes``, ``.commands`` (:mod:`.op_handlers` calls them).
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import Backend, CollectsUnused, CreateContext, Forkable, User
-from dsec.backends.handle import Handle
+from dsec.backends.base import Backend, CollectsUnused, User
 from dsec.density.ksm import Ksm
 from dsec.density.swap import Swap, free_swap_bytes
 from dsec.edge import hardware
 from dsec.edge.admission import Admission
 from dsec.edge.commands import Commands
 from dsec.edge.config import EdgeConfig
+from dsec.edge.creating import Creating
 from dsec.edge.fncall.pool import POOL_LABEL, FnPool
 from dsec.edge.journal import Journal, Record
 from dsec.edge.metrics import MetricsSampler
@@ -37,27 +37,22 @@ from dsec.edge.processes import Processes
 from dsec.edge.reclaim import Reclaimer
 from dsec.edge.tally import LiveSandboxes, _Live
 from dsec.edge.trajectory import Recorder, TrajectoryLog
-from dsec.edge.users import resolve_user
 from dsec.edge.wakeups import Wakeups
 from dsec.executor.process import SandboxProcess, watch_children_with_pidfds
 from dsec.images.mounts import LayerMounts
-from dsec.images.oci import drop_shadowed_duplicates
 from dsec.images.store import LayerStore
 from dsec.netpolicy.policy import EgressPolicy
 from dsec.observe.edge_metrics import EdgeMetrics
 from dsec.protocol.errors import (
     CapacityExhausted,
-    Conflict,
     DSecError,
     InfraFailure,
     InfraReason,
-    InvalidRequest,
     SandboxNotFound,
 )
 from dsec.protocol.fncall import FnResult, FnTask
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
-    RESERVED_LABEL_PREFIX,
     ContainerSpec,
     SandboxInfo,
     SandboxState,
@@ -69,6 +64,7 @@ log = logging.getLogger("dsec.edge")
 # returns the epoch to use (iam/registry.py has the rule).
 Registrar = Callable[[int | None], Awaitable[int]]
 _MAX_LABELS_REPORTED = 1000
+_DRAIN_FENCE = "drain_fence"  # the journal's meta key for Edge.drain_fence ("": not fenced)
 
 
 class Edge:
@@ -94,7 +90,8 @@ class Edge:
         self.epoch = int(claimed) if claimed is not None else 0
         self.fenced = ""  # why this edge must not create (another registration replaced it)
         # Why an apiserver fenced it (scale-in drains it: POST /edge/v1/fence); it may lift it.
-        self.drain_fence = ""
+        # Journaled: an edge restarted mid-drain must go on refusing creates (set_drain_fence).
+        self.drain_fence = self.journal.meta(_DRAIN_FENCE) or ""
         self.hardware = hardware.detect(config.node_labels)
         self.pools = {c.name: FnPool(self, c) for c in config.fncall_pools}
         self.swap = Swap(config.swap, config.data_dir)
@@ -103,7 +100,6 @@ class Edge:
         self.egress = EgressPolicy(config.egress, config.node, self.journal, config.data_dir / "edge")
         # The edge's services (each given what it uses, none the edge), over one sandbox table.
         self._live = LiveSandboxes()
-        self._creating = 0
         self._wakeups = Wakeups()  # when the reaper next looks at each sandbox
         self.metrics = MetricsSampler(lambda: self._live, self.backend_of)  # E2B's get_metrics
         self.prom = EdgeMetrics()  # Prometheus: this edge's own registry (observe/edge_metrics.py)
@@ -116,7 +112,7 @@ class Edge:
             config, journal, recorder, live, self._wakeups, self.prom, backend_of, self.pause_totals
         )
         self.admission: Admission = Admission(
-            config, live, creating=lambda: self._creating, pause=self.pausing.pause
+            config, live, creating=lambda: self.creating.under_way, pause=self.pausing.pause
         )
         self.reclaimer: Reclaimer = Reclaimer(
             config, journal, recorder, live, self._wakeups, self.prom, backend_of, self.pausing,
@@ -127,6 +123,13 @@ class Edge:
             config, store, mounts, recorder, self.prom, live, backend_of, self.pausing, self.networking,
             get=self.get
         )  # fmt: skip
+        self.creating: Creating = Creating(
+            config, store, mounts, journal, self.egress, self.prom, live, self.backends, self.hardware,
+            self.admission, self.networking, self.pausing, epoch=lambda: self.epoch,
+            fenced=lambda: self.fenced, drain_fence=lambda: self.drain_fence, admit=self._admit,
+            stop=self.stop
+        )  # fmt: skip
+        journal.observe_write = self.prom.journal_write.observe
         self.prom.bind(self)
 
     # -- lifecycle of the edge itself -------------------------------------------------------
@@ -145,6 +148,8 @@ class Edge:
             self.epoch = int(time.time())
         if self.epoch != claimed:
             self.journal.set_meta("epoch", str(self.epoch))
+        if self.drain_fence:
+            log.warning("edge starts fenced by an apiserver, creates refused: %s", self.drain_fence)
         watch_children_with_pidfds()
         for each in self.backends.values():
             await each.prepare_node()
@@ -219,6 +224,11 @@ class Edge:
     def backend_of(self, rec: Record) -> Backend:
         return self.backends[rec.backend]
 
+    @property
+    def live(self) -> LiveSandboxes:
+        """The sandbox table, for readers outside the edge (observe/edge_metrics.py)."""
+        return self._live
+
     # -- sandboxes --------------------------------------------------------------------------
 
     def layers_in_use(self, *, unmount_idle: bool = False) -> set[str]:
@@ -253,6 +263,13 @@ class Edge:
             log.error("edge fenced, creates refused: %s", reason)
         self.fenced = reason
 
+    def set_drain_fence(self, reason: str) -> None:
+        """Refuse creates while ``reason`` is set, "" lifts it (an apiserver's scale-in drain).
+        Journaled before it takes effect, so a restart neither forgets a fence (creates would
+        land on a node about to be stopped) nor brings back a lifted one."""
+        self.journal.set_meta(_DRAIN_FENCE, reason)
+        self.drain_fence = reason
+
     def stats(self) -> dict[str, Any]:
         """Health and load for the watcher: totals, and running counts per backend, project, label."""
         live = self._live  # counted as sandboxes come and go (edge/tally.py), not here
@@ -262,7 +279,7 @@ class Edge:
             "backends": [*self.backends, *(["fncall"] if self._fncall_serving() else [])],
             "running": len(self._live),  # paused ones included: they hold the node's disk
             "paused": len(live.paused),
-            "creating": self._creating,
+            "creating": self.creating.under_way,
             "capacity": 0 if self.fenced or self.drain_fence else self.config.max_sandboxes,
             "fenced": bool(self.fenced or self.drain_fence),  # every apiserver's placement skips it
             "hardware": self.hardware,
@@ -281,151 +298,14 @@ class Edge:
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
         """Admit and start a sandbox; ``sandbox_id`` is the ID the apiserver chose, if it did."""
-        if self.fenced or self.drain_fence:
-            why = self.fenced or self.drain_fence
-            raise CapacityExhausted(f"node {self.config.node} refuses creates: {why}")
-        backend = self.backends.get(spec.type)
-        if backend is None:
-            raise CapacityExhausted(f"node {self.config.node} does not run {spec.type} sandboxes")
-        unmet = spec.hardware.unmet(self.hardware)
-        if unmet is not None:
-            raise CapacityExhausted(f"node {self.config.node} cannot host this sandbox: it {unmet}")
-        # LayerNotFound if unknown; an image name expands to its layers, base first
-        stacked = [layer for ref in spec.layer_refs() for layer in self.store.resolve_image(ref)]
-        # overlayfs refuses one lower directory twice; the upper-most copy alone means the same
-        by_digest = {layer.digest: layer for layer in stacked}
-        layers = [by_digest[d] for d in drop_shadowed_duplicates([layer.digest for layer in stacked])]
-        sid = self._new_id(sandbox_id)
-        spec = self.admission.with_default_disk(spec, backend)
-        admitting = time.perf_counter()
-        try:
-            async with self.admission.reserve(spec):
-                self.prom.phase("admission", admitting)
-                digests = [layer.digest for layer in layers]
-                return await self._start(sid, spec, backend, digests, backend.create)
-        except CapacityExhausted as exc:
-            self.prom.refused(exc)
-            raise
+        return await self.creating.create(spec, sandbox_id)
 
     async def fork_local(
         self, sandbox_id: str, new_ids: list[str], labels: dict[str, str] | None = None
     ) -> list[SandboxInfo]:
         """Copies of a running VM sandbox on this node, memory and processes included: one
         snapshot restored ``len(new_ids)`` times (IDs chosen by the apiserver), all or none."""
-        live = await self.pausing.use(sandbox_id)
-        backend = self.backend_of(live.record)
-        if not isinstance(backend, Forkable):
-            raise InvalidRequest(f"sandbox {sandbox_id} ({live.record.backend}) cannot be forked whole")
-        ids = [self._new_id(i) for i in new_ids]
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest("fork: the new sandbox IDs must differ")
-        rec = live.record
-        own = {k: v for k, v in rec.spec.labels.items() if k.startswith(RESERVED_LABEL_PREFIX)}
-        spec = rec.spec if labels is None else rec.spec.model_copy(update={"labels": {**own, **labels}})
-        with live.working():
-            source = await backend.fork_source(sandbox_id, rec.handle)
-        try:
-            made = await asyncio.gather(
-                *(
-                    self._start(nid, spec, backend, rec.layers, lambda ctx: backend.create_fork(ctx, source))
-                    for nid in ids
-                ),
-                return_exceptions=True,
-            )
-        finally:
-            await backend.release_fork_source(source)
-        failed = [m for m in made if not isinstance(m, SandboxInfo)]
-        if failed:
-            await asyncio.gather(*(self.stop(m.id) for m in made if isinstance(m, SandboxInfo)))
-            raise failed[0]
-        return [m for m in made if isinstance(m, SandboxInfo)]
-
-    async def _start(
-        self,
-        sid: str,
-        spec: ContainerSpec,
-        backend: Backend,
-        digests: list[str],
-        start: Callable[[CreateContext], Awaitable[Handle]],
-    ) -> SandboxInfo:
-        """Journal a new sandbox, mount its layers and have ``start`` run it; on failure the
-        record says why and no layer reference is kept."""
-        self.networking.check(spec, backend)
-        if self.drain_fence:  # fenced while admission held it: a drain counts on none landing
-            raise CapacityExhausted(f"node {self.config.node} refuses creates: {self.drain_fence}")
-        self._creating += 1
-        acquired: list[str] = []
-        rec: Record | None = None
-        try:
-            dirs = []
-            mounting = time.perf_counter()
-            for digest in digests:
-                dirs.append(await self._acquire_layer(digest))
-                acquired.append(digest)
-            self.prom.phase("layer_mount", mounting)
-            user = resolve_user(dirs, spec.init_user)
-            rec = Record(sid, SandboxState.creating, backend.name, spec, acquired, dataclasses.asdict(user))
-            self.journal.insert(rec)
-            ctx = CreateContext(sid, spec, dirs, user, self.config.workdir(sid), layer_digests=acquired)
-            ctx.nameserver = self.egress.config.gateway if self.egress.enabled else None
-            await self.networking.open_link(ctx, backend)  # a VM's tap, before its QEMU starts
-            starting = time.perf_counter()
-            rec.handle = await start(ctx)  # cleans up after itself when it fails
-            try:
-                await self.networking.connect(rec)
-            except BaseException:
-                await self.egress.release(sid)
-                await backend.destroy(sid, rec.handle, ctx.workdir)
-                raise
-            rec.state = SandboxState.running
-            rec.last_active_at = time.time()
-            self.journal.update(rec)
-            self.prom.phase("runtime_start", starting)
-            self.prom.created(sid, backend.name)
-            self._admit(_Live(rec, user))
-            self.pausing.take_lease(spec)  # after it is live: a lease covering nothing is dropped
-            return self._info(rec)
-        except BaseException as exc:
-            self.prom.create_failed(backend.name, exc)
-            for digest in acquired:
-                self.mounts.release(digest)
-            if rec is not None:
-                with contextlib.suppress(Exception):
-                    await self.egress.release(sid)  # a VM's tap made before it failed to start
-                rec.state = SandboxState.failed
-                rec.stop_reason = f"create failed: {exc}"[:500]
-                self.journal.update(rec)
-            if isinstance(exc, DSecError | asyncio.CancelledError):
-                raise
-            raise InfraFailure(f"create failed: {exc}", reason=InfraReason.runtime) from exc
-        finally:
-            self._creating -= 1
-
-    async def _acquire_layer(self, digest: str) -> Path:
-        # Off the event loop: a node's first mount of a layer hashes it (a single image) or
-        # copies its metadata (a split one). A cancelled create still waits for the mount to
-        # finish and gives the reference back, so no reference leaks.
-        job = asyncio.ensure_future(asyncio.to_thread(self.mounts.acquire_layer, self.store, digest))
-        try:
-            return await asyncio.shield(job)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await job
-                self.mounts.release(digest)
-            raise
-
-    def _new_id(self, requested: str | None) -> str:
-        if requested is None:
-            return str(SandboxId.new(self.config.node, self.epoch))
-        sid = SandboxId.parse(requested)
-        if (sid.node, sid.epoch) != (self.config.node, self.epoch):
-            # The apiserver's view of this node is out of date: it should place the create again.
-            raise CapacityExhausted(
-                f"{requested} is not an ID of node {self.config.node!r} epoch {self.epoch}: place it again"
-            )
-        if requested in self._live or self.journal.get(requested) is not None:
-            raise Conflict(f"sandbox {requested} already exists")
-        return requested
+        return await self.creating.fork(sandbox_id, new_ids, labels)
 
     def _fncall_serving(self) -> bool:
         return any(pool.serving for pool in self.pools.values())

@@ -152,9 +152,10 @@ class EdgeLink(Protocol):
         ...
 
     async def fence(self, fenced: bool, reason: str = "") -> bool:
-        """Make the node refuse every create (``fenced``), for every apiserver, until lifted;
-        scale-in fences a node it drains (apiserver/scaling.py). Returns whether creates are
-        refused now (a takeover's fence, ``Edge.fence``, is not lifted by this)."""
+        """Make the node refuse every create (``fenced``), for every apiserver, until lifted
+        (also across an edge restart: the edge journals it); scale-in fences a node it drains
+        (apiserver/scaling.py). Returns whether creates are refused now (a takeover's fence,
+        ``Edge.fence``, is not lifted by this)."""
         raise InvalidRequest(f"{type(self).__name__} cannot fence a node")
 
     async def stop(self, sandbox_id: str) -> SandboxInfo: ...
@@ -403,7 +404,7 @@ class LocalEdgeLink(EdgeLink):
             log.info("edge fenced by an apiserver, creates refused: %s", reason)
         elif not fenced and edge.drain_fence:
             log.info("edge unfenced by an apiserver: %s", reason)
-        edge.drain_fence = (reason or "fenced by an apiserver") if fenced else ""
+        edge.set_drain_fence((reason or "fenced by an apiserver") if fenced else "")
         return bool(edge.fenced or edge.drain_fence)
 
     async def bulk(self, action: BulkAction, labels: dict[str, str], within: str) -> BulkResult:

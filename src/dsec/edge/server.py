@@ -39,7 +39,6 @@ answer, and notices when an address it was given belongs to another node.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -55,9 +54,17 @@ from dsec.edge.server_processes import stream_ndjson
 from dsec.executor.file_ops import CHUNK
 from dsec.observe.logs import echo_request_id, request_middleware
 from dsec.observe.metrics import serve_metrics
-from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest, Unauthorized
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.fncall import FnTask
-from dsec.protocol.http import file_mode_param, flag_param, label_filter, listen, respond, text_param
+from dsec.protocol.http import (
+    file_mode_param,
+    flag_param,
+    label_filter,
+    listen,
+    require_cluster_secret,
+    respond,
+    text_param,
+)
 from dsec.protocol.models import LeaseRequest, invalid_request, parse_spec
 from dsec.protocol.ops import Call, Stream, parse_op
 
@@ -95,16 +102,6 @@ def read_cluster_secret(path: Path | None = None) -> str:
         if not text:
             raise InvalidRequest(f"no cluster secret: give a secret file or set {SECRET_ENV}")
     return check_secret(text)
-
-
-def require_cluster_secret(request: web.Request, secret: bytes) -> None:
-    """``Unauthorized`` unless the request carries the cluster secret as its bearer token."""
-    header = request.headers.get("Authorization", "")
-    if not header.startswith("Bearer "):
-        raise Unauthorized("missing cluster secret (Authorization: Bearer ...)")
-    # Constant time: the comparison must not tell an attacker how much of a guess was right.
-    if not hmac.compare_digest(header[7:].encode(), secret):
-        raise Unauthorized("wrong cluster secret")
 
 
 def _error(exc: DSecError) -> web.Response:

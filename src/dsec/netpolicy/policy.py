@@ -92,6 +92,7 @@ class EgressPolicy:
         self.admissions = Admissions(self.table, nft.apply)
         self._node_addresses: frozenset[str] = frozenset()
         self._firewall: dict[str, int] = {}  # the table's counters at the last read_firewall
+        self._name_checks: dict[tuple[str, str], int] = {}  # the proxy's, likewise
         # The name check runs only where some permission names domains (no HAProxy otherwise).
         self.proxy: SniProxy | None = None
         if any(getattr(r, "domains", None) for perm in config.permissions.values() for r in perm):
@@ -131,15 +132,29 @@ class EgressPolicy:
         return dict(self._dns.answers) if self._dns is not None else {}
 
     async def read_firewall(self) -> None:
-        """Read the table's counters (what :meth:`firewall_counts` answers until the next read):
-        the edge's metrics call it before each scrape. Nothing to read without a table."""
-        if self.enabled or self._links:
+        """Read the table's counters and the name check's (what :meth:`firewall_counts` and
+        :meth:`name_checks` answer until the next read), side by side: the edge's metrics call
+        it before each scrape. Nothing to read without a table."""
+        if not (self.enabled or self._links):
+            return
+        if self.proxy is None:
             self._firewall = await nft.read_counters(self.table)
+            return
+        self._firewall, self._name_checks = await asyncio.gather(
+            nft.read_counters(self.table), self.proxy.counts()
+        )
 
     def firewall_counts(self) -> dict[str, int]:
         """The firewall's counters at the last :meth:`read_firewall` (see :data:`nft.DENIALS`):
         they start again at 0 when the edge rebuilds its table (a restart)."""
         return dict(self._firewall)
+
+    def name_checks(self) -> dict[tuple[str, str], int]:
+        """The name check's verdicts at the last :meth:`read_firewall`, (kind, verdict) -> count
+        (see :data:`sniproxy.STATS`); empty without a proxy or when it did not answer. They
+        start again at 0 when HAProxy restarts (it outlives an edge restart that keeps its
+        configuration)."""
+        return dict(self._name_checks)
 
     def has_link(self, sandbox_id: str) -> bool:
         return sandbox_id in self._links

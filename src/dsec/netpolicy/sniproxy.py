@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
+import hashlib
 import logging
 import os
 import signal
@@ -36,6 +38,22 @@ log = logging.getLogger(__name__)
 TLS_PORT = 16443  # on the gateway address, reached only through the redirect (ct status dnat)
 HTTP_PORT = 16080
 CHECKED = {443: TLS_PORT, 80: HTTP_PORT}  # a rule's port -> the frontend that checks it
+
+# What the name check decided, from HAProxy's own counters (``show stat``): (proxy, row, field)
+# -> (kind, verdict). A frontend's denied requests (dreq) are what its deny rule refused: the
+# TLS one's ``tcp-request content reject``, one per connection; the HTTP one's ``http-request
+# deny``, one per request (a kept-alive connection may be refused several times). Its
+# backend's sessions (stot) are what it let through: connections for TLS, requests for HTTP.
+# Neither rule moves dcon or dses (connection and session rules, which the config has none
+# of): measured on HAProxy 2.6.
+STATS = {
+    ("tls", "FRONTEND", "dreq"): ("tls", "refused"),
+    ("to_original_tcp", "BACKEND", "stot"): ("tls", "granted"),
+    ("web", "FRONTEND", "dreq"): ("http", "refused"),
+    ("to_original_http", "BACKEND", "stot"): ("http", "granted"),
+}
+STATS_TIMEOUT_S = 1.0  # a scrape waits no longer for HAProxy's answer
+_STATS_MAX = 1 << 20  # its answer is a few KiB (four rows): more is not HAProxy's
 
 _CONFIG = """\
 global
@@ -82,6 +100,22 @@ def keys(domains: Iterable[str], source: str) -> set[str]:
     return {(d[1:] if d.startswith("*.") else f"|{d}") + f"|{source}" for d in domains}
 
 
+# HAProxy binds ``<path>.<pid>.tmp`` and renames it: a socket path past about 97 bytes does not
+# start (a data directory deep under a test's temporary directory did exactly that).
+MAX_SOCKET_PATH = 80
+SHORT_SOCKET_DIR = Path("/run/dsec")
+
+
+def admin_socket_path(state: Path) -> Path:
+    """The admin socket of the proxy whose files are in ``state``: there, unless the path is too
+    long for a Unix socket, then under /run/dsec named by a hash of ``state`` (one per node)."""
+    path = state / "admin.sock"
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    digest = hashlib.sha256(os.fsencode(state.resolve())).hexdigest()[:20]
+    return SHORT_SOCKET_DIR / f"haproxy-{digest}.sock"
+
+
 class SniProxy:
     """One HAProxy for the edge's sandboxes, its files under ``state_dir``."""
 
@@ -90,13 +124,14 @@ class SniProxy:
         self.gateway = gateway
         self.config = self.dir / "haproxy.cfg"
         self.map = self.dir / "names.map"
-        self.sock = self.dir / "admin.sock"
+        self.sock = admin_socket_path(self.dir)
         self.pidfile = self.dir / "haproxy.pid"
         self._keys: set[str] = set()
 
     async def start(self, wanted: set[str]) -> None:
         """Run HAProxy (or adopt the one an earlier edge left) with exactly ``wanted`` keys."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.sock.parent.mkdir(parents=True, exist_ok=True)
         text = _CONFIG.format(
             sock=self.sock, gateway=self.gateway, tls=TLS_PORT, http=HTTP_PORT, map=self.map
         )
@@ -137,11 +172,24 @@ class SniProxy:
         for key in sorted(new - old):
             await self._command(f"add map {self.map} {key} 1")
 
+    async def counts(self, timeout: float = STATS_TIMEOUT_S) -> dict[tuple[str, str], int]:
+        """What the name check decided since HAProxy started, (kind, verdict) -> count (see
+        :data:`STATS`); empty when it does not answer within ``timeout`` (not running, or being
+        restarted): a figure missing, not an error."""
+        try:
+            text = await asyncio.wait_for(self._query("show stat -1 3 -1"), timeout)
+        except (OSError, TimeoutError):
+            return {}
+        return parse_stats(text)
+
     async def close(self) -> None:
         for pid in await asyncio.to_thread(self._running):
             await self._stop(pid)
         with contextlib.suppress(FileNotFoundError):
             self.pidfile.unlink()
+        if self.sock.parent != self.dir:  # the short name outside the node's files
+            with contextlib.suppress(FileNotFoundError):
+                self.sock.unlink()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -191,6 +239,35 @@ class SniProxy:
             writer.close()
         if answer and not answer.startswith(("Done", "Entry")):
             log.warning("haproxy %r: %s", line, answer)
+
+    async def _query(self, line: str) -> str:
+        """``line``'s whole answer: HAProxy closes the socket after it (not interactive mode)."""
+        reader, writer = await asyncio.open_unix_connection(str(self.sock))
+        try:
+            writer.write(line.encode() + b"\n")
+            await writer.drain()
+            data = b""
+            while len(data) < _STATS_MAX and (chunk := await reader.read(65536)):
+                data += chunk
+            return data.decode(errors="replace")
+        finally:
+            writer.close()
+
+
+def parse_stats(text: str) -> dict[tuple[str, str], int]:
+    """``show stat``'s CSV (a ``# pxname,svname,...`` header, a row per proxy and server) ->
+    the :data:`STATS` it holds; rows or fields missing or not numbers are left out."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return {}
+    out = {}
+    with contextlib.suppress(csv.Error):
+        for row in csv.DictReader([lines[0][2:], *lines[1:]]):
+            for (proxy, svname, name), key in STATS.items():
+                if row.get("pxname") == proxy and row.get("svname") == svname:
+                    with contextlib.suppress(KeyError, TypeError, ValueError):
+                        out[key] = int(row[name])
+    return out
 
 
 def _gone(pid: int) -> bool:

@@ -8,10 +8,11 @@ layer mounts' reference counts, ksmd's counter, /proc/meminfo; or one cheap read
 kernel's: the split layers' data blobs in the page cache (one ``cachestat`` each: what on-demand
 layers fetched from the shared store) and the egress table's counters (one ``nft -j`` run,
 awaited by :meth:`EdgeMetrics.scrape` before the collector runs: grants and denials of the
-sandboxes' firewall).
+sandboxes' firewall), with its name check's (HAProxy's ``show stat`` on its admin socket, at
+the same time: :mod:`.egress_metrics`).
 
 The hooks (:class:`EdgeMetrics` methods) are called by the edge where each event happens:
-a create's phases in ``edge.py``, refusals in ``admission``, reclaims in ``reclaim``, pause
+a create's phases in ``creating``, refusals in ``admission``, reclaims in ``reclaim``, pause
 and resume in ``pausing``, exec and ``run_shell`` in ``commands``, FnCall calls in the pool.
 """
 
@@ -19,21 +20,25 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Awaitable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dsec.density.memory import mem_available_bytes, mem_total_bytes
 from dsec.density.swap import free_swap_bytes
+from dsec.observe.egress_metrics import name_checks
 from dsec.observe.metrics import LATENCY_BUCKETS, OTHER, MetricsOptions, ProcessMetrics, top
 from dsec.protocol.errors import DSecError
 from dsec.protocol.fncall import FnResult
-from dsec.protocol.models import DEFAULT_PROJECT, JOB_LABEL, PROJECT_LABEL, SandboxState
+from dsec.protocol.models import DEFAULT_PROJECT, JOB_LABEL, PROJECT_LABEL, ContainerSpec, SandboxState
 
 if TYPE_CHECKING:
-    from dsec.edge.edge import Edge
+    from dsec.density.ksm import Ksm
+    from dsec.images.mounts import LayerMounts
+    from dsec.netpolicy.policy import EgressPolicy
 
 GiB = 1 << 30
 # Where a sandbox's memory falls (its anonymous memory at the sampler's last reading).
@@ -57,6 +62,80 @@ STOP_REASONS = {
 }
 CREATE_PHASES = ("placement", "admission", "layer_mount", "runtime_start", "first_output")
 _MAX_AWAITING = 100_000  # sandboxes whose first output is awaited (one per live sandbox)
+
+
+class _Record(Protocol):  # edge/journal.py's Record
+    @property
+    def state(self) -> SandboxState: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def spec(self) -> ContainerSpec: ...
+    @property
+    def paused_at(self) -> float | None: ...
+
+
+class _Live(Protocol):  # edge/tally.py's _Live
+    @property
+    def record(self) -> _Record: ...
+
+
+class _PauseTotals(Protocol):  # edge/pausing.py's PauseTotals
+    @property
+    def pauses(self) -> int: ...
+    @property
+    def resumes(self) -> int: ...
+    @property
+    def returned_bytes(self) -> int: ...
+    @property
+    def prefetched_bytes(self) -> int: ...
+
+
+class _Creates(Protocol):  # edge/creating.py's Creating
+    @property
+    def under_way(self) -> int: ...
+
+
+class _Limits(Protocol):  # edge/config.py's EdgeConfig
+    @property
+    def max_sandboxes(self) -> int: ...
+
+
+class _Sampler(Protocol):  # edge/metrics.py's MetricsSampler
+    def last_memory(self) -> Iterable[tuple[int, int]]: ...
+
+
+class _Pool(Protocol):  # edge/fncall/pool.py's FnPool
+    def stats(self) -> dict[str, Any]: ...
+
+
+class MeteredEdge(Protocol):
+    """What the metrics read from an edge (edge/edge.py's ``Edge``), named here so that
+    observe/ does not import edge/ (which imports this module)."""
+
+    @property
+    def live(self) -> Mapping[str, _Live]: ...  # edge/tally.py's LiveSandboxes
+    @property
+    def creating(self) -> _Creates: ...
+    @property
+    def fenced(self) -> str: ...
+    @property
+    def drain_fence(self) -> str: ...
+    @property
+    def config(self) -> _Limits: ...
+    def committed(self) -> tuple[int, float]: ...
+    @property
+    def metrics(self) -> _Sampler: ...
+    @property
+    def mounts(self) -> LayerMounts: ...
+    @property
+    def ksm(self) -> Ksm: ...
+    @property
+    def egress(self) -> EgressPolicy: ...
+    @property
+    def pause_totals(self) -> _PauseTotals: ...
+    @property
+    def pools(self) -> Mapping[str, _Pool]: ...
 
 
 def stop_reason(reason: str) -> str:
@@ -120,16 +199,16 @@ class EdgeMetrics(ProcessMetrics):
             registry=r,
         )
         self._created_at: dict[str, float] = {}  # awaiting their first command output
-        self._edge: Edge | None = None
+        self._edge: MeteredEdge | None = None
 
-    def bind(self, edge: Edge) -> None:
+    def bind(self, edge: MeteredEdge) -> None:
         self.registry.register(EdgeCollector(edge, self.options))
-        edge.journal.observe_write = self.journal_write.observe
         self._edge = edge
 
     async def scrape(self) -> bytes:
-        # The firewall's counters are read with a subprocess: here, off the collector (which
-        # runs synchronously on the event loop), once per scrape.
+        # The firewall's counters are read with a subprocess and the name check's from its
+        # socket: here, off the collector (which runs synchronously on the event loop), once
+        # per scrape.
         if self._edge is not None:
             await self._edge.egress.read_firewall()
         return await super().scrape()
@@ -196,7 +275,7 @@ def command_outcome(exit_code: int | None, timed_out: bool, oom_killed: bool) ->
 class EdgeCollector(Collector):
     """Reads the edge's state at each scrape."""
 
-    def __init__(self, edge: Edge, options: MetricsOptions) -> None:
+    def __init__(self, edge: MeteredEdge, options: MetricsOptions) -> None:
         self.edge = edge
         self.options = options
 
@@ -210,14 +289,14 @@ class EdgeCollector(Collector):
         yield from self._pausing(edge)
         yield from self._pools(edge)
 
-    def _sandboxes(self, edge: Edge) -> Iterator[Metric]:
+    def _sandboxes(self, edge: MeteredEdge) -> Iterator[Metric]:
         by_key: Tally[tuple[str, str, str, str]] = Tally()
         projects: Tally[str] = Tally()
         jobs: Tally[tuple[str, str]] = Tally()
         paused_ages: list[float] = []
         now = time.time()
         jobs_wanted = self.options.jobs > 0
-        for live in edge._live.values():
+        for live in edge.live.values():
             rec = live.record
             labels = rec.spec.labels
             project = labels.get(PROJECT_LABEL, DEFAULT_PROJECT)
@@ -254,15 +333,13 @@ class EdgeCollector(Collector):
             paused_ages,
             PAUSED_AGE_BUCKETS,
         )
-        yield GaugeMetricFamily("dsec_sandboxes_creating", "Creates under way", value=edge._creating)
+        yield GaugeMetricFamily("dsec_sandboxes_creating", "Creates under way", value=edge.creating.under_way)
         capacity = 0 if edge.fenced or edge.drain_fence else edge.config.max_sandboxes
         yield GaugeMetricFamily(
             "dsec_node_capacity_sandboxes", "Sandboxes the node admits (0: fenced)", value=capacity
         )
 
-    def _node(self, edge: Edge) -> Iterator[Metric]:
-        from dsec.edge.admission import mem_available_bytes, mem_total_bytes
-
+    def _node(self, edge: MeteredEdge) -> Iterator[Metric]:
         total = mem_total_bytes()
         yield GaugeMetricFamily("dsec_node_memory_total_bytes", "The node's RAM", value=total)
         yield GaugeMetricFamily(
@@ -278,7 +355,7 @@ class EdgeCollector(Collector):
         yield GaugeMetricFamily(
             "dsec_node_density_sandboxes_per_gib",
             "Sandboxes held per GiB of node RAM",
-            value=len(edge._live) / max(1.0, total / GiB),
+            value=len(edge.live) / max(1.0, total / GiB),
         )
         anon = [float(a) for a, _ in edge.metrics.last_memory()]
         cache = sum(c for _, c in edge.metrics.last_memory())
@@ -315,15 +392,16 @@ class EdgeCollector(Collector):
             egress.add_metric([verdict], n)
         yield egress
         yield from _firewall(edge)
+        yield from name_checks(edge.egress)
 
-    def _pausing(self, edge: Edge) -> Iterator[Metric]:
+    def _pausing(self, edge: MeteredEdge) -> Iterator[Metric]:
         t = edge.pause_totals
         yield _counter("dsec_pauses", "Pauses done", t.pauses)
         yield _counter("dsec_resumes", "Resumes done", t.resumes)
         yield _counter("dsec_swap_returned_bytes", "RAM pauses gave back (paged out)", t.returned_bytes)
         yield _counter("dsec_swap_prefetched_bytes", "Memory resumes read back in", t.prefetched_bytes)
 
-    def _pools(self, edge: Edge) -> Iterator[Metric]:
+    def _pools(self, edge: MeteredEdge) -> Iterator[Metric]:
         ready = GaugeMetricFamily(
             "dsec_fncall_pool_workers", "FnCall pool workers, by pool and state", labels=["pool", "state"]
         )
@@ -339,7 +417,7 @@ class EdgeCollector(Collector):
         yield recycled
 
 
-def _firewall(edge: Edge) -> Iterator[Metric]:
+def _firewall(edge: MeteredEdge) -> Iterator[Metric]:
     """The egress table's counters, read from the kernel just before the scrape."""
     from dsec.netpolicy.nft import DENIALS, GRANTED
 
@@ -366,7 +444,7 @@ def _firewall(edge: Edge) -> Iterator[Metric]:
     )
 
 
-def _ondemand(edge: Edge) -> Iterator[Metric]:
+def _ondemand(edge: MeteredEdge) -> Iterator[Metric]:
     """Split layers' data read in place from the shared store (``LayerMounts.ondemand_use``)."""
     use = edge.mounts.ondemand_use()
     yield GaugeMetricFamily(

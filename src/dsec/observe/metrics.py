@@ -33,6 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from dsec.protocol.errors import DSecError, InvalidRequest
+from dsec.protocol.http import require_cluster_secret
 
 METRICS_PATH = "/metrics"
 CLUSTER_METRICS_PATH = "/cluster/v1/metrics"  # an apiserver's, for the cluster secret
@@ -199,8 +200,6 @@ def serve_cluster_metrics(app: web.Application, metrics: ProcessMetrics, secret:
     """An apiserver's metrics at ``/cluster/v1/metrics`` for the cluster secret too: one
     credential then scrapes every apiserver and edge. (Not ``/metrics`` itself: the
     apiserver's auth middleware takes any bearer token there for an API key.)"""
-    from dsec.edge.server import require_cluster_secret  # the edge's own check; no import cycle
-
     token = secret.encode()
 
     async def handle(request: web.Request) -> web.Response:

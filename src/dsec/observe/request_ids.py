@@ -18,8 +18,8 @@ quote it to an operator, who finds every line of that request in the logs.
 
 from __future__ import annotations
 
-import re
 import random
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar

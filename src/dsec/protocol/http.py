@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 from http import HTTPStatus
@@ -12,7 +13,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from pydantic import BaseModel
 
-from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
+from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest, Unauthorized
 from dsec.protocol.files import decode_name
 
 # As ContainerSpec's labels: a filter that could match no label is a typo, said so at once.
@@ -151,3 +152,14 @@ async def listen(app: web.Application, host: str, port: int, **runner: Any) -> t
     await web.TCPSite(r, host, port).start()
     bound = r.addresses[0][1] if port == 0 else port
     return r, f"http://{host}:{bound}"
+
+
+def require_cluster_secret(request: web.Request, secret: bytes) -> None:
+    """``Unauthorized`` unless the request carries the cluster secret as its bearer token (an
+    edge's routes, an apiserver's membership and cluster metrics routes)."""
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        raise Unauthorized("missing cluster secret (Authorization: Bearer ...)")
+    # Constant time: the comparison must not tell an attacker how much of a guess was right.
+    if not hmac.compare_digest(header[7:].encode(), secret):
+        raise Unauthorized("wrong cluster secret")

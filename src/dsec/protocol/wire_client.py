@@ -13,6 +13,8 @@ What it does, once for both:
   :attr:`~dsec.protocol.errors.InfraReason.edge_unreachable`, whichever client saw it;
 - NDJSON streams: :func:`ndjson_lines` yields the non-blank lines as they arrive,
   :func:`ndjson` parses them into a model and raises an error body sent mid-stream as its error;
+- streamed uploads: :func:`send_stream` sends chunks as a body and raises a failure of the
+  chunks' own source as itself (the edge link's and the overflow link's ``write_stream``);
 - :func:`never_sent` tells a failure that happened before a byte of the request left (the
   server never saw it) from one after. Only the first may be retried without running anything
   twice; ``send(..., retry_unsent=n)`` does that ``n`` times. The default is 0: a create or a
@@ -46,7 +48,7 @@ the registry whether the node is lost (:mod:`dsec.apiserver.node_verdict`).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -57,6 +59,7 @@ from dsec.observe import request_ids
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, error_from_wire
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 Params = Mapping[str, str] | list[tuple[str, str]] | None
 # Failures that happen before a single byte of the request left: the server never saw it.
 NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
@@ -119,6 +122,33 @@ async def ndjson(resp: aiohttp.ClientResponse, model: type[M], *, peer: str) -> 
                 f"{peer} sent a malformed {model.__name__}: {exc}", reason=InfraReason.protocol
             ) from exc
         yield parsed
+
+
+async def send_stream(
+    send: Callable[[AsyncIterator[bytes]], Awaitable[R]], chunks: AsyncIterable[bytes]
+) -> R:
+    """``send(body)``, ``body`` being ``chunks`` as a request body: aiohttp sends it chunked,
+    pulling one chunk at a time, so memory stays flat (a file's upload, any size).
+
+    A failure of ``chunks`` itself is the caller's own: it is raised as itself, however
+    aiohttp reported the body that broke (wrapped, or as a broken connection).
+    """
+    source_error: list[BaseException] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except BaseException as exc:
+            source_error.append(exc)
+            raise
+
+    try:
+        return await send(body())
+    except BaseException:
+        if source_error:
+            raise source_error[0] from None
+        raise
 
 
 class WireClient:
