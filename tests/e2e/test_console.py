@@ -94,7 +94,11 @@ async def test_a_terminal_over_the_websocket(
         await ws.send_bytes(b"q")
         await ws.send_bytes(b"stty size\n")
         await read_until(ws, b"20 60")
-        await ws.send_bytes(b"sleep 1000\n")
+        # The marker comes from the child itself, which bash has made the terminal's foreground
+        # process group before it runs: a ^C sent sooner could land in the moment between the
+        # child's setpgid and tcsetpgrp, reach bash alone, and leave the sleep running.
+        await ws.send_bytes(b"sh -c 'echo sleeping-$((2+3)); exec sleep 1000'\n")
+        await read_until(ws, b"sleeping-5")
         await ws.send_bytes(b"\x03")  # ^C: a byte the PTY's line discipline makes SIGINT
         await ws.send_bytes(b"echo after-$((1+1))\n")
         await read_until(ws, b"after-2")
