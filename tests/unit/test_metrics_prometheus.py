@@ -13,13 +13,16 @@ from collections import Counter
 import aiohttp
 import dns.message
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsec import DSecClient, DSecContainerRunArgs, SandboxNotFound
 from dsec.netpolicy.dns import NameServer, answer
 from dsec.node.embedded import EmbeddedNode
 from dsec.observe.edge_metrics import EdgeMetrics
-from dsec.observe.metrics import OTHER, MetricsOptions, top
+from dsec.observe.metrics import OTHER, MetricsOptions, ProcessMetrics, top
 
 from .conftest import TINY
 
@@ -142,3 +145,27 @@ def test_the_name_server_tallies_grants_and_denials() -> None:
         assert response is not None
         server._count(response)
     assert server.answers == {"granted": 2, "denied": 1}
+
+
+WEBDAV_METHODS = ("PROPFIND", "PROPPATCH", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK", "REPORT")
+
+
+async def test_a_method_of_the_clients_choosing_is_no_label_of_its_own() -> None:
+    metrics = ProcessMetrics("probe")
+    app = web.Application(middlewares=[metrics.middleware])
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_route("*", "/any", ok)
+    async with TestClient(TestServer(app)) as http:
+        for method in WEBDAV_METHODS:  # methods HTTP's parser knows, beyond the usual
+            async with http.request(method, "/any") as resp:
+                assert resp.status == 200
+        async with http.get("/any") as resp:
+            assert resp.status == 200
+    samples = parse(generate_latest(metrics.registry).decode())
+    name = "dsec_probe_http_requests_total"
+    assert value(samples, name, route="/any", method="other", status="200") == len(WEBDAV_METHODS)
+    assert value(samples, name, route="/any", method="GET", status="200") == 1
+    assert len(metrics._children) == 2  # nor an entry of its own in the middleware's cache

@@ -228,15 +228,9 @@ class SniProxy:
 
     async def _command(self, line: str) -> None:
         try:
-            reader, writer = await asyncio.open_unix_connection(str(self.sock))
+            answer = (await self._query(line)).strip()
         except OSError as exc:
             raise InfraFailure(f"haproxy's admin socket: {exc}", reason=InfraReason.network) from exc
-        try:
-            writer.write(line.encode() + b"\n")
-            await writer.drain()
-            answer = (await reader.read(4096)).decode(errors="replace").strip()
-        finally:
-            writer.close()
         if answer and not answer.startswith(("Done", "Entry")):
             log.warning("haproxy %r: %s", line, answer)
 

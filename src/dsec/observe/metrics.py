@@ -147,12 +147,12 @@ class ProcessMetrics:
             status = exc.status
             raise
         finally:
-            key = (route, request.method, status)
+            # Bounded, the cache as the labels: routes are the server's patterns, methods a
+            # fixed set (a client may send any token), statuses HTTP's.
+            method = bounded(request.method, HTTP_METHODS)
+            key = (route, method, status)
             children = self._children.get(key)
             if children is None:
-                # Bounded: routes are the server's patterns, a method outside them is
-                # "unmatched" (aiohttp's 405 route), statuses are HTTP's.
-                method = bounded(request.method, HTTP_METHODS)
                 children = (
                     self.requests.labels(route, method, str(status)),
                     self.request_seconds.labels(route, method),
