@@ -86,7 +86,9 @@ async def test_async_sdk_and_other_projects(e2b: E2B) -> None:
         print(json.dumps({"id": sid, "mine": mine, "by_id": by_id}))
         """
     )
-    assert out["mine"] == [1024 * MIB] and out["by_id"] == [2]
+    # One sample per period since the create: a slow machine may already have taken a second.
+    assert out["mine"] and set(out["mine"]) == {1024 * MIB}
+    assert out["by_id"] and set(out["by_id"]) == {2}
     seen = await e2b.run(
         f"""
         def outcome(sid):

@@ -59,7 +59,11 @@ def drive_a_session(child: pexpect.spawn) -> None:
     child.setwinsize(37, 101)
     child.sendline("stty size")
     child.expect("37 101")
-    child.sendline("sleep 100")
+    # The marker comes from the child once bash has made it the terminal's foreground process
+    # group: a ^C sent sooner can land between the child's setpgid and bash's tcsetpgrp, reach
+    # bash alone, and leave the sleep running.
+    child.sendline("sh -c 'echo sleeping-$((2+3)); exec sleep 100'")
+    child.expect("sleeping-5")
     child.sendcontrol("c")  # to the terminal's line discipline there: SIGINT for sleep
     child.sendline("echo status=$?")
     child.expect("status=130")  # bash's word for "ended by SIGINT"

@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -246,6 +247,23 @@ class ProcessConformance:
         await ct_link.send_process_input(ct_sandbox, pid, b"exit\r")
         _, _, end = await to_end(events)
         assert end.exit_code == 0
+
+    async def test_a_hangup_ends_a_terminal_program_even_one_that_ignores_sighup(
+        self, ct_link: EdgeLink, pty_sandbox: str
+    ) -> None:
+        # What the console and the SDK send when their terminal closes. A SIGHUP alone can be
+        # deferred or ignored and leave the program reading a terminal nobody holds any more:
+        # the terminal itself is hung up, so its reads end.
+        script = "trap '' HUP; echo reading; read x; echo read-$?"
+        events = ct_link.start_process(
+            pty_sandbox, start(["sh", "-c", script], pty=PtySize(rows=24, cols=80))
+        )
+        pid = (await next_event(events)).pid
+        await until(events, b"reading", bytearray())
+        await ct_link.signal_process(pty_sandbox, pid, signal.SIGHUP)
+        _, _, end = await to_end(events)
+        assert end.signal is None, "it ignores SIGHUP: it ended reading the end of its terminal"
+        assert pid not in {p.pid for p in await ct_link.list_processes(pty_sandbox)}
 
     async def test_resize_needs_a_pty(self, ct_link: EdgeLink, ct_sandbox: str) -> None:
         events = ct_link.start_process(ct_sandbox, start(["sleep", "600"]))

@@ -51,6 +51,7 @@ from dsec.observe.logs import echo_request_id, request_middleware
 from dsec.observe.metrics import serve_metrics
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
+from dsec.protocol.http import client_went
 from dsec.protocol.models import (
     GcRequest,
     LayerInfo,
@@ -84,6 +85,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         )
         return web.json_response(wrapped.to_wire(), status=exc.status)
     except Exception as exc:
+        if (went := client_went(request, exc)) is not None:
+            return went
         log.exception("unhandled error on %s %s", request.method, request.path)
         infra = InfraFailure(f"internal error: {type(exc).__name__}: {exc}", reason=InfraReason.apiserver)
         return web.json_response(infra.to_wire(), status=500)

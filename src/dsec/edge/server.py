@@ -57,6 +57,7 @@ from dsec.observe.metrics import serve_metrics
 from dsec.protocol.errors import DSecError, InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.fncall import FnTask
 from dsec.protocol.http import (
+    client_went,
     file_mode_param,
     flag_param,
     label_filter,
@@ -134,6 +135,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
         return web.json_response(wrapped.to_wire(), status=exc.status)
     except Exception as exc:
+        if (went := client_went(request, exc)) is not None:
+            return went
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(
             InfraFailure(f"edge internal error: {type(exc).__name__}: {exc}", reason=InfraReason.edge)

@@ -28,6 +28,19 @@ _OCTAL_RE = re.compile(r"[0-7]{1,6}")
 MAX_TRAJECTORY_PAGE = 10_000
 
 
+# nginx's word for it: the client closed its connection before the answer was written.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def client_went(request: web.Request, exc: Exception) -> web.Response | None:
+    """An answer for ``exc`` when it only means the client hung up mid-answer (a stream it
+    stopped reading): that is no server error, and there is nobody left to send a body to."""
+    transport = request.transport
+    if isinstance(exc, ConnectionResetError) and (transport is None or transport.is_closing()):
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    return None
+
+
 def respond(model: BaseModel | list[Any] | dict[str, Any], status: int = 200) -> web.Response:
     if isinstance(model, BaseModel):
         text = model.model_dump_json()

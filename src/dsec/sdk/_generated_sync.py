@@ -86,12 +86,14 @@ class SyncPty(SyncWrapper, async_cls=_pty.Pty):
         self._dsec_call("resize", rows, cols)
 
     def signal(self, signal: int) -> None:
-        """Send ``signal`` to the program and everything it started."""
+        """Send ``signal`` to the program and everything it started; SIGHUP also hangs its
+        terminal up (what :meth:`close` sends).
+        """
         self._dsec_call("signal", signal)
 
     def close(self) -> None:
-        """Hang up: a program still running gets SIGHUP (as when a terminal closes), then the
-        stream is dropped.
+        """Hang up, as a closing terminal does: a program still running gets SIGHUP and its
+        terminal's reads end (also for one that ignores SIGHUP), then the stream is dropped.
         """
         self._dsec_call("close")
 

@@ -92,12 +92,13 @@ class Pty:
         await self._t.call(self._sandbox_id, ResizeProcess(pid=self.pid, rows=rows, cols=cols))
 
     async def signal(self, signal: int) -> None:
-        """Send ``signal`` to the program and everything it started."""
+        """Send ``signal`` to the program and everything it started; SIGHUP also hangs its
+        terminal up (what :meth:`close` sends)."""
         await self._t.call(self._sandbox_id, SignalProcess(pid=self.pid, signal=signal))
 
     async def close(self) -> None:
-        """Hang up: a program still running gets SIGHUP (as when a terminal closes), then the
-        stream is dropped."""
+        """Hang up, as a closing terminal does: a program still running gets SIGHUP and its
+        terminal's reads end (also for one that ignores SIGHUP), then the stream is dropped."""
         try:
             if self.exit_code is None:
                 with contextlib.suppress(DSecError):  # gone already: ended, or its sandbox stopped

@@ -26,6 +26,7 @@ from dsec.apiserver.e2b.traffic import TrafficRoutes
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError
+from dsec.protocol.http import client_went
 from dsec.protocol.models import invalid_request
 
 log = logging.getLogger("dsec.apiserver.e2b")
@@ -83,6 +84,8 @@ async def e2b_errors_middleware(request: web.Request, handler: Handler) -> web.S
             raise
         return _e2b_error(exc.status, exc.reason)
     except Exception as exc:
+        if (went := client_went(request, exc)) is not None:
+            return went
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _e2b_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
