@@ -13,8 +13,10 @@ and the overflow apiserver is SIGKILLed while creates to it are in flight. Then 
 again (apiservers hold no state of their own) and every sandbox must be reachable through
 either home apiserver: none that a create returned is lost, and every sandbox any edge holds is
 listed by both (a create cut off by the SIGKILL may have made one: it is the job's, and the
-job's stop ends it), so nothing is leaked. Teardown ends every process, namespace and mount,
-also after a failure; the provider's node goes with the apiserver that started it.
+job's stop ends it), so nothing is leaked. Once the burst is over, the started node, idle,
+is drained and stopped by the scaler (scale-in) while its apiserver runs on. Teardown ends
+every process, namespace and mount, also after a failure; a provider node still running goes
+with the apiserver that started it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from .procs import Proc
 
 HOME_EDGES, AWAY_EDGE, BURST = ("edge1", "edge2"), "edge3", "burst-1"
 JOB = {"job": "burst"}
+IDLE_S = 20  # the scaler's idle_s: far past the moment between the node's start and its first sandbox
 EDGE_ARGS = [
     "--heartbeat", str(HEARTBEAT_S),
     "--fncall-pool-size", "0",
@@ -144,11 +147,13 @@ class BurstClusters:
         LayerStore.over(SharedMountBlobStore(self.tmp / "away-layers")).mark_public(base_layer)
         self.away_key = await prepare_overflow_iam(self.tmp, self.pg_dsn, self.url("away"), "burst test")
         # Home at 2 of 2.5 admitted cores per edge is 0.8 (0.75: whatever the rounding of the
-        # caps) for 0.5 s: one node. It is never idle long enough here to be drained.
+        # caps) for 0.5 s: one node. Idle for IDLE_S once the burst is over, it is drained and
+        # stopped; during the burst it is either loaded or holds sandboxes, never both idle
+        # and below the threshold for that long.
         edge_args = ", ".join(json.dumps(a) for a in EDGE_ARGS)
         (self.tmp / "scaling.toml").write_text(
             'provider = "local-netns"\nthreshold = 0.75\nsustain_s = 0.5\ninterval_s = 0.1\n'
-            "idle_s = 3600\nmax_nodes = 1\ncpus = 2.5\n"
+            f"idle_s = {IDLE_S}\ndrain_s = 1\nmax_nodes = 1\ncpus = 2.5\n"
             f"[local_netns]\napiserver_ports = [{self.ports['a']}, {self.ports['b']}]\n"
             f'data_root = "{self.tmp / "edges"}"\nedge_args = [{edge_args}]\n'
         )
@@ -315,3 +320,21 @@ async def test_a_burst_fills_home_starts_a_node_overflows_and_survives_the_overf
             assert await client.list(JOB) == []
         async with burst.client("away") as away:
             assert await away.list() == []
+
+        # Scale-in: the started node, idle and the cluster below the threshold, is fenced,
+        # found empty after the drain and stopped: its edge and its namespace go, while the
+        # apiserver that started it runs on.
+        provider_netns = f"dsecp-{burst.apis['a'].pid}-*"
+        await eventually(
+            lambda: not list(NETNS_DIR.glob(provider_netns)), f"scale-in to stop {BURST}", IDLE_S + 60
+        )
+        assert burst.apis["a"].alive()
+
+        async def forgotten() -> bool:
+            for client in (a, b):
+                if any(n["node"] == BURST and n.get("healthy") for n in await client.nodes()):
+                    return False
+            return True
+
+        await eventually(forgotten, f"both home apiservers to see {BURST} gone", 60)
+        assert [s.id for s in await a.list(JOB)] == [], "nothing was lost to the stop"

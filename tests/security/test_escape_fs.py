@@ -205,9 +205,9 @@ async def test_node_tools_mounted_inside_cannot_be_changed(
     """/.dsec (busybox, the FnCall runner) is one host directory bind-mounted into every sandbox:
     a change there would run in every other sandbox and every FnCall pool."""
     runtime_dir = Path(node.backend.runtime_dir)
+    attacker = await make_sandbox()  # first: a node's first sandbox adds its resolv.conf there
     host = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in runtime_dir.iterdir() if p.is_file()}
     assert {"busybox", "fncall-runner.py"} <= host.keys()
-    attacker = await make_sandbox()
     body = r"""
 out = {}
 def attempt(name, fn):

@@ -262,7 +262,8 @@ class HeldProcess:
             if not signals.SIGRTMIN <= sig <= signals.SIGRTMAX:
                 raise InvalidRequest(f"unknown signal {sig}") from None
         if sig == signals.SIGHUP and self.master is not None and self.master >= 0:
-            hang_up(self.master)
+            with contextlib.suppress(OSError):  # a terminal already gone: the signal still goes
+                hang_up(self.master)
         host = self.spawned.host_pid
         if host is None:
             send: Callable[..., None] | None = getattr(self.proc, "send_signal", None)
