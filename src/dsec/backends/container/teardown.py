@@ -130,9 +130,9 @@ def release_memory(cgroup: Path) -> int:
     of 100 dead sandboxes (after a drain too). 1,000 concurrent destroys here: 143-162/s
     without it, 96-111/s with it; CPU 11-13 s without, 17-19 s with (~5.5 ms per destroy)."""
     freed = 0
-    # A page busy at that moment (isolated by another reclaimer, under I/O) makes force_empty
-    # give up with EBUSY: seen once in ~10 CI runs, one 4 KiB page kept a cgroup dying. A page
-    # is rarely busy twice; the retries cost nothing when the first pass emptied it.
+    # One pass left one 4 KiB page in one of 8 cgroups in a CI run (and in 1 of ~10 runs of
+    # its test): most likely a page busy at that moment (isolated by another reclaimer, under
+    # I/O), which force_empty skips. The retries cost nothing when the first pass emptied it.
     for _ in range(_RELEASE_TRIES):
         if not lru_bytes(cgroup):
             break
