@@ -155,17 +155,20 @@ async def main() -> None:
             data_dir=scratch, layer_dir=a.layers, port=0, node="bench", config_file=scratch / "config.json"
         )
     )
-    await node.start()
     store = LayerStore(a.layers)
-    layer = store.resolve(a.image)
     mounts = LayerMounts(scratch / "bench-mnt")
-    rootfs = mounts.acquire(layer.digest, store.blob_path(layer.digest))
-    bare = BareCrun(rootfs, scratch / "runtime")
-    print(
-        f"cores {os.cpu_count()}  image {a.image} ({layer.size / 1e6:.0f} MB EROFS)",
-        f"python {sys.version.split()[0]}",
-    )
+    bare: BareCrun | None = None
+    # Everything from here can fail (a missing image, a mount, crun): the finally below ends
+    # what was started, or a failed run left LXCFS, the runtime tmpfs and cgroups behind.
     try:
+        layer = store.resolve(a.image)  # before the node: a missing image starts nothing
+        await node.start()
+        rootfs = mounts.acquire(layer.digest, store.blob_path(layer.digest))
+        bare = BareCrun(rootfs, scratch / "runtime")
+        print(
+            f"cores {os.cpu_count()}  image {a.image} ({layer.size / 1e6:.0f} MB EROFS)",
+            f"python {sys.version.split()[0]}",
+        )
         async with DSecClient(node.url, node.api_key) as client:
             args = DSecContainerRunArgs(container_image=a.image)
             # warm both paths once (page cache, layer mount)
@@ -235,7 +238,8 @@ async def main() -> None:
             print("  (floor for the round trip: `crun exec <id> /bin/true`)")
     finally:
         try:
-            bare.close()
+            if bare is not None:
+                bare.close()
             mounts.unmount_all()
         finally:  # the node and its sandboxes go even if the floor's layer could not be unmounted
             await node.close(stop_sandboxes=True)
