@@ -8,9 +8,15 @@ cannot be mistaken for one.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from collections.abc import Iterable
 from pathlib import Path
+
+from dsec._linux import umount
+from dsec.backends.container import cgroups
+from dsec.images.mount import mounts_under
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -65,3 +71,16 @@ def sandbox_processes() -> set[str]:
 
 def mount_table() -> set[str]:
     return set(Path("/proc/self/mounts").read_text().splitlines())
+
+
+def end_leftovers(below: Path, parents: Iterable[str]) -> None:
+    """What nodes with data directories under ``below`` left: their processes (LXCFS), their
+    mounts and their cgroup ``parents``; ended so that a failing test leaves nothing."""
+    for found in processes_mentioning(below):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(found.split()[0]), signal.SIGKILL)
+    for m in reversed(mounts_under(below)):
+        with contextlib.suppress(OSError):
+            umount(m.mount_point, lazy=True)
+    for parent in parents:
+        cgroups.remove_parents(parent)

@@ -195,9 +195,15 @@ class BurstClusters:
         api_pids = {api: proc.pid for api, proc in self.apis.items()}
         await asyncio.gather(*(asyncio.to_thread(p.terminate) for p in self.apis.values()))
         problems += self._provider_leftovers(api_pids["a"]) if "a" in api_pids else []
-        for node in (*self.edges, BURST):
+        # The edges stop first, so apiserver a's scaler may see no healthy node and start
+        # another (burst-2): stopped while it starts, it must give the host back as well.
+        for node in sorted({*self.edges, *self.provided()}):
             problems += force_cleanup(self.tmp / "edges" / node)
         return problems
+
+    def provided(self) -> list[str]:
+        """The nodes the provider started (each has a data directory under ``edges``)."""
+        return sorted(p.name for p in (self.tmp / "edges").glob("burst-*") if p.is_dir())
 
     @staticmethod
     def _provider_leftovers(pid: int) -> list[str]:
@@ -230,7 +236,7 @@ async def burst(
     finally:
         problems = await c.close()
         print(c.reports())
-        burst_cgroups = hostscan.sandbox_cgroups([BURST])
+        burst_cgroups = hostscan.sandbox_cgroups(c.provided())
         assert problems == [] and burst_cgroups == [], "\n".join([*problems, *burst_cgroups])
 
 

@@ -4,17 +4,14 @@ LXCFS, runtime tmpfs, cgroup parent and scratch directory stayed behind."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from dsec._linux import umount
 from dsec.backends.container import cgroups
 from dsec.images.mount import mounts_under
-from tests.cluster.hostscan import processes_mentioning
+from tests.cluster.hostscan import end_leftovers, processes_mentioning
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,19 +21,6 @@ def _scratch_parents(below: Path) -> set[str]:
     (what it names them: ``cgroups.parent_name``), if they are on the host."""
     named = {cgroups.parent_name("bench", d) for d in below.glob("dsec-bench-*")}
     return named & set(cgroups.parents())
-
-
-def end_leftovers(below: Path) -> None:
-    """What a failed benchmark with its scratch directory under ``below`` left: its processes
-    (LXCFS), its mounts and its cgroup parents; ended so that a failing test leaves nothing."""
-    for found in processes_mentioning(below):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(found.split()[0]), signal.SIGKILL)
-    for m in reversed(mounts_under(below)):
-        with contextlib.suppress(OSError):
-            umount(m.mount_point, lazy=True)
-    for parent in _scratch_parents(below):
-        cgroups.remove_parents(parent)
 
 
 def test_a_benchmark_refusing_a_missing_image_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -51,4 +35,4 @@ def test_a_benchmark_refusing_a_missing_image_leaves_nothing_behind(tmp_path: Pa
         assert _scratch_parents(tmp_path) == set(), "its cgroup parent stayed"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["layers"], "its scratch directory stayed"
     finally:
-        end_leftovers(tmp_path)
+        end_leftovers(tmp_path, _scratch_parents(tmp_path))

@@ -3,6 +3,7 @@ apiservers, and two stateless apiservers that learn them from the shared registr
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 from collections.abc import AsyncIterator
@@ -277,3 +278,59 @@ async def test_a_batch_is_created_whole_or_not_at_all(cluster: Cluster) -> None:
                 await small.run_containers(args, 6)
             assert await small.list() == [], "what was made before the refusal is stopped"
             assert len(await small.run_containers(args, 5)) == 5, "and its quota given back"
+
+
+class _GatedBackend(FakeBackend):
+    """Its node preparation (where a real backend starts LXCFS and mounts the runtime tmpfs)
+    waits for ``gate``; ``steps`` records what was taken and given back, in order."""
+
+    def __init__(self, state_dir: Path, fail: bool = False) -> None:
+        super().__init__(state_dir)
+        self.preparing = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.fail = fail
+        self.steps: list[str] = []
+
+    async def prepare_node(self) -> None:
+        self.preparing.set()
+        await self.gate.wait()
+        await super().prepare_node()
+        self.steps.append("prepared")
+        if self.fail:
+            raise InfraFailure("the node cannot be prepared")
+
+    async def release_node(self) -> None:
+        self.steps.append("released")
+
+
+def _gated_edge(cluster: Cluster, name: str, backend: _GatedBackend) -> EdgeNode:
+    cfg = NodeConfig(
+        data_dir=cluster.tmp / name, layer_dir=cluster.tmp / "layers", port=free_port(), node=name
+    )
+    return EdgeNode(cfg, SECRET, [a.url for a in cluster.apis], backend=backend, heartbeat_s=0.2)
+
+
+async def test_an_edge_stopped_while_it_takes_the_host_gives_back_what_it_took(cluster: Cluster) -> None:
+    # The node is stopped (SIGTERM, a scaler's stop) while it prepares the host: what is under
+    # way ends, and only then is it given back (a cancel midway left LXCFS and mounts).
+    await cluster.api()
+    backend = _GatedBackend(cluster.tmp / "gated" / "fake")
+    node = _gated_edge(cluster, "gated", backend)
+    starting = asyncio.create_task(node.start())
+    await backend.preparing.wait()
+    starting.cancel()
+    backend.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert backend.steps == ["prepared", "released"]
+    with pytest.raises(OSError):  # and it no longer serves
+        socket.create_connection(("127.0.0.1", node.config.port), timeout=5).close()
+
+
+async def test_an_edge_whose_start_fails_gives_back_what_it_took(cluster: Cluster) -> None:
+    await cluster.api()
+    backend = _GatedBackend(cluster.tmp / "failing" / "fake", fail=True)
+    backend.gate.set()
+    with pytest.raises(InfraFailure, match="cannot be prepared"):
+        await _gated_edge(cluster, "failing", backend).start()
+    assert backend.steps == ["prepared", "released"]

@@ -4,8 +4,10 @@ DSec itself (``up``, ``edge``, ``apiserver``, ``base``) and list its nodes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -154,21 +156,21 @@ def up(
         _ensure_base(open_layer_store(node_cfg))
 
     async def serve() -> None:
-        emb = EmbeddedNode(node_cfg)
-        await emb.start()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         from dsec.sdk.config import config_path
 
-        console.print(f"[green]DSec is up[/green] at {emb.url} (node {node}, data in {data_dir})")
-        console.print(f"  config for the SDK and CLI: {node_cfg.config_file or config_path()}")
-        console.print("  connect:  python -c 'from dsec import DSec; print(DSec().list())'")
-        console.print(f"  or set DSEC_URL={emb.url} DSEC_API_KEY=<the key in that file>")
-        await stop.wait()
-        console.print("stopping (sandboxes keep running; `dsec up` again re-adopts them)")
-        await emb.close()
+        emb = EmbeddedNode(node_cfg)
+
+        def up() -> str:
+            return (
+                f"[green]DSec is up[/green] at {emb.url} (node {node}, data in {data_dir})\n"
+                f"  config for the SDK and CLI: {node_cfg.config_file or config_path()}\n"
+                "  connect:  python -c 'from dsec import DSec; print(DSec().list())'\n"
+                f"  or set DSEC_URL={emb.url} DSEC_API_KEY=<the key in that file>"
+            )
+
+        if await _serve_until_signalled(emb.start(), up):
+            console.print("stopping (sandboxes keep running; `dsec up` again re-adopts them)")
+            await emb.close()
 
     try:
         asyncio.run(serve())
@@ -179,13 +181,32 @@ def up(
 SecretFile = Annotated[Path | None, typer.Option(help="cluster secret file (else $DSEC_CLUSTER_SECRET)")]
 
 
-async def _serve_until_signalled(started: str) -> None:
+async def _serve_until_signalled(start: Awaitable[object], banner: Callable[[], str]) -> bool:
+    """Start, print ``banner()`` and serve until SIGINT or SIGTERM; False if the signal came
+    while starting. The signals are caught from before the start: a node stopped while it
+    starts (a scaler that gives up on it, Ctrl-C) has its start cancelled, and the start gives
+    back what it had taken, where the default action killed it with its LXCFS and mounts left."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    console.print(started)
-    await stop.wait()
+    starting = asyncio.ensure_future(start)
+    signalled = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            console.print("stopped while starting: what it had taken is given back")
+            return False
+        starting.result()  # a start that failed raises here (it has closed what it started)
+        console.print(banner())
+        await signalled
+        return True
+    finally:
+        starting.cancel()
+        signalled.cancel()
 
 
 @app.command("edge")
@@ -259,11 +280,13 @@ def edge_cmd(
             advertise_url=advertise_url,
             heartbeat_s=heartbeat,
         )
-        url = await edge.start()
-        await _serve_until_signalled(
-            f"[green]edge {node} is up[/green] at {url} (epoch {edge.edge.epoch}, data in {data_dir})"
-        )
-        await edge.close()
+
+        def up() -> str:
+            epoch = edge.edge.epoch
+            return f"[green]edge {node} is up[/green] at {edge.url} (epoch {epoch}, data in {data_dir})"
+
+        if await _serve_until_signalled(edge.start(), up):
+            await edge.close()
 
     try:
         asyncio.run(serve())
@@ -353,10 +376,12 @@ def apiserver_cmd(
         )
         server = ClusterApiServer(cfg)
         try:
-            url = await server.start()
-            up = f"[green]apiserver is up[/green] at {url} ({len(server.links)} edges)"
-            await _serve_until_signalled(up)
-            await server.close()
+
+            def up() -> str:
+                return f"[green]apiserver is up[/green] at {server.url} ({len(server.links)} edges)"
+
+            if await _serve_until_signalled(server.start(), up):
+                await server.close()
         finally:
             if scale is not None:
                 await release_provider(scale[1])

@@ -92,6 +92,7 @@ class Edge:
         # Why an apiserver fenced it (scale-in drains it: POST /edge/v1/fence); it may lift it.
         # Journaled: an edge restarted mid-drain must go on refusing creates (set_drain_fence).
         self.drain_fence = self.journal.meta(_DRAIN_FENCE) or ""
+        self._taking: asyncio.Future[None] | None = None  # start()'s hold on the host
         self.hardware = hardware.detect(config.node_labels)
         self.pools = {c.name: FnPool(self, c) for c in config.fncall_pools}
         self.swap = Swap(config.swap, config.data_dir)
@@ -150,6 +151,14 @@ class Edge:
             self.journal.set_meta("epoch", str(self.epoch))
         if self.drain_fence:
             log.warning("edge starts fenced by an apiserver, creates refused: %s", self.drain_fence)
+        # Until here a cancelled start (a node stopped while it starts) has taken nothing of
+        # the host. From here it takes LXCFS, mounts, cgroups, swap and nftables, partly in
+        # threads a cancel does not stop: the rest runs to its end, and close() waits for it
+        # before it gives them back.
+        self._taking = asyncio.ensure_future(self._take_node())
+        await asyncio.shield(self._taking)
+
+    async def _take_node(self) -> None:
         watch_children_with_pidfds()
         for each in self.backends.values():
             await each.prepare_node()
@@ -165,6 +174,11 @@ class Edge:
         await asyncio.gather(*(pool.start() for pool in self.pools.values()))
 
     async def close(self, *, stop_sandboxes: bool = False) -> None:
+        if self._taking is not None:
+            # A start that failed has said so to its caller; what it took is given back below.
+            await asyncio.wait([self._taking])
+            if not self._taking.cancelled():
+                self._taking.exception()  # retrieved: the start raised it, or was cancelled first
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         await self.metrics.close()
         await self.reclaimer.close()

@@ -76,6 +76,15 @@ class EdgeNode:
         self.url = ""
 
     async def start(self) -> str:
+        """Serve; a start that fails or is cancelled part-way closes what it had started
+        (LXCFS, mounts, cgroups), so nothing of the node is left behind."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> str:
         # Listen first (the registration names the URL), but answer nothing until re-adopted.
         self.server.ready = False
         self.url = await self.server.start(self.config.host, self.config.port)
