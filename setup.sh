@@ -18,6 +18,10 @@ apt_packages=(python3 crun skopeo umoci zstd erofs-utils debootstrap busybox-sta
   runsc  # gVisor, for runtime="gvisor" sandboxes (optional: a node without it reports so)
   lxcfs  # sandboxes' /proc CPU and memory views from their limits (each node runs its own daemon; Debian's service is not used)
   seabios syslinux syslinux-common mtools dosfstools)  # the sixth: firmware booting users' VM images; a bootable test image
+# What the test extra builds and runs beyond the node: libvirt-python is built against libvirt's
+# headers (pkg-config finds them); its tests run on libvirt's test hypervisor and check the
+# provider's XML with xmllint against libvirt's schemas.
+test_apt_packages=(libvirt-dev pkg-config libxml2-utils)
 
 need_root() {
   if [ "$(id -u)" != 0 ]; then echo "setup.sh: run as root (sandboxes need mounts, namespaces, cgroups)" >&2; exit 1; fi
@@ -140,7 +144,7 @@ case "$cmd" in
     exec .venv/bin/dsec up "$@"
     ;;
   test)
-    apt_packages+=(chromium chromium-driver)  # the web console's browser test (tests/e2e/test_console.py)
+    apt_packages+=(chromium chromium-driver "${test_apt_packages[@]}")  # chromium: the web console's browser test
     need_root; install_debian; install_services_quietly postgresql haproxy prometheus; install_python test; install_e2b_sdks
     install_console_js
     .venv/bin/dsec base --data-dir "${DSEC_TEST_DATA_DIR:-/var/lib/dsec-test}"
@@ -162,6 +166,7 @@ case "$cmd" in
       install_python base
       exec .venv/bin/python "bench/$which.py" "$@"
     fi
+    apt_packages+=("${test_apt_packages[@]}")
     need_root; install_debian; install_services_quietly openssh-server openssh-client sshfs haproxy; install_python test
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;

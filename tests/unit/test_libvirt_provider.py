@@ -142,7 +142,7 @@ def test_the_domain_carries_size_disk_network_config_and_our_mark() -> None:
     assert disk is not None and disk.find("source").get("file") == "/pool/dsec-burst-1.qcow2"  # type: ignore[union-attr]
     assert root.find("devices/interface/source").get("network") == "lab"  # type: ignore[union-attr]
     entry = root.find("sysinfo/entry")
-    assert root.find("sysinfo").get("type") == "fw_cfg" and entry is not None  # type: ignore[union-attr]
+    assert root.find("sysinfo").get("type") == "fwcfg" and entry is not None  # type: ignore[union-attr]
     assert entry.get("name") == FW_CFG_NAME
     assert json.loads(entry.text or "") == {
         "node": "burst-1", "labels": {"pool": "burst"}, "apiservers": ["http://10.0.0.1:8642"],

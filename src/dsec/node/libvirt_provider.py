@@ -43,9 +43,12 @@ _MISSING = (
 def import_libvirt() -> Any:
     """The ``libvirt`` module, or ``InfraFailure`` naming what to install."""
     try:
-        import libvirt  # type: ignore[import-not-found,unused-ignore]
+        import libvirt  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as exc:
         raise InfraFailure(f"{_MISSING} ({exc})", reason=InfraReason.runtime) from None
+    # Every error also comes back as an exception, which the provider classifies; libvirt's
+    # default handler would print each to stderr as well (a lookup of a gone domain included).
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
     return libvirt
 
 
@@ -115,7 +118,7 @@ def domain_xml(
     os_ = ET.SubElement(dom, "os")
     ET.SubElement(os_, "type", arch="x86_64", machine="q35").text = "hvm"
     ET.SubElement(os_, "boot", dev="hd")
-    sysinfo = ET.SubElement(dom, "sysinfo", type="fw_cfg")
+    sysinfo = ET.SubElement(dom, "sysinfo", type="fwcfg")  # libvirt's name for QEMU's fw_cfg
     ET.SubElement(sysinfo, "entry", name=FW_CFG_NAME).text = json.dumps(config, sort_keys=True)
     ET.SubElement(dom, "cpu", mode="host-passthrough")  # the edge checks for nested KVM itself
     features = ET.SubElement(dom, "features")
@@ -189,25 +192,28 @@ class LibvirtProvider:
         self._count += 1
         name = validate_node_name(request.name or f"virt-{self._count}")
         node = ProvidedNode(name, dict(request.labels), "starting")
+        made: builtins.list[str] = []  # what this start made, so a failure removes only that
         try:
-            await asyncio.to_thread(self._create, request, name)
+            await asyncio.to_thread(self._create, request, name, made)
             node.url = await self._wait_address(name)
         except BaseException as exc:
             node.state, node.detail = "failed", str(exc)
-            await asyncio.to_thread(self._destroy, name)
+            await asyncio.to_thread(self._destroy, name, disk="disk" in made)
             if isinstance(exc, self.libvirt.libvirtError):
                 raise InfraFailure(f"node {name}: libvirt: {exc}", reason=InfraReason.runtime) from None
             raise
         node.state = "running"
         return node
 
-    def _create(self, request: NodeRequest, name: str) -> None:
+    def _create(self, request: NodeRequest, name: str, made: builtins.list[str]) -> None:
         conn = self._connect()
         pool = conn.storagePoolLookupByName(self.settings.storage_pool)
         base = pool.storageVolLookupByName(self.settings.base_volume)
         vol = pool.createXML(volume_xml(self._disk(name), base.path(), self.settings.disk_gib), 0)
+        made.append("disk")
         config = edge_config(request, name, self.apiservers, self.secret, self.settings.edge_port)
         dom = conn.defineXML(domain_xml(self.settings, request, name, vol.path(), config))
+        made.append("domain")
         dom.create()
 
     def _disk(self, name: str) -> str:
@@ -244,18 +250,23 @@ class LibvirtProvider:
         node.state = "stopped"
         return node
 
-    def _destroy(self, name: str) -> None:
-        """Power off, undefine, delete the disk; each step tolerates what is already gone."""
+    def _destroy(self, name: str, *, disk: bool = True) -> None:
+        """Power off and undefine the domain if it carries this provider's mark for ``name``
+        (a domain of that name someone else made is never touched), then delete the disk
+        (``disk``: it is this provider's); each step tolerates what is already gone."""
         conn = self._connect()
         err = self.libvirt.libvirtError
         try:
             dom = conn.lookupByName(self.settings.name_prefix + name)
         except err:
             dom = None
-        if dom is not None:
+        mine = dom is not None and (node_of(dom.XMLDesc(0), self.settings.name_prefix) or ("",))[0] == name
+        if mine:
             if dom.isActive():
                 dom.destroy()
             dom.undefine()
+        if not disk:
+            return
         try:
             pool = conn.storagePoolLookupByName(self.settings.storage_pool)
             pool.storageVolLookupByName(self._disk(name)).delete(0)
