@@ -67,9 +67,16 @@ def test_calls_run_as_the_unprivileged_call_uid(runner: Runner) -> None:
 
 def test_preloaded_modules_are_already_imported(runner: Runner) -> None:
     assert runner.ready.ready and runner.ready.preloaded == ["json", "fractions"]
-    code = "import sys\nprint('fractions' in sys.modules, 'wave' in sys.modules, __name__)"
-    r = runner.call(language="python", code=code)
+    seen = "import sys\nseen = 'fractions' in sys.modules, 'wave' in sys.modules\n"
+    r = runner.call(language="python", code=seen + "import fractions, wave\nprint(*seen, __name__)")
     assert r.stdout == "True False __main__\n"  # fractions came with the pool, wave did not
+    # A program that may import one by name at run time forks from the warm zygote too.
+    r = runner.call(language="python", code=seen + "__import__('wave')\nprint(*seen)")
+    assert r.stdout == "True False\n"
+    # One that imports only the standard library, and nothing preloaded, forks from the lean
+    # zygote (made before the preloads): a smaller fork and exit, the same answers.
+    r = runner.call(language="python", code=seen + "import os.path, wave as w\nprint(*seen, __name__)")
+    assert r.stdout == "False False __main__\n" and r.clean
 
 
 def test_compile_errors(runner: Runner) -> None:

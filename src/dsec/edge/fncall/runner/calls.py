@@ -1,7 +1,12 @@
 """The runner's side of a call: set it up, run its processes through the zygote, judge it, and
 prove the sandbox clean after it.
 
-After a call, when neither the runner nor the zygote has a child of the call left (every
+Two zygotes: a lean one, forked before the preloads, and a warm one after them (when there
+are any). Exec'd programs (compilers, C, C++, bash) and Python programs whose imports are all
+of the standard library and none preloaded (``imports.needs_preloads``) fork from the lean
+one: a fork of a small heap, and an exit with little to unmap. The rest fork from the warm one.
+
+After a call, when neither the runner nor a zygote has a child of the call left (every
 process of a call descends from its first one, and orphans come to the runner, the
 subreaper), none is alive and none can start: proven without a fork (``_none_left``).
 Otherwise kill(-1, SIGKILL) from a helper running as the call uid (the kernel signals every
@@ -22,11 +27,13 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .capture import Proc, Stream, pump
 from .cleanup import all_root, children, remove, remove_sysv_ipc, sysv_ipc_of
 from .files import CallFiles, fetch
+from .imports import needs_preloads
 from .judge import classify, exit_code
 from .libc import CLONE_NEWIPC, CLONE_NEWNET, PR_SET_CHILD_SUBREAPER, libc
 from .process import COMPILE_MEMORY_MB, ENV, rlimits
@@ -44,8 +51,18 @@ class ZygoteLost(CallFailed):
     """The zygote died or stopped answering: no further call can run here."""
 
 
+@dataclass
+class _Zygote:
+    pid: int
+    sock: socket.socket  # requests out, reports in
+
+
 class Runner:
-    """Carries out calls one at a time, each in processes of the call uid forked by its zygote."""
+    """Carries out calls one at a time, each in processes of the call uid forked by a zygote.
+
+    Made before the preloads (its lean zygote has none); :meth:`fork_warm` after them.
+    ``mark``: marks the runner's memory mergeable for KSM, before each zygote is forked (each
+    inherits what is marked then)."""
 
     def __init__(
         self, workdir: str, uid: int, gid: int, scrub: list[str], mark: Callable[[], int] | None = None
@@ -65,20 +82,38 @@ class Runner:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         unshare = lambda: libc.unshare(CLONE_NEWNET | CLONE_NEWIPC)  # noqa: E731
         self.private_net = self.root and self._try_in_child(unshare)
-        self.sock, zsock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        if mark is not None:
-            mark()  # the zygote (every call's parent) inherits what is marked now
         self.own_pid = os.getpid()
-        self.zygote_pid = os.fork()
-        if self.zygote_pid == 0:
-            self.sock.close()
-            zygote(zsock, self.private_net, self.root)
-        zsock.close()
-        self.zygote_dead = False
+        self.zygote_dead = False  # one of them
+        self.mark = mark
+        self.lean = self.warm = self._fork_zygote([])
+        self.preloaded: list[str] = []
         if self.root and not self._try_in_child(self._kill_as_call_uid):
             raise OSError(f"cannot become uid {uid} / gid {gid} (setgroups, setgid, setuid)")
         if not self._cleanup(None) and self.root:  # also clears what an earlier runner left behind
             raise OSError(f"cannot start clean: processes of uid {uid} survive, or {workdir} stays non-empty")
+
+    def _fork_zygote(self, others: list[_Zygote]) -> _Zygote:
+        if self.mark is not None:
+            self.mark()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            for sock in (ours, *(z.sock for z in others)):
+                sock.close()
+            zygote(theirs, self.private_net, self.root)
+        theirs.close()
+        return _Zygote(pid, ours)
+
+    def fork_warm(self, preloaded: list[str]) -> None:
+        """After the preloads: the zygote of the calls that may use them. Without preloads the
+        lean zygote serves every call."""
+        self.preloaded = preloaded
+        if preloaded:
+            self.warm = self._fork_zygote([self.lean])
+
+    @property
+    def zygotes(self) -> list[_Zygote]:
+        return [self.lean] if self.warm is self.lean else [self.lean, self.warm]
 
     @property
     def healthy(self) -> bool:
@@ -94,11 +129,11 @@ class Runner:
                 os._exit(1)
         return os.waitpid(pid, 0)[1] == 0
 
-    def _recv(self, timeout: float) -> dict[str, Any]:
-        if not select.select([self.sock], [], [], timeout)[0]:
+    def _recv(self, z: _Zygote, timeout: float) -> dict[str, Any]:
+        if not select.select([z.sock], [], [], timeout)[0]:
             self.zygote_dead = True
             raise ZygoteLost("the zygote stopped answering")
-        msg = self.sock.recv(1 << 16)
+        msg = z.sock.recv(1 << 16)
         if not msg:
             self.zygote_dead = True
             raise ZygoteLost("the zygote died")
@@ -115,10 +150,13 @@ class Runner:
         stdin: bytes,
         timeout: float,
         cap: int,
+        warm: bool = False,
     ) -> Proc:
-        """Run one process of the call (argv None: main.py in a warm Python); kill its leftovers."""
+        """Run one process of the call (argv None: main.py in this Python, forked from the
+        ``warm`` zygote or the lean one); kill its leftovers."""
         if self.zygote_dead:
             raise ZygoteLost("the zygote is gone")
+        z = self.warm if warm else self.lean
         self.proven_dead = False
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -134,23 +172,23 @@ class Runner:
             req: dict[str, Any] = {"argv": argv, "cwd": cdir, "limits": limits}
             req |= {"uid": uid, "gid": self.gid, "env": env}
             start = time.monotonic()  # from the request: the fork and setup count as the call's time
-            socket.send_fds(self.sock, [json.dumps(req).encode()], [mem, out_w, err_w, st_w])
+            socket.send_fds(z.sock, [json.dumps(req).encode()], [mem, out_w, err_w, st_w])
         finally:
             for fd in (mem, out_w, err_w, st_w):
                 os.close(fd)
         proc = Proc(out=Stream(out_r, cap), err=Stream(err_r, cap))
         streams = [proc.out, proc.err]
         try:
-            pid = int(self._recv(10.0)["pid"])
-            if not pump(streams, start + timeout, self.sock):
+            pid = int(self._recv(z, 10.0)["pid"])
+            if not pump(streams, start + timeout, z.sock):
                 proc.timed_out = True
                 for kill in (os.kill, os.killpg):  # not reaped yet: the pid is still this call's
                     try:
                         kill(pid, signal.SIGKILL)
                     except OSError:
                         pass
-                pump(streams, time.monotonic() + 10.0, self.sock)
-            report = self._recv(0.0)
+                pump(streams, time.monotonic() + 10.0, z.sock)
+            report = self._recv(z, 0.0)
             proc.wall_s = time.monotonic() - start
             proc.status, proc.maxrss_kib, proc.cpu_s = report["status"], report["maxrss"], report["cpu"]
             # Background processes would hold the pipes open: kill them, unless none is left.
@@ -190,8 +228,8 @@ class Runner:
         The call's first process is reaped (its children were reparented before it became a
         zombie), and every process of a call descends from it: an orphan goes to the runner,
         the subreaper above it, and ``clone(CLONE_PARENT)`` from the first process makes a
-        child of the zygote. So when the runner (any of its threads: numpy's BLAS pool may adopt
-        the orphan) has no child but the zygote, and the zygote none but its spare (all uids 0,
+        child of its zygote. So when the runner (any of its threads: numpy's BLAS pool may adopt
+        the orphan) has no child but the zygotes, and each zygote none but its spare (all uids 0,
         which no call can gain), zombies included, none of the call's processes exists and none
         can start again. Anything else, or a thread of the runner changing meanwhile, falls
         back to ``_kill_all``'s proof."""
@@ -199,10 +237,11 @@ class Runner:
             return False
         try:
             tasks = os.listdir(f"/proc/{self.own_pid}/task")
-            spares = children(self.zygote_pid, os.listdir(f"/proc/{self.zygote_pid}/task"))
-            if len(spares) > 1 or not all(all_root(pid) for pid in spares):
-                return False
-            if children(self.own_pid, tasks) != [str(self.zygote_pid)]:
+            for z in self.zygotes:
+                spares = children(z.pid, os.listdir(f"/proc/{z.pid}/task"))
+                if len(spares) > 1 or not all(all_root(pid) for pid in spares):
+                    return False
+            if sorted(children(self.own_pid, tasks)) != sorted(str(z.pid) for z in self.zygotes):
                 return False
             return os.listdir(f"/proc/{self.own_pid}/task") == tasks
         except OSError:
@@ -224,7 +263,7 @@ class Runner:
                 return
             if pid == 0:
                 return
-            self.zygote_dead = self.zygote_dead or pid == self.zygote_pid
+            self.zygote_dead = self.zygote_dead or any(pid == z.pid for z in self.zygotes)
 
     def _uid_pids(self) -> list[int]:
         found = []
@@ -300,7 +339,8 @@ class Runner:
                     res.update(stdout=comp.out.text(), stderr=comp.err.text() + why)
                     return res
             limits = rlimits(t.memory_limit_mb, t.run_timeout_s)
-            run = self.spawn(argv, cdir, limits, t.stdin, t.run_timeout_s, t.max_output_bytes)
+            warm = argv is None and needs_preloads(t.code, self.preloaded)
+            run = self.spawn(argv, cdir, limits, t.stdin, t.run_timeout_s, t.max_output_bytes, warm)
             if run.marker.startswith(b"E"):
                 raise CallFailed(run.marker[1:].decode(errors="replace"))
             classify(res, run, t)
@@ -315,6 +355,8 @@ class Runner:
 
     def close(self) -> None:
         self._kill_all(None)
-        self.sock.close()  # EOF: the zygote exits
-        os.waitpid(self.zygote_pid, 0)
+        for z in self.zygotes:
+            z.sock.close()  # EOF: the zygote exits
+        for z in self.zygotes:
+            os.waitpid(z.pid, 0)
         self._reap()

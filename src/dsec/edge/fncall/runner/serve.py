@@ -40,20 +40,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.buffer.write(json.dumps(obj).encode() + b"\n")
         sys.stdout.buffer.flush()
 
+    mark = mark_mergeable if args.mergeable is not None else None
+    try:  # before the preloads: its lean zygote forks the calls that need none of them
+        runner = Runner(args.workdir, args.uid, args.gid, [d for d in args.scrub.split(",") if d], mark)
+    except OSError as exc:
+        send({"ready": False, "error": f"runner: {exc}"})
+        return 2
     preloaded = []
     for name in filter(None, (n.strip() for n in args.preload.split(","))):
         try:
             importlib.import_module(name)
         except Exception as exc:
             send({"ready": False, "error": f"preload {name}: {exc!r}"})
+            runner.close()
             return 2
         preloaded.append(name)
-    mark = mark_mergeable if args.mergeable is not None else None
-    try:
-        runner = Runner(args.workdir, args.uid, args.gid, [d for d in args.scrub.split(",") if d], mark)
-    except OSError as exc:
-        send({"ready": False, "error": f"runner: {exc}"})
-        return 2
+    runner.fork_warm(preloaded)
     marked = mark() if mark is not None else 0
     ready = {"ready": True, "preloaded": preloaded, "private_net": runner.private_net, "call_uid": runner.uid}
     send({**ready, "mergeable_bytes": marked, "fixed_layout": layout.own_layout})
