@@ -18,6 +18,7 @@ NUMPY = ["numpy"]
         ("import numpy as np", True),
         ("from numpy.linalg import inv", True),
         ("import os,numpy", True),
+        ("import os; import numpy", True),  # a second statement on the line
         ("def f():\n    import numpy\n    return numpy", True),  # an import inside a function
         ("import pandas", True),  # outside the standard library: it may import a preload
         ("import solution\nsolution.main()", True),  # a module among the call's files

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 
-_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([\w.][\w., \t]*))", re.M)
+_IMPORT = re.compile(r"(?:^|;)[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([\w.][\w., \t]*))", re.M)
 _DYNAMIC = ("__import__", "importlib", "import_module", "exec(", "eval(", "compile(", "runpy")
 
 
