@@ -192,7 +192,7 @@ class LibvirtProvider:
         self._count += 1
         name = validate_node_name(request.name or f"virt-{self._count}")
         node = ProvidedNode(name, dict(request.labels), "starting")
-        made: builtins.list[str] = []  # what this start made, so a failure removes only that
+        made: builtins.list[str] = []  # "disk" once this start made it: a failure removes only that
         try:
             await asyncio.to_thread(self._create, request, name, made)
             node.url = await self._wait_address(name)
@@ -213,7 +213,6 @@ class LibvirtProvider:
         made.append("disk")
         config = edge_config(request, name, self.apiservers, self.secret, self.settings.edge_port)
         dom = conn.defineXML(domain_xml(self.settings, request, name, vol.path(), config))
-        made.append("domain")
         dom.create()
 
     def _disk(self, name: str) -> str:
