@@ -4,6 +4,7 @@ read back through the wire client (the SDK's and the apiserver's)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -26,6 +27,7 @@ from dsec.observe.logs import (
     echo_request_id,
     request_middleware,
 )
+from dsec.observe.metrics import ProcessMetrics
 from dsec.protocol.errors import (
     DSecError,
     FileNotFound,
@@ -34,8 +36,9 @@ from dsec.protocol.errors import (
     InvalidRequest,
     error_from_wire,
 )
-from dsec.protocol.http import listen
+from dsec.protocol.http import CLIENT_CLOSED_REQUEST, listen
 from dsec.protocol.wire_client import WireClient, ndjson
+from tests.support import eventually
 
 
 class Records(logging.Handler):
@@ -373,3 +376,37 @@ async def test_an_access_line_keeps_the_path_encoded_and_drops_the_query(
     (access,) = records.named("dsec.edge.access")
     assert access.path.lower() == "/missing%0aforged"  # type: ignore[attr-defined]
     assert "\n" not in TextFormatter().format(access)
+
+
+async def test_a_request_its_client_hangs_up_on_is_logged_and_counted_499_not_500(records: Records) -> None:
+    # The edge cancels the work of an apiserver that hangs up (handler_cancellation): no one
+    # got an answer, so neither the access log nor the metrics may say the server failed.
+    metrics = ProcessMetrics("edge")
+    entered, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+        raise AssertionError("never answered")
+
+    app = web.Application(middlewares=[request_middleware("edge"), metrics.middleware])
+    app.router.add_get("/slow", slow)
+    runner, url = await listen(app, "127.0.0.1", 0, handler_cancellation=True)
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await entered.wait()
+        writer.close()
+        await cancelled.wait()
+        lines = await eventually(lambda: records.named("dsec.edge.access"), "the access line", 30)
+    finally:
+        await runner.cleanup()
+    assert [(r.levelno, r.status) for r in lines] == [(logging.INFO, CLIENT_CLOSED_REQUEST)]  # type: ignore[attr-defined]
+    count = metrics.registry.get_sample_value
+    labels = {"route": "/slow", "method": "GET"}
+    assert count("dsec_edge_http_requests_total", {**labels, "status": "499"}) == 1
+    assert count("dsec_edge_http_requests_total", {**labels, "status": "500"}) is None

@@ -17,6 +17,7 @@ header of every answer, streams included.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from dsec.observe import request_ids
 from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.http import CLIENT_CLOSED_REQUEST
 
 LogFormat = Literal["json", "text"]
 LEVELS = ("debug", "info", "warning", "error")
@@ -157,6 +159,9 @@ def request_middleware(service: str) -> Middleware:
             return response
         except web.HTTPException as exc:  # a redirect, or an error below our error middleware
             status = exc.status
+            raise
+        except asyncio.CancelledError:  # its client hung up (or the server shut down): no answer
+            status = CLIENT_CLOSED_REQUEST
             raise
         finally:
             level = logging.DEBUG if status < 400 else logging.INFO if status < 500 else logging.WARNING

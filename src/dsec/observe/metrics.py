@@ -33,7 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from dsec.protocol.errors import DSecError, InvalidRequest
-from dsec.protocol.http import require_cluster_secret
+from dsec.protocol.http import CLIENT_CLOSED_REQUEST, require_cluster_secret
 
 METRICS_PATH = "/metrics"
 CLUSTER_METRICS_PATH = "/cluster/v1/metrics"  # an apiserver's, for the cluster secret
@@ -145,6 +145,9 @@ class ProcessMetrics:
             raise
         except web.HTTPException as exc:
             status = exc.status
+            raise
+        except asyncio.CancelledError:  # its client hung up (or the server shut down): not a 500
+            status = CLIENT_CLOSED_REQUEST
             raise
         finally:
             # Bounded, the cache as the labels: routes are the server's patterns, methods a
