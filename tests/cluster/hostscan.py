@@ -59,6 +59,13 @@ def sandbox_cgroups(nodes: Iterable[str]) -> list[str]:
     return sorted(str(p) for node in nodes for p in CGROUP_ROOT.glob(f"*/dsec*/*/sb-{node}-*"))
 
 
+def node_parents(node: str, data_dir: Path) -> list[str]:
+    """The parent cgroups of node ``node`` on ``data_dir`` still there, in every hierarchy (a
+    node that stopped with no sandbox left removes them all)."""
+    parent = cgroups.parent_name(node, data_dir)
+    return sorted(str(c / parent) for c in cgroups.hierarchies() if (c / parent).is_dir())
+
+
 def sandbox_processes() -> set[str]:
     """Sandbox processes (and crun runs) of every node, named, for a readable difference."""
     out = set()

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from dsec.backends.container import cgroups
 from dsec.images.mount import mounts_under
 from dsec.images.store import LayerStore
 from dsec.node.cluster import ApiServerConfig, ClusterApiServer
 from dsec.node.embedded import EmbeddedNode
-from tests.cluster.hostscan import end_leftovers, processes_mentioning
+from tests.cluster.hostscan import end_leftovers, node_parents, processes_mentioning
 from tests.cluster.procs import Proc
 from tests.conftest import node_config
 from tests.leaks import own_parents
@@ -78,7 +79,7 @@ def _left(tmp_path: Path) -> dict[str, list[str]]:
     found = {
         "mounts": _mounts_under(tmp_path),
         "processes": processes_mentioning(tmp_path),
-        "cgroup parents": own_parents(tmp_path / "edge"),
+        "cgroup parents": node_parents("starting", tmp_path / "edge"),  # in every hierarchy
     }
     return {what: items for what, items in found.items() if items}
 
@@ -92,7 +93,7 @@ async def test_an_edge_stopped_while_it_waits_to_register_exits_cleanly(tmp_path
         assert _left(tmp_path) == {}
     finally:
         edge.kill()
-        end_leftovers(tmp_path, own_parents(tmp_path / "edge"))
+        end_leftovers(tmp_path, [cgroups.parent_name("starting", tmp_path / "edge")])
 
 
 async def test_an_edge_stopped_once_it_started_lxcfs_gives_the_host_back(
@@ -109,4 +110,4 @@ async def test_an_edge_stopped_once_it_started_lxcfs_gives_the_host_back(
         assert _left(tmp_path) == {}, edge.report()
     finally:
         edge.kill()
-        end_leftovers(tmp_path, own_parents(tmp_path / "edge"))
+        end_leftovers(tmp_path, [cgroups.parent_name("starting", tmp_path / "edge")])
