@@ -54,8 +54,9 @@ async def test_memory_and_cpu_show_in_the_samples_and_the_range_filters(e2b: E2B
         timeout=180,
     )
     idle, every = out["idle"], out["all"]
-    assert len(idle) == 1, "a sandbox younger than a sample still has its figure read now"
-    assert idle[0][3] < HELD_MIB * MIB
+    # A sandbox younger than a sample still has its figure read now (and a sampler's tick may
+    # have come between the create and the call: then that sample too).
+    assert 1 <= len(idle) <= 2 and all(r[3] < HELD_MIB * MIB for r in idle), idle
     stamps = [r[0] for r in every]
     assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
     for _ts, cpus, pct, _used, total, cache, disk_used, disk_total in every:
@@ -63,8 +64,13 @@ async def test_memory_and_cpu_show_in_the_samples_and_the_range_filters(e2b: E2B
         assert 0 <= pct <= 100 and cache >= 0
         assert (disk_used, disk_total) == (0, 0), "no disk_limit_mb: no quota volume to measure"
     assert every[-1][3] >= HELD_MIB * MIB, "the holder's memory is in the sandbox's charge"
-    # 3 s of CPU in windows of at most 5 s on 2 cores: some window holds >= 1.5 s, i.e. >= 15 %.
-    assert max(r[2] for r in every) >= 10, every
+    # Each figure is the CPU over its window (since the previous one; the first since the
+    # create, just before the idle reading) in % of 2 cores: together they hold the 3 s burnt,
+    # however a loaded machine spread them (the first window, read from the idle reading on,
+    # is a little short: 2.4 s of 3 leaves room for it).
+    starts = [idle[0][0], *stamps[:-1]]
+    burnt = sum(r[2] / 100 * 2 * (r[0] - t0) for r, t0 in zip(every, starts, strict=True))
+    assert burnt >= 2.4, (burnt, every)
     # whole seconds, as timestampUnix reads: `end` takes its second, `start` from its second
     assert out["before"] == every[:1], "end at the first sample: that one alone"
     assert len(out["after"]) >= 2 and out["after"][0] == every[1], "start at the second: it and later"
