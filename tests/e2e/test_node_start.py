@@ -14,6 +14,7 @@ from dsec.images.mount import mounts_under
 from dsec.images.store import LayerStore
 from dsec.node.cluster import ApiServerConfig, ClusterApiServer
 from dsec.node.embedded import EmbeddedNode
+from tests.cluster.harness import free_port
 from tests.cluster.hostscan import end_leftovers, node_parents, processes_mentioning
 from tests.cluster.procs import Proc
 from tests.conftest import node_config
@@ -42,12 +43,6 @@ async def test_a_node_that_cannot_listen_leaves_nothing_behind(tmp_path: Path) -
     assert own_parents(data_dir) == [], "so do the node's cgroups"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 async def apiserver(tmp_path: Path) -> AsyncIterator[str]:
     cfg = ApiServerConfig(SECRET, LayerStore(tmp_path / "api-layers"), str(tmp_path / "iam.sqlite"), port=0)
@@ -67,7 +62,7 @@ def _edge(tmp_path: Path, apiserver_url: str) -> Proc:
         DSEC, "edge",
         "--node", "starting",
         "--data-dir", str(tmp_path / "edge"),
-        "--port", str(_free_port()),
+        "--port", str(free_port()),
         "--apiserver", apiserver_url,
         "--secret-file", str(secret),
         "--swap", "none", "--fncall-pool-size", "0", "--no-microvm", "--no-vm",
@@ -85,7 +80,7 @@ def _left(tmp_path: Path) -> dict[str, list[str]]:
 
 
 async def test_an_edge_stopped_while_it_waits_to_register_exits_cleanly(tmp_path: Path) -> None:
-    edge = _edge(tmp_path, f"http://127.0.0.1:{_free_port()}")  # no apiserver answers there
+    edge = _edge(tmp_path, f"http://127.0.0.1:{free_port()}")  # no apiserver answers there
     try:
         await eventually(lambda: "could not register" in edge.output(), "a failed registration", 60)
         assert edge.terminate() == 0, edge.report()  # SIGTERM's default action: -15

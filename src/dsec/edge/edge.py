@@ -175,10 +175,9 @@ class Edge:
 
     async def close(self, *, stop_sandboxes: bool = False) -> None:
         if self._taking is not None:
-            # A start that failed has said so to its caller; what it took is given back below.
+            # A start that failed has said so to its caller (shield marks the error retrieved
+            # if the start was cancelled first); what it took is given back below.
             await asyncio.wait([self._taking])
-            if not self._taking.cancelled():
-                self._taking.exception()  # retrieved: the start raised it, or was cancelled first
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         await self.metrics.close()
         await self.reclaimer.close()

@@ -259,8 +259,8 @@ class LibvirtProvider:
             dom = conn.lookupByName(self.settings.name_prefix + name)
         except err:
             dom = None
-        mine = dom is not None and (node_of(dom.XMLDesc(0), self.settings.name_prefix) or ("",))[0] == name
-        if mine:
+        mark = None if dom is None else node_of(dom.XMLDesc(0), self.settings.name_prefix)
+        if dom is not None and mark is not None and mark[0] == name:
             if dom.isActive():
                 dom.destroy()
             dom.undefine()
