@@ -131,6 +131,10 @@ class SimulatedEdgeLink(EdgeLink):
                 created_at=now,
                 last_active_at=now,
                 stop_reason=None,
+                # Given, not defaulted: pydantic >= 2.10's model_construct inspects a default
+                # factory's signature on every call (~450 us each for dict and list).
+                network_rules={},
+                refs=spec.layer_refs(),
             )
             sent = info.model_dump_json().encode()
             if self.keep:

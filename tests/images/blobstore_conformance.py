@@ -257,6 +257,24 @@ class BlobStoreConformance:
         assert blobs.read_record("tags/x/1.json") is None
         assert blobs.list_records("tags/x") == []
 
+    def test_record_version_changes_with_each_write(self, blobs: BlobStore) -> None:
+        key = "tags/v/1.json"
+        assert blobs.record_version(key) is None
+        assert blobs.create_record(key, b"first")
+        v1 = blobs.record_version(key)
+        assert v1 is not None and blobs.record_version(key) == v1  # stable while unchanged
+        assert not blobs.create_record(key, b"other")  # refused: no new version
+        assert blobs.record_version(key) == v1
+        blobs.replace_record(key, b"first")  # the same bytes again are still a new version
+        v2 = blobs.record_version(key)
+        assert v2 is not None and v2 != v1
+        blobs.replace_record(key, b"second")
+        assert blobs.record_version(key) not in (v1, v2, None)
+        assert blobs.delete_record(key)
+        assert blobs.record_version(key) is None
+        assert blobs.create_record(key, b"again")
+        assert blobs.record_version(key) is not None
+
     @pytest.mark.parametrize(
         "key", ["", "/abs", "a//b", "../x", "a/../b", "a/./b", ".hidden", "a/.b", "a b", "a/"]
     )

@@ -89,6 +89,28 @@ def test_retag_moves_a_tag_only_when_asked(store: LayerStore, tmp_path: Path) ->
     assert store.resolve("app:latest").digest == one.digest
 
 
+def test_a_tag_changed_by_another_process_is_seen_at_once(store: LayerStore, tmp_path: Path) -> None:
+    """Tags read once are kept parsed (a create reads its image's tag): each change made by
+    another store over the same directory (another apiserver) shows at the next read."""
+    other = LayerStore(store.root)
+    one = store.import_path(tree(tmp_path, "one"), "app:1", owner="root/a")
+    two = store.import_path(tree(tmp_path, "two", "changed"), "app:2", owner="root/a")
+    b_only = lambda owner: owner == "root/b"  # noqa: E731
+    store.tag(one.digest, "app:latest", owner="root/a")
+    assert store.resolve_image("app:latest")[0].digest == one.digest  # now kept parsed
+    with pytest.raises(LayerNotFound):
+        store.resolve_image("app:latest", viewer=b_only)
+    other.retag("app:latest", "app:2")
+    assert store.resolve_image("app:latest")[0].digest == two.digest
+    other.mark_public("app:latest")
+    assert store.resolve_image("app:latest", viewer=b_only)[0].digest == two.digest
+    other.untag("app:latest")
+    assert not store.has_tag("app:latest")
+    other.tag(one.digest, "app:latest", owner="root/b")  # the name again, another owner
+    assert store.catalogue.get("app", "latest").owner == "root/b"  # type: ignore[union-attr]
+    assert store.resolve_image("app:latest", viewer=b_only)[0].digest == one.digest
+
+
 def test_untag_leaves_the_blob_for_gc(store: LayerStore, tmp_path: Path) -> None:
     info = store.import_path(tree(tmp_path, "src"), "gone:1")
     assert store.untag("gone:1") == [info.digest]

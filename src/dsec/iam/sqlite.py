@@ -1,12 +1,13 @@
 """The embedded IAM store: one SQLite file (WAL), shared safely by several processes.
 
-Every statement runs on one dedicated thread per store, in submission order, so the event
-loop never waits for SQLite (a write may wait up to ``busy_timeout_s`` for another process's
-write lock). A write transaction starts with ``BEGIN IMMEDIATE``: it takes the file's write
-lock before reading anything, so the counters it checks cannot change before it commits;
-that single lock is SQLite's version of PostgreSQL's row locks on the ancestor chain.
-One FIFO thread also keeps cancellation safe: a ROLLBACK queued by a cancelled transaction
-runs after whatever statement was in flight, before the next transaction's BEGIN.
+Every transaction runs whole on one dedicated thread per store, in submission order, so the
+event loop never waits for SQLite (a write may wait up to ``busy_timeout_s`` for another
+process's write lock) and pays one hop per transaction, not one per statement. A write
+transaction starts with ``BEGIN IMMEDIATE``: it takes the file's write lock before reading
+anything, so the counters it checks cannot change before it commits; that single lock is
+SQLite's version of PostgreSQL's row locks on the ancestor chain. A transaction, once on the
+thread, ends in COMMIT or ROLLBACK there whatever its caller does: a caller cancelled
+meanwhile sees the cancellation, and the store all of the transaction or none of it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from dsec.iam.base import ROOT_PROJECT
 from dsec.iam.ledger import Row, Tx
@@ -113,18 +114,33 @@ def _qmark(sql: str) -> str:
 
 
 class _SqliteTx:
+    """The statements of one transaction, run at once on the store's thread: its body is
+    driven there whole (:func:`_drive`), so a transaction is one hop off the event loop."""
+
     lock_update = ""
     lock_delete = ""
     lock_share = ""
 
-    def __init__(self, driver: _SqliteDriver) -> None:
-        self._driver = driver
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
 
     async def fetch(self, sql: str, *args: Any) -> list[Row]:
-        return await self._driver.call(lambda db: db.execute(_qmark(sql), args).fetchall())
+        return self._db.execute(_qmark(sql), args).fetchall()
 
     async def execute(self, sql: str, *args: Any) -> None:
-        await self._driver.call(lambda db: db.execute(_qmark(sql), args))
+        self._db.execute(_qmark(sql), args)
+
+
+def _drive(body: Awaitable[T]) -> T:
+    """Run a transaction's body to its end on this thread. Its awaits are its statements,
+    which never suspend here; one that awaits anything else is a bug, refused."""
+    steps = body.__await__()
+    try:
+        steps.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    steps.close()
+    raise RuntimeError("an IAM transaction awaited something other than its statements")
 
 
 class _SqliteDriver:
@@ -137,26 +153,21 @@ class _SqliteDriver:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, self._db)
 
     async def _run(self, begin: str, fn: Callable[[Tx], Awaitable[T]]) -> T:
-        async with self._lock:
+        def whole(db: sqlite3.Connection) -> T:
+            db.execute(begin)
             try:
-                # Inside the try: a caller cancelled while BEGIN is queued still gets its ROLLBACK.
-                await self.call(lambda db: db.execute(begin))
-                result = await fn(_SqliteTx(self))
+                result = _drive(fn(_SqliteTx(db)))
+                db.execute("COMMIT")
             except BaseException:
-                # Queued behind any statement still running; the next BEGIN queues behind it.
-                rollback = asyncio.get_running_loop().run_in_executor(self._thread, self._rollback)
-                await asyncio.shield(rollback)
+                self._rollback()
                 raise
-            # Shielded: once asked for, the commit happens; a caller cancelled now still sees it.
-            await asyncio.shield(self.call(self._commit))
             return result
 
-    def _commit(self, db: sqlite3.Connection) -> None:
-        try:
-            db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
+        async with self._lock:
+            # One hop for the whole transaction: a hop to a thread and back costs more CPU than
+            # the statements of a reservation (docs/decisions.md). Shielded: a transaction
+            # that started runs to its COMMIT or ROLLBACK, whatever its caller does meanwhile.
+            return await asyncio.shield(self.call(whole))
 
     def _rollback(self, *_: object) -> None:
         if self._db.in_transaction:

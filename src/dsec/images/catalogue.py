@@ -40,8 +40,9 @@ import dataclasses
 import json
 import logging
 import sqlite3
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -114,9 +115,19 @@ def _ref_key(digest: str, name: str, version: str) -> str:
     return f"{REFS}/{digest_hex(digest)}/{_enc(name)}/{_enc(version)}"
 
 
+_PARSED_MAX = 4096  # tag records kept parsed (a few hundred bytes each)
+# A record deleted and created again within one tick of the file system's clock may show the
+# same version (see _DirBlobStore.record_version): a parsed record is read again after this.
+_PARSED_MAX_AGE_S = 2.0
+
+
 class Catalogue:
     def __init__(self, blobs: BlobStore) -> None:
         self.blobs = blobs
+        # Tags as last parsed, by key, under the record's version: a create reads its image's
+        # tag, and a stat costs less than an open, a read and a parse (docs/decisions.md).
+        self._parsed: dict[str, tuple[Hashable, TagRecord, float]] = {}
+        self._parsed_lock = threading.Lock()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -141,8 +152,24 @@ class Catalogue:
 
     def get(self, name: str, version: str) -> TagRecord | None:
         key = tag_key(name, version)
+        stamp = self.blobs.record_version(key)
+        if stamp is None:
+            return None
+        now = time.monotonic()
+        kept = self._parsed.get(key)
+        if kept is not None and kept[0] == stamp and now - kept[2] < _PARSED_MAX_AGE_S:
+            return kept[1]
         data = self.blobs.read_record(key)
-        return None if data is None else self._parse(key, data, name, version)
+        if data is None:
+            return None
+        # Kept under the version seen before the read: if the record changed in between, the
+        # next get sees another version and reads again.
+        rec = self._parse(key, data, name, version)
+        with self._parsed_lock:
+            if len(self._parsed) >= _PARSED_MAX and key not in self._parsed:
+                del self._parsed[next(iter(self._parsed))]  # the oldest entry
+            self._parsed[key] = (stamp, rec, now)
+        return rec
 
     def versions(self, name: str) -> list[str]:
         prefix = f"{TAGS}/{_enc(name)}"

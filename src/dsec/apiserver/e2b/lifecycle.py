@@ -51,6 +51,7 @@ from dsec.apiserver.e2b.models import (
 )
 from dsec.apiserver.e2b.network import INTERNET, to_info, to_rules
 from dsec.apiserver.e2b.tokens import EnvdTokens
+from dsec.apiserver.layer_access import resolve_digests
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.images.base import E2B_BASE_REF, E2B_USER
@@ -234,14 +235,14 @@ class LifecycleRoutes:
         builds it) only once it is there, DSec's own base until then."""
         if self.default_template != E2B_BASE_REF:
             return self.default_template
-        built = await asyncio.to_thread(self.store.has_tag, E2B_BASE_REF)
+        built = self.store.has_tag(E2B_BASE_REF)  # one small record read: cheaper than a thread hop
         return E2B_BASE_REF if built else FALLBACK_TEMPLATE
 
     async def _refs(self, template_id: str) -> list[str]:
         refs = template_refs(template_id, await self._default() if template_id == BASE_TEMPLATE else "")
         for ref in refs:
             try:
-                await asyncio.to_thread(self.store.resolve_image, ref)
+                await resolve_digests(self.store, ref, None)
             except LayerNotFound as exc:
                 raise LayerNotFound(f"template {template_id!r} not found: {exc}") from exc
         return refs
@@ -252,11 +253,11 @@ class LifecycleRoutes:
         if refs[0] == E2B_BASE_REF:
             return True
         try:
-            base = await asyncio.to_thread(self.store.resolve_image, E2B_BASE_REF)
-            first = await asyncio.to_thread(self.store.resolve_image, refs[0])
+            base = await resolve_digests(self.store, E2B_BASE_REF, None)
+            first = await resolve_digests(self.store, refs[0], None)
         except LayerNotFound:
             return False
-        return [la.digest for la in first[: len(base)]] == [la.digest for la in base]
+        return first[: len(base)] == base
 
     async def create(self, request: web.Request) -> web.Response:
         req = await read_body(request, NewSandbox)

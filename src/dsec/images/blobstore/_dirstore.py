@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Hashable
 from pathlib import Path
 
 from dsec.images.blobstore._publish import _fsync_dir, _token, publish_exclusive
@@ -293,6 +294,19 @@ class _DirBlobStore:
                         f"reading catalogue record {key} failed: {err}", reason=InfraReason.storage
                     ) from err
         return None  # pragma: no cover
+
+    def record_version(self, key: str) -> Hashable | None:
+        # A record is only ever published by a link or a rename of a new file, so a replace
+        # always changes its inode. A delete and a create of the same size within one tick of
+        # the file system's clock may reuse the inode number and show the same version: the
+        # catalogue re-reads what it parsed after a bounded age for that.
+        try:
+            st = os.stat(self._record_path(key))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return object()  # ESTALE and the like: matches nothing, so the caller reads
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
     def list_records(self, prefix: str) -> list[str]:
         base = self._record_path(prefix)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -98,6 +99,12 @@ class BlobStore(Protocol):
         ...
 
     def read_record(self, key: str) -> bytes | None: ...
+
+    def record_version(self, key: str) -> Hashable | None:
+        """A token that changes whenever record ``key`` is created, replaced or deleted (None
+        while it is absent), cheaper to get than the record: a reader keeps what it parsed
+        under it (the catalogue's tags, read on every create)."""
+        ...
 
     def list_records(self, prefix: str) -> list[str]:
         """Keys of every record below the key prefix ``prefix`` (a directory), sorted."""

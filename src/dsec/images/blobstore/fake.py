@@ -8,6 +8,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Hashable
 from pathlib import Path
 
 from dsec.images.blobstore.base import BLOB_SUFFIX, BlobStat, PutResult, corrupt, key_parts, sha256_file
@@ -28,6 +29,8 @@ class FakeBlobStore:
         self._blobs: dict[str, bytes] = {}
         self._mtimes: dict[str, float] = {}
         self._records: dict[str, bytes] = {}
+        self._versions: dict[str, int] = {}  # record_version: a store-wide count of record writes
+        self._writes = 0
 
     def put(self, src: Path, expected: str | None = None) -> PutResult:
         data = src.read_bytes()
@@ -109,12 +112,23 @@ class FakeBlobStore:
             if key in self._records:
                 return False
             self._records[key] = bytes(data)
+            self._wrote(key)
             return True
 
     def replace_record(self, key: str, data: bytes) -> None:
         key_parts(key)
         with self._lock:
             self._records[key] = bytes(data)
+            self._wrote(key)
+
+    def _wrote(self, key: str) -> None:
+        self._writes += 1
+        self._versions[key] = self._writes
+
+    def record_version(self, key: str) -> Hashable | None:
+        key_parts(key)
+        with self._lock:
+            return self._versions.get(key) if key in self._records else None
 
     def read_record(self, key: str) -> bytes | None:
         key_parts(key)
@@ -129,4 +143,5 @@ class FakeBlobStore:
     def delete_record(self, key: str) -> bool:
         key_parts(key)
         with self._lock:
+            self._versions.pop(key, None)
             return self._records.pop(key, None) is not None
