@@ -37,6 +37,8 @@ class ApiMetrics(ProcessMetrics):
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self._decision_children: dict[tuple[str, str], Counter] = {}
+        self._placement_phase = self.create_phase.labels("placement")
         r.register(NodesCollector(placement))
         placement.on_choose = self.placed
 
@@ -47,8 +49,13 @@ class ApiMetrics(ProcessMetrics):
 
     def placed(self, backend: str, outcome: str, started: float) -> None:
         """``started``: ``time.perf_counter()`` when the choice began."""
-        self.decisions.labels(backend, outcome).inc()
-        self.create_phase.labels("placement").observe(time.perf_counter() - started)
+        # Label children kept: ``labels()`` validates and locks on every call (as in
+        # ProcessMetrics.middleware). Both keys are placement's enums: the cache stays small.
+        child = self._decision_children.get((backend, outcome))
+        if child is None:
+            child = self._decision_children[(backend, outcome)] = self.decisions.labels(backend, outcome)
+        child.inc()
+        self._placement_phase.observe(time.perf_counter() - started)
 
 
 class NodesCollector(Collector):

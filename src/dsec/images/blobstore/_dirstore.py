@@ -40,6 +40,10 @@ class _DirBlobStore:
         self.blob_dir = self.root / "blobs" / "sha256"
         self.tmp_dir = self.root / "tmp"
         self.record_dir = self.root / "catalogue"
+        # Strings for the paths read on every create (a tag's version, a blob's stat): pathlib
+        # joins cost more than the stat itself.
+        self._record_prefix = f"{self.record_dir}/"
+        self._blob_prefix = f"{self.blob_dir}/"
 
     def _make_dirs(self) -> None:
         for d in (self.blob_dir, self.tmp_dir, self.record_dir):
@@ -72,7 +76,7 @@ class _DirBlobStore:
 
     def stat(self, digest: str) -> BlobStat | None:
         try:
-            st = os.stat(self.path(digest))
+            st = os.stat(f"{self._blob_prefix}{digest_hex(digest)}{BLOB_SUFFIX}")
         except FileNotFoundError:
             return None
         return BlobStat(size=st.st_size, mtime=st.st_mtime)
@@ -300,8 +304,9 @@ class _DirBlobStore:
         # always changes its inode. A delete and a create of the same size within one tick of
         # the file system's clock may reuse the inode number and show the same version: the
         # catalogue re-reads what it parsed after a bounded age for that.
+        key_parts(key)  # validated: the key is then a relative path of safe components
         try:
-            st = os.stat(self._record_path(key))
+            st = os.stat(self._record_prefix + key)
         except FileNotFoundError:
             return None
         except OSError:
