@@ -169,7 +169,7 @@ class _SqliteDriver:
             # that started runs to its COMMIT or ROLLBACK, whatever its caller does meanwhile.
             return await asyncio.shield(self.call(whole))
 
-    def _rollback(self, *_: object) -> None:
+    def _rollback(self) -> None:
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
 
