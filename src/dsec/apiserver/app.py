@@ -155,9 +155,11 @@ class ApiServer:
         r.add_get("/v1/health", self.health)
         r.add_get("/v1/nodes", self.nodes)
         serve_metrics(app, self.prom, require_admin)  # GET /metrics, Prometheus (observe/api_metrics.py)
+        # aiohttp tries a path's routes in the order they were added, a regex each: the op route,
+        # what the SDK sends every operation to, goes before the REST routes beside it.
+        OpRoutes(self.sandboxes).register(r)  # any operation as data: apiserver/op_routes.py
         self.sandboxes.register(r)
         SandboxProcessRoutes(self.sandboxes).register_public(r)  # terminals: apiserver/processes.py
-        OpRoutes(self.sandboxes).register(r)  # any operation as data: apiserver/op_routes.py
         PortRoutes(self.sandboxes).register(r)  # a sandbox's TCP port: apiserver/port_routes.py
         JobRoutes(self.sandboxes, self.store).register(r)
         self.fncalls.register(r)

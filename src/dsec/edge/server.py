@@ -179,6 +179,9 @@ class EdgeServer:
         )
         app.on_response_prepare.extend([self._stamp, echo_request_id])
         r = app.router
+        # First: aiohttp tries a path's routes in the order they were added, a regex each, and
+        # nearly every request an apiserver sends is an op.
+        r.add_post(PREFIX + "/sandboxes/{id}/ops/{kind}", self.op)
         r.add_get(f"{PREFIX}/stats", self.stats)
         r.add_post(f"{PREFIX}/sandboxes", self.create)
         r.add_get(f"{PREFIX}/sandboxes", self.list)
@@ -188,7 +191,6 @@ class EdgeServer:
         r.add_post(f"{PREFIX}/fence", self.fence)
         r.add_get(PREFIX + "/sandboxes/{id}", self.get)
         r.add_delete(PREFIX + "/sandboxes/{id}", self.stop)
-        r.add_post(PREFIX + "/sandboxes/{id}/ops/{kind}", self.op)
         r.add_post(PREFIX + "/sandboxes/{id}/streams/{kind}", self.op_stream)
         r.add_get(PREFIX + "/sandboxes/{id}/files/content", self.download)
         r.add_put(PREFIX + "/sandboxes/{id}/files/content", self.upload)

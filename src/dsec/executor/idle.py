@@ -227,9 +227,10 @@ class ShellExit:
     async def watch(proc: object, changed: asyncio.Event) -> AsyncIterator[Callable[[], bool]]:
         """Whether the shell has exited, for a shell with a PID on this host (always False for
         the others: their output streams end with them, or their agent says)."""
-        pid = proc.shell_pid() if isinstance(proc, HasShellPid) else None
+        # One check: a runtime Protocol's isinstance reads its members each time (~10 us).
+        knows_pid, pid = (True, proc.shell_pid()) if isinstance(proc, HasShellPid) else (False, None)
         if pid is None:
-            gone = isinstance(proc, HasShellPid)  # such a shell has no PID once it ended
+            gone = knows_pid  # such a shell has no PID once it ended
             yield lambda: gone
             return
         try:
