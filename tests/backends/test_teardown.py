@@ -57,11 +57,14 @@ async def test_a_destroyed_sandbox_leaves_no_dying_memory_cgroup(
     # What each memory cgroup still holds on its LRU lists when the teardown is done with it,
     # just before it is removed: a page there is what would keep it dying.
     left: dict[Path, int] = {}
+    stats: dict[Path, str] = {}  # memory.stat of a cgroup left with pages: which kind they are
     release = teardown.release
 
     async def watched(cgroup: Path) -> int:
         freed = await release(cgroup)
         left[cgroup] = teardown.lru_bytes(cgroup)
+        if left[cgroup]:
+            stats[cgroup] = (cgroup / "memory.stat").read_text()
         return freed
 
     monkeypatch.setattr(teardown, "release", watched)
@@ -70,7 +73,7 @@ async def test_a_destroyed_sandbox_leaves_no_dying_memory_cgroup(
         assert cgroups.sandbox_dirs(ctx.sandbox_id) == []
     await backend.detach()  # the spares some left (spares.py) are removed, to die too
     memcgs = {cgroups.sandbox_dir("memory", ctx.sandbox_id) for ctx, _ in made_here}
-    assert left == dict.fromkeys(memcgs, 0)
+    assert left == dict.fromkeys(memcgs, 0), stats
     # What it was charged for is no longer cached: nothing keeps its memory cgroup.
     assert [resident_bytes(layer / name.lstrip("/")) for name in files] == [0] * COUNT
 
