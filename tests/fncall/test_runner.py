@@ -79,6 +79,24 @@ def test_preloaded_modules_are_already_imported(runner: Runner) -> None:
     assert r.stdout == "False False __main__\n" and r.clean
 
 
+def test_each_call_draws_its_own_random_numbers(runner: Runner, workdir: Path) -> None:
+    """Every call process is a fork of a zygote: were random's state inherited unreseeded, every
+    call would draw the same numbers (a grader's random tests, a sampler's seeds). From the lean
+    zygote (random not preloaded: imported by the call) and from a warm one that preloaded
+    random (reseeded in each fork by random's own at-fork hook)."""
+    code = "import random\nprint(random.random())"
+    assert len({runner.call(language="python", code=code).stdout for _ in range(4)}) == 4
+    warm = Runner(workdir.with_name("warm"), preload="random")
+    try:
+        assert warm.ready.preloaded == ["random"]
+        draws = {warm.call(language="python", code=code).stdout for _ in range(4)}
+        assert len(draws) == 4, f"calls forked from a zygote holding random drew the same: {draws}"
+    finally:
+        assert warm.close() == 0
+        assert kill_leftovers(warm.uid) == []
+        shutil.rmtree(workdir.with_name("warm"), ignore_errors=True)
+
+
 def test_compile_errors(runner: Runner) -> None:
     r = runner.call(language="c", code="int main( {")
     assert r.status == "compile_error" and r.exit_code == 1
