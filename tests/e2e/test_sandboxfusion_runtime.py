@@ -95,6 +95,20 @@ async def test_the_runtime_has_the_graders_modules(run_code: Any) -> None:
     assert r["run_result"]["stdout"] == "[-2, 2]\n3 1\n3\n"
 
 
+async def test_each_call_draws_its_own_random_numbers_with_numpy_preloaded(run_code: Any) -> None:
+    """numpy's global generator is made when the pool preloads numpy: every call forks from that
+    process, and as a fresh `python3` each must draw its own numbers (a grader's random tests,
+    a simulation's seeds), as python's random module does."""
+    code = "import numpy as np, random\nprint(np.random.rand(), np.random.randint(1 << 30), random.random())"
+    draws = []
+    for _ in range(4):
+        r = await run_code(code)
+        assert passed(r), why(r)
+        draws.append(r["run_result"]["stdout"].split())
+    for column in zip(*draws, strict=True):
+        assert len(set(column)) == 4, f"calls drew the same numbers: {draws}"
+
+
 SOLUTION = "def add_all(xs: List[int]) -> int:\n    return int(np.sum(xs))\n"
 WRONG = "def add_all(xs: List[int]) -> int:\n    return 0\n"
 CHECK = "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"

@@ -54,6 +54,16 @@ def rlimits(memory_mb: int | None, cpu_s: float) -> list[list[int]]:
     ]
 
 
+def fresh_random() -> None:
+    """Seed what a fork would share with every other call of its zygote, from the OS, as a
+    fresh interpreter seeds it: numpy's legacy global generator (``np.random.rand`` and the
+    like), made when a preload imported ``numpy.random``. (``random`` reseeds itself in a fork
+    by its own hook; ``np.random.default_rng()`` draws fresh entropy each time.)"""
+    seed = getattr(sys.modules.get("numpy.random"), "seed", None)
+    if seed is not None:
+        seed()
+
+
 def call_process(msg: bytes, fds: list[int], chan: socket.socket, early: BaseException | None) -> NoReturn:
     """Become the call: fds 0-3 from the runner, limits, the call uid; then exec or run Python.
 

@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from .libc import CLONE_NEWIPC, CLONE_NEWNET, libc
 from .netns import SharedNet
-from .process import call_process
+from .process import call_process, fresh_random
 
 _shared_net: SharedNet | None = None  # the zygote's; its spares enter it
 
@@ -160,6 +160,7 @@ def _spare(chan: socket.socket, netns: bool, root: bool) -> NoReturn:
                     f.write("1000")
             except OSError:
                 pass  # no /proc: a preference, not a requirement
+        fresh_random()
     except BaseException as exc:
         early = exc
     try:
