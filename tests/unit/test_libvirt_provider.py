@@ -155,6 +155,16 @@ def test_the_domain_carries_size_disk_network_config_and_our_mark() -> None:
     assert (default.findtext("vcpu"), default.findtext("memory")) == ("2", "4096")
 
 
+def test_a_host_without_kvm_gets_an_emulated_domain() -> None:
+    kvm = ET.fromstring(domain_xml(SETTINGS, NodeRequest(), "n", "/d", {}))
+    assert kvm.get("type") == "kvm" and kvm.find("cpu").get("mode") == "host-passthrough"  # type: ignore[union-attr]
+    tcg = LibvirtSettings(storage_pool="pool", base_volume="base.qcow2", domain_type="qemu")
+    root = ET.fromstring(domain_xml(tcg, NodeRequest(), "n", "/d", {}))
+    assert root.get("type") == "qemu" and root.find("cpu").get("mode") == "maximum"  # type: ignore[union-attr]
+    with pytest.raises(InvalidRequest, match="domain_type must be kvm or qemu"):
+        LibvirtSettings(domain_type="xen")  # type: ignore[arg-type]
+
+
 def test_the_disk_is_a_copy_on_write_volume_over_the_base() -> None:
     vol = ET.fromstring(volume_xml("dsec-n.qcow2", "/pool/base.qcow2", 40))
     assert vol.findtext("name") == "dsec-n.qcow2" and vol.findtext("capacity") == "40"

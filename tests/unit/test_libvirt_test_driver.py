@@ -85,6 +85,7 @@ def test_the_domain_and_its_disk_validate_against_libvirts_schemas(tmp_path: Pat
     for schema, xml in (
         ("domain.rng", domain_xml(LibvirtSettings(), req, "burst-1", "/pool/dsec-burst-1.qcow2", cfg)),
         ("domain.rng", domain_xml(LibvirtSettings(), NodeRequest(), "n", "/pool/dsec-n.qcow2", {})),
+        ("domain.rng", domain_xml(LibvirtSettings(domain_type="qemu"), req, "n", "/pool/dsec-n.qcow2", cfg)),
         ("storagevol.rng", volume_xml("dsec-burst-1.qcow2", "/pool/base.qcow2", 40)),
     ):
         path = tmp_path / "doc.xml"

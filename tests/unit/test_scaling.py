@@ -372,17 +372,19 @@ def test_provider_settings_load_with_the_file_and_field_in_errors(tmp_path: Path
     path = tmp_path / "scaling.toml"
     path.write_text(
         'provider = "libvirt"\nmax_nodes = 2\n[libvirt]\napiservers = ["http://10.0.0.1:8642"]\n'
-        'uri = "qemu+ssh://host/system"\ndisk_gib = 20\n'
+        'uri = "qemu+ssh://host/system"\ndisk_gib = 20\ndomain_type = "qemu"\n'
     )
     config = ScalingConfig.load(path)
     assert config.libvirt is not None and config.libvirt.settings.uri == "qemu+ssh://host/system"
     assert config.libvirt.settings.disk_gib == 20 and config.libvirt.apiservers == ["http://10.0.0.1:8642"]
+    assert config.libvirt.settings.domain_type == "qemu"
     bad = {
         'provider = "libvirt"\n': "libvirt table",
         'provider = "libvirt"\n[libvirt]\nuri = "qemu:///system"\n': "apiservers",
         'provider = "libvirt"\n[libvirt]\napiservers = ["h:1"]\n': "http",
         'provider = "libvirt"\n[libvirt]\napiservers = ["http://a:1"]\ndisk_gib = 0\n': "disk_gib",
         'provider = "libvirt"\n[libvirt]\napiservers = ["http://a:1"]\nurl = "x"\n': "url",
+        'provider = "libvirt"\n[libvirt]\napiservers = ["http://a:1"]\ndomain_type = "xen"\n': "domain_type",
         "[local_netns]\napiserver_ports = [0]\n": "apiserver_ports",
         '[local_netns]\nedge_arg = ["--no-vm"]\n': "edge_arg",
     }

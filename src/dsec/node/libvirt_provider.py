@@ -25,7 +25,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from dsec.node.provider import NodeRequest, NodeState, ProvidedNode
 from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
@@ -66,8 +66,13 @@ class LibvirtSettings:
     edge_port: int = 8643
     name_prefix: str = "dsec-"  # domain names: <prefix><node>
     start_timeout_s: float = 300.0
+    # "kvm" on a host with /dev/kvm; "qemu" where there is none (QEMU's TCG: slower, but the same
+    # guest). KVM passes the host's CPU through; TCG emulates the most it can ("maximum").
+    domain_type: Literal["kvm", "qemu"] = "kvm"
 
     def __post_init__(self) -> None:
+        if self.domain_type not in ("kvm", "qemu"):
+            raise InvalidRequest(f"domain_type must be kvm or qemu, not {self.domain_type!r}")
         if not 1 <= self.disk_gib <= 65536:
             raise InvalidRequest("disk_gib must be 1-65536")
         if not 1 <= self.edge_port <= 65535:
@@ -103,10 +108,10 @@ def edge_config(
 def domain_xml(
     settings: LibvirtSettings, request: NodeRequest, name: str, disk_path: str, config: dict[str, Any]
 ) -> str:
-    """The domain of node ``name``: KVM, its size, the disk, the network, fw_cfg, our mark."""
+    """The domain of node ``name``: KVM (or TCG), its size, the disk, the network, fw_cfg, our mark."""
     cpus = math.ceil(request.cpus if request.cpus is not None else settings.default_cpus)
     memory = request.memory_mib if request.memory_mib is not None else settings.default_memory_mib
-    dom = ET.Element("domain", type="kvm")
+    dom = ET.Element("domain", type=settings.domain_type)
     ET.SubElement(dom, "name").text = settings.name_prefix + name
     ET.SubElement(dom, "memory", unit="MiB").text = str(memory)
     ET.SubElement(dom, "vcpu").text = str(cpus)
@@ -120,7 +125,10 @@ def domain_xml(
     ET.SubElement(os_, "boot", dev="hd")
     sysinfo = ET.SubElement(dom, "sysinfo", type="fwcfg")  # libvirt's name for QEMU's fw_cfg
     ET.SubElement(sysinfo, "entry", name=FW_CFG_NAME).text = json.dumps(config, sort_keys=True)
-    ET.SubElement(dom, "cpu", mode="host-passthrough")  # the edge checks for nested KVM itself
+    if settings.domain_type == "kvm":
+        ET.SubElement(dom, "cpu", mode="host-passthrough")  # the edge checks for nested KVM itself
+    else:
+        ET.SubElement(dom, "cpu", mode="maximum")  # TCG: every feature QEMU can emulate
     features = ET.SubElement(dom, "features")
     ET.SubElement(features, "acpi")
     devices = ET.SubElement(dom, "devices")
