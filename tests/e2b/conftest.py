@@ -24,15 +24,18 @@ Every sandbox of the E2B test projects is stopped after each test, also when it 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
 import subprocess
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from dsec.iam.base import Quota
@@ -119,15 +122,40 @@ async def _project(node: EmbeddedNode, path: str, quota: Quota) -> None:
         await node.iam.set_quota(path, quota)  # the data directory outlives test sessions
 
 
+STALE_TEMPLATE_S = 7200.0  # older than any run (CI stops one at 90 min): a suite beside keeps its own
+
+
+async def _templates(http: aiohttp.ClientSession, url: str, key: str) -> dict[str, float]:
+    """The templates ``key`` sees (the E2B API's list): ID -> creation time."""
+    async with http.get(f"{url}/templates", headers={"X-API-Key": key}) as resp:
+        assert resp.status == 200, await resp.text()
+        listed = await resp.json()
+    return {t["templateID"]: datetime.datetime.fromisoformat(t["createdAt"]).timestamp() for t in listed}
+
+
+async def _delete_templates(http: aiohttp.ClientSession, url: str, key: str, ids: set[str]) -> None:
+    for template_id in ids:
+        async with http.delete(f"{url}/templates/{template_id}", headers={"X-API-Key": key}) as resp:
+            assert resp.status in (204, 404), await resp.text()
+
+
 @pytest.fixture(scope="session")
 async def e2b_keys(node: EmbeddedNode) -> tuple[str, str]:
-    """An ``e2b_`` key of PROJECT and one of OTHER_PROJECT."""
+    """An ``e2b_`` key of PROJECT and one of OTHER_PROJECT. The test projects' templates live in
+    the layer store, shared by sessions and by suites running beside (and a project holds at
+    most 256): those older than any run are deleted here, so runs do not pile them up."""
     await _project(node, PROJECT, Quota(sandboxes=16))
     await _project(node, OTHER_PROJECT, Quota(sandboxes=4))
-    return (
+    keys = (
         await node.iam.issue_key(PROJECT, format="e2b", name="tests/e2b"),
         await node.iam.issue_key(OTHER_PROJECT, format="e2b", name="tests/e2b"),
     )
+    async with aiohttp.ClientSession() as http:
+        for key in keys:
+            seen = await _templates(http, node.url, key)
+            stale = {t for t, created in seen.items() if created < time.time() - STALE_TEMPLATE_S}
+            await _delete_templates(http, node.url, key, stale)
+    return keys
 
 
 @pytest.fixture(scope="session", params=E2B_VERSIONS, ids=lambda v: f"e2b-{v}")
