@@ -11,6 +11,7 @@ import pytest
 from dsec.apiserver.e2b.network import ALL_TRAFFIC
 from dsec.node.embedded import EmbeddedNode
 from tests.e2b.conftest import E2B, PROJECT
+from tests.netpolicy import mirror
 
 _BOTH = """
         import asyncio
@@ -114,7 +115,8 @@ async def test_a_bad_started_after_is_a_400(e2b: E2B, value: str) -> None:
 
 
 async def test_network_updates_map_onto_permissions(e2b: E2B, node: EmbeddedNode) -> None:
-    # The test node offers mirror, other, pypi, npm and mirror-dns, and no `internet`.
+    # The test node offers mirror, other, pypi, npm, mirror-dns and public-web (every public
+    # address), and no `internet`.
     out = await e2b.run(
         _BOTH
         + f"""
@@ -128,11 +130,11 @@ async def test_network_updates_map_onto_permissions(e2b: E2B, node: EmbeddedNode
         def sync():
             sbx = Sandbox.create(timeout=120)
             plain = sbx.sandbox_id
-            sbx.update_network({{"allow_out": ["mirror"], "deny_out": [ALL]}})
+            sbx.update_network({{"allow_out": ["mirror", {mirror.PUBLIC_A!r}], "deny_out": [ALL]}})
             closed = Sandbox.create(timeout=120, allow_internet_access=False,
                                     network={{"allow_out": ["other"]}})
             return {{"ids": [plain, closed.sandbox_id],
-                    "address": refused(lambda: sbx.update_network({{"allow_out": ["1.1.1.1"]}})),
+                    "address": refused(lambda: sbx.update_network({{"allow_out": ["10.0.0.5"]}})),
                     "deny_one": refused(lambda: sbx.update_network({{"deny_out": ["example.com"]}})),
                     "unknown": refused(lambda: sbx.update_network({{"allow_out": ["nosuch"]}})),
                     "no_internet": refused(
@@ -154,9 +156,10 @@ async def test_network_updates_map_onto_permissions(e2b: E2B, node: EmbeddedNode
         timeout=180,
     )
     plain, closed = out["sync"]["ids"]
-    assert (await node.link.get(plain)).network_rules == {"mirror": True}
+    # A public address is opened for the sandbox; a private one is the operator's to open.
+    assert (await node.link.get(plain)).network_rules == {"mirror": True, mirror.PUBLIC_A: True}
     assert (await node.link.get(closed)).network_rules == {"other": True}
-    assert "an address or range" in out["sync"]["address"]
+    assert "public IPv4 addresses only" in out["sync"]["address"]
     assert out["sync"]["deny_one"] and "invalid denied CIDR example.com" in out["sync"]["deny_one"]
     assert out["async"]["deny_one"] is None
     assert "unknown network permission" in out["sync"]["unknown"] and "nosuch" in out["sync"]["unknown"]

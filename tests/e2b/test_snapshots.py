@@ -6,15 +6,21 @@ owner, its packed layer), the forks' project and state on the node.
 
 from __future__ import annotations
 
+import shutil
 import uuid
 
 import aiohttp
+import pytest
 
+from dsec import DSecClient, DSecMicroVMRunArgs
 from dsec.apiserver.e2b.snapshots import PACK_PREFIX, SNAPSHOT_PREFIX
 from dsec.images.refs import parse_tag
 from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import SandboxState, ShellRequest
+from dsec.sdk.client import Sandbox
+from tests.conftest import BASE
 from tests.e2b.conftest import E2B, PROJECT
+from tests.support import eventually
 
 
 async def _status(e2b: E2B, method: str, path: str, body: object = None, key: str | None = None) -> int:
@@ -244,3 +250,40 @@ async def test_async_snapshot_and_fork(e2b: E2B, node: EmbeddedNode) -> None:
     assert out["deleted"] is True and not node.store.has_image(out["snap"])
     r = await node.link.run_shell(out["fork"], ShellRequest(command="cat /root/a.txt"))
     assert r.stdout == "async\n"
+
+
+@pytest.mark.vm
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed")
+async def test_fork_of_a_microvm_copies_its_memory_and_processes(e2b_latest: E2B, node: EmbeddedNode) -> None:
+    # A microVM of the E2B project (made through DSec's API: E2B's create makes containers),
+    # with a process whose secret lives only in its memory and is rewritten to a file.
+    async with DSecClient(node.url, e2b_latest.key) as client:
+        sb = await client.run_microvm(DSecMicroVMRunArgs(container_image=BASE, memory_limit_mb=256))
+        await sb.run_shell(
+            "sh -c 'v=secret-$$; while :; do echo $v > /tmp/v; sleep 0.2; done' >/dev/null 2>&1 &"
+        )
+        await sb.write_file("/root/disk.txt", "before the fork")
+        secret = await eventually(lambda: _written(sb), "the process to write its secret")
+    out = await e2b_latest.run(
+        f"""
+        src = Sandbox.connect("{sb.id}")
+        [copy] = src.fork(timeout=90, count=1)
+        copy.commands.run("rm -f /tmp/v", user="root")
+        for _ in range(600):  # the copied process writes it again, if it runs
+            if copy.commands.run("test -s /tmp/v && echo yes || echo no", user="root").stdout == "yes\\n":
+                break
+        print(json.dumps({{"id": copy.sandbox_id, "v": copy.files.read("/tmp/v", user="root"),
+                          "disk": copy.files.read("/root/disk.txt", user="root")}}))
+        """,
+        timeout=240,
+    )
+    assert out["v"] == secret.decode() and out["disk"] == "before the fork"
+    info = await node.link.get(out["id"])
+    assert info.backend == "microvm" and info.project == PROJECT and info.state is SandboxState.running
+    assert info.deadline_at is not None, "the fork's timeout is a DSec deadline"
+
+
+async def _written(sb: Sandbox) -> bytes | None:
+    if (await sb.run_shell("test -s /tmp/v")).exit_code != 0:
+        return None
+    return await sb.read_file("/tmp/v")

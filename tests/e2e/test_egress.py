@@ -87,6 +87,7 @@ def nft_list(*what: str) -> str:
 
 MIRROR_URL = f"http://{mirror.NAME}:{mirror.PORT}/hello.txt"
 BOTH_PORTS = [[mirror.ADDRESS, mirror.PORT], [mirror.ADDRESS, mirror.OTHER_PORT]]
+PUBLIC_A, PUBLIC_B = [mirror.PUBLIC_A, mirror.PORT], [mirror.PUBLIC_B, mirror.PORT]
 
 
 async def test_nothing_is_reachable_without_permissions(
@@ -186,6 +187,29 @@ async def test_unknown_permissions_are_refused_and_leave_nothing(
     assert (await sb.refresh()).network_rules == {}
 
 
+async def test_a_sandbox_s_own_rules_open_and_deny_public_addresses(
+    the_mirror: None, make_sandbox: Sandboxes, runtime: str
+) -> None:
+    everything = [PUBLIC_A, PUBLIC_B, [mirror.ADDRESS, mirror.PORT]]
+    # One public address of its own, without any permission: that address alone.
+    sb = await make_sandbox(runtime=runtime, network_rules={mirror.PUBLIC_A: True})
+    out = await probe(sb, connect=everything, fetch=f"http://{mirror.PUBLIC_A}:{mirror.PORT}/hello.txt")
+    assert out["open"] == [PUBLIC_A] and out["fetched"] == mirror.BODY
+    # Every public address less one (never the private mirror: `public` opens public ones only).
+    await sb.set_network_rules({"public-web": True, mirror.PUBLIC_A: False})
+    assert (await probe(sb, connect=everything))["open"] == [PUBLIC_B]
+    # Ranges denied, one address inside them allowed: the allow wins, as in E2B.
+    rules = {"public-web": True, "203.0.113.0/24": False, "198.51.100.0/24": False, mirror.PUBLIC_A: True}
+    await sb.set_network_rules(rules)
+    assert (await probe(sb, connect=everything))["open"] == [PUBLIC_A]
+    assert (await sb.refresh()).network_rules == rules
+    # A private address is the operator's to open, never a sandbox's: refused, nothing changed.
+    with pytest.raises(InvalidRequest, match="not public"):
+        await sb.set_network_rules({mirror.ADDRESS: True})
+    assert (await sb.refresh()).network_rules == rules
+    assert (await probe(sb, connect=everything))["open"] == [PUBLIC_A]
+
+
 # Listens on 0.0.0.0:8080 before the command returns (the parent exits once the socket listens).
 LISTENER = (
     'python3 -c \'import os, socket; s = socket.socket(); s.bind(("0.0.0.0", 8080)); s.listen();'
@@ -265,15 +289,16 @@ async def test_links_and_rules_survive_an_edge_restart(
     async with RestartedNode(cfg) as n:
         table = n.node.edge.egress.table
         async with DSecClient(n.node.url, n.node.api_key) as c:
+            rules = {"mirror": True, "public-web": True, mirror.PUBLIC_A: False}
             sb = await c.run_container(
-                DSecContainerRunArgs(container_image=BASE, runtime=runtime, network_rules={"mirror": True})
+                DSecContainerRunArgs(container_image=BASE, runtime=runtime, network_rules=rules)
             )
             assert (await probe(sb, fetch=MIRROR_URL))["fetched"] == mirror.BODY
         await n.restart()
         async with DSecClient(n.node.url, n.node.api_key) as c:
             sb = await c.get(sb.id)
-            out = await probe(sb, connect=BOTH_PORTS, resolve=[mirror.NAME])
-            assert out["open"] == [[mirror.ADDRESS, mirror.PORT]]
+            out = await probe(sb, connect=[*BOTH_PORTS, PUBLIC_A, PUBLIC_B], resolve=[mirror.NAME])
+            assert out["open"] == [[mirror.ADDRESS, mirror.PORT], PUBLIC_B]  # the deny kept too
             assert out["names"] == {mirror.NAME: [mirror.ADDRESS]}
             await sb.set_network_rules({"other": True})
             assert (await probe(sb, connect=BOTH_PORTS))["open"] == [[mirror.ADDRESS, mirror.OTHER_PORT]]

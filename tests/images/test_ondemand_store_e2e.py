@@ -113,9 +113,11 @@ async def test_the_edge_reports_what_a_read_fetched_from_the_shared_store(tmp_pa
         _drop_cache(shared)
         async with DSecClient(node.url, node.api_key) as c:
             sb = await c.run_container(DSecContainerRunArgs(layers=["tiny-base:1", "tiny-ws:1"]))
+            node.edge.mounts.reads.scan_now()  # what the scrapes start in the background
             before = parse((await node.edge.prom.scrape()).decode())
             r = await sb.run_shell("cat /work/weights.bin | wc -c")
             assert r.stdout == f"{8 << 20}\n"
+            scanned = node.edge.mounts.reads.scan_now()
             after = parse((await node.edge.prom.scrape()).decode())
             await sb.stop()
     finally:
@@ -127,3 +129,9 @@ async def test_the_edge_reports_what_a_read_fetched_from_the_shared_store(tmp_pa
     # The file read came over (readahead may add a little); the file not read stayed there.
     assert fetched - value(before, "dsec_ondemand_fetched_bytes", state="cached") >= 8 << 20
     assert fetched < data - (4 << 20)
+    # Read by the sandbox, decompressed: the file it read, busybox's pages it ran, not the other.
+    assert scanned.complete and scanned.files >= 3
+    read = value(after, "dsec_ondemand_read_bytes")
+    assert read - value(before, "dsec_ondemand_read_bytes") >= 8 << 20
+    assert read < 12 << 20
+    assert abs(value(after, "dsec_ondemand_read_scan_timestamp_seconds") - scanned.at) < 0.01

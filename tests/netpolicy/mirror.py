@@ -27,6 +27,11 @@ def net(n: int) -> str:
 
 ADDRESS = f"{net(1)}.2"
 HOST_SIDE = f"{net(1)}.1"
+# Two public addresses the mirror answers on too (documentation ranges: the firewall counts
+# them public), one per concurrent run (its nets differ), for what `public-web` and a
+# sandbox's own address rules open or deny.
+_HOST = sum(int(octet) for octet in net(1).split(".")[1:]) % 250 + 1
+PUBLIC_A, PUBLIC_B = f"203.0.113.{_HOST}", f"198.51.100.{_HOST}"
 PORT, OTHER_PORT = 8080, 8081
 HTTPS_PORT, HTTP_PORT = 443, 80  # the ports the edge checks by name (TLS server name, HTTP Host)
 NAME, OTHER_NAME = "mirror.test", "other.test"
@@ -73,6 +78,9 @@ def egress_config(pool: str = POOL) -> EgressConfig:
             "other": [Endpoint(address=ADDRESS, ports=[OTHER_PORT], names=[OTHER_NAME])],  # type: ignore[arg-type]
             "pypi": [Endpoint(address="192.0.2.10", ports=[3141], names=["pypi.test"])],  # type: ignore[arg-type]
             "npm": [Endpoint(address="192.0.2.11", ports=[4873], names=["npm.test"])],  # type: ignore[arg-type]
+            # Every public address (what the catalogue's `internet` is; named otherwise so the
+            # E2B front's default stays "no internet offered" on the test nodes).
+            "public-web": [Rule(public=True)],
             # By name, resolved by the mirror's name server; its answers point at a private
             # address, which the rule names as one its domains may resolve to.
             "mirror-dns": [
@@ -108,11 +116,16 @@ def mirror(root: Path) -> Iterator[None]:
         for cmd in ("link set lo up", f"addr add {ADDRESS}/24 dev eth0", "link set eth0 up"):
             _ip("-n", ns, *cmd.split())
         _ip("-n", ns, "route", "add", "default", "via", HOST_SIDE)
+        for public in (PUBLIC_A, PUBLIC_B):
+            _ip("-n", ns, "addr", "add", f"{public}/32", "dev", "eth0")
+            _ip("route", "add", f"{public}/32", "via", ADDRESS, "dev", host_if)
         repo = Path(__file__).resolve().parents[2]
         serve = [sys.executable, "-m", "tests.netpolicy.file_server", ADDRESS]
-        for port in (PORT, OTHER_PORT, HTTP_PORT):
+        serve_at = [(ADDRESS, port) for port in (PORT, OTHER_PORT, HTTP_PORT)]
+        for address, port in [*serve_at, (PUBLIC_A, PORT), (PUBLIC_B, PORT)]:
+            argv = [sys.executable, "-m", "tests.netpolicy.file_server", address, str(port), str(root)]
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, *serve, str(port), str(root)],
+                ["ip", "netns", "exec", ns, *argv],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 cwd=repo,

@@ -45,15 +45,15 @@ def test_a_cutoff_opens_the_proxy_and_not_the_upstream_names(tmp_path: Path) -> 
     link = _Link(1, "dsvtest", "10.200.0.2")
     policy._grant_locally(link, {"pypi": True})
     assert [perm for perm, _ in link.domains.rules] == ["pypi"] and link.checked_names
-    assert link.registry_ports == {("dsvtest", 13141)}
+    assert link.reach.registry == {("dsvtest", 13141)}
     policy._grant_locally(
         link, {"pypi": GrantOptions.model_validate({"before": "2025-06-01"}), "github": True}
     )
     assert [perm for perm, _ in link.domains.rules] == ["github"]
     assert not any("pypi.org" in k or "pythonhosted" in k for k in link.checked_names)
-    assert link.registry_ports == {("dsvtest", 13141)}
+    assert link.reach.registry == {("dsvtest", 13141)}
     policy._grant_locally(link, {"pypi": False})
-    assert link.registry_ports == set() and link.domains.rules == []
+    assert link.reach.registry == set() and link.domains.rules == []
 
 
 def test_the_command_line_s_network_option() -> None:

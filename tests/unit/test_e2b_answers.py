@@ -10,7 +10,7 @@ import pytest
 
 from dsec.apiserver.e2b.envd_entries import dir_size
 from dsec.apiserver.e2b.models import NetworkUpdate
-from dsec.apiserver.e2b.network import ALL_TRAFFIC, INTERNET, to_rules
+from dsec.apiserver.e2b.network import ALL_TRAFFIC, INTERNET, to_info, to_rules
 from dsec.protocol.errors import InvalidRequest
 
 
@@ -18,29 +18,60 @@ def _rules(body: dict[str, Any], internet: bool = True) -> dict[str, Any]:
     return dict(to_rules(NetworkUpdate.model_validate(body), internet_offered=internet))
 
 
-def test_ranges_dsec_enforces_already_are_taken() -> None:
+def test_ranges_dsec_enforces_already_add_nothing() -> None:
     # A private range: `internet` never reaches it.
     assert _rules({"denyOut": ["10.0.0.0/8", "192.168.1.7", "fd00::/8"]}) == {INTERNET: True}
-    # An allow holding the deny wins (E2B: allow over deny); everything allowed holds all.
-    assert _rules({"denyOut": ["1.1.1.1"], "allowOut": ["1.1.1.0/24"]}) == {INTERNET: True}
+    # Everything allowed holds every deny (E2B: allow over deny).
     assert _rules({"denyOut": ["8.8.8.8"], "allowOut": [ALL_TRAFFIC]}) == {INTERNET: True}
-    # A public range allowed while everything public is open anyway.
-    assert _rules({"allowOut": ["1.1.1.1", "8.8.0.0/16", "pypi"]}) == {INTERNET: True, "pypi": True}
     # No internet granted: nothing public is reachable, so every range is denied already.
     assert _rules({"denyOut": ["8.8.8.8"]}, internet=False) == {}
     assert _rules({"denyOut": [ALL_TRAFFIC, "8.8.8.8"], "allowOut": ["pypi"]}) == {"pypi": True}
 
 
+def test_public_addresses_are_opened_and_denied_per_sandbox() -> None:
+    # Beside internet, a denied public range is taken out of it (host bits dropped, as E2B's
+    # Go parser does); one an allowed range holds stays open (E2B: allow over deny).
+    assert _rules({"denyOut": ["8.8.8.8", "1.2.3.4/24"]}) == {
+        INTERNET: True,
+        "8.8.8.8": False,
+        "1.2.3.0/24": False,
+    }
+    assert _rules({"denyOut": ["1.1.1.1"], "allowOut": ["1.1.1.0/24"]}) == {
+        INTERNET: True,
+        "1.1.1.0/24": True,
+    }
+    # An allowed address inside a denied range: both kept, the node's firewall lets the allow win.
+    assert _rules({"denyOut": ["1.0.0.0/8"], "allowOut": ["1.1.1.1"]}) == {
+        INTERNET: True,
+        "1.1.1.1": True,
+        "1.0.0.0/8": False,
+    }
+    # Closed, or internet not offered: the allowed public addresses alone (the edge refuses
+    # them where its node opens no public address at all).
+    assert _rules({"denyOut": [ALL_TRAFFIC], "allowOut": ["1.1.1.1", "pypi"]}) == {
+        "1.1.1.1": True,
+        "pypi": True,
+    }
+    assert _rules({"allowOut": ["8.8.0.0/16"]}, internet=False) == {"8.8.0.0/16": True}
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [{INTERNET: True, "8.8.8.8": False, "1.1.1.1": True}, {"1.1.1.0/24": True, "pypi": True}, {}],
+)
+def test_the_info_reads_back_as_the_same_rules(rules: dict[str, Any]) -> None:
+    info = to_info(rules).wire()
+    assert _rules(info, internet=INTERNET in rules) == rules, info
+
+
 @pytest.mark.parametrize(
     ("body", "internet", "said"),
     [
-        ({"denyOut": ["8.8.8.8"]}, True, "deny_out '8.8.8.8': a public address beside the internet"),
-        ({"denyOut": ["0.0.0.0/1"]}, True, "deny_out '0.0.0.0/1'"),
         ({"denyOut": ["example.com"]}, True, "invalid denied CIDR example.com"),
-        ({"denyOut": [ALL_TRAFFIC], "allowOut": ["1.1.1.1"]}, True, "allow_out '1.1.1.1': an address"),
-        ({"allowOut": ["1.1.1.1"]}, False, "allow_out '1.1.1.1'"),
-        ({"allowOut": ["10.0.0.5"]}, True, "allow_out '10.0.0.5'"),
+        ({"allowOut": ["10.0.0.5"]}, True, "allow_out '10.0.0.5': a sandbox opens public IPv4"),
         ({"allowOut": ["100.0.0.0/1"]}, True, "allow_out '100.0.0.0/1'"),  # holds private ranges
+        ({"allowOut": ["2001:db8::1"]}, True, "allow_out '2001:db8::1'"),
+        ({"rules": {"a.com": [{}]}}, True, "header transforms"),
     ],
 )
 def test_what_dsec_cannot_enforce_is_a_400_naming_it(body: dict[str, Any], internet: bool, said: str) -> None:

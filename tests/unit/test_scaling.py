@@ -30,8 +30,11 @@ class FakeEdge:
     ids: list[str] = field(default_factory=list)
     fenced: bool = False  # POST /edge/v1/fence: it refuses creates, whoever places them
     reachable: bool = True
+    answers: bool = True  # False: not registered or down (the watcher sees it unhealthy)
 
     async def stats(self) -> dict[str, Any]:
+        if not self.answers:
+            raise InfraFailure("edge unreachable")
         # As the edge reports it: ``running`` counts paused sandboxes too.
         return {"capacity": 0 if self.fenced else self.capacity, "running": self.running + self.paused,
                 "paused": self.paused, "creating": 0, "backends": ["container"], "hardware": {},
@@ -134,6 +137,21 @@ async def test_a_node_starts_after_sustained_load_not_on_a_blip() -> None:
     assert [q.name for q in r.provider.started] == ["burst-1"]
     assert r.provider.started[0].labels == {"pool": "burst"} and r.provider.started[0].cpus == 2
     assert r.scaler.nodes["burst-1"].state == "running"
+
+
+async def test_no_node_answering_is_no_load() -> None:
+    # An apiserver just started, its edges not registered yet (or all down): utilisation
+    # reads 1.0 then, which must not start a node (seen in a cluster test: every start did).
+    r = rig()
+    r.links["home"].answers = False
+    for t in range(0, 300, 10):
+        await r.at(t)
+    assert r.provider.started == []
+    r.links["home"].answers = True
+    r.load("home", 9)
+    await r.at(300)
+    await r.at(330)
+    assert [q.name for q in r.provider.started] == ["burst-1"]  # measured load still counts
 
 
 async def test_the_max_is_respected_and_each_node_needs_its_own_sustained_load() -> None:

@@ -14,24 +14,19 @@ from aiohttp import web
 
 from dsec.apiserver._http import PRINCIPAL, read_body, respond
 from dsec.apiserver.overflow_link import OverflowLink
-from dsec.apiserver.sandboxes import SandboxRoutes, from_body
-from dsec.edge.link import EdgeLink
+from dsec.apiserver.sandboxes import WHOLE_FORK, SandboxRoutes, from_body
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.http import MAX_TRAJECTORY_PAGE, count_param, text_param
-from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import (
     RESERVED_LABEL_PREFIX,
-    ContainerSpec,
     ForkRequest,
     LeaseRequest,
     LeaseResult,
-    SandboxInfo,
 )
 from dsec.protocol.ops import Changes, Pause, Resume, Screenshot, SendInput, Trajectory
 
 _MAX_JOB_LEN = 256
-_WHOLE_FORK = ("microvm", "vm")  # copied with memory and processes, on their own node
 
 
 class JobRoutes:
@@ -90,8 +85,9 @@ class JobRoutes:
         if overflow is not None and isinstance(link, OverflowLink):  # made where the source runs
             made = await overflow.fork(self.sandboxes.tenancy, request[PRINCIPAL], link, source, req)
             return respond(made, status=201)
-        if source.backend in _WHOLE_FORK:
-            return respond(await self._fork_whole(request, link, source, req), status=201)
+        if source.backend in WHOLE_FORK:
+            made = await self.sandboxes.fork_whole(request[PRINCIPAL], link, source, req.count, req.labels)
+            return respond(made, status=201)
         if req.processes:
             raise InvalidRequest(
                 "fork(processes=True): this node cannot checkpoint a container's processes (no"
@@ -118,31 +114,6 @@ class JobRoutes:
 
     async def send_input(self, request: web.Request) -> web.Response:
         return respond({"sent": await self.sandboxes.forward(request, from_body(SendInput))})
-
-    async def _fork_whole(
-        self, request: web.Request, link: EdgeLink, source: SandboxInfo, req: ForkRequest
-    ) -> list[SandboxInfo]:
-        """VMs are forked whole on their own node (the snapshot is local): the copies' IDs are
-        that node's, each reserved in the source's project before the edge makes them."""
-        principal = request[PRINCIPAL]
-        epoch = link.epoch if link.epoch is not None else SandboxId.parse(source.id).epoch
-        ids = [str(SandboxId(source.node, epoch, SandboxId.new_tag())) for _ in range(req.count)]
-        tenancy = self.sandboxes.tenancy
-        resources = ContainerSpec(
-            layers=source.layers,
-            memory_limit_mb=source.memory_limit_mb,
-            cpu_cores_limit=source.cpu_cores_limit,
-        )
-        bill = tenancy.admit(principal, source.project, resources)
-        reserved: list[str] = []
-        try:
-            for sid in ids:
-                await tenancy.reserve(principal, sid, bill)
-                reserved.append(sid)
-            return await link.fork_local(source.id, ids, req.labels)
-        except BaseException:
-            await asyncio.shield(tenancy.release_many(reserved))
-            raise
 
     async def renew_lease(self, request: web.Request) -> web.Response:
         """Renew job ``job``'s lease on every node that holds one of its sandboxes."""

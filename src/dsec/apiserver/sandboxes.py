@@ -111,6 +111,9 @@ def from_body(model: type[Op]) -> Callable[[bytes], Op]:
     return build
 
 
+WHOLE_FORK = ("microvm", "vm")  # backends forked with memory and processes, on their own node
+
+
 class SandboxRoutes:
     def __init__(
         self,
@@ -227,6 +230,35 @@ class SandboxRoutes:
             await asyncio.gather(*(self._undo(info) for info in ok), return_exceptions=True)
             raise failed[0]
         return ok
+
+    async def fork_whole(
+        self,
+        principal: Principal,
+        link: EdgeLink,
+        source: SandboxInfo,
+        count: int,
+        labels: dict[str, str] | None,
+    ) -> list[SandboxInfo]:
+        """Copies of a VM (:data:`WHOLE_FORK`), memory and processes too, made on its own node
+        (the snapshot is local), all or none: the copies' IDs are that node's, each reserved
+        in the source's project before the edge makes them."""
+        epoch = link.epoch if link.epoch is not None else SandboxId.parse(source.id).epoch
+        ids = [str(SandboxId(source.node, epoch, SandboxId.new_tag())) for _ in range(count)]
+        resources = ContainerSpec(
+            layers=source.layers,
+            memory_limit_mb=source.memory_limit_mb,
+            cpu_cores_limit=source.cpu_cores_limit,
+        )
+        bill = self.tenancy.admit(principal, source.project, resources)
+        reserved: list[str] = []
+        try:
+            for sid in ids:
+                await self.tenancy.reserve(principal, sid, bill)
+                reserved.append(sid)
+            return await link.fork_local(source.id, ids, labels)
+        except BaseException:
+            await asyncio.shield(self.tenancy.release_many(reserved))
+            raise
 
     async def _undo(self, info: SandboxInfo) -> None:
         await self.link_for(info.id).stop(info.id)

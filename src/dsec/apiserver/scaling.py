@@ -5,10 +5,10 @@ runs a :class:`Scaler`. Every ``interval_s`` it reads the watcher's view of the 
 
 - **Out.** When utilisation (:func:`~dsec.apiserver.overflow.utilisation`, the same figure the
   overflow threshold reads) has stayed at or past ``threshold`` for ``sustain_s`` without a
-  dip, it asks the provider for one node (labels and size from the config), unless
-  ``max_nodes`` provider nodes run or start already. The clock restarts: the next node needs
-  another ``sustain_s`` of load, which the new node has had its chance to relieve. A blip
-  shorter than ``sustain_s`` starts nothing.
+  dip (a tick when no node answers is a dip: no load was read), it asks the provider for one
+  node (labels and size from the config), unless ``max_nodes`` provider nodes run or start
+  already. The clock restarts: the next node needs another ``sustain_s`` of load, which the
+  new node has had its chance to relieve. A blip shorter than ``sustain_s`` starts nothing.
 - **In.** A provider node the watcher has seen holding no sandbox (running, paused or being
   created, nor placed there since the poll) for ``idle_s``, while the cluster is below the
   threshold, is *fenced*: this apiserver's placement sees it with no capacity at once, and
@@ -283,7 +283,12 @@ class Scaler:
     async def tick(self) -> None:
         now = self.clock()
         load = self.utilisation()
-        if load >= self.config.threshold:
+        if not any(s.get("healthy") and s.get("capacity") for s in self.watcher.snapshot.values()):
+            # No node answers (yet): an apiserver's start before its edges register, or all
+            # down. utilisation() says 1.0 then, right for overflow (create elsewhere), but
+            # it is no load: a restart would otherwise start a node every time.
+            self.above_since = None
+        elif load >= self.config.threshold:
             if self.above_since is None:
                 self.above_since = now
             elif now - self.above_since >= self.config.sustain_s and self.active() < self.config.max_nodes:

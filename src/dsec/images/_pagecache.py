@@ -58,9 +58,16 @@ def cache_use(path: Path) -> CacheUse | None:
     except OSError:
         return None
     try:
-        rng, st = _Range(0, 0), _Stat()
-        if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
-            return None  # ENOSYS (an older kernel), EOPNOTSUPP (hugetlbfs): nothing to report
-        return CacheUse(cached=st.nr_cache * _PAGE, evicted=st.nr_evicted * _PAGE)
+        return fd_cache_use(fd)
     finally:
         os.close(fd)
+
+
+def fd_cache_use(fd: int) -> CacheUse | None:
+    """As :func:`cache_use`, for an open file."""
+    if _NR_CACHESTAT is None:
+        return None
+    rng, st = _Range(0, 0), _Stat()
+    if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        return None  # ENOSYS (an older kernel), EOPNOTSUPP (hugetlbfs): nothing to report
+    return CacheUse(cached=st.nr_cache * _PAGE, evicted=st.nr_evicted * _PAGE)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 from dsec.images._pagecache import cache_use
 from dsec.images.blobstore import corrupt
+from dsec.images.layer_reads import ReadScan, ReadScanner
 from dsec.images.mount import find_mount, mount_erofs, read_mountinfo, umount
 from dsec.images.ondemand import mount_split, probe_split, read_split_info
 from dsec.images.refs import digest_hex, make_digest
@@ -75,6 +76,7 @@ class OnDemandUse:
     data_bytes: int
     cached_bytes: int
     evicted_bytes: int
+    read: ReadScan | None = None  # their files' page cache, by the last background scan
 
 
 class LayerMounts:
@@ -91,6 +93,7 @@ class LayerMounts:
         self._verified: set[tuple[str, int, int, int, int]] = set()
         # Mounted layers' data blobs (split) or None (single), for the on-demand metrics.
         self._data: dict[str, tuple[Path, int] | None] = {}
+        self.reads = ReadScanner(self._split_mounts)  # what sandboxes read of them, by scan
         with self._node_lock():
             self._adopt_existing()
             self._prune_meta()
@@ -265,7 +268,10 @@ class LayerMounts:
         per data blob (``dsec_ondemand_*`` metrics). The kernel reads a data blob through its
         page cache, so its cached pages are what this node fetched from the shared store (and
         its readahead with it) and still holds; evicted pages were fetched and dropped since.
-        A layer mounted by another process and not acquired here is not counted."""
+        A layer mounted by another process and not acquired here is not counted. What the
+        sandboxes read of the layers' files comes from :attr:`reads`' last scan, and a stale one
+        starts the next (in the background: a later call reports it)."""
+        self.reads.refresh()
         with self._lock:
             split = [data for h, data in self._data.items() if data is not None and h in self._refs]
         blobs = set(split)  # two layers may share one data blob: its pages are counted once
@@ -275,7 +281,16 @@ class LayerMounts:
             if use is not None:
                 cached += use.cached
                 evicted += use.evicted
-        return OnDemandUse(len(split), sum(size for _, size in blobs), cached, evicted)
+        return OnDemandUse(len(split), sum(size for _, size in blobs), cached, evicted, self.reads.last)
+
+    def _split_mounts(self) -> list[Path]:
+        """Where the split layers in use here are mounted (what :attr:`reads` scans)."""
+        with self._lock:
+            return [
+                self.mount_root / h
+                for h, data in self._data.items()
+                if data is not None and self._refs.get(h)
+            ]
 
     def _local_meta(self, src: Path, digest: str) -> Path:
         """The node-local copy of META, made (and hashed while copied) on first use."""
@@ -335,7 +350,8 @@ class LayerMounts:
         target = self.mount_root / hexdigest
         # Loop: a crash between check and mount in an older process could have stacked two.
         while find_mount(target) is not None:
-            umount(target, lazy=lazy)
+            with self.reads.guard:  # not while the read scan holds it (:mod:`.layer_reads`)
+                umount(target, lazy=lazy)
         try:
             target.rmdir()
         except OSError as err:

@@ -12,6 +12,11 @@ addresses. A permission is a list of rules, each one of:
 - an :class:`Endpoint`: one fixed address with the names the resolver answers for it (a lab
   mirror; no upstream lookup).
 
+A sandbox's rules may also name public IPv4 addresses or ranges themselves (:func:`address_of`):
+open on every port, or taken out of what a ``public`` permission opens. Never a non-public
+one, and only on a node that opens public addresses at all: the operator's configuration
+still bounds everything a sandbox can reach.
+
 ``dsec up`` and ``dsec edge`` start from the catalogue that ships with DSec
 (:mod:`.catalogue`: pypi, npm, debian, github, huggingface, crates, go, internet); the
 operator's file (JSON or TOML) adds permissions or replaces one by name, and
@@ -43,6 +48,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dsec.netpolicy.nft import NONPUBLIC
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import GrantOptions, NetworkRules
 from dsec.registry.config import CATALOGUE_REGISTRIES, CUTOFF_KINDS, CacheConfig, Registry
@@ -52,6 +58,11 @@ RESERVED_PORTS = frozenset({53, 16443, 16080})
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
 _HOST = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+# A rule's key that names an address or a range rather than a permission (no permission may
+# be named so).
+_ADDRESS_KEY = re.compile(r"^\d{1,3}(\.\d{1,3}){3}(/\d{1,2})?$")
+_NONPUBLIC = [ipaddress.IPv4Network(n) for n in NONPUBLIC]
+MAX_ADDRESS_RULES = 64
 
 
 class Endpoint(BaseModel):
@@ -75,6 +86,37 @@ class Endpoint(BaseModel):
         if bad:
             raise ValueError(f"not DNS names: {bad}")
         return out
+
+
+def address_of(key: str) -> ipaddress.IPv4Network | None:
+    """The address or range a rule's key names (``"203.0.113.7"``, ``"203.0.113.0/24"``), None
+    for a permission name. Granted (true), a sandbox's rules open it on every port and
+    protocol: public addresses only, on a node that opens public addresses at all; refused
+    (false), it is taken out of what a ``public`` permission opens (its own grants still win).
+    InvalidRequest for an IPv6 address (sandboxes have no IPv6 route) or a range with host bits
+    set."""
+    if _ADDRESS_KEY.match(key) is None:
+        if ":" in key and len(key) <= 64:
+            try:
+                ipaddress.IPv6Network(key, strict=False)
+            except ValueError:
+                return None
+            raise InvalidRequest(f"{key}: sandboxes have no IPv6 route; name IPv4 addresses")
+        return None
+    try:
+        return ipaddress.IPv4Network(key)
+    except ValueError as exc:
+        raise InvalidRequest(f"{key!r} is no IPv4 address or range: {exc}") from None
+
+
+def range_text(net: ipaddress.IPv4Network) -> str:
+    """A range as nftables elements name it (a single address without its /32)."""
+    return str(net.network_address) if net.prefixlen == 32 else str(net)
+
+
+def is_public(net: ipaddress.IPv4Network) -> bool:
+    """Every address of ``net`` is public (what a ``public`` permission opens)."""
+    return not any(net.overlaps(n) for n in _NONPUBLIC)
 
 
 def _ports(v: list[int]) -> list[int]:
@@ -171,6 +213,9 @@ class EgressConfig(BaseModel):
         bad = [n for n in v if not _NAME.match(n)]
         if bad:
             raise ValueError(f"permission names must be short words ([A-Za-z0-9_.-]): {bad}")
+        addresses = [n for n in v if _ADDRESS_KEY.match(n)]
+        if addresses:
+            raise ValueError(f"permission names must not read as addresses (such keys open one): {addresses}")
         return v
 
     @model_validator(mode="after")
@@ -211,10 +256,42 @@ class EgressConfig(BaseModel):
     def capacity(self) -> int:
         return self.pool.num_addresses - 3  # network, gateway, broadcast
 
+    @property
+    def offers_public(self) -> bool:
+        """Some permission opens every public address (the catalogue's ``internet``): then a
+        sandbox's rules may open public addresses of their own (:func:`address_of`)."""
+        return any(isinstance(r, Rule) and r.public for perm in self.permissions.values() for r in perm)
+
+    def address_rules(self, rules: NetworkRules) -> list[tuple[ipaddress.IPv4Network, bool]]:
+        """The rules' addresses and ranges: open (True) or taken out of ``public`` (False)."""
+        return [(net, bool(on)) for key, on in rules.items() if (net := address_of(key)) is not None]
+
     def check(self, rules: NetworkRules) -> None:
-        """Refuse rules that name permissions this node does not know (typos open nothing), and
-        cutoffs on permissions that have no registry publishing upload times."""
-        unknown = sorted(set(rules) - set(self.permissions))
+        """Refuse rules that name permissions this node does not know (typos open nothing),
+        cutoffs on permissions that have no registry publishing upload times, and addresses a
+        sandbox may not open on its own (:func:`address_of`)."""
+        addresses = 0
+        for key, grant in rules.items():
+            net = address_of(key)  # InvalidRequest: no address DSec can use
+            if net is None:
+                continue
+            addresses += 1
+            if isinstance(grant, GrantOptions):
+                raise InvalidRequest(f"{key}: options apply to package registries, not to addresses")
+            if grant and not is_public(net):
+                raise InvalidRequest(
+                    f"{key} holds addresses that are not public (private, loopback, link-local,"
+                    " multicast...): a sandbox opens only public addresses itself; the operator's"
+                    " permissions name the others"
+                )
+            if grant and not self.offers_public:
+                raise InvalidRequest(
+                    f"{key}: this node opens no public addresses (no permission with public = true),"
+                    " so a sandbox cannot open one itself; name one of its permissions"
+                )
+        if addresses > MAX_ADDRESS_RULES:
+            raise InvalidRequest(f"at most {MAX_ADDRESS_RULES} addresses or ranges in a sandbox's rules")
+        unknown = sorted(k for k in rules if address_of(k) is None and k not in self.permissions)
         if unknown:
             known = ", ".join(sorted(self.permissions)) or "none"
             raise InvalidRequest(f"unknown network permission(s) {unknown}; this node offers: {known}")
@@ -229,6 +306,7 @@ class EgressConfig(BaseModel):
                     )
 
     def endpoints(self, rules: NetworkRules) -> list[Endpoint | Rule]:
+        """What the granted permission names open (addresses and ranges aside)."""
         return [e for name, on in sorted(rules.items()) if on for e in self.permissions.get(name, [])]
 
     @classmethod

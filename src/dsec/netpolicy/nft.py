@@ -5,13 +5,16 @@ one host, or a host firewall of its own, are left alone. What a sandbox may reac
 ``interface . address . protocol . port`` elements: granting and revoking is one atomic
 element update, with no rule per sandbox to rewrite.
 
-What a link may reach is the union of four sets: ``allowed`` (fixed endpoints), ``ranges``
+What a link may reach is the union of five sets: ``allowed`` (fixed endpoints), ``ranges``
 (CIDR ranges, an interval set), ``learned`` (addresses the name server admitted from an
-upstream answer, each element expiring with the answer's TTL plus a grace) and ``public``
-(links granted every public address: anything not in ``nonpublic``). ``holding`` keeps each
-learned element :data:`HOLD_S` longer: a connection opened while the address was learned
-stays up past the answer's expiry (as Cilium's toFQDNs: established flows are accepted),
-while a new one is refused; a revoke deletes from both.
+upstream answer, each element expiring with the answer's TTL plus a grace), ``opened``
+(addresses and ranges a sandbox's own rules open on every port: public ones only, on a node
+that opens public addresses at all) and ``public`` (links granted every public address:
+anything not in ``nonpublic``), less ``denied`` (ranges a sandbox's rules take out of
+``public``; the sets above win over it, as an allow wins over a deny in E2B). ``holding``
+keeps each learned element :data:`HOLD_S` longer: a connection opened while the address was
+learned stays up past the answer's expiry (as Cilium's toFQDNs: established flows are
+accepted), while a new one is refused; a revoke deletes from both.
 
 Base chains (``inet``: IPv4 and IPv6 alike):
 - input: from a link, only DNS (UDP and TCP) to the gateway, and the package registry proxy's
@@ -36,12 +39,28 @@ import asyncio
 import hashlib
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from dsec.native import spawner
 from dsec.protocol.errors import InfraFailure, InfraReason
 
 Element = tuple[str, str, str, int]  # interface, address (or a CIDR range), protocol, port
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What one link may reach, beside the addresses it learns from answers: endpoints and
+    ranges of its permissions (``elements``), every public address (``public``), the registry
+    proxy's ports (``registry``: interface, port), addresses or ranges its own rules open on
+    every port (``opened``) or take out of ``public`` (``denied``)."""
+
+    elements: frozenset[Element] = frozenset()
+    public: bool = False
+    registry: frozenset[tuple[str, int]] = frozenset()
+    opened: frozenset[str] = frozenset()
+    denied: frozenset[str] = frozenset()
+
 
 # Never "public": this network, private, shared (CGNAT), loopback, link-local, IETF protocol
 # assignments, benchmarking, multicast and reserved (224/3 holds 255.255.255.255 too). The
@@ -107,15 +126,14 @@ def ruleset(
     gateway: str,
     pool: str,
     links: dict[str, str],
-    allowed: Iterable[Element],
-    public: Iterable[str] = (),
+    reach: Mapping[str, Reach] | None = None,
     checked: dict[int, int] | None = None,
-    registry: Iterable[tuple[str, int]] = (),
 ) -> str:
     """The whole table (replacing any earlier one atomically): ``links`` maps interface ->
-    sandbox address; ``public`` lists the interfaces granted every public address; ``checked``
-    maps a port to the name-checking proxy's port on the gateway (:mod:`.sniproxy`), for
-    connections to learned addresses."""
+    sandbox address, ``reach`` interface -> what it may reach; ``checked`` maps a port to the
+    name-checking proxy's port on the gateway (:mod:`.sniproxy`), for connections to learned
+    addresses."""
+    reach = reach or {}
     checked = checked or {}
     learned = "iifname @ifaces iifname . ip daddr . meta l4proto . th dport @learned"
     redirects = "\n    ".join(
@@ -127,23 +145,27 @@ def ruleset(
         if checked
         else ""
     )
-    allowed = list(allowed)
+    allowed = [e for r in reach.values() for e in r.elements]
     ifaces = _init([f'"{i}"' for i in links])
     pairs = _init([_link(i, a) for i, a in links.items()])
     grants = _init([_allowed(e) for e in allowed if not _is_range(e)])
     ranges = _init([_allowed(e) for e in allowed if _is_range(e)])
-    publics = _init([f'"{i}"' for i in public])
-    registries = _init([_registry(e) for e in registry])
+    opened = _init([_link(i, a) for i, r in reach.items() for a in sorted(r.opened)])
+    denied = _init([_link(i, a) for i, r in reach.items() for a in sorted(r.denied)])
+    publics = _init([f'"{i}"' for i, r in reach.items() if r.public])
+    registries = _init([_registry(e) for r in reach.values() for e in sorted(r.registry)])
     counters = "\n  ".join(f"counter {name} {{ }}" for name in (*DENIALS, GRANTED))
     # New connections only (``ct state new`` first: a packet of an established flow stops
     # there), counted where they are let through; the plain rules below accept the rest.
+    # ``denied`` comes after every set that names an endpoint (an allow wins) and before
+    # ``public``, whose established flows it cuts too.
     to = "iifname . ip daddr . meta l4proto . th dport"
     granted = "\n    ".join(
         [
             f"iifname @ifaces ct state new {to} @{s} counter name {GRANTED} accept"
             for s in ("allowed", "ranges", "learned")
         ]
-        + [f"iifname @public ct state new ip daddr != @nonpublic counter name {GRANTED} accept"]
+        + [f"iifname @ifaces ct state new iifname . ip daddr @opened counter name {GRANTED} accept"]
     )
     return f"""table inet {table}
 delete table inet {table}
@@ -172,6 +194,16 @@ table inet {table} {{
   set holding {{
     type ifname . ipv4_addr . inet_proto . inet_service
     flags timeout
+  }}
+  set opened {{
+    type ifname . ipv4_addr
+    flags interval
+    {opened}
+  }}
+  set denied {{
+    type ifname . ipv4_addr
+    flags interval
+    {denied}
   }}
   set public {{
     type ifname
@@ -206,6 +238,10 @@ table inet {table} {{
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @allowed accept
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @ranges accept
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @learned accept
+    iifname @ifaces iifname . ip daddr @opened accept
+    iifname @public iifname . ip daddr @denied meta l4proto tcp counter name not_granted reject with tcp reset
+    iifname @public iifname . ip daddr @denied counter name not_granted reject with icmpx admin-prohibited
+    iifname @public ct state new ip daddr != @nonpublic counter name {GRANTED} accept
     iifname @public ip daddr != @nonpublic accept
     iifname @ifaces meta l4proto tcp counter name not_granted reject with tcp reset
     iifname @ifaces counter name not_granted reject with icmpx admin-prohibited
@@ -218,6 +254,7 @@ table inet {table} {{
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
     iifname @ifaces iifname . ip daddr . meta l4proto . th dport @allowed return
+    iifname @ifaces iifname . ip daddr @opened return
     {redirects}
   }}
   chain postrouting {{
@@ -228,7 +265,7 @@ table inet {table} {{
 """
 
 
-def _set_updates(table: str, verb: str, elements: Iterable[Element]) -> list[str]:
+def _element_updates(table: str, verb: str, elements: Iterable[Element]) -> list[str]:
     lines = []
     for name, chosen in (
         ("allowed", sorted(e for e in elements if not _is_range(e))),
@@ -239,57 +276,41 @@ def _set_updates(table: str, verb: str, elements: Iterable[Element]) -> list[str
     return lines
 
 
-def grant(
-    table: str,
-    ifname: str,
-    address: str,
-    old: Iterable[Element],
-    new: Iterable[Element],
-    public: tuple[bool, bool] = (False, False),
-    registry: tuple[Iterable[tuple[str, int]], Iterable[tuple[str, int]]] = ((), ()),
-) -> str:
-    """One atomic update: the link's interface known, its old grants replaced by ``new``
-    (and its ``public`` grant changed from ``public[0]`` to ``public[1]``, its registry proxy
-    ports from ``registry[0]`` to ``registry[1]``)."""
+def _updates(table: str, ifname: str, old: Reach, new: Reach) -> list[str]:
+    """The element updates that turn ``old`` into ``new`` (deletions first)."""
+    lines = _element_updates(table, "delete", old.elements - new.elements)
+    lines += _element_updates(table, "add", new.elements - old.elements)
+    if old.public != new.public:
+        lines.append(f'{"add" if new.public else "delete"} element inet {table} public {{ "{ifname}" }}')
+    for verb, before, after in (("delete", new, old), ("add", old, new)):
+        ports = sorted(after.registry - before.registry)
+        if ports:
+            lines.append(f"{verb} element inet {table} registry {{ {_elements(map(_registry, ports))} }}")
+        for name in ("opened", "denied"):
+            chosen = sorted(getattr(after, name) - getattr(before, name))
+            if chosen:
+                items = _elements(_link(ifname, a) for a in chosen)
+                lines.append(f"{verb} element inet {table} {name} {{ {items} }}")
+    return lines
+
+
+def grant(table: str, ifname: str, address: str, old: Reach, new: Reach) -> str:
+    """One atomic update: the link's interface known, what it reaches changed from ``old``
+    to ``new``."""
     lines = [
         f'add element inet {table} ifaces {{ "{ifname}" }}',
         f"add element inet {table} links {{ {_link(ifname, address)} }}",
+        *_updates(table, ifname, old, new),
     ]
-    old, new = set(old), set(new)
-    lines += _set_updates(table, "delete", old - new)
-    lines += _set_updates(table, "add", new - old)
-    if public[0] != public[1]:
-        lines.append(f'{"add" if public[1] else "delete"} element inet {table} public {{ "{ifname}" }}')
-    old_ports, new_ports = set(registry[0]), set(registry[1])
-    for verb, chosen in (("delete", old_ports - new_ports), ("add", new_ports - old_ports)):
-        if chosen:
-            lines.append(
-                f"{verb} element inet {table} registry {{ {_elements(map(_registry, sorted(chosen)))} }}"
-            )
     return "\n".join(lines) + "\n"
 
 
-def forget(
-    table: str,
-    ifname: str,
-    address: str,
-    old: Iterable[Element],
-    public: bool = False,
-    registry: Iterable[tuple[str, int]] = (),
-) -> str:
-    ports = sorted(registry)
+def forget(table: str, ifname: str, address: str, old: Reach) -> str:
     lines = [
-        *(
-            [f"delete element inet {table} registry {{ {_elements(map(_registry, ports))} }}"]
-            if ports
-            else []
-        ),
+        *_updates(table, ifname, old, Reach()),
         f'delete element inet {table} ifaces {{ "{ifname}" }}',
         f"delete element inet {table} links {{ {_link(ifname, address)} }}",
-        *_set_updates(table, "delete", set(old)),
     ]
-    if public:
-        lines.append(f'delete element inet {table} public {{ "{ifname}" }}')
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from dsec.netpolicy import links, nft, pools
-from dsec.netpolicy.config import EgressConfig, Endpoint
+from dsec.netpolicy.config import EgressConfig, Endpoint, range_text
 from dsec.netpolicy.dns import NameServer, Responder
 from dsec.netpolicy.grants import cutoff_of
 from dsec.netpolicy.names import Admissions, DomainGrant, LinkNames
@@ -56,14 +56,12 @@ class _Link:
     index: int
     ifname: str
     address: str
-    grants: set[nft.Element] = field(default_factory=set)
+    reach: nft.Reach = field(default_factory=nft.Reach)
     names: dict[str, list[str]] = field(default_factory=dict)
     domains: DomainGrant = field(default_factory=DomainGrant)
-    public: bool = False
     rules: NetworkRules = field(default_factory=dict)
     answers: LinkNames | None = None
     checked_names: set[str] = field(default_factory=set)  # the proxy's keys for this link
-    registry_ports: set[tuple[str, int]] = field(default_factory=set)  # (ifname, registry proxy port)
 
 
 class EgressPolicy:
@@ -117,7 +115,8 @@ class EgressPolicy:
         self.config.check(rules)
 
     def rules_need_link(self, rules: NetworkRules) -> bool:
-        return bool(self.config.endpoints(rules) or self.registries_granted(rules))
+        opened = any(on for _, on in self.config.address_rules(rules))
+        return bool(opened or self.config.endpoints(rules) or self.registries_granted(rules))
 
     def registries_granted(self, rules: NetworkRules) -> list[Registry]:
         return [r for name, r in sorted(self.config.registries.items()) if rules.get(name)]
@@ -178,17 +177,14 @@ class EgressPolicy:
                 await self._drop_table()
             return
         self._enable_forwarding()
-        allowed = [e for link in self._links.values() for e in link.grants]
         await nft.apply(
             nft.ruleset(
                 self.table,
                 self.config.gateway,
                 str(self.config.pool),
                 {link.ifname: link.address for link in self._links.values()},
-                allowed,
-                [link.ifname for link in self._links.values() if link.public],
+                {link.ifname: link.reach for link in self._links.values()},
                 CHECKED if self.proxy is not None else None,
-                [e for link in self._links.values() for e in link.registry_ports],
             )
         )
         if self.proxy is not None:
@@ -229,25 +225,10 @@ class EgressPolicy:
                 if pid is None:
                     raise InvalidRequest("network permissions are not available for this backend yet")
                 link = await self._new_link(sandbox_id, pid)
-            old, old_public, old_rules, old_names, old_ports = (
-                set(link.grants),
-                link.public,
-                link.rules,
-                link.checked_names,
-                link.registry_ports,
-            )
+            old, old_rules, old_names = link.reach, link.rules, link.checked_names
             self._grant_locally(link, rules)
             try:
-                script = nft.grant(
-                    self.table,
-                    link.ifname,
-                    link.address,
-                    old,
-                    link.grants,
-                    (old_public, link.public),
-                    (old_ports, link.registry_ports),
-                )
-                await nft.apply(script)
+                await nft.apply(nft.grant(self.table, link.ifname, link.address, old, link.reach))
                 if self.proxy is not None:
                     await self.proxy.update(old_names, link.checked_names)
             except BaseException:
@@ -301,11 +282,7 @@ class EgressPolicy:
                 except InfraFailure as exc:  # its next start writes the map from the links
                     log.warning("forgetting %s's names in the proxy: %s", sandbox_id, exc)
             try:
-                await nft.apply(
-                    nft.forget(
-                        self.table, link.ifname, link.address, link.grants, link.public, link.registry_ports
-                    )
-                )
+                await nft.apply(nft.forget(self.table, link.ifname, link.address, link.reach))
             except InfraFailure as exc:  # the next start rebuilds the table from the journal
                 log.warning("forgetting %s's link: %s", sandbox_id, exc)
             self._store.drop_link(sandbox_id)
@@ -331,7 +308,7 @@ class EgressPolicy:
         """A link made before its sandbox starts, known to the table with no grant."""
         link = await self._new_link(sandbox_id, netns)
         try:
-            await nft.apply(nft.grant(self.table, link.ifname, link.address, (), ()))
+            await nft.apply(nft.grant(self.table, link.ifname, link.address, nft.Reach(), nft.Reach()))
         except BaseException:
             self._links.pop(sandbox_id, None)
             await links.remove(link.ifname)
@@ -367,7 +344,6 @@ class EgressPolicy:
         names: dict[str, list[str]] = {}
         domains = DomainGrant()
         public = False
-        link.registry_ports = {(link.ifname, r.port) for r in self.registries_granted(rules)}
         for perm, on in sorted(rules.items()):
             # Under a cutoff the registry is reached through the proxy only: its upstream
             # names stay closed, or the sandbox would fetch newer releases around it.
@@ -382,11 +358,22 @@ class EgressPolicy:
                     continue
                 public = public or rule.public
                 for net in rule.addresses:
-                    target = str(net.network_address) if net.prefixlen == 32 else str(net)
-                    grants.update((link.ifname, target, rule.protocol, port) for port in rule.ports)
+                    grants.update((link.ifname, range_text(net), rule.protocol, port) for port in rule.ports)
                 if rule.domains:
                     domains.rules.append((perm, rule))
-        link.grants, link.names, link.domains, link.public, link.rules = grants, names, domains, public, rules
+        # Opened addresses only while the node opens public ones at all (an operator who took
+        # that permission away since, and restarted the edge, has taken them away too).
+        addresses = [
+            (net, on) for net, on in self.config.address_rules(rules) if self.config.offers_public or not on
+        ]
+        link.reach = nft.Reach(
+            elements=frozenset(grants),
+            public=public,
+            registry=frozenset((link.ifname, r.port) for r in self.registries_granted(rules)),
+            opened=frozenset(range_text(net) for net, on in addresses if on),
+            denied=frozenset(range_text(net) for net, on in addresses if not on),
+        )
+        link.names, link.domains, link.rules = names, domains, rules
         checked_ports = set(CHECKED)
         link.checked_names = keys(
             (d for _, rule in domains.rules if checked_ports & set(rule.ports) for d in rule.domains),

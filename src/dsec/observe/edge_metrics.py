@@ -468,6 +468,19 @@ def _ondemand(edge: MeteredEdge) -> Iterator[Metric]:
     fetched.add_metric(["cached"], use.cached_bytes)
     fetched.add_metric(["evicted"], use.evicted_bytes)
     yield fetched
+    scan = use.read
+    if scan is not None:
+        yield GaugeMetricFamily(
+            "dsec_ondemand_read_bytes",
+            "Bytes of the mounted split layers' files in the page cache (what sandboxes read of"
+            " them, decompressed, plus readahead within those files), from the last background"
+            " scan (cachestat per file, at most every minute; see the scan's gauges)",
+            value=scan.cached_bytes,
+        )
+        yield GaugeMetricFamily(
+            "dsec_ondemand_read_scan_timestamp_seconds", "When that scan ended (Unix time)", value=scan.at
+        )
+        yield GaugeMetricFamily("dsec_ondemand_read_scan_seconds", "How long it took", value=scan.seconds)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

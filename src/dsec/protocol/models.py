@@ -72,9 +72,13 @@ class GrantOptions(_Model):
         return v
 
 
-# A permission by name: on, off, or on with options.
+# A permission by name (or an address or range, netpolicy.config.address_of): on, off, or on
+# with options. Bounded: a name is at most 63 characters, a range 18, a node offers a few dozen.
 Grant = bool | GrantOptions
-NetworkRules = dict[str, Grant]
+MAX_NETWORK_RULES = 256
+NetworkRules = Annotated[
+    dict[Annotated[str, Field(min_length=1, max_length=64)], Grant], Field(max_length=MAX_NETWORK_RULES)
+]
 
 
 class SandboxState(StrEnum):

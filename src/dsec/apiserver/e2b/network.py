@@ -3,24 +3,22 @@
 E2B filters a sandbox's egress by address and name (``allowOut``/``denyOut``, everything open
 unless denied, an allow winning over a deny); DSec opens by permission names the operator
 configured (``pypi``, ``github``, ``internet``...), nothing unless granted, and never private
-addresses through ``internet`` (public ones only). The mapping:
+addresses through ``internet`` (public ones only), plus public addresses a sandbox's own rules
+open or take out of ``internet`` (:func:`dsec.netpolicy.config.address_of`). The mapping:
 
 - nothing denied (E2B's default, ``allow_internet_access`` true): ``internet`` when the node
   offers it, plus every name in ``allowOut``;
 - ``denyOut`` of ``0.0.0.0/0`` or ``allow_internet_access`` false: only the names in
-  ``allowOut`` (``0.0.0.0/0`` there is ``internet``).
+  ``allowOut`` (``0.0.0.0/0`` there is ``internet``);
+- an ``allowOut`` address or range of public IPv4 addresses: opened for the sandbox, on every
+  port (the node refuses it when it opens no public address at all);
+- a ``denyOut`` address or range holding public addresses beside ``internet``: taken out of it,
+  unless an ``allowOut`` range holds it (E2B: allow wins; DSec's opened ranges and permissions
+  win over a denied range too). One that holds no public address, or any when the sandbox has
+  no ``internet``, is denied already and adds nothing.
 
-Addresses and ranges are taken where what DSec enforces already is what E2B would do:
-
-- a ``denyOut`` range E2B's allow overrides (an ``allowOut`` range holding it) or one that
-  holds no public address (DSec's ``internet`` never reaches those; a permission named in
-  ``allowOut`` that does is an allow, which wins over a deny in E2B too), or any ``denyOut``
-  entry when the sandbox is granted no ``internet``;
-- an ``allowOut`` range of public addresses while the sandbox has ``internet`` (open anyway).
-
-Everything else is a 400 naming the entry: a public address denied beside ``internet`` (DSec
-denies nothing inside a permission), an address or range allowed beyond what the sandbox's
-permissions reach (DSec opens addresses per operator permission, never per sandbox), header
+Everything else is a 400 naming the entry: an address or range allowed that holds private,
+loopback, link-local or IPv6 addresses (DSec opens those by operator permission only), header
 transforms (``rules``), an egress proxy, DNS servers. A ``denyOut`` entry that is no address or
 range is E2B's own 400 ("invalid denied CIDR").
 """
@@ -30,6 +28,8 @@ from __future__ import annotations
 import ipaddress
 
 from dsec.apiserver.e2b.models import NetworkInfo, NetworkUpdate
+from dsec.netpolicy.config import address_of, range_text
+from dsec.netpolicy.nft import NONPUBLIC
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import NetworkRules
 
@@ -37,16 +37,9 @@ ALL_TRAFFIC = "0.0.0.0/0"  # E2B's "everything" (the SDKs' ALL_TRAFFIC)
 INTERNET = "internet"  # the permission that opens every public address (DSec's catalogue)
 _HOW = "DSec opens the network by the permission names its operator configured (pypi, github, internet...)"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-# What DSec's `internet` never opens (netpolicy/names.py's non-public set, IPv6 too: DSec
-# gives sandboxes no IPv6 route at all).
-_NONPUBLIC = tuple(
-    ipaddress.ip_network(n)
-    for n in (
-        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-        "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",
-        "203.0.113.0/24", "224.0.0.0/3", "::/0",
-    )
-)  # fmt: skip
+# What DSec's `internet` never opens: the firewall's non-public set, and IPv6 (DSec gives
+# sandboxes no IPv6 route at all).
+_NONPUBLIC = (*(ipaddress.ip_network(n) for n in NONPUBLIC), ipaddress.ip_network("::/0"))
 
 
 def _network(entry: str) -> Network | None:
@@ -95,22 +88,18 @@ def to_rules(net: NetworkUpdate, *, internet_offered: bool) -> NetworkRules:
     closed = net.allow_internet_access is False or ALL_TRAFFIC in (e for e, _ in denied)
     if not closed and internet_offered:
         rules[INTERNET] = True
-    internet = INTERNET in rules
     for entry, found in allowed:
-        if not (internet and _public(found)):
+        if not isinstance(found, ipaddress.IPv4Network) or not _public(found):
             raise InvalidRequest(
-                f"allow_out {entry!r}: an address or range beyond what the sandbox's permissions "
-                f"reach; {_HOW}, name one of those (DSec opens no address per sandbox)"
+                f"allow_out {entry!r}: a sandbox opens public IPv4 addresses only (this holds private,"
+                f" loopback, link-local, multicast or IPv6 ones); {_HOW}, name one of those"
             )
-    everything_allowed = ALL_TRAFFIC in (net.allow_out or [])
-    for entry, found in denied:
-        overridden = everything_allowed or entry == ALL_TRAFFIC or any(_within(found, a) for _, a in allowed)
-        if internet and not overridden and not _nonpublic(found):
-            raise InvalidRequest(
-                f"deny_out {entry!r}: a public address beside the internet permission; DSec denies "
-                f"nothing inside a permission: deny {ALL_TRAFFIC} (everything) and allow names "
-                f"instead; {_HOW}"
-            )
+        rules[range_text(found)] = True
+    if INTERNET in rules and ALL_TRAFFIC not in (net.allow_out or []):
+        for _, found in denied:
+            if isinstance(found, ipaddress.IPv4Network) and not _nonpublic(found):
+                if not any(_within(found, a) for _, a in allowed):  # E2B: an allow wins
+                    rules.setdefault(range_text(found), False)
     return rules
 
 
@@ -118,6 +107,7 @@ def to_info(rules: NetworkRules) -> NetworkInfo:
     """The rules as E2B's ``network`` of a sandbox's info (what :func:`to_rules` reads back)."""
     granted = sorted(name for name, on in rules.items() if on)
     allow = [n for n in granted if n != INTERNET]
+    refused = sorted(k for k, on in rules.items() if not on and address_of(k) is not None)
     if INTERNET in granted:
-        return NetworkInfo(allow_out=allow or None)
+        return NetworkInfo(allow_out=allow or None, deny_out=refused or None)
     return NetworkInfo(allow_out=allow, deny_out=[ALL_TRAFFIC])

@@ -13,8 +13,8 @@ sandbox's layers plus its changes packed as one more layer, owned by the sandbox
 it. The packed layer keeps a tag ``e2b-snapshot-pack/<sandbox>:<n>`` while a snapshot names it:
 that is where a snapshot's source sandbox is read from. Unnamed snapshots are
 ``e2b-snapshot/<sandbox>:<n>``; named ones ``<project>/<name>:<tag>`` (E2B's team slug is the
-project). DSec packs files only: a sandbox made from a snapshot, and a fork, cold-boot (no
-processes, no memory), whatever ``memory`` asks.
+project). DSec packs files only: a sandbox made from a snapshot, and a fork of a container,
+cold-boot (no processes, no memory), whatever ``memory`` asks; a fork of a VM copies it whole.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dsec.apiserver._http import PRINCIPAL, read_body
 from dsec.apiserver.e2b.lifecycle import NotSupported, not_found_message
 from dsec.apiserver.e2b.models import _In, _Out, error_body
 from dsec.apiserver.layer_access import layer_viewer
-from dsec.apiserver.sandboxes import SandboxRoutes
+from dsec.apiserver.sandboxes import WHOLE_FORK, SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.iam import Principal
 from dsec.images.catalogue import TagRecord
@@ -62,7 +62,6 @@ MAX_FORKS = 100  # E2B's API caps a fork request at 100 copies
 _PAGE = 100  # E2B's default and largest page of snapshots
 _ID_SHOWN = 100  # characters of a bad ID quoted back
 _CREATE_TIMEOUT_S = 120.0
-_WHOLE_FORK = ("microvm", "vm")  # forked whole, on their own node, by DSec's job routes
 
 
 class SnapshotRequest(_In):
@@ -266,21 +265,28 @@ class SnapshotRoutes:
     async def fork(self, request: web.Request) -> web.Response:
         """E2B's fork: ``count`` new sandboxes with the source's state, each made (or failed)
         on its own; the source keeps running. DSec's fork packs the source's files once and
-        starts every copy from its layers plus that pack. A VM answers 501: DSec's own fork
-        (``/v1/sandboxes/{id}/fork``) copies it whole, memory too."""
+        starts every copy from its layers plus that pack. A VM (microVM or full VM) is forked
+        whole, as DSec's own fork does: memory and processes too, on its node, all or none."""
         req = await read_body(request, ForkBody)
         link, source = await self._live(request)
         if source.state is SandboxState.paused:
             raise Conflict(f"Sandbox '{source.id}' is paused and cannot be forked; resume it first")
-        if source.backend in _WHOLE_FORK:
-            raise NotSupported("fork of a VM sandbox through the E2B API: use DSec's sandbox.fork()")
         principal = request[PRINCIPAL]
+        action: DeadlineAction = "pause" if source.on_deadline == "pause" else "stop"
+        if source.backend in WHOLE_FORK:
+            try:
+                made = await self.sandboxes.fork_whole(principal, link, source, req.count, None)
+            except DSecError as exc:
+                return web.json_response(
+                    [{"error": error_body(exc.status, exc.message)}] * req.count, status=201
+                )
+            finished = (self._finish(info, req.timeout, action) for info in made)
+            return web.json_response(list(await asyncio.gather(*finished)), status=201)
         spec, layer = await link.fork_spec(source.id, f"dsec-fork/{source.id}")
         try:
             own = {k: v for k, v in spec.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
             clean = spec.model_copy(update={"labels": own})
             admitted = self.sandboxes.tenancy.admit(principal, source.project, clean)
-            action: DeadlineAction = "pause" if source.on_deadline == "pause" else "stop"
             results = await asyncio.gather(
                 *(self._one_fork(principal, admitted, req.timeout, action) for _ in range(req.count))
             )
@@ -300,6 +306,16 @@ class SnapshotRoutes:
     ) -> dict[str, Any]:
         try:
             [info] = await self.sandboxes.create_many(principal, spec, 1, _CREATE_TIMEOUT_S)
+        except DSecError as exc:
+            return {"error": error_body(exc.status, exc.message)}
+        except Exception as exc:
+            log.exception("fork: a copy failed")
+            return {"error": error_body(500, f"Error forking sandbox: {type(exc).__name__}")}
+        return await self._finish(info, timeout, action)
+
+    async def _finish(self, info: SandboxInfo, timeout: int, action: DeadlineAction) -> dict[str, Any]:
+        """A made copy with its deadline (the copy goes if that fails), as E2B answers it."""
+        try:
             if timeout > 0:
                 try:
                     info = await self.sandboxes.link_for(info.id).set_deadline(info.id, timeout, action)
