@@ -70,7 +70,7 @@ install_services_quietly() {
   [ $had_guard = 1 ] || rm -f "$guard"
   [ $rc = 0 ] || { echo "setup.sh: installing ${missing[*]} failed" >&2; exit $rc; }
   if command -v systemctl >/dev/null; then
-    systemctl disable --now ssh postgresql haproxy prometheus >/dev/null 2>&1 || true
+    systemctl disable --now ssh postgresql haproxy prometheus libvirtd >/dev/null 2>&1 || true
   fi
 }
 
@@ -145,7 +145,11 @@ case "$cmd" in
     ;;
   test)
     apt_packages+=(chromium chromium-driver "${test_apt_packages[@]}")  # chromium: the web console's browser test
-    need_root; install_debian; install_services_quietly postgresql haproxy prometheus; install_python test; install_e2b_sdks
+    # libvirt-daemon*, dnsmasq-base: tests/cluster/test_libvirt_real.py runs its own libvirtd
+    # (in namespaces of its own; the package's system service is never started).
+    need_root; install_debian
+    install_services_quietly postgresql haproxy prometheus libvirt-daemon libvirt-daemon-driver-qemu dnsmasq-base
+    install_python test; install_e2b_sdks
     install_console_js
     .venv/bin/dsec base --data-dir "${DSEC_TEST_DATA_DIR:-/var/lib/dsec-test}"
     .venv/bin/ruff check src tests bench

@@ -4,7 +4,6 @@ libvirt would be asked, in order). A real libvirt host is needed for the rest (d
 
 from __future__ import annotations
 
-import json
 import sys
 import xml.etree.ElementTree as ET
 from typing import Any
@@ -20,6 +19,7 @@ from dsec.node.libvirt_provider import (
     edge_config,
     import_libvirt,
     node_of,
+    read_fw_cfg,
     volume_xml,
 )
 from dsec.node.provider import NodeRequest
@@ -144,7 +144,7 @@ def test_the_domain_carries_size_disk_network_config_and_our_mark() -> None:
     entry = root.find("sysinfo/entry")
     assert root.find("sysinfo").get("type") == "fwcfg" and entry is not None  # type: ignore[union-attr]
     assert entry.get("name") == FW_CFG_NAME
-    assert json.loads(entry.text or "") == {
+    assert read_fw_cfg(entry.text or "") == {
         "node": "burst-1", "labels": {"pool": "burst"}, "apiservers": ["http://10.0.0.1:8642"],
         "secret": "s3cret", "port": 9000,
     }  # fmt: skip
@@ -163,6 +163,23 @@ def test_a_host_without_kvm_gets_an_emulated_domain() -> None:
     assert root.get("type") == "qemu" and root.find("cpu").get("mode") == "maximum"  # type: ignore[union-attr]
     with pytest.raises(InvalidRequest, match="domain_type must be kvm or qemu"):
         LibvirtSettings(domain_type="xen")  # type: ignore[arg-type]
+
+
+def test_an_image_without_a_bootloader_boots_its_kernel_directly() -> None:
+    direct = LibvirtSettings(kernel="/k/vmlinuz", initrd="/k/initrd.img", cmdline="console=ttyS0 quiet")
+    os_ = ET.fromstring(domain_xml(direct, NodeRequest(), "n", "/d", {})).find("os")
+    assert os_ is not None and os_.find("boot") is None
+    assert [os_.findtext(t) for t in ("kernel", "initrd", "cmdline")] == [
+        "/k/vmlinuz",
+        "/k/initrd.img",
+        "console=ttyS0 quiet",
+    ]
+    plain = ET.fromstring(domain_xml(SETTINGS, NodeRequest(), "n", "/d", {})).find("os")
+    assert plain is not None and plain.find("kernel") is None and plain.find("boot").get("dev") == "hd"  # type: ignore[union-attr]
+    with pytest.raises(InvalidRequest, match="go with kernel"):
+        LibvirtSettings(initrd="/k/initrd.img")
+    with pytest.raises(InvalidRequest, match="cmdline must be at most"):
+        LibvirtSettings(kernel="/k/vmlinuz", cmdline="x" * 3000)
 
 
 def test_the_disk_is_a_copy_on_write_volume_over_the_base() -> None:

@@ -7,7 +7,6 @@ docs/overflow.md."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from dsec.node.libvirt_provider import (
     LibvirtSettings,
     domain_xml,
     edge_config,
+    read_fw_cfg,
     volume_xml,
 )
 from dsec.node.provider import NodeRequest
@@ -86,6 +86,12 @@ def test_the_domain_and_its_disk_validate_against_libvirts_schemas(tmp_path: Pat
         ("domain.rng", domain_xml(LibvirtSettings(), req, "burst-1", "/pool/dsec-burst-1.qcow2", cfg)),
         ("domain.rng", domain_xml(LibvirtSettings(), NodeRequest(), "n", "/pool/dsec-n.qcow2", {})),
         ("domain.rng", domain_xml(LibvirtSettings(domain_type="qemu"), req, "n", "/pool/dsec-n.qcow2", cfg)),
+        (
+            "domain.rng",
+            domain_xml(
+                LibvirtSettings(kernel="/k/vmlinuz", initrd="/k/i", cmdline="quiet"), req, "n", "/p", cfg
+            ),
+        ),
         ("storagevol.rng", volume_xml("dsec-burst-1.qcow2", "/pool/base.qcow2", 40)),
     ):
         path = tmp_path / "doc.xml"
@@ -111,7 +117,7 @@ async def test_start_list_stop_close_on_libvirts_test_hypervisor(hypervisor: Any
     root = ET.fromstring(dom.XMLDesc(0))
     assert root.findtext("vcpu") == "2" and root.findtext("memory") == str(2048 * 1024)  # KiB
     entry = root.find(f"sysinfo[@type='fwcfg']/entry[@name='{FW_CFG_NAME}']")
-    assert entry is not None and json.loads(entry.text or "") == edge_config(
+    assert entry is not None and read_fw_cfg(entry.text or "") == edge_config(
         req, "burst-1", APISERVERS, "s3cret-s3cret-s3cret", 9000
     )
     disk = hypervisor.storagePoolLookupByName(POOL).storageVolLookupByName("dsec-burst-1.qcow2")

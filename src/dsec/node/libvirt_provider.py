@@ -3,9 +3,12 @@
 
 Each node is a libvirt domain booted from a copy-on-write volume over a base image (a disk
 with DSec installed whose boot starts ``dsec edge``), in a storage pool and on a network the
-host already has. The edge learns who it is from QEMU's ``fw_cfg`` (``opt/dsec/edge.json``:
-node name, labels, the apiservers to register with, the cluster secret, its port); the guest
-reads it from ``/sys/firmware/qemu_fw_cfg/by_name/opt/dsec/edge.json/raw`` (root only). A node's
+host already has. The edge learns who it is from QEMU's ``fw_cfg`` (``opt/dsec/edge.json.b64``:
+node name, labels, the apiservers to register with, the cluster secret, its port, as JSON in
+base64); the guest reads it from ``/sys/firmware/qemu_fw_cfg/by_name/opt/dsec/edge.json.b64/raw``
+(root only; :func:`read_fw_cfg`). Base64, because libvirt (9.0) hands the value to QEMU's
+``-fw_cfg name=...,string=...`` without escaping commas, and QEMU splits a JSON value at
+them: found booting a real guest (``tests/node/test_libvirt_real.py``). A node's
 size is the VM's: ``cpus`` vCPUs (rounded up) and ``memory_mib``. Domains this provider made
 carry a metadata element naming it, so :meth:`LibvirtProvider.list` finds them again after a
 restart of the apiserver and never touches another domain.
@@ -18,6 +21,7 @@ Every libvirt call blocks, so each runs in a thread.
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import json
 import math
@@ -32,7 +36,7 @@ from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest
 from dsec.protocol.ids import validate_node_name
 
 METADATA_NS = "https://dsec.dev/xmlns/node-provider/1"
-FW_CFG_NAME = "opt/dsec/edge.json"
+FW_CFG_NAME = "opt/dsec/edge.json.b64"
 _MISSING = (
     "the libvirt node provider needs the libvirt Python binding: on Debian/Ubuntu"
     " `apt-get install python3-libvirt` (then a venv made with --system-site-packages), or"
@@ -69,6 +73,11 @@ class LibvirtSettings:
     # "kvm" on a host with /dev/kvm; "qemu" where there is none (QEMU's TCG: slower, but the same
     # guest). KVM passes the host's CPU through; TCG emulates the most it can ("maximum").
     domain_type: Literal["kvm", "qemu"] = "kvm"
+    # Boot a kernel directly (paths on the libvirt host) instead of the disk's bootloader: a
+    # node image with no bootloader, as DSec's own VM images are. ``cmdline`` goes with it.
+    kernel: str | None = None
+    initrd: str | None = None
+    cmdline: str = ""
 
     def __post_init__(self) -> None:
         if self.domain_type not in ("kvm", "qemu"):
@@ -77,6 +86,10 @@ class LibvirtSettings:
             raise InvalidRequest("disk_gib must be 1-65536")
         if not 1 <= self.edge_port <= 65535:
             raise InvalidRequest("edge_port must be 1-65535")
+        if (self.initrd or self.cmdline) and not self.kernel:
+            raise InvalidRequest("initrd and cmdline go with kernel (a direct kernel boot)")
+        if len(self.cmdline) > 2048:
+            raise InvalidRequest("cmdline must be at most 2048 characters")
 
 
 def volume_xml(name: str, base_path: str, disk_gib: int) -> str:
@@ -105,6 +118,17 @@ def edge_config(
     }
 
 
+def fw_cfg_value(config: dict[str, Any]) -> str:
+    """The edge's settings as the fw_cfg entry holds them: JSON, base64 (no comma)."""
+    return base64.b64encode(json.dumps(config, sort_keys=True).encode()).decode()
+
+
+def read_fw_cfg(value: str | bytes) -> dict[str, Any]:
+    """What the guest reads back from the entry (:func:`fw_cfg_value`)."""
+    config: dict[str, Any] = json.loads(base64.b64decode(value, validate=True))
+    return config
+
+
 def domain_xml(
     settings: LibvirtSettings, request: NodeRequest, name: str, disk_path: str, config: dict[str, Any]
 ) -> str:
@@ -122,9 +146,16 @@ def domain_xml(
         ET.SubElement(mark, f"{{{METADATA_NS}}}label", key=k, value=v)
     os_ = ET.SubElement(dom, "os")
     ET.SubElement(os_, "type", arch="x86_64", machine="q35").text = "hvm"
-    ET.SubElement(os_, "boot", dev="hd")
+    if settings.kernel:
+        ET.SubElement(os_, "kernel").text = settings.kernel
+        if settings.initrd:
+            ET.SubElement(os_, "initrd").text = settings.initrd
+        if settings.cmdline:
+            ET.SubElement(os_, "cmdline").text = settings.cmdline
+    else:
+        ET.SubElement(os_, "boot", dev="hd")
     sysinfo = ET.SubElement(dom, "sysinfo", type="fwcfg")  # libvirt's name for QEMU's fw_cfg
-    ET.SubElement(sysinfo, "entry", name=FW_CFG_NAME).text = json.dumps(config, sort_keys=True)
+    ET.SubElement(sysinfo, "entry", name=FW_CFG_NAME).text = fw_cfg_value(config)
     if settings.domain_type == "kvm":
         ET.SubElement(dom, "cpu", mode="host-passthrough")  # the edge checks for nested KVM itself
     else:

@@ -210,7 +210,7 @@ def _module_files(kroot: Path, version: str) -> list[str]:
 _CONSOLE = ("dev/console", stat.S_IFCHR | 0o600, b"")  # init's stdio before devtmpfs is mounted
 
 
-def _newc(entries: list[tuple[str, int, bytes]]) -> bytes:
+def newc(entries: list[tuple[str, int, bytes]]) -> bytes:
     """A cpio archive in the "newc" format the kernel unpacks: (name, mode, data) entries."""
     out = io.BytesIO()
 
@@ -297,7 +297,7 @@ def ensure_kit(kit_dir: Path, flavour: str = "cloud") -> GuestKit:
             with tempfile.TemporaryDirectory(dir=kit_dir) as tmp:
                 agent = Path(tmp) / "agent"
                 _compile_agent(agent)
-                data = gzip.compress(_newc(_initramfs_entries(kroot, version, agent)), compresslevel=1)
+                data = gzip.compress(newc(_initramfs_entries(kroot, version, agent)), compresslevel=1)
                 part = Path(tmp) / "initramfs.img"
                 part.write_bytes(data)
                 os.replace(part, initramfs)
