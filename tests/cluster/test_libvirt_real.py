@@ -18,7 +18,6 @@ import asyncio
 import gzip
 import lzma
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -118,9 +117,21 @@ def guest_initrd(kroot: Path, version: str, out: Path) -> None:
 class Daemon:
     proc: subprocess.Popen[bytes]
     uri: str
-    pool: Path
+    scratch: Path
     kernel: Path
     initrd: Path
+
+    @property
+    def pool(self) -> Path:
+        return self.scratch / "pool"
+
+    def logs(self) -> str:
+        """The daemon's log and its guests' QEMU logs (what a failed start is explained by)."""
+        paths = [
+            self.scratch / "libvirtd.log",
+            *sorted((self.scratch / "var/log/libvirt/qemu").glob("*.log")),
+        ]
+        return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in paths if p.exists())
 
     def in_netns(self, *argv: str) -> str:
         """Run ``argv`` in the daemon's network namespace (where its guests are)."""
@@ -182,7 +193,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
             pool.refresh(0)
         finally:
             conn.close()
-        yield Daemon(proc, uri, s / "pool", kit.kernel, initrd)
+        yield Daemon(proc, uri, s, kit.kernel, initrd)
     finally:
         # The daemon first (it would restart what is killed under it), then what it left in
         # its namespace: dnsmasq (daemonised) and any QEMU.
@@ -198,7 +209,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        shutil.rmtree(s, ignore_errors=True)
+        # The scratch directory stays for a failure's logs (pytest keeps the last few runs):
+        # libvirtd.log, and each guest's QEMU log under var/log/libvirt/qemu/.
 
 
 def _settings(d: Daemon) -> LibvirtSettings:
@@ -224,7 +236,10 @@ async def test_a_node_boots_takes_a_lease_and_reads_its_settings(daemon: Daemon)
     provider.poll_s = 0.5
     request = NodeRequest(name="virt-1", labels={"pool": "burst"}, cpus=1, memory_mib=256)
     try:
-        node = await provider.start(request)
+        try:
+            node = await provider.start(request)
+        except Exception as exc:
+            raise AssertionError(f"the node did not start: {exc}\n{daemon.logs()}") from exc
         assert node.state == "running" and node.url.startswith("http://192.168.150.")
         assert node.url.endswith(f":{EDGE_PORT}")
 
