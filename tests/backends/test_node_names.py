@@ -4,7 +4,11 @@ the sandboxes an edge made under the old shared parent (``dsec``)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,10 +42,28 @@ def test_spares_and_parents_of_another_node_are_not_this_ones(tmp_path: Path) ->
     assert cgroups.hashed_bucket(sid, mine).split("/")[1] == cgroups.hashed_bucket(sid, theirs).split("/")[1]
 
 
+@contextmanager
+def _legacy_parent_held() -> Iterator[None]:
+    """The old parent is one name for the whole host: two suites side by side (CI's beside-node
+    run) each made it when missing and removed it after, and one's rmdir met the other's
+    bucket (EBUSY). They take turns."""
+    fd = os.open("/run/dsec-test-legacy-parent.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def test_a_sandbox_under_the_old_shared_parent_is_adopted_by_its_node(tmp_path: Path) -> None:
     memory = cgroups.CGROUP_ROOT / "memory"
     if not (memory / "cgroup.procs").exists():
         pytest.skip("no cgroup v1 memory hierarchy")
+    with _legacy_parent_held():
+        _adopt_from_the_legacy_parent(memory, tmp_path)
+
+
+def _adopt_from_the_legacy_parent(memory: Path, tmp_path: Path) -> None:
     node = f"legacy{uuid.uuid4().hex[:6]}"
     sid, stranger = str(SandboxId.new(node, 1)), str(SandboxId.new(node + "x", 1))
     bucket = cgroups.hashed_bucket(sid, cgroups.LEGACY_PARENT)
