@@ -68,7 +68,6 @@ def _adopt_from_the_legacy_parent(memory: Path, tmp_path: Path) -> None:
     sid, stranger = str(SandboxId.new(node, 1)), str(SandboxId.new(node + "x", 1))
     bucket = cgroups.hashed_bucket(sid, cgroups.LEGACY_PARENT)
     legacy = memory / cgroups.LEGACY_PARENT
-    made_legacy = not legacy.exists()
     made_bucket = not (memory / bucket).exists()
     dirs = [memory / bucket / sid, memory / bucket / stranger]
     for d in dirs:
@@ -86,5 +85,8 @@ def _adopt_from_the_legacy_parent(memory: Path, tmp_path: Path) -> None:
             d.rmdir()
         if made_bucket:
             (memory / bucket).rmdir()
-        if made_legacy:
+        # Whoever made it: an old edge's sandboxes would be cgroups below it; none means it is
+        # a test's, this one's or one a failed run left (a race between two suites did, before
+        # they took turns).
+        if legacy.exists() and not any(p.is_dir() for p in legacy.iterdir()):
             legacy.rmdir()
