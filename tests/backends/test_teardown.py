@@ -4,8 +4,8 @@ it was first to read are reclaimed before its cgroups go, so no memory cgroup st
 
 The kernel's count of dying memory cgroups (/proc/cgroups) is the whole machine's, and other
 suites' cgroups die while the test runs (a CI run saw 91 dying and more after a minute): what is
-checked for each sandbox is its own cgroup, empty of LRU pages when it is removed, and its pages
-out of the page cache."""
+checked for each sandbox is its own cgroup, empty of LRU pages when it is removed (counted page by
+page: memory.stat's figures lag), and its pages out of the page cache."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from dsec.backends.container import cgroups, teardown
 from dsec.backends.container.backend import ContainerBackend
 from tests.backends.conformance import Made, run
-from tests.support import evict, resident_bytes
+from tests.support import evict, lru_pages_charged, resident_bytes
 
 from .test_enter import backend, helper, layer_dirs, made, probe, run_entered, sandbox  # noqa: F401
 
@@ -52,23 +52,16 @@ async def test_a_destroyed_sandbox_leaves_no_dying_memory_cgroup(
         out, err, code = await run_entered(helper, ctx, handle, ["cat", name])
         assert code == 0 and len(out) == MiB, err
         # Charged to it: without the reclaim at destroy, this keeps its cgroup alive.
-        assert teardown.lru_bytes(cgroups.sandbox_dir("memory", ctx.sandbox_id)) >= MiB // 2
+        assert teardown.charged_bytes(cgroups.sandbox_dir("memory", ctx.sandbox_id)) >= MiB // 2
         assert resident_bytes(layer / name.lstrip("/")) >= MiB // 2
-    # What each memory cgroup still holds on its LRU lists when the teardown is done with it,
+    # The pages each memory cgroup still has on LRU lists when the teardown is done with it,
     # just before it is removed: a page there is what would keep it dying.
     left: dict[Path, int] = {}
-    stats: dict[Path, str] = {}  # memory.stat of a cgroup left with pages: which kind they are
     release = teardown.release
 
     async def watched(cgroup: Path) -> int:
         freed = await release(cgroup)
-        left[cgroup] = teardown.lru_bytes(cgroup)
-        if left[cgroup]:
-            # The fields that say what kind of page it is, short: pytest cuts a long message
-            # in the middle. Seen so far: clean (no dirty or writeback), unmapped, inactive file.
-            kinds = ("cache", "shmem", "mapped_file", "dirty", "writeback", "inactive_file", "active_file")
-            lines = (cgroup / "memory.stat").read_text().splitlines()
-            stats[cgroup] = ", ".join(ln for ln in lines if ln.split(" ")[0] in kinds)
+        left[cgroup] = lru_pages_charged(cgroup)
         return freed
 
     monkeypatch.setattr(teardown, "release", watched)
@@ -77,7 +70,7 @@ async def test_a_destroyed_sandbox_leaves_no_dying_memory_cgroup(
         assert cgroups.sandbox_dirs(ctx.sandbox_id) == []
     await backend.detach()  # the spares some left (spares.py) are removed, to die too
     memcgs = {cgroups.sandbox_dir("memory", ctx.sandbox_id) for ctx, _ in made_here}
-    assert left == dict.fromkeys(memcgs, 0), stats
+    assert left == dict.fromkeys(memcgs, 0)
     # What it was charged for is no longer cached: nothing keeps its memory cgroup.
     assert [resident_bytes(layer / name.lstrip("/")) for name in files] == [0] * COUNT
 
@@ -114,7 +107,7 @@ async def test_a_destroyed_gvisor_sandbox_leaves_no_dying_memory_cgroup(
         assert code == 0 and len(out) == MiB, err
         # The gofer read it for the sentry: charged to the sandbox's memory cgroup.
         assert resident_bytes(layer / name.lstrip("/")) >= MiB // 2
-        assert teardown.lru_bytes(cgroups.sandbox_dir("memory", ctx.sandbox_id)) >= MiB // 2
+        assert teardown.charged_bytes(cgroups.sandbox_dir("memory", ctx.sandbox_id)) >= MiB // 2
     for ctx, handle in made_here:
         await backend.destroy(ctx.sandbox_id, handle, ctx.workdir)
         assert cgroups.sandbox_dirs(ctx.sandbox_id) == []

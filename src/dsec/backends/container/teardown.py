@@ -39,7 +39,6 @@ INIT_EXIT_TIMEOUT_S = 5.0  # its pid namespace waits for zombies whose parents a
 # force_empty mostly waits (for kernel workers on every CPU): its own threads, so that a mass
 # destroy does not hold the event loop's default ones, which file operations use.
 EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsec-teardown")
-_LRU = ("inactive_anon", "active_anon", "inactive_file", "active_file", "unevictable")
 
 
 async def end_processes(handle: ContainerHandle) -> bool:
@@ -103,15 +102,21 @@ async def _exited(pidfd: int) -> bool:
 _RELEASE_TRIES = 3
 
 
-def lru_bytes(cgroup: Path) -> int:
-    """Pages on the memory cgroup's own LRU lists (what keeps it from dying), in bytes; 0 when
-    it is gone. Kernel objects do not count: the kernel hands them to the parent at removal."""
+def charged_bytes(cgroup: Path) -> int:
+    """Bytes of user memory (page cache, anonymous pages) charged to the memory cgroup, what
+    keeps it from dying once removed, or a little more (pages a CPU holds pre-charged for it,
+    which force_empty hands back); 0 when it is gone. Kernel objects do not count: the kernel
+    hands them to the parent at removal.
+
+    From the page counters, exact, not from memory.stat: the kernel flushes those figures
+    lazily (2 s, or 64 updates a CPU, late), and a dead sandbox's cgroup with no page left on
+    any list still showed one there in about 1 test run of 3."""
     try:
-        text = (cgroup / "memory.stat").read_text()
+        usage = int((cgroup / "memory.usage_in_bytes").read_text())
+        kmem = int((cgroup / "memory.kmem.usage_in_bytes").read_text())
     except OSError:
         return 0
-    stat = dict(line.split() for line in text.splitlines() if line.count(" ") == 1)
-    return sum(int(stat.get(name, 0)) for name in _LRU)
+    return max(0, usage - kmem)
 
 
 async def release(cgroup: Path) -> int:
@@ -130,11 +135,10 @@ def release_memory(cgroup: Path) -> int:
     of 100 dead sandboxes (after a drain too). 1,000 concurrent destroys here: 143-162/s
     without it, 96-111/s with it; CPU 11-13 s without, 17-19 s with (~5.5 ms per destroy)."""
     freed = 0
-    # One pass left one 4 KiB page in one of 8 cgroups in a CI run (and in 1 of ~10 runs of
-    # its test): most likely a page busy at that moment (isolated by another reclaimer, under
-    # I/O), which force_empty skips. The retries cost nothing when the first pass emptied it.
+    # A page busy at that moment (isolated by another reclaimer, under I/O) is skipped by
+    # force_empty; the retries cost nothing when the first pass emptied the cgroup.
     for _ in range(_RELEASE_TRIES):
-        if not lru_bytes(cgroup):
+        if not charged_bytes(cgroup):
             break
         freed += memory.page_out(cgroup)
     return freed
