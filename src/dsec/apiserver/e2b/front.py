@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from dsec.apiserver.e2b.envd import EnvdRoutes, is_envd_path
 from dsec.apiserver.e2b.lifecycle import LifecycleRoutes, NotSupported
+from dsec.apiserver.e2b.logs import LogRoutes
 from dsec.apiserver.e2b.metrics import MetricsRoutes
 from dsec.apiserver.e2b.models import error_body
 from dsec.apiserver.e2b.snapshots import SnapshotRoutes
@@ -39,8 +40,6 @@ E2B_API_PREFIXES = ("/sandboxes", "/v2/sandboxes", "/templates", "/v2/templates"
 _NO_TEMPLATE_ROUTE = "this template route is not supported by DSec: build with Template() (e2b/templates.py)"
 # Paths of E2B's API that DSec does not offer, each with the reason the 501 gives.
 _UNSUPPORTED = (
-    ("/sandboxes/{id}/logs", "sandbox logs are not supported by DSec"),
-    ("/v2/sandboxes/{id}/logs", "sandbox logs are not supported by DSec"),
     # What templates.py does not take (tags, v1 builds, updates): build with Template().
     ("/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/v2/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
@@ -101,6 +100,7 @@ class E2BFront:
         self.lifecycle.domain = lambda: self.options.domain
         self.traffic = TrafficRoutes(sandboxes, self.tokens, lambda: self.options.domain)
         self.metrics = MetricsRoutes(sandboxes)
+        self.logs = LogRoutes(sandboxes)
         self.snapshots = SnapshotRoutes(sandboxes, store, self.lifecycle._created)
         lc = self.lifecycle
         self.templates = Templates(sandboxes, store, lc._default, lc._offers_internet)
@@ -112,6 +112,7 @@ class E2BFront:
         self.snapshots.register(r)  # before the 501s: DELETE /templates/{id} deletes a snapshot
         # First: /sandboxes/metrics must not be taken for the sandbox "metrics".
         self.metrics.register(r)
+        self.logs.register(r)
         for path, why in _UNSUPPORTED:
             r.add_route("*", path, _unsupported(why))
         self.lifecycle.register(r)

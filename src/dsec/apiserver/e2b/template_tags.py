@@ -21,12 +21,13 @@ from __future__ import annotations
 import datetime as dt
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.apiserver._http import PRINCIPAL, read_body
+from dsec.apiserver.e2b import logs
 from dsec.apiserver.e2b.lifecycle import NotSupported
 from dsec.apiserver.e2b.template_models import DEFAULT_TAG, MAX_TAGS, split_name
 from dsec.protocol.errors import InvalidRequest, LayerNotFound
@@ -34,8 +35,6 @@ from dsec.protocol.errors import InvalidRequest, LayerNotFound
 if TYPE_CHECKING:
     from dsec.apiserver.e2b.templates import Templates
 
-_LEVELS = ("debug", "info", "warn", "error")
-_RANK = {level: n for n, level in enumerate(_LEVELS)}
 _MAX_LOGS = 100  # E2B's maxLogEntriesPerRequest
 _V1_BUILDS = (
     "v1 template builds (the CLI's Dockerfile flow: an image pushed to E2B's registry) are not "
@@ -76,17 +75,6 @@ def _tags(raw: list[str]) -> list[str]:
 
 def _iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
-
-
-def _ms(timestamp: str) -> int:
-    return int(dt.datetime.fromisoformat(timestamp).timestamp() * 1000)
-
-
-def _choice(request: web.Request, name: str, choices: tuple[str, ...], default: str) -> str:
-    value = request.query.get(name, default)
-    if value not in choices:
-        raise InvalidRequest(f"{name} must be one of {', '.join(choices)}")
-    return value
 
 
 class TemplateTagRoutes:
@@ -170,26 +158,14 @@ class TemplateTagRoutes:
             uuid.UUID(build_id)
         except ValueError:
             raise InvalidRequest("Invalid build id") from None
-        cursor_raw = request.query.get("cursor")
-        if cursor_raw is not None and not (cursor_raw.isdigit() and len(cursor_raw) <= 16):
-            raise InvalidRequest("cursor must be an integer of milliseconds since the epoch")
-        limit_raw = request.query.get("limit", str(_MAX_LOGS))
-        if not (limit_raw.isdigit() and len(limit_raw) <= 4 and int(limit_raw) <= _MAX_LOGS):
-            raise InvalidRequest(f"limit must be an integer from 0 to {_MAX_LOGS}")
-        backward = _choice(request, "direction", ("forward", "backward"), "forward") == "backward"
-        level = _RANK[_choice(request, "level", _LEVELS, "debug")]
-        _choice(request, "source", ("temporary", "persistent"), "persistent")  # one store here
+        cursor = logs.ms_param(request, "cursor")
+        limit = logs.limit_param(request, _MAX_LOGS, _MAX_LOGS)
+        backward = logs.choice(request, "direction", ("forward", "backward"), "forward") == "backward"
+        level = logs.choice(request, "level", logs.LEVELS, "debug")
+        logs.choice(request, "source", ("temporary", "persistent"), "persistent")  # one store here
         rec = await self.templates._find(request[PRINCIPAL], request.match_info["id"])
         state = self.templates.builds.get(build_id)
         if rec is None or state is None or state.template_id != rec.template_id:
             raise InvalidRequest(f"Build '{build_id}' not found")  # E2B's answer: 400
-        entries: list[dict[str, Any]] = [e for e in state.logs if _RANK.get(e.get("level", ""), 1) >= level]
-        if cursor_raw is not None:
-            cursor = int(cursor_raw)
-            if backward:
-                entries = [e for e in entries if _ms(e["timestamp"]) <= cursor]
-            else:
-                entries = [e for e in entries if _ms(e["timestamp"]) >= cursor]
-        if backward:
-            entries.reverse()
-        return web.json_response({"logs": entries[: int(limit_raw)]})
+        entries = logs.select(state.logs, cursor=cursor, backward=backward, level=level, limit=limit)
+        return web.json_response({"logs": entries})
