@@ -23,7 +23,7 @@ _CONTEXT = """
         pathlib.Path(ctx, "app").mkdir()
         pathlib.Path(ctx, "app", "hello.txt").write_text("hello from copy\\n")
         PROBE = ("cat /srv/app/hello.txt; cat /srv/app/built.txt; cat /tmp/started; echo $GREETING;"
-                 " stat -c %U /srv/app/hello.txt; whoami; stat -c %U /tmp/started")
+                 " stat -c %U /srv/app/hello.txt; whoami; stat -c %U /tmp/started; pwd")
         def template(cls):
             return (cls(file_context_path=ctx).from_debian_image("bookworm")
                     .set_envs({"GREETING": "hi there"})
@@ -68,7 +68,7 @@ async def test_build_then_a_sandbox_sees_files_env_workdir_and_start_command(e2b
     )
     # USER app: the later steps, the start command and the sandbox's commands run as app.
     want = ["hello from copy", "built as app in /srv/app with hi there", "/srv/app", "hi there"]
-    want += ["app", "app", "app"]
+    want += ["app", "app", "app", "/srv/app"]  # and commands start in its WORKDIR, as envd's
     template_id, build_id, got, logs, exists = out["sync"]
     assert got == want, out
     assert exists is True
@@ -90,12 +90,12 @@ async def test_a_template_from_a_template_keeps_its_layers_env_and_user(e2b: E2B
         step = 'echo "$LEVEL $(whoami) $(pwd)" > child.txt'
         Template.build(Template().from_template({parent!r}).run_cmd(step), {child!r})
         sbx = Sandbox.create({child!r}, timeout=60)
-        probe = "cat /etc/parent.txt /home/dev/w/child.txt; whoami; echo $LEVEL"
+        probe = "cat /etc/parent.txt /home/dev/w/child.txt; whoami; echo $LEVEL; pwd"
         print(json.dumps(sbx.commands.run(probe).stdout))
         """,
         timeout=300,
     )
-    assert out.split() == ["parent", "parent", "dev", "/home/dev/w", "dev", "parent"], out
+    assert out.split() == ["parent", "parent", "dev", "/home/dev/w", "dev", "parent", "/home/dev/w"], out
 
 
 async def test_a_failing_step_is_an_error_status_with_its_logs(e2b: E2B) -> None:

@@ -233,6 +233,17 @@ async def test_init_user(make_sandbox: Sandboxes) -> None:
     assert (await sb.stat("/tmp/mine")).uid == 65534
 
 
+async def test_workdir_is_where_commands_start_unless_they_name_a_cwd(make_sandbox: Sandboxes) -> None:
+    sb = await make_sandbox(workdir="/srv")
+    assert (await sb.run_shell("pwd")).stdout == "/srv\n"
+    assert (await sb.exec(["pwd"])).stdout == "/srv\n"
+    assert (await sb.exec(["pwd"], cwd="/tmp")).stdout == "/tmp\n"
+    home = await make_sandbox()
+    assert (await home.run_shell("pwd")).stdout == "/root\n"
+    with pytest.raises(InvalidRequest, match="absolute"):
+        await make_sandbox(workdir="srv")
+
+
 async def test_files_round_trip_text_binary_and_listing(sandbox: Sandbox) -> None:
     await sandbox.write_file("/work/notes.txt", "héllo\n")
     assert await sandbox.read_file("/work/notes.txt") == "héllo\n".encode()

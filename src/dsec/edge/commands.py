@@ -135,7 +135,7 @@ class Commands:
                     rec.handle,
                     [shell, "-c", DRIVER],
                     env=sandbox_env(rec.spec, live.user),
-                    cwd=live.user.home,
+                    cwd=rec.spec.workdir or live.user.home,
                     user=live.user,
                 )
             except InfraFailure as exc:
@@ -219,7 +219,7 @@ class Commands:
                         live.record.handle,
                         argv,
                         env=sandbox_env(live.record.spec, live.user, env),
-                        cwd=cwd or live.user.home,
+                        cwd=cwd or live.record.spec.workdir or live.user.home,
                         user=live.user,
                     )
                 except InfraFailure as exc:

@@ -191,7 +191,9 @@ class Processes:
         return user
 
     async def _cwd(self, live: _Live, user: User, cwd: str | None) -> str:
-        """The working directory, checked before the start (relative: to the user's home)."""
+        """The working directory, checked before the start (relative: to the user's home; none:
+        the sandbox's ``workdir``, else the user's home)."""
+        cwd = cwd if cwd is not None else live.record.spec.workdir
         if cwd is None:
             return user.home
         full = posixpath.normpath(posixpath.join(user.home, cwd))

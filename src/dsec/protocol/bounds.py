@@ -38,8 +38,15 @@ def valid_user(value: str) -> str:
     return value
 
 
+def absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("must be an absolute path")
+    return value
+
+
 OsStr = Annotated[str, AfterValidator(no_nul)]
 OsPath = Annotated[str, Field(max_length=MAX_PATH_LEN), AfterValidator(no_nul)]
+AbsPath = Annotated[OsPath, AfterValidator(absolute)]
 UserName = Annotated[str, AfterValidator(valid_user)]
 Ref = Annotated[str, Field(max_length=1024), AfterValidator(no_nul)]  # a layer or image reference
 

@@ -28,7 +28,16 @@ from pydantic import (
     model_validator,
 )
 
-from dsec.protocol.bounds import MAX_OUTPUT_BYTES, MAX_TIMER_S, OsPath, OsStr, Ref, UserName, no_nul_env
+from dsec.protocol.bounds import (
+    MAX_OUTPUT_BYTES,
+    MAX_TIMER_S,
+    AbsPath,
+    OsPath,
+    OsStr,
+    Ref,
+    UserName,
+    no_nul_env,
+)
 from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.files import Change as Change
 from dsec.protocol.files import ChangeKind as ChangeKind
@@ -179,6 +188,11 @@ class ContainerSpec(_Model):
     )
     network_rules: NetworkRules = Field(default_factory=dict)
     init_user: UserName = "root"
+    workdir: AbsPath | None = Field(
+        default=None,
+        description="where a process, exec or shell session starts when it names no cwd "
+        "(it must exist then); default: its user's home",
+    )
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     hardware: Hardware = Field(default_factory=Hardware)

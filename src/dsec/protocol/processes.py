@@ -33,7 +33,7 @@ class PtySize(_Model):
 class ProcessStart(_Model):
     argv: list[OsStr] = Field(min_length=1, max_length=4096)
     env: Annotated[dict[str, str], AfterValidator(no_nul_env)] = Field(default_factory=dict)
-    cwd: OsPath | None = Field(default=None, description="default: the user's home, else /")
+    cwd: OsPath | None = Field(default=None, description="default: the sandbox's workdir, else user's home")
     user: UserName | None = Field(default=None, description="default: init_user")
     tag: str | None = Field(default=None, max_length=256, description="a name to find it by")
     pty: PtySize | None = Field(default=None, description="run on a pseudo-terminal of this size")

@@ -352,7 +352,7 @@ class SyncSandbox(SyncWrapper, async_cls=_client.Sandbox, wrap=[SyncPty]):
         """Start ``argv`` (default: a login shell) on a terminal of ``rows`` x ``cols``.
 
         ``TERM`` is ``xterm-256color`` unless ``env`` sets it; ``user`` defaults to the
-        sandbox's ``init_user``, ``cwd`` to that user's home.
+        sandbox's ``init_user``, ``cwd`` to the sandbox's ``workdir``, else that user's home.
         """
         return cast(
             "SyncPty", self._dsec_call("open_pty", argv, rows=rows, cols=cols, env=env, cwd=cwd, user=user)

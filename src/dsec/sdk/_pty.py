@@ -128,7 +128,7 @@ class SandboxPtyCalls:
         """Start ``argv`` (default: a login shell) on a terminal of ``rows`` x ``cols``.
 
         ``TERM`` is ``xterm-256color`` unless ``env`` sets it; ``user`` defaults to the
-        sandbox's ``init_user``, ``cwd`` to that user's home."""
+        sandbox's ``init_user``, ``cwd`` to the sandbox's ``workdir``, else that user's home."""
         req = ProcessStart(
             argv=argv or LOGIN_SHELL,
             env=env or {},

@@ -29,6 +29,7 @@ class DSecContainerRunArgs(BaseModel):
     lease_grace_s: float = 3600  # how long a lapsed lease's sandboxes stay paused before reclaim
     network_rules: NetworkRules = Field(default_factory=dict)
     init_user: str = "root"
+    workdir: str | None = None  # absolute: where commands start when they name no cwd (default: home)
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     hardware: Hardware = Field(default_factory=Hardware)  # arch, GPUs, node labels to run on
@@ -61,6 +62,7 @@ class DSecContainerRunArgs(BaseModel):
             lease_grace_s=self.lease_grace_s,
             network_rules=self.network_rules,
             init_user=self.init_user,
+            workdir=self.workdir,
             env=self.env,
             labels=self.labels,
             hardware=self.hardware,

@@ -292,6 +292,8 @@ class LifecycleRoutes:
                 # envd runs a command as the template's default user when the SDK names none:
                 # E2B's base has `user`; DSec's layers have root alone.
                 init_user=(built and built.user) or (E2B_USER if on_e2b_base else "root"),
+                # envd starts a command that names no cwd in the template's WORKDIR
+                workdir=built.workdir if built else None,
                 # ...whose passwordless sudo needs setuid to work. An E2B client already runs
                 # anything as root (user="root"): sudo gives `user` no more than that.
                 allow_setuid=on_e2b_base,
