@@ -25,7 +25,8 @@ _CONTEXT = """
         PROBE = ("cat /srv/app/hello.txt; cat /srv/app/built.txt; cat /tmp/started; echo $GREETING;"
                  " stat -c %U /srv/app/hello.txt; whoami; stat -c %U /tmp/started; pwd")
         def template(cls):
-            return (cls(file_context_path=ctx).from_debian_image("bookworm")
+            # skip_cache: every run builds (an identical build, of an earlier run too, is reused)
+            return (cls(file_context_path=ctx).skip_cache().from_debian_image("bookworm")
                     .set_envs({"GREETING": "hi there"})
                     .run_cmd("useradd -m -u 1500 app")
                     .set_user("app")
@@ -254,3 +255,36 @@ async def test_bad_input_is_a_400_with_a_reason(e2b: E2B) -> None:
             assert resp.status == 404
         async with http.delete(f"{e2b.url}/templates/{tid}") as resp:
             assert resp.status == 204
+
+
+async def test_an_identical_build_reuses_the_layers_unless_the_cache_is_skipped(e2b: E2B) -> None:
+    first, again, forced = _name(e2b, "c1"), _name(e2b, "c2"), _name(e2b, "c3")
+    step = f"cat /proc/sys/kernel/random/uuid > /stamp  # {first}"  # no earlier run built it
+    out = await e2b.run(
+        f"""
+        import asyncio
+        from e2b import AsyncSandbox, AsyncTemplate, Template
+        def template(cls):
+            return cls().from_template("debian:bookworm").run_cmd({step!r})
+        def stamp(name):
+            return Sandbox.create(name, timeout=60).commands.run("cat /stamp").stdout
+        built, logs = [], []
+        Template.build(template(Template), {first!r}, on_build_logs=lambda e: built.append(e.message))
+        Template.build(template(Template), {again!r}, on_build_logs=lambda e: logs.append(e.message))
+        async def skipped():
+            msgs = []
+            await AsyncTemplate.build(template(AsyncTemplate), {forced!r}, skip_cache=True,
+                                      on_build_logs=lambda e: msgs.append(e.message))
+            sbx = await AsyncSandbox.create({forced!r}, timeout=60)
+            return msgs, (await sbx.commands.run("cat /stamp")).stdout
+        forced_logs, forced_stamp = asyncio.run(skipped())
+        print(json.dumps([stamp({first!r}), stamp({again!r}), forced_stamp, built, logs, forced_logs]))
+        """,
+        timeout=600,
+    )
+    first_stamp, again_stamp, forced_stamp, built, logs, forced_logs = out
+    assert any(m.startswith("[1/1] RUN") for m in built), built
+    assert first_stamp == again_stamp and len(first_stamp) == 37, "the same layer: the step did not run again"
+    assert any(m.startswith("CACHED [1/1] RUN") for m in logs), logs
+    assert forced_stamp != first_stamp, "skip_cache() runs every step"
+    assert not any(m.startswith("CACHED") for m in forced_logs), forced_logs

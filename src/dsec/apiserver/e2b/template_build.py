@@ -244,6 +244,22 @@ async def _read_chunks(path: Path) -> AsyncIterator[bytes]:
             yield chunk
 
 
+def reuse_build(state: BuildState, start: BuildStart, cached: TemplateConfig) -> TemplateConfig:
+    """End ``state`` ready on the layers of an identical earlier build (``cached``), each step
+    logged as E2B logs a cached layer."""
+    state.status = "building"
+    state.log(f"building template {state.template_id}, build {state.build_id}")
+    total = len(start.steps)
+    for number, step in enumerate(start.steps, 1):
+        shown = f"{step.type} {' '.join(step.args)}"[:200]
+        state.log(f"CACHED [{number}/{total}] {shown}", step=str(number))
+    state.log(f"an identical build made {' + '.join(cached.refs)}: its layers are reused", step="finalize")
+    state.log("template is ready", step="finalize")
+    state.status, state.finished_at = "ready", _now()
+    update = {"start_cmd": start.start_cmd, "ready_cmd": start.ready_cmd, "build_id": state.build_id}
+    return cached.model_copy(update=update, deep=True)
+
+
 async def run_build(build: Build, ref: str, cpu: int, memory_mb: int) -> TemplateConfig | None:
     """Run ``build`` to its end: the config when ready, None when it failed (the state says why)."""
     state = build.state

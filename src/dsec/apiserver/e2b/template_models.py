@@ -8,6 +8,8 @@ commands a sandbox created from it runs (:mod:`.templates`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from typing import Literal
 
@@ -142,6 +144,25 @@ class BuildStart(_In):
                 raise InvalidRequest("startCmd and readyCmd may not hold NUL")
 
 
+def build_key(base_digests: list[str], base: TemplateConfig, start: BuildStart) -> str:
+    """The identity of a build's result: the base's layer digests and defaults, and the steps
+    (a COPY's uploaded files by their hash). Start and ready commands do not change layers."""
+    what = {
+        "base": base_digests,
+        "env": base.env,
+        "workdir": base.workdir,
+        "user": base.user,
+        "steps": [[s.type, s.args, s.files_hash] for s in start.steps],
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def forced(start: BuildStart) -> bool:
+    """``skip_cache()`` (the whole build) or a step marked ``force``: E2B runs it, and every
+    step after, again; with one cache entry per whole build, that is the whole build."""
+    return bool(start.force) or any(s.force for s in start.steps)
+
+
 class TemplateConfig(BaseModel):
     """What a ready build left: the layers and the sandbox's defaults."""
 
@@ -152,6 +173,9 @@ class TemplateConfig(BaseModel):
     start_cmd: str | None = None
     ready_cmd: str | None = None
     build_id: str = ""
+    # What made it (build_key): a later build of the same project with the same key reuses
+    # these layers instead of running its steps again, as E2B's build cache does.
+    build_key: str | None = None
 
 
 class TemplateRecord(BaseModel):

@@ -37,7 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec.apiserver._http import PRINCIPAL, read_body
-from dsec.apiserver.e2b.template_build import Build, BuildState, run_build
+from dsec.apiserver.e2b.template_build import Build, BuildState, reuse_build, run_build
 from dsec.apiserver.e2b.template_models import (
     DEFAULT_TAG,
     HASH_RE,
@@ -45,6 +45,8 @@ from dsec.apiserver.e2b.template_models import (
     BuildStart,
     TemplateConfig,
     TemplateRecord,
+    build_key,
+    forced,
     split_name,
 )
 from dsec.apiserver.e2b.template_tags import TemplateTagRoutes
@@ -367,9 +369,16 @@ class Templates:
             state.fail(exc.message, "base")
             config = None
         else:
-            build = Build(self.sandboxes, state, start, base, lambda h: files / h, self.internet)
-            ref = f"e2b/{rec.template_id}:{rec.build_count}"
-            config = await run_build(build, ref, rec.cpu_count, rec.memory_mb)
+            key = await self._build_key(state.principal, base, start)
+            cached = None if forced(start) else await self._cached(state.principal, key)
+            if cached is not None:
+                config = reuse_build(state, start, cached)
+            else:
+                build = Build(self.sandboxes, state, start, base, lambda h: files / h, self.internet)
+                ref = f"e2b/{rec.template_id}:{rec.build_count}"
+                config = await run_build(build, ref, rec.cpu_count, rec.memory_mb)
+                if config is not None:
+                    config.build_key = key
         async with self._lock:
             rec.last_status = state.status
             rec.updated_at = time.time()
@@ -378,6 +387,36 @@ class Templates:
                     rec.tags[tag] = config
                     rec.tagged_at[tag] = rec.updated_at
             await self._save()
+
+    async def _build_key(self, principal: Principal, base: TemplateConfig, start: BuildStart) -> str:
+        """:func:`build_key` over the base's layers by digest: a base rebuilt under the same
+        name is another base."""
+        viewer = layer_viewer(principal)
+        digests: list[str] = []
+        for ref in base.refs:
+            layers = await asyncio.to_thread(self.store.resolve_image, ref, viewer=viewer)
+            digests += [layer.digest for layer in layers]
+        return build_key(digests, base, start)
+
+    async def _cached(self, principal: Principal, key: str) -> TemplateConfig | None:
+        """A ready build of the project's templates with this key whose layers are all still
+        there (a template's layers outlive its deletion only until `dsec layer gc`)."""
+        async with self._lock:
+            records = list((await self._records()).values())
+        viewer = layer_viewer(principal)
+        for rec in records:
+            if rec.project != principal.project:
+                continue
+            for config in rec.tags.values():
+                if config.build_key != key:
+                    continue
+                try:
+                    for ref in config.refs:
+                        await asyncio.to_thread(self.store.resolve_image, ref, viewer=viewer)
+                except LayerNotFound:
+                    continue
+                return config
+        return None
 
     async def status(self, request: web.Request) -> web.Response:
         rec = await self._owned(request)
