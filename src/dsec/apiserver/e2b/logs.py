@@ -99,9 +99,10 @@ def select(
     picked = [e for e in entries if RANK.get(e.get("level", ""), 1) >= floor]
     if search is not None:
         picked = [e for e in picked if search in e.get("message", "")]
-    if cursor is not None:
-        at = cursor
-        picked = [e for e in picked if (ms(e["timestamp"]) <= at if backward else ms(e["timestamp"]) >= at)]
+    if cursor is not None and backward:
+        picked = [e for e in picked if ms(e["timestamp"]) <= cursor]
+    elif cursor is not None:
+        picked = [e for e in picked if ms(e["timestamp"]) >= cursor]
     if backward:
         picked.reverse()
     return picked[:limit]

@@ -365,11 +365,11 @@ class Templates:
         files = self._files(rec.template_id)
         try:  # a base that is not there fails the build, as an image E2B cannot pull does
             base = await self._base(state.principal, start)
+            key = await self._build_key(state.principal, base, start)
         except LayerNotFound as exc:
             state.fail(exc.message, "base")
             config = None
         else:
-            key = await self._build_key(state.principal, base, start)
             cached = None if forced(start) else await self._cached(state.principal, key)
             if cached is not None:
                 config = reuse_build(state, start, cached)
@@ -399,8 +399,8 @@ class Templates:
         return build_key(digests, base, start)
 
     async def _cached(self, principal: Principal, key: str) -> TemplateConfig | None:
-        """A ready build of the project's templates with this key whose layers are all still
-        there (a template's layers outlive its deletion only until `dsec layer gc`)."""
+        """A ready build of the project's templates with this key whose layers all still resolve
+        (`dsec layer rm` may have taken one)."""
         async with self._lock:
             records = list((await self._records()).values())
         viewer = layer_viewer(principal)
