@@ -154,7 +154,9 @@ async def test_another_project_neither_sees_nor_uses_the_template(e2b: E2B, node
     info = await e2b.run(
         f"""
         from e2b import Template
-        info = Template.build(Template().from_debian_image("bookworm").run_cmd("echo secret > /s"), {name!r})
+        # skip_cache: the template gets a layer of its own (a hit would reuse an earlier one's)
+        t = Template().skip_cache().from_debian_image("bookworm").run_cmd("echo secret > /s")
+        info = Template.build(t, {name!r})
         print(json.dumps([info.template_id, info.build_id]))
         """,
         timeout=300,
