@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import tarfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,6 +180,37 @@ def test_concurrent_threads_import_once(store: LayerStore, tmp_path: Path) -> No
     for t in threads:
         t.join()
     assert not errors and len(set(results)) == 1 and len(blobs(store)) == 1
+
+
+def test_a_directory_is_held_from_its_stripping_until_it_is_read(
+    store: LayerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stripping a name moves the directory's mtime until it is put back: another import of
+    # the same tree reading it then would store another digest under the same tag (CI saw
+    # "par:1 already names the layer ..." once in ~2,300 runs of the test above).
+    src = make_tree(tmp_path / "src")
+    tried: list[bool] = []
+    store_tree = LayerStore._store_tree
+
+    def reading(self: LayerStore, *args: Any, **kwargs: Any) -> Any:
+        fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            tried.append(True)
+        except BlockingIOError:
+            tried.append(False)
+        finally:
+            os.close(fd)
+        return store_tree(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerStore, "_store_tree", reading)
+    store.import_path(src, "held:1")
+    assert tried == [False]  # another import would have waited
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # and is let in once the import is done
+    finally:
+        os.close(fd)
 
 
 def test_two_processes_share_one_store(store: LayerStore, tmp_path: Path) -> None:

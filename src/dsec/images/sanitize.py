@@ -17,11 +17,14 @@ refusing them would refuse ordinary images for no gain. What was stripped is log
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,23 @@ CAPABILITY_XATTR = "security.capability"
 def is_whiteout(kind: int, rdev: int) -> bool:
     """Whether a device node of file type ``kind`` (S_IFCHR/S_IFBLK) is an overlay whiteout."""
     return kind == stat.S_IFCHR and rdev == os.makedev(0, 0)
+
+
+@contextmanager
+def stripped_tree(root: Path) -> Iterator[list[str]]:
+    """Strip ``root`` (:func:`strip_unsafe_tree`) and hold it while the caller reads it.
+
+    Stripping changes a directory's mtime for a moment (a name removed, then the time put
+    back); a second import of the same tree reading it in that moment would build another
+    digest. An exclusive lock on the directory, across threads and processes, keeps a reader
+    out until the tree is stripped and read whole.
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield strip_unsafe_tree(root)
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def strip_unsafe_tree(root: Path) -> list[str]:

@@ -53,6 +53,7 @@ imported into the file catalogue once, on open; the SQLite file is left untouche
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import shutil
@@ -80,7 +81,7 @@ from dsec.images.catalogue import IMAGE, LAYER, LEGACY_OWNER, Catalogue, Kind, T
 from dsec.images.ondemand import DEFAULT_CHUNK_SIZE, SplitInfo
 from dsec.images.owners import Viewer, _Ownership
 from dsec.images.refs import HEX_PREFIX_RE, REF_FORMS, digest_hex, is_tag, parse_tag
-from dsec.images.sanitize import strip_unsafe_tree
+from dsec.images.sanitize import stripped_tree
 from dsec.images.storage_quota import _StorageQuota
 from dsec.images.tarextract import extract_tar
 from dsec.protocol.errors import InfraFailure, InfraReason, InvalidRequest, LayerNotFound, TooLarge
@@ -235,9 +236,10 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
             raise InvalidRequest(f"cannot import {path}: no such file or directory")
         work = Path(tempfile.mkdtemp(prefix="import-", dir=self.tmp_dir))
         try:
+            held = contextlib.ExitStack()
             if path.is_dir():
                 src = Path(os.path.realpath(path))  # mkfs.erofs would store a symlink as such
-                strip_unsafe_tree(src)
+                held.enter_context(stripped_tree(src))
             else:
                 src = work / "rootfs"
                 src.mkdir()
@@ -250,7 +252,8 @@ class LayerStore(_SplitLayers, _GarbageCollection, _Ownership, _StorageQuota):
                         raise self.past_bound(bound, "this archive") from err
                 else:
                     extract_tar(path, src, max_bytes=max_bytes)
-            digest, built = self._store_tree(src, work, owner, payer)  # charged (storage_quota)
+            with held:
+                digest, built = self._store_tree(src, work, owner, payer)  # charged (storage_quota)
             rec, _ = self.catalogue.create(name, version, [digest], owner=owner, network=network)
             self.check_taken(rec, viewer)
             for d, file in built.items():
