@@ -1,9 +1,11 @@
 """FnCall calls per second and latency, against running the same code in a container sandbox.
 
     .venv/bin/python bench/fncall.py [--calls 400] [--concurrency 1,4,16] [--pool-size 2] [--preload numpy]
+        [--max-calls N]
 
-Runs an embedded node with one FnCall pool on a scratch data directory that shares the layer
-store of `dsec up` (`debian:bookworm-cc` must exist: `./setup.sh up` or `dsec base` builds it).
+Runs an embedded node with `dsec up`'s FnCall pool (its image, preloads and recycling: options
+change them) on a scratch data directory that shares the layer store of `dsec up`
+(`debian:bookworm-cc` must exist: `./setup.sh up` or `dsec base` builds it).
 Through the SDK and the HTTP API it measures, with the core count, p50/p99 and calls/s:
   - `fncall` of a python `print`, at each concurrency;
   - the baseline in the same run: the same program as `exec(["python3", "-c", ...])` in a
@@ -36,7 +38,7 @@ import aiohttp
 from _node import scratch_node
 from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
-from dsec.edge.fncall.pool import PoolConfig
+from dsec.edge.fncall.pool import default_pool
 from dsec.images.base import TOOLCHAIN_REF
 from dsec.protocol.fncall import FnResult
 
@@ -207,16 +209,21 @@ async def main() -> None:
     ap.add_argument("--run-code", default="1,4,16,64", help="concurrencies for /run_code ('' to skip)")
     ap.add_argument("--only-run-code", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="/run_code: CPU per call by process, from /proc")
-    preload_help = "modules the pool preloads (`dsec up`'s default pool: numpy); '' for none"
-    ap.add_argument("--preload", default="", help=preload_help)
+    preload_help = "modules the pool preloads (default: `dsec up`'s pool's, numpy); '' for none"
+    ap.add_argument("--preload", default=None, help=preload_help)
+    recycle_help = "calls a pool sandbox serves before it is replaced (default: `dsec up`'s)"
+    ap.add_argument("--max-calls", type=int, default=None, help=recycle_help)
     a = ap.parse_args()
     levels = [int(c) for c in a.concurrency.split(",")]
 
-    preload = [m for m in a.preload.split(",") if m]
-    pool = PoolConfig(size=a.pool_size, image=TOOLCHAIN_REF, max_calls=100_000, preload=preload)
+    pool = default_pool(a.pool_size)  # what `dsec up` runs, recycling included
+    if a.preload is not None:
+        pool.preload = [m for m in a.preload.split(",") if m]
+    if a.max_calls is not None:
+        pool.max_calls = a.max_calls
     print(
-        f"cores {os.cpu_count()}  python {sys.version.split()[0]}  pool of {a.pool_size} on {TOOLCHAIN_REF}"
-        f"  preloading {preload or 'nothing'}"
+        f"cores {os.cpu_count()}  python {sys.version.split()[0]}  pool of {a.pool_size} on {pool.image}"
+        f"  preloading {pool.preload or 'nothing'}  replaced after {pool.max_calls} calls"
     )
     async with scratch_node("fncall", a.layers, lambda scratch: {"fncall_pools": [pool]}) as node:
         sf_levels = [int(c) for c in a.run_code.split(",") if c]

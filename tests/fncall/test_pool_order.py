@@ -1,5 +1,6 @@
 """A pool hands a freed sandbox to the call that has waited longest (``FnPool._release``),
-never to one that arrived meanwhile, and never loses it to a call that gave up."""
+never to one that arrived meanwhile, and never loses it to a call that gave up; a sandbox
+replaced after ``max_calls`` costs the pool no capacity and its last call no wait."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class FakeWorker:
     def __init__(self, name: str) -> None:
         self.sandbox_id = name
         self.calls = 0
+        self.succeeded = False
         self.gate = asyncio.Event()
 
     async def call(self, task: FnTask) -> FnResult:
@@ -28,6 +30,27 @@ class FakeWorker:
         await self.gate.wait()
         self.gate.clear()
         return FnResult.model_validate(_result())
+
+    async def close(self) -> None:
+        pass
+
+
+class QuickWorker(FakeWorker):
+    async def call(self, task: FnTask) -> FnResult:
+        self.calls += 1
+        return FnResult.model_validate(_result())
+
+
+class SlowStops:
+    """The edge, as far as retiring goes: a stop takes until the test says."""
+
+    def __init__(self) -> None:
+        self.stopped: list[str] = []
+        self.done = asyncio.Event()
+
+    async def stop(self, sandbox_id: str, *, reason: str = "") -> None:
+        await self.done.wait()
+        self.stopped.append(sandbox_id)
 
 
 def _result() -> dict[str, Any]:
@@ -114,3 +137,35 @@ async def test_no_free_sandbox_within_the_queue_timeout_is_capacity_exhausted() 
     worker.gate.set()
     await holder
     assert list(pool._idle) == [worker] and not pool._waiters
+
+
+async def test_a_sandbox_at_max_calls_has_its_successor_already_and_its_last_call_no_wait() -> None:
+    old = QuickWorker("old")
+    pool = _pool(old)
+    pool.config.max_calls = 40  # the successor starts 5% ahead: at 38 calls
+    edge = SlowStops()
+    pool.edge = cast(Any, edge)
+    added: list[QuickWorker] = []
+
+    async def add() -> None:  # as FnPool._add ends: a started sandbox joins the pool
+        new = QuickWorker(f"new{len(added)}")
+        added.append(new)
+        pool._workers[new.sandbox_id] = cast(Worker, new)
+        pool._release(cast(Worker, new))
+
+    pool._add = add  # type: ignore[method-assign]
+    for _ in range(37):
+        await pool.call(TASK)
+    await _settle()
+    assert not added and old.calls == 37
+    await pool.call(TASK)  # the 38th
+    await _settle()
+    assert len(added) == 1 and set(pool._workers) == {"old", "new0"}, "the successor serves beside it"
+    while old.calls < 40:  # the two share the calls meanwhile
+        await pool.call(TASK)
+    # The 40th call had its answer while the stop was still under way.
+    assert not edge.stopped and set(pool._workers) == {"new0"} and old not in pool._idle
+    edge.done.set()
+    await _settle()
+    assert edge.stopped == ["old"] and pool.recycled == 1
+    assert len(added) == 1, "no second replacement: the successor was the replacement"

@@ -77,6 +77,10 @@ def test_preloaded_modules_are_already_imported(runner: Runner) -> None:
     # zygote (made before the preloads): a smaller fork and exit, the same answers.
     r = runner.call(language="python", code=seen + "import os.path, wave as w\nprint(*seen, __name__)")
     assert r.stdout == "False False __main__\n" and r.clean
+    # The lean zygote is a fresh interpreter, not a fork of the runner: none of the runner's
+    # task handling, nor the modules only the runner needs, is in its calls' memory.
+    runner_only = "import sys\nprint([m for m in sys.modules if m.endswith(('.calls', '.wire', 'json'))])"
+    assert runner.call(language="python", code=runner_only).stdout == "[]\n"
 
 
 def test_each_call_draws_its_own_random_numbers(runner: Runner, workdir: Path) -> None:

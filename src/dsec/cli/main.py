@@ -428,11 +428,10 @@ def _scaling(
 
 
 def _fncall_pools(path: Path | None, default_size: int) -> list[Any]:
-    from dsec.edge.fncall.pool import PoolConfig, load_pools
+    from dsec.edge.fncall.pool import default_pool, load_pools
 
     if path is None:
-        # numpy preloaded: every HumanEval-style harness imports it (~0.1 s cold per call).
-        return [PoolConfig(size=default_size, preload=["numpy"])] if default_size else []
+        return [default_pool(default_size)] if default_size else []
     try:
         return list(load_pools(path.read_text()))
     except (OSError, ValueError, TypeError) as exc:

@@ -8,8 +8,10 @@ per sandbox. Creating, namespacing and mounting happen when the pool fills, neve
 
 A sandbox is recycled (stopped, and a fresh one started in the background) after
 ``max_calls`` calls, when the runner reports it could not prove the sandbox clean, or when
-the runner dies. A call whose runner died before answering is retried once on another
-sandbox: calls are stateless, and the runner, not user code, is what died.
+the runner dies; the call that ended it has its answer first. Its successor starts a little
+before ``max_calls`` (5% of it ahead), so that replacement costs no capacity. A call whose
+runner died before answering is retried once on another sandbox: calls are stateless, and
+the runner, not user code, is what died.
 """
 
 from __future__ import annotations
@@ -105,7 +107,10 @@ class PoolConfig:
     # Instead of image: a layer list, base first (the python runtime on the toolchain base).
     layers: list[str] = field(default_factory=list)
     size: int = 2
-    max_calls: int = 500  # then the sandbox is replaced, whatever cleanup says
+    # Then the sandbox is replaced, whatever cleanup says (each call's cleanup is proven: this
+    # is hygiene). A replacement costs ~0.7 s of CPU with numpy preloaded: at 500 it was ~1.5
+    # of a /run_code call's ~5 ms (docs/decisions.md).
+    max_calls: int = 10_000
     memory_mb: int = 4096  # the sandbox's cgroup; each call also has its own address-space limit
     cpu_cores: float = 1.0
     pids: int = 4096
@@ -125,6 +130,7 @@ class Worker:
         self.proc = proc
         self.call_uid = call_uid
         self.calls = 0
+        self.succeeded = False  # its successor was started ahead of max_calls
         self._buffer = bytearray()
         self._stderr = asyncio.create_task(self._drain_stderr())
 
@@ -203,6 +209,7 @@ class FnPool:
         self._waiters: collections.deque[asyncio.Future[Worker]] = collections.deque()
         self._workers: dict[str, Worker] = {}
         self._starting: set[asyncio.Task[None]] = set()
+        self._retiring: set[asyncio.Task[None]] = set()
         self.closed = False
         self.recycled = 0
         self.error = ""
@@ -297,8 +304,24 @@ class FnPool:
     async def _recycle(self, worker: Worker, reason: str) -> None:
         self.recycled += 1
         log.info("fncall pool %s: recycling %s (%s)", self.config.name, worker.sandbox_id, reason)
+        if not worker.succeeded:
+            self._refill()  # before the stop: the pool is whole again sooner
         await self._retire(worker, reason)
-        self._refill()
+
+    def _recycle_later(self, worker: Worker, reason: str) -> None:
+        """Recycle after the call that ended the worker has its answer (a stop takes a while)."""
+        self._workers.pop(worker.sandbox_id, None)  # handed to no call from here on
+        task = asyncio.create_task(self._recycle(worker, reason))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def _succeed_ahead(self, worker: Worker) -> None:
+        """Start the successor of a worker nearing ``max_calls`` while it still serves: the
+        replacement (seconds, preloads included) then costs the pool no capacity."""
+        ahead = max(1, self.config.max_calls // 20)
+        if not worker.succeeded and worker.calls >= self.config.max_calls - ahead:
+            worker.succeeded = True
+            self._refill()
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -317,10 +340,11 @@ class FnPool:
                 await asyncio.shield(self._recycle(worker, "call abandoned"))
                 raise
             if not result.clean:
-                await self._recycle(worker, "cleanup could not prove the sandbox clean")
+                self._recycle_later(worker, "cleanup could not prove the sandbox clean")
             elif worker.calls >= self.config.max_calls:
-                await self._recycle(worker, f"served {worker.calls} calls")
+                self._recycle_later(worker, f"served {worker.calls} calls")
             else:
+                self._succeed_ahead(worker)
                 self._release(worker)
             return result
         raise AssertionError("unreachable")
@@ -383,8 +407,14 @@ class FnPool:
         self.closed = True
         for task in list(self._starting):
             task.cancel()
-        await asyncio.gather(*self._starting, return_exceptions=True)
+        await asyncio.gather(*self._starting, *self._retiring, return_exceptions=True)
         await asyncio.gather(*(self._retire(w, "pool closed") for w in list(self._workers.values())))
+
+
+def default_pool(size: int) -> PoolConfig:
+    """``dsec up``'s pool when no ``--fncall-pools`` names one (and what bench/fncall.py measures)."""
+    # numpy preloaded: every HumanEval-style harness imports it (~0.1 s cold per call).
+    return PoolConfig(size=size, preload=["numpy"])
 
 
 def load_pools(text: str) -> list[PoolConfig]:

@@ -21,11 +21,12 @@ itself once without address randomization and with SEED as its hash seed, and ma
 preloads built mergeable: the runners of a pool then hold the same pages, which KSM keeps once.
 
 Isolation of a call:
-- Every process of a call is forked by a zygote, itself forked from this runner before any
-  task was read: the warm one after the preloads (a Python call that may use them starts with
-  the modules imported), the lean one before them (exec'd programs, and Python programs that
-  import only the standard library: ``imports``). No call can find an earlier call's task or
-  inputs, or its own ``expected_stdout``, in its memory.
+- Every process of a call is forked by a zygote that holds no task: the warm one forked from
+  this runner after the preloads and before any task was read (a Python call that may use
+  them starts with the modules imported), the lean one a fresh interpreter the runner execs
+  at start (exec'd programs, and Python programs that import only the standard library:
+  ``imports``). No call can find an earlier call's task or inputs, or its own
+  ``expected_stdout``, in its memory.
 - The child: its own session (one killpg reaches its tree), when the runner may create
   namespaces its own IPC namespace and a network namespace with no socket of an earlier call
   in it (shared by calls while that holds: ``netns.SharedNet``), a fresh 0700 call dir as cwd,

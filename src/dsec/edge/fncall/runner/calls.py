@@ -1,10 +1,11 @@
 """The runner's side of a call: set it up, run its processes through the zygote, judge it, and
 prove the sandbox clean after it.
 
-Two zygotes: a lean one, forked before the preloads, and a warm one after them (when there
-are any). Exec'd programs (compilers, C, C++, bash) and Python programs whose imports are all
-of the standard library and none preloaded (``imports.needs_preloads``) fork from the lean
-one: a fork of a small heap, and an exit with little to unmap. The rest fork from the warm one.
+Two zygotes: a lean one, a fresh interpreter exec'd at start, and a warm one forked after the
+preloads (when there are any). Exec'd programs (compilers, C, C++, bash) and Python programs
+whose imports are all of the standard library and none preloaded (``imports.needs_preloads``)
+fork from the lean one: a fork of a small heap, and an exit with little to unmap. The rest
+fork from the warm one.
 
 After a call, when neither the runner nor a zygote has a child of the call left (every
 process of a call descends from its first one, and orphans come to the runner, the
@@ -19,16 +20,19 @@ can clean after, so every result says ``clean: false``.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import marshal
 import os
 import select
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import layout
 from .capture import Proc, Stream, pump
 from .cleanup import all_root, children, remove, remove_sysv_ipc, sysv_ipc_of
 from .files import CallFiles, fetch
@@ -37,9 +41,14 @@ from .judge import classify, exit_code
 from .libc import CLONE_NEWIPC, CLONE_NEWNET, PR_SET_CHILD_SUBREAPER, libc
 from .process import COMPILE_MEMORY_MB, ENV, rlimits
 from .wire import RUN_ARGV, SOURCE, Task, TaskError, result
-from .zygote import zygote
+from .zygote import BOOT, zygote
 
 KILL_ROUNDS = 50
+_ZYGOTE_START_S = 30.0  # an interpreter's start, on a node busy starting a pool
+# Where this package is imported from (the zip the runner runs as): the lean zygote's path.
+_PACKAGE_ROOT = __file__
+for _ in range(__package__.count(".") + 2):
+    _PACKAGE_ROOT = os.path.dirname(_PACKAGE_ROOT)
 
 
 class CallFailed(RuntimeError):
@@ -84,7 +93,7 @@ class Runner:
         self.own_pid = os.getpid()
         self.zygote_dead = False  # one of them
         self.mark = mark
-        self.lean = self.warm = self._fork_zygote([])
+        self.lean = self.warm = self._exec_zygote()
         self.preloaded: list[str] = []
         if self.root and not self._try_in_child(self._kill_as_call_uid):
             raise OSError(f"cannot become uid {uid} / gid {gid} (setgroups, setgid, setuid)")
@@ -92,6 +101,7 @@ class Runner:
             raise OSError(f"cannot start clean: processes of uid {uid} survive, or {workdir} stays non-empty")
 
     def _fork_zygote(self, others: list[_Zygote]) -> _Zygote:
+        """The warm zygote: a fork of this runner, preloads and all."""
         if self.mark is not None:
             self.mark()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -102,6 +112,33 @@ class Runner:
             zygote(theirs, self.private_net, self.root)
         theirs.close()
         return _Zygote(pid, ours)
+
+    def _exec_zygote(self) -> _Zygote:
+        """The lean zygote: a fresh interpreter holding what a call process needs and nothing
+        of this runner (zygote.py says why). OSError when it does not start."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        flags = (self.private_net, self.root, layout.own_layout, self.mark is not None)
+        argv = [sys.executable, "-c", BOOT, _PACKAGE_ROOT, __package__, str(theirs.fileno())]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                os.set_inheritable(theirs.fileno(), True)
+                os.execv(sys.executable, argv + [str(int(f)) for f in flags])
+            finally:
+                os._exit(127)
+        theirs.close()
+        z = _Zygote(pid, ours)
+        try:
+            self._recv(z, _ZYGOTE_START_S)
+        except CallFailed as exc:
+            ours.close()
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise OSError(f"the lean zygote did not start: {exc}") from None
+        self.zygote_dead = False
+        return z
 
     def fork_warm(self, preloaded: list[str]) -> None:
         """After the preloads: the zygote of the calls that may use them. Without preloads the
@@ -136,7 +173,7 @@ class Runner:
         if not msg:
             self.zygote_dead = True
             raise ZygoteLost("the zygote died")
-        reply: dict[str, Any] = json.loads(msg)
+        reply: dict[str, Any] = marshal.loads(msg)
         if "error" in reply:
             raise CallFailed(reply["error"])
         return reply
@@ -171,7 +208,7 @@ class Runner:
             req: dict[str, Any] = {"argv": argv, "cwd": cdir, "limits": limits}
             req |= {"uid": uid, "gid": self.gid, "env": env}
             start = time.monotonic()  # from the request: the fork and setup count as the call's time
-            socket.send_fds(z.sock, [json.dumps(req).encode()], [mem, out_w, err_w, st_w])
+            socket.send_fds(z.sock, [marshal.dumps(req)], [mem, out_w, err_w, st_w])
         finally:
             for fd in (mem, out_w, err_w, st_w):
                 os.close(fd)

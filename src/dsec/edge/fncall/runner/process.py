@@ -9,19 +9,21 @@ would. ``rlimits`` and ``ENV`` are what the runner puts in the request.
 from __future__ import annotations
 
 import ctypes
-import json
+import marshal
 import math
 import os
 import resource
 import signal
 import socket
 import sys
-import traceback
 import types
-from typing import NoReturn
 
 from . import layout
 from .libc import PR_SET_NO_NEW_PRIVS, libc
+
+TYPE_CHECKING = False  # not typing itself: this module is in the lean zygote (zygote.py)
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 # Per call: processes+threads of the call uid (RLIMIT_NPROC counts threads; real programs start
 # a thread pool per core, graders 100s of threads), fds, file size. The pool sandbox's pids
@@ -79,7 +81,7 @@ def call_process(msg: bytes, fds: list[int], chan: socket.socket, early: BaseExc
         os.closerange(4, 1 << 20)
         if early is not None:
             raise early
-        req = json.loads(msg)
+        req = marshal.loads(msg)  # from the runner, through the zygote
         os.chdir(req["cwd"])
         for res, soft, hard in req["limits"]:
             resource.setrlimit(res, (soft, hard))
@@ -147,6 +149,8 @@ def _run_python(cwd: str, env: dict[str, str]) -> int:
 def _print_user_exception(exc: BaseException) -> None:
     tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop the runner's own frame
     try:
-        traceback.print_exception(type(exc), exc, tb)
+        # What `python3 main.py` prints for an uncaught exception, by the same C code (the
+        # traceback module would sit in the lean zygote's heap for this).
+        sys.__excepthook__(type(exc), exc.with_traceback(tb), tb)  # it prints exc's own
     except BaseException:
         pass

@@ -1,28 +1,57 @@
 """The zygote: the one process that forks every call process, from a runner holding no task.
 
-Forked by the runner after the preloads and before any task was read, so a Python call starts
-with the modules imported but cannot find an earlier call's task or inputs, or its own
-``expected_stdout``, in its memory. It forks the next call's process ahead (a "spare": new
-session, namespaces, done off the call's path), hands it the request when the call starts,
-and reports its pid, then its wait status and rusage, back to the runner over a socket.
+Two kinds. The warm one is forked by the runner after the preloads and before any task was
+read, so a Python call starts with the modules imported but cannot find an earlier call's
+task or inputs, or its own ``expected_stdout``, in its memory. The lean one is a fresh
+interpreter the runner execs (``main``) that imports this module and what a call process
+needs, nothing of the runner: every fork copies the zygote's page tables and every call's
+exit unmaps them, so its size is paid per call (8.7 -> 4.5 MiB anonymous, fork and exit
+1.15 -> 0.93 ms CPU, docs/decisions.md).
+
+A zygote forks the next call's process ahead (a "spare": new session, namespaces, done off
+the call's path), hands it the request when the call starts, and reports its pid, then its
+wait status and rusage, back to the runner over a socket. Messages both ways are
+``marshal``'d: the runner and the zygote are the same interpreter, and the json module (and
+the re module under it) would be a megabyte of the lean zygote's heap.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import json
+import marshal
 import os
 import select
 import signal
 import socket
-from typing import NoReturn
+import sys
 
+from . import layout
 from .libc import CLONE_NEWIPC, CLONE_NEWNET, libc
 from .netns import SharedNet
 from .process import call_process, fresh_random
 
+TYPE_CHECKING = False  # typing itself is not imported: its heap would be the lean zygote's
+if TYPE_CHECKING:
+    from typing import NoReturn
+
 _shared_net: SharedNet | None = None  # the zygote's; its spares enter it
+# What the runner execs for the lean zygote: its package from where the runner's came (the
+# zip), then ``main`` with the socket's fd and the flags.
+BOOT = "import sys; sys.path[0] = sys.argv[1]; __import__(sys.argv[2] + '.zygote', fromlist=['main']).main()"
+
+
+def main() -> NoReturn:
+    """The lean zygote's start: ``BOOT <root> <package> <fd> <netns> <root> <own layout> <mergeable>``
+    (flags as 0/1). Says ``{"ready": True}`` once it can fork, then serves as ``zygote``."""
+    fd, netns, root, own_layout, mergeable = (int(a) for a in sys.argv[3:8])
+    sock = socket.socket(fileno=fd)
+    os.set_inheritable(fd, False)
+    layout.own_layout = bool(own_layout)  # exec'd with the runner's personality and hash seed
+    if mergeable:
+        layout.mark_mergeable()  # an exec starts unmarked: mark as the runner marked itself
+    sock.send(marshal.dumps({"ready": True}))
+    zygote(sock, bool(netns), bool(root))
 
 
 def zygote(sock: socket.socket, netns: bool, root: bool) -> NoReturn:
@@ -80,14 +109,12 @@ def zygote(sock: socket.socket, netns: bool, root: bool) -> NoReturn:
             for fd in fds:
                 os.close(fd)
             if pid < 0:
-                sock.send(json.dumps({"error": error}).encode())
+                sock.send(marshal.dumps({"error": error}))
             else:
-                # JSON by hand: after each fork every page the zygote writes is copied, and
-                # json.dumps touched ~30 more per call (135 -> 104 faults, docs/decisions.md).
-                sock.send(b'{"pid": %d}' % pid)
+                sock.send(marshal.dumps({"pid": pid}))
                 _, status, ru = os.wait4(pid, 0)
                 cpu = ru.ru_utime + ru.ru_stime
-                sock.send(b'{"status": %d, "maxrss": %d, "cpu": %r}' % (status, ru.ru_maxrss, cpu))
+                sock.send(marshal.dumps({"status": status, "maxrss": ru.ru_maxrss, "cpu": cpu}))
             spare = _fork_spare(sock, netns, root)
     finally:
         try:
