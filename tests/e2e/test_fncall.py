@@ -182,6 +182,11 @@ async def test_pool_sandboxes_are_the_edges_own(fn: DSecClient, fn_node: Embedde
     assert "fncall" in fn_node.edge.stats()["backends"]
 
 
+async def test_calls_work_in_a_memory_backed_directory(fn: DSecClient) -> None:
+    mounts = "print([m.split()[2] for m in open('/proc/self/mounts') if m.split()[1] == '/tmp/fncall'])"
+    assert (await fn.fncall(py(mounts))).stdout == "['tmpfs']\n"
+
+
 async def test_calls_go_to_the_pool_of_their_language(fn: DSecClient, fn_node: EmbeddedNode) -> None:
     pools = fn_node.edge.pools
 

@@ -244,6 +244,29 @@ async def test_workdir_is_where_commands_start_unless_they_name_a_cwd(make_sandb
         await make_sandbox(workdir="srv")
 
 
+async def test_a_tmpfs_is_memory_of_the_sandbox_empty_at_start_and_bounded(make_sandbox: Sandboxes) -> None:
+    sb = await make_sandbox(tmpfs={"/scratch": 4}, memory_limit_mb=256)
+    mounts = (await sb.exec(["cat", "/proc/self/mounts"])).stdout
+    assert any(line.split()[1:3] == ["/scratch", "tmpfs"] for line in mounts.splitlines()), mounts
+    assert (await sb.exec(["ls", "-A", "/scratch"])).stdout == ""
+    assert (await sb.exec(["stat", "-c", "%a", "/scratch"])).stdout == "1777\n"
+    await sb.write_file("/scratch/note", "via the API")  # the file routes see the sandbox's mounts
+    assert (await sb.exec(["cat", "/scratch/note"])).stdout == "via the API"
+    usage = cgroups.sandbox_dir("memory", sb.id) / "memory.usage_in_bytes"
+    before = int(usage.read_text())
+    assert (await sb.run_shell("head -c 3M /dev/zero > /scratch/fits")).exit_code == 0
+    # Exact but for the kernel's per-CPU charge stock (64 pages): what the tmpfs holds is the
+    # sandbox's memory.
+    assert int(usage.read_text()) - before >= (3 << 20) - (64 << 12)
+    full = await sb.run_shell("head -c 2M /dev/zero > /scratch/big; echo rc=$?")
+    assert "No space left on device" in full.stderr and "rc=1" in full.stdout
+    for bad, why in (({"/proc/x": 1}, "not over"), ({"/a/../b": 1}, "normalized"), ({"/s": 0}, "size")):
+        with pytest.raises(InvalidRequest, match=why):
+            await make_sandbox(tmpfs=bad)
+    with pytest.raises(InvalidRequest, match="crun containers only"):
+        await make_sandbox(tmpfs={"/scratch": 4}, runtime="gvisor")
+
+
 async def test_files_round_trip_text_binary_and_listing(sandbox: Sandbox) -> None:
     await sandbox.write_file("/work/notes.txt", "héllo\n")
     assert await sandbox.read_file("/work/notes.txt") == "héllo\n".encode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import posixpath
 import re
 from collections.abc import Mapping
 from enum import StrEnum
@@ -85,6 +86,9 @@ class GrantOptions(_Model):
 # with options. Bounded: a name is at most 63 characters, a range 18, a node offers a few dozen.
 Grant = bool | GrantOptions
 MAX_NETWORK_RULES = 256
+MAX_TMPFS = 8
+# What a tmpfs may not cover: the runtime's own mounts (/.dsec holds the sandbox's init).
+_TMPFS_FORBIDDEN = ("/proc", "/sys", "/dev", "/.dsec")
 NetworkRules = Annotated[
     dict[Annotated[str, Field(min_length=1, max_length=64)], Grant], Field(max_length=MAX_NETWORK_RULES)
 ]
@@ -196,6 +200,12 @@ class ContainerSpec(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     hardware: Hardware = Field(default_factory=Hardware)
+    tmpfs: dict[AbsPath, int] = Field(
+        default_factory=dict,
+        description="memory-backed directories, path -> size in MiB (mode 1777, empty at every "
+        "start): what is written there counts against memory_limit_mb and is in no layer or "
+        "snapshot made of the sandbox. crun containers only",
+    )
     allow_setuid: bool = Field(
         default=False,
         description="processes start without no_new_privs, so setuid programs work (sudo to root "
@@ -208,7 +218,24 @@ class ContainerSpec(_Model):
         # gVisor's runsc and a VM's guest agent start processes their own way (no dsec-enter).
         if self.allow_setuid and (self.type != "container" or self.runtime != "crun"):
             raise ValueError("allow_setuid applies to crun containers only")
+        # runsc puts a /tmp of its own over the spec's mounts; a VM's disk is its guest's.
+        if self.tmpfs and (self.type != "container" or self.runtime != "crun"):
+            raise ValueError("tmpfs applies to crun containers only")
         return self
+
+    @field_validator("tmpfs")
+    @classmethod
+    def _tmpfs(cls, v: dict[str, int]) -> dict[str, int]:
+        if len(v) > MAX_TMPFS:
+            raise ValueError(f"at most {MAX_TMPFS} tmpfs directories")
+        for path, mb in v.items():
+            if posixpath.normpath(path) != path or path == "/":
+                raise ValueError(f"tmpfs {path!r}: a normalized absolute path other than /")
+            if any(path == d or path.startswith(d + "/") for d in _TMPFS_FORBIDDEN):
+                raise ValueError(f"tmpfs {path!r}: not over {', '.join(_TMPFS_FORBIDDEN)}")
+            if not 1 <= mb <= 1024 * 1024:
+                raise ValueError(f"tmpfs {path!r}: size must be 1 to 1048576 MiB")
+        return v
 
     @model_validator(mode="after")
     def _one_environment(self) -> ContainerSpec:

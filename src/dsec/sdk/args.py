@@ -34,6 +34,7 @@ class DSecContainerRunArgs(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     hardware: Hardware = Field(default_factory=Hardware)  # arch, GPUs, node labels to run on
     allow_setuid: bool = False  # setuid programs (sudo) work: no no_new_privs; crun only
+    tmpfs: dict[str, int] = Field(default_factory=dict)  # path -> MiB, memory-backed; crun only
 
     def to_spec(self) -> ContainerSpec:
         """Validate against the wire model now, so bad input fails before any request."""
@@ -67,6 +68,7 @@ class DSecContainerRunArgs(BaseModel):
             labels=self.labels,
             hardware=self.hardware,
             allow_setuid=self.allow_setuid,
+            tmpfs=self.tmpfs,
         )
 
 

@@ -156,6 +156,16 @@ def build_config(
                 else _empty_bind("/sys", runtime_dir)
             ),
             *(_empty_bind(d, runtime_dir) for d in MASKED_DIRS if os.path.isdir(d)),
+            # The spec's own: memory-backed, so charged to the sandbox's memory cgroup.
+            *(
+                {
+                    "destination": path,
+                    "type": "tmpfs",
+                    "source": "tmpfs",
+                    "options": ["nosuid", "nodev", "mode=1777", f"size={mb}m"],
+                }
+                for path, mb in spec.tmpfs.items()
+            ),
             *(_lxcfs_binds(lxcfs) if lxcfs else []),
             {
                 "destination": "/.dsec",

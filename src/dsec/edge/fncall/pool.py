@@ -56,6 +56,7 @@ class PoolHost(Protocol):
 
 POOL_LABEL = RESERVED_LABEL_PREFIX + "pool"
 RUNNER_IN_SANDBOX = "/.dsec/fncall-runner.py"  # the node's runtime directory, read-only in sandboxes
+CALL_DIRS = "/tmp/fncall"  # the runner's --workdir: each call's directory is made in it
 _READY_TIMEOUT_S = 60.0  # preloading heavy modules (numpy, torch) takes a while
 _ANSWER_MARGIN_S = 30.0  # beyond the task's own timeouts: cleanup, compiling, fetching files
 _LINE_LIMIT = 256 << 20
@@ -112,6 +113,10 @@ class PoolConfig:
     # of a /run_code call's ~5 ms (docs/decisions.md).
     max_calls: int = 10_000
     memory_mb: int = 4096  # the sandbox's cgroup; each call also has its own address-space limit
+    # The calls' directories (their inputs, program, compiler output, what they write there)
+    # are a tmpfs of this size: a call dir on the sandbox's overlay cost the runner ~0.15 ms
+    # a call more (ext4's journal and truncate per mkdir, unlink, rmdir). Charged to memory_mb.
+    call_files_mb: int = 1024
     cpu_cores: float = 1.0
     pids: int = 4096
     preload: list[str] = field(default_factory=list)
@@ -227,6 +232,7 @@ class FnPool:
                 "memory_limit_mb": c.memory_mb,
                 "cpu_cores_limit": c.cpu_cores,
                 "pids_limit": c.pids,
+                "tmpfs": {CALL_DIRS: c.call_files_mb},
                 "labels": {POOL_LABEL: c.name},
             },
             context={"trusted": True},
@@ -254,7 +260,7 @@ class FnPool:
         info = await self.edge.create(self.spec())
         call_uid = _take_call_uid()
         try:
-            argv = ["python3", RUNNER_IN_SANDBOX, "--workdir", "/tmp/fncall"]
+            argv = ["python3", RUNNER_IN_SANDBOX, "--workdir", CALL_DIRS]
             argv += ["--uid", str(call_uid), "--gid", str(call_uid)]
             if self.config.preload:
                 argv += ["--preload", ",".join(self.config.preload)]
@@ -430,6 +436,6 @@ def load_pools(text: str) -> list[PoolConfig]:
         unknown = set(p.languages) - set(get_args(Language))
         if unknown:
             raise ValueError(f"fncall pool {p.name!r}: unknown languages {sorted(unknown)}")
-        if p.size < 0 or p.max_calls < 1:
-            raise ValueError(f"fncall pool {p.name!r}: size must be >= 0 and max_calls >= 1")
+        if p.size < 0 or p.max_calls < 1 or p.call_files_mb < 1:
+            raise ValueError(f"fncall pool {p.name!r}: size must be >= 0, max_calls and call_files_mb >= 1")
     return pools
