@@ -523,3 +523,18 @@ async def test_an_unkeyed_stream_broken_by_a_non_dsec_error_is_recorded_as_faile
     [entry] = log.entries(SB)
     assert entry.status == "failed" and entry.error is not None
     assert entry.error["error"]["reason"] == "interrupted"
+
+
+async def test_a_page_ends_at_its_byte_budget_and_paging_goes_on(
+    recorder: Recorder, log: TrajectoryLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dsec.edge.trajectory.PAGE_BYTES", 10_000)
+    for i in range(5):  # ~4 KB of request each: two fit a page
+        await recorder.call(SB, "shell", None, {"i": i, "cmd": "x" * 4000}, Counted())
+    pages, after = [], 0
+    while page := log.entries(SB, after=after):
+        pages.append([e.seq for e in page])
+        after = page[-1].seq
+    assert pages == [[1, 2], [3, 4], [5]]
+    await recorder.call(SB, "shell", None, {"cmd": "y" * 20_000}, Counted())
+    assert [e.seq for e in log.entries(SB, after=5)] == [6], "a step past the budget alone still comes"

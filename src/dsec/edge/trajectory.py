@@ -43,6 +43,10 @@ CREATE TABLE IF NOT EXISTS steps (
 CREATE UNIQUE INDEX IF NOT EXISTS steps_key ON steps(sandbox_id, key) WHERE key IS NOT NULL;
 """
 _LIST_LIMIT = 10_000
+# A page's recorded bytes (requests, outcomes, errors): a step may carry a megabyte command and
+# its output, and 10,000 of them would be gigabytes read into memory for one answer. Past this
+# a page ends early (never before its first step); the caller pages on from its last ``seq``.
+PAGE_BYTES = 32 << 20
 
 
 class TrajectoryLog:
@@ -110,11 +114,21 @@ class TrajectoryLog:
         return None if row is None else _entry(row)
 
     def entries(self, sandbox_id: str, *, after: int = 0, limit: int = _LIST_LIMIT) -> list[TrajectoryEntry]:
+        """Steps after ``after``, oldest first: at most ``limit`` (10,000), and fewer once they
+        hold ``PAGE_BYTES`` (at least one step whatever its size)."""
+        rows: list[tuple[Any, ...]] = []
+        held = 0
         with self._lock:
-            rows = self._db.execute(
+            cursor = self._db.execute(
                 "SELECT * FROM steps WHERE sandbox_id=? AND seq>? ORDER BY seq LIMIT ?",
                 (sandbox_id, after, min(limit, _LIST_LIMIT)),
-            ).fetchall()
+            )
+            for row in cursor:
+                held += sum(len(row[i] or "") for i in (4, 5, 6))
+                if rows and held > PAGE_BYTES:
+                    break
+                rows.append(row)
+            cursor.close()
         return [_entry(r) for r in rows]
 
     def forget(self, sandbox_ids: list[str]) -> None:

@@ -278,7 +278,8 @@ class SyncSandbox(SyncWrapper, async_cls=_client.Sandbox, wrap=[SyncPty]):
 
     def trajectory(self, *, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
         """What this sandbox was asked to do and the outcomes, as its edge recorded them
-        (oldest first; page with ``after`` = the last ``seq`` seen).
+        (oldest first; page with ``after`` = the last ``seq`` seen, until a page is empty: a
+        page ends early once its steps hold 32 MiB).
         """
         return cast("list[TrajectoryEntry]", self._dsec_call("trajectory", after=after, limit=limit))
 

@@ -48,7 +48,8 @@ class SandboxRlCalls:
 
     async def trajectory(self, *, after: int = 0, limit: int = 1000) -> list[TrajectoryEntry]:
         """What this sandbox was asked to do and the outcomes, as its edge recorded them
-        (oldest first; page with ``after`` = the last ``seq`` seen)."""
+        (oldest first; page with ``after`` = the last ``seq`` seen, until a page is empty: a
+        page ends early once its steps hold 32 MiB)."""
         return await self._call(Trajectory(after=after, limit=limit))
 
     async def changes(self, under: str = "/") -> list[Change]:

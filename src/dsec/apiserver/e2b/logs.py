@@ -22,7 +22,8 @@ ID is a 400; v1 reads forward from ``start`` (ms since the epoch), v2 back from 
 0-1000, default 1000, else 400; v1 has no maximum in E2B's spec and is clamped to 1000 here),
 at or above ``level``, whose message contains ``search`` (case-sensitive, <= 256 characters).
 Unlike E2B (7 days in its log store), a sandbox's entries last as long as its edge keeps its
-record (``keep_finished_s`` after it ends), and at most its first :data:`MAX_STEPS` steps are read.
+record (``keep_finished_s`` after it ends), and at most its first :data:`MAX_STEPS` steps are
+read (fewer past the edge's 32 MiB page).
 """
 
 from __future__ import annotations
