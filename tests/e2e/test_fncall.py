@@ -194,7 +194,9 @@ async def test_calls_go_to_the_pool_of_their_language(fn: DSecClient, fn_node: E
         return sum(w.calls for w in pools[name]._workers.values())
 
     before = {name: served(name) for name in pools}
-    assert (await fn.fncall(py("import json; print(json.dumps([1]))"))).stdout == "[1]\n"
+    # It imports json, so it forks from the warm zygote: only the "py" pool's has json loaded.
+    preloaded = "import sys\nseen = 'json' in sys.modules\nimport json\nprint(seen)"
+    assert (await fn.fncall(py(preloaded))).stdout == "True\n"
     assert (await fn.fncall({"language": "bash", "code": "echo b"})).stdout == "b\n"
     assert served("py") == before["py"] + 1, "python: the preloading pool"
     assert served("default") == before["default"] + 1, "bash: the general pool"
