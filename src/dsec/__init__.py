@@ -24,6 +24,7 @@ from dsec.protocol.errors import (
     SessionLost,
     TooLarge,
     Unauthorized,
+    VolumeNotFound,
 )
 from dsec.protocol.models import CommandResult, FileStat, Hardware, LayerInfo, SandboxInfo, SandboxState
 from dsec.sdk import (
@@ -69,4 +70,5 @@ __all__ = [
     "SyncSandbox",
     "TooLarge",
     "Unauthorized",
+    "VolumeNotFound",
 ]

@@ -87,6 +87,7 @@ class E2B:
     def env(self, key: str | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
         env.update(E2B_API_URL=self.url, E2B_SANDBOX_URL=self.url, E2B_API_KEY=key or self.key)
+        env.update(E2B_VOLUME_API_URL=self.url)  # the volume content API is the apiserver's too
         return env
 
     async def run(self, code: str, *, key: str | None = None, timeout: float = 60) -> Any:

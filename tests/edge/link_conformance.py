@@ -52,6 +52,7 @@ from tests.unit.conftest import TINY
 
 from .conftest import EdgeEnv
 from .process_conformance import ProcessConformance
+from .volume_conformance import VolumeConformance
 
 # Which test of the suite drives each sandbox operation (dsec.protocol.ops) through a link:
 # tests/edge/test_ops_registry.py fails when an operation has none, or names a test not here.
@@ -129,7 +130,7 @@ async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-class LinkConformance(ProcessConformance):
+class LinkConformance(ProcessConformance, VolumeConformance):
     # -- identity and stats -------------------------------------------------------------------
 
     async def test_is_an_edge_link_and_reports_the_edge(self, link: EdgeLink, edge_env: EdgeEnv) -> None:

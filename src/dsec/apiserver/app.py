@@ -30,6 +30,7 @@ from dsec.apiserver.e2b import E2BFront, E2BOptions
 from dsec.apiserver.e2b.envd import is_envd_path
 from dsec.apiserver.e2b.front import e2b_errors_middleware
 from dsec.apiserver.e2b.templates import is_template_upload_path
+from dsec.apiserver.e2b.volumes import is_volume_content_path
 from dsec.apiserver.fncall import FnCallRoutes
 from dsec.apiserver.jobs import JobRoutes
 from dsec.apiserver.layer_access import LayerLimits, layer_viewer
@@ -100,6 +101,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)  # E2B's in-sandbox API: a sandbox's envd token (e2b/tokens.py)
     if is_template_upload_path(request.path):
         return await handler(request)  # a one-time upload link E2B's SDK PUTs to, keyless
+    if is_volume_content_path(request.path):
+        return await handler(request)  # E2B's volume content API: the volume's token (e2b/volumes.py)
     if is_console_path(request.path):
         return await handler(request)  # static pages; its terminal checks the key (apiserver/console/)
     header = request.headers.get("Authorization", "")

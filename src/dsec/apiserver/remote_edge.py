@@ -46,6 +46,7 @@ from dsec.protocol.models import (
     SandboxInfo,
 )
 from dsec.protocol.ops import Call, Stream
+from dsec.protocol.volumes import VolumeEntry, VolumeOp, WriteOptions
 from dsec.protocol.wire_client import WireClient, ndjson, never_sent, send_stream, unreachable
 
 M = TypeVar("M", bound=BaseModel)
@@ -337,6 +338,40 @@ class RemoteEdgeLink(EdgeLink):
             # A download the edge cuts off mid-way fails here (payload error), never as a short file.
             async for chunk in resp.content.iter_chunked(CHUNK):
                 yield chunk
+
+    # -- shared volumes -------------------------------------------------------------------------
+
+    async def volume(self, op: VolumeOp) -> Any:
+        raw = await self._json("POST", f"/volumes/{op.kind}", body=op, quick=True)
+        try:
+            return op.adapter.validate_json(raw)
+        except ValidationError as exc:
+            raise InfraFailure(
+                f"edge {self.node!r} sent a malformed answer to volume {op.kind}: {exc}",
+                reason=InfraReason.protocol,
+            ) from exc
+
+    @staticmethod
+    def _volume(volume_id: str, within: str, path: str) -> tuple[str, dict[str, str]]:
+        return f"/volumes/{quote(volume_id, safe='')}/content", {"within": within, **path_query("path", path)}
+
+    async def volume_read(self, volume_id: str, within: str, path: str) -> AsyncGenerator[bytes, None]:
+        url, params = self._volume(volume_id, within, path)
+        async with self._call("GET", url, params=params) as resp:
+            async for chunk in resp.content.iter_chunked(CHUNK):
+                yield chunk
+
+    async def volume_write(
+        self, volume_id: str, within: str, path: str, chunks: AsyncIterable[bytes], opts: WriteOptions
+    ) -> VolumeEntry:
+        url, params = self._volume(volume_id, within, path)
+        params.update({k: str(v).lower() for k, v in opts.model_dump().items()})
+
+        async def put(body: AsyncIterator[bytes]) -> bytes:
+            async with self._call("PUT", url, params=params, data=body) as resp:
+                return await resp.read()
+
+        return self._parse(VolumeEntry, await send_stream(put, chunks))
 
     async def write_stream(
         self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], *, mode: int = DEFAULT_FILE_MODE

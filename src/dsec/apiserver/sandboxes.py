@@ -43,6 +43,7 @@ from dsec.protocol.errors import (
     InvalidRequest,
     NotFoundReason,
     SandboxNotFound,
+    VolumeNotFound,
 )
 from dsec.protocol.http import flag_param
 from dsec.protocol.ids import SandboxId
@@ -66,6 +67,7 @@ from dsec.protocol.ops import (
     SetNetworkRules,
     Stat,
 )
+from dsec.protocol.volumes import volume_node
 
 _CHUNK = 1 << 20
 T = TypeVar("T")
@@ -268,7 +270,7 @@ class SandboxRoutes:
         """On a node here; on an overflow target when the cluster is past its threshold or
         placement finds no node (and home again once it is not)."""
         overflow = self.overflow
-        if overflow is None:
+        if overflow is None or spec.volumes:  # a volume's node is here: its sandboxes are too
             return await self._create_here(principal, spec, timeout)
         started = time.monotonic()
         tried = overflow.over_threshold()
@@ -289,6 +291,11 @@ class SandboxRoutes:
         tag = SandboxId.new_tag()  # the sandbox keeps it on whichever node takes it
         reserved: str | None = None
         tried: set[str] = set()
+        if spec.volumes:  # only the node keeping its volumes (the model made sure it is one)
+            node = volume_node(next(iter(spec.volumes.values())))
+            if node not in self.links:
+                raise VolumeNotFound(f"volume node {node!r} is not part of this cluster")
+            tried = set(self.links) - {node}
         never_fits: list[CapacityExhausted] = []
         try:
             async with asyncio.timeout(timeout):

@@ -77,6 +77,8 @@ class CreateContext:
     handle: Handle = field(default_factory=Handle)  # what a failed create left (the fake's)
     layer_digests: list[str] = field(default_factory=list)  # the same layers (a VM attaches their files)
     nameserver: str | None = None  # what the sandbox resolves names with (the edge's, on its link)
+    # Shared volumes: sandbox path -> host directory (edge/volumes.py checked they are its project's).
+    volume_mounts: dict[str, str] = field(default_factory=dict)
     link: GuestLink | None = None  # made before the start when the spec has network rules: a VM's
     # tap (Tapped backends), or a namespace with a veth (Networked ones whose link_at_start says so)
 

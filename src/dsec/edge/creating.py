@@ -73,6 +73,7 @@ class Creating:
         drain_fence: Callable[[], str],
         admit: Callable[[_Live], None],
         stop: Callable[[str], Awaitable[SandboxInfo]],
+        volume_sources: Callable[[ContainerSpec], Awaitable[dict[str, str]]] | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -91,6 +92,7 @@ class Creating:
         self.drain_fence = drain_fence
         self.admit = admit
         self.stop = stop
+        self.volume_sources = volume_sources
         self.under_way = 0  # creates started and not yet running or failed
 
     async def create(self, spec: ContainerSpec, sandbox_id: str | None = None) -> SandboxInfo:
@@ -165,6 +167,11 @@ class Creating:
         """Journal a new sandbox, mount its layers and have ``start`` run it; on failure the
         record says why and no layer reference is kept."""
         self.networking.check(spec, backend)
+        volumes = {}
+        if spec.volumes:
+            if self.volume_sources is None:
+                raise InvalidRequest(f"node {self.config.node} keeps no shared volumes")
+            volumes = await self.volume_sources(spec)  # VolumeNotFound before anything is made
         if drain := self.drain_fence():  # fenced while admission held it: a drain counts on none landing
             raise CapacityExhausted(f"node {self.config.node} refuses creates: {drain}")
         self.under_way += 1
@@ -182,6 +189,7 @@ class Creating:
             self.journal.insert(rec)
             ctx = CreateContext(sid, spec, dirs, user, self.config.workdir(sid), layer_digests=acquired)
             ctx.nameserver = self.egress.config.gateway if self.egress.enabled else None
+            ctx.volume_mounts = volumes
             await self.networking.open_link(ctx, backend)  # a VM's tap, before its QEMU starts
             starting = time.perf_counter()
             rec.handle = await start(ctx)  # cleans up after itself when it fails

@@ -23,7 +23,7 @@ from typing import Any
 from dsec.backends.base import Backend, CollectsUnused, User
 from dsec.density.ksm import Ksm
 from dsec.density.swap import Swap, free_swap_bytes
-from dsec.edge import hardware
+from dsec.edge import hardware, volumes
 from dsec.edge.admission import Admission
 from dsec.edge.commands import Commands
 from dsec.edge.config import EdgeConfig
@@ -105,6 +105,7 @@ class Edge:
         self.metrics = MetricsSampler(lambda: self._live, self.backend_of)  # E2B's get_metrics
         self.prom = EdgeMetrics()  # Prometheus: this edge's own registry (observe/edge_metrics.py)
         self.pause_totals = PauseTotals()
+        self.volumes = volumes.for_backend(backend, config.node, self._live)
         live, journal, recorder, backend_of = self._live, self.journal, self.recorder, self.backend_of
         self.networking: Networking = Networking(
             self.egress, journal, recorder, live, backend_of, config.node
@@ -128,7 +129,7 @@ class Edge:
             config, store, mounts, journal, self.egress, self.prom, live, self.backends, self.hardware,
             self.admission, self.networking, self.pausing, epoch=lambda: self.epoch,
             fenced=lambda: self.fenced, drain_fence=lambda: self.drain_fence, admit=self._admit,
-            stop=self.stop
+            stop=self.stop, volume_sources=self.volumes.mount_sources
         )  # fmt: skip
         journal.observe_write = self.prom.journal_write.observe
         self.prom.bind(self)

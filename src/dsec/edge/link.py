@@ -93,6 +93,7 @@ from dsec.protocol.ops import (
     Xattrs,
 )
 from dsec.protocol.processes import ProcessEvent, ProcessInfo, ProcessStart, PtySize, WatchEvent
+from dsec.protocol.volumes import VolumeEntry, VolumeOp, WriteOptions
 
 R = TypeVar("R")
 E = TypeVar("E")
@@ -192,6 +193,23 @@ class EdgeLink(Protocol):
         """A byte stream to TCP ``port`` on the sandbox's loopback (:mod:`dsec.edge.ports`);
         ``Conflict`` (reason ``port_closed``) when nothing listens there."""
         ...
+
+    # -- shared volumes (protocol/volumes.py): kept by the node their ID names ------------------
+
+    async def volume(self, op: VolumeOp) -> Any:
+        """Run a volume operation on this node; its answer (``type(op).response``)."""
+        raise InvalidRequest(f"{type(self).__name__} keeps no shared volumes")
+
+    async def volume_read(self, volume_id: str, within: str, path: str) -> AsyncGenerator[bytes, None]:
+        """A volume's file, in chunks (errors from the first ``anext``, as ``read_stream``)."""
+        raise InvalidRequest(f"{type(self).__name__} keeps no shared volumes")
+        yield b""  # pragma: no cover  (an async generator, like every implementation)
+
+    async def volume_write(
+        self, volume_id: str, within: str, path: str, chunks: AsyncIterable[bytes], opts: WriteOptions
+    ) -> VolumeEntry:
+        """Write a volume's file from ``chunks``: all of it, or nothing."""
+        raise InvalidRequest(f"{type(self).__name__} keeps no shared volumes")
 
     # -- the operations by name: each builds its op (protocol/ops.py, where they are described) --
 
@@ -355,6 +373,18 @@ class LocalEdgeLink(EdgeLink):
     def _routed(self, sandbox_id: str) -> str:
         check_routed(self.edge.config.node, self.edge.epoch, sandbox_id)
         return sandbox_id
+
+    async def volume(self, op: VolumeOp) -> Any:
+        return await self.edge.volumes.call(op)
+
+    async def volume_read(self, volume_id: str, within: str, path: str) -> AsyncGenerator[bytes, None]:
+        async for chunk in self.edge.volumes.read(volume_id, within, path):
+            yield chunk
+
+    async def volume_write(
+        self, volume_id: str, within: str, path: str, chunks: AsyncIterable[bytes], opts: WriteOptions
+    ) -> VolumeEntry:
+        return await self.edge.volumes.write(volume_id, within, path, chunks, opts)
 
     async def close(self) -> None:
         """Nothing to release: the edge's owner closes the edge."""

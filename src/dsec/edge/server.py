@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -68,6 +68,7 @@ from dsec.protocol.http import (
 )
 from dsec.protocol.models import LeaseRequest, invalid_request, parse_spec
 from dsec.protocol.ops import Call, Stream, parse_op
+from dsec.protocol.volumes import WriteOptions, parse_volume_op
 
 log = logging.getLogger("dsec.edge.server")
 
@@ -194,6 +195,9 @@ class EdgeServer:
         r.add_post(PREFIX + "/sandboxes/{id}/streams/{kind}", self.op_stream)
         r.add_get(PREFIX + "/sandboxes/{id}/files/content", self.download)
         r.add_put(PREFIX + "/sandboxes/{id}/files/content", self.upload)
+        r.add_post(PREFIX + "/volumes/{kind}", self.volume_op)
+        r.add_get(PREFIX + "/volumes/{id}/content", self.volume_download)
+        r.add_put(PREFIX + "/volumes/{id}/content", self.volume_upload)
         r.add_get(PREFIX + "/sandboxes/{id}/ports/{port}", self.port)
         r.add_post(f"{PREFIX}/layers/in-use", self.layers_in_use)
         r.add_post(f"{PREFIX}/fncall", self.fncall)
@@ -285,26 +289,9 @@ class EdgeServer:
     # -- files --------------------------------------------------------------------------------
 
     async def download(self, request: web.Request) -> web.StreamResponse:
-        chunks = self.link.read_stream(request.match_info["id"], _param(request, "path"))
-        try:
-            chunk = await anext(chunks, None)  # a missing file is a 404, not an empty 200
-            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-            await resp.prepare(request)
-            while chunk is not None:
-                await resp.write(chunk)
-                try:
-                    chunk = await anext(chunks, None)
-                except Exception:
-                    # Bytes are on the wire already: the only honest signal left is to cut the
-                    # stream off before its terminating chunk, so the client sees it incomplete.
-                    log.exception("download of %s from %s broke off", request.query.get("path"), request.path)
-                    if request.transport is not None:
-                        request.transport.abort()
-                    return resp
-            await resp.write_eof()
-            return resp
-        finally:
-            await chunks.aclose()
+        return await _send_chunks(
+            request, self.link.read_stream(request.match_info["id"], _param(request, "path"))
+        )
 
     async def upload(self, request: web.Request) -> web.Response:
         path = _param(request, "path")
@@ -313,3 +300,43 @@ class EdgeServer:
         body = request.content.iter_chunked(CHUNK)
         info = await self.link.write_stream(request.match_info["id"], path, body, mode=mode)
         return respond(info, status=201)
+
+    # -- shared volumes (protocol/volumes.py) ----------------------------------------------------
+
+    async def volume_op(self, request: web.Request) -> web.Response:
+        op = parse_volume_op(request.match_info["kind"], await request.read())
+        answer = await self.link.volume(op)
+        return web.Response(body=op.adapter.dump_json(answer), content_type="application/json")
+
+    async def volume_download(self, request: web.Request) -> web.StreamResponse:
+        vid, within, path = request.match_info["id"], _param(request, "within"), _param(request, "path")
+        return await _send_chunks(request, self.link.volume_read(vid, within, path))
+
+    async def volume_upload(self, request: web.Request) -> web.Response:
+        vid, within, path = request.match_info["id"], _param(request, "within"), _param(request, "path")
+        names = WriteOptions.model_fields
+        opts = WriteOptions.model_validate({k: v for k, v in request.query.items() if k in names})
+        body = request.content.iter_chunked(CHUNK)
+        return respond(await self.link.volume_write(vid, within, path, body, opts), status=201)
+
+
+async def _send_chunks(request: web.Request, chunks: AsyncGenerator[bytes, None]) -> web.StreamResponse:
+    try:
+        chunk = await anext(chunks, None)  # a missing file is a 404, not an empty 200
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await resp.prepare(request)
+        while chunk is not None:
+            await resp.write(chunk)
+            try:
+                chunk = await anext(chunks, None)
+            except Exception:
+                # Bytes are on the wire already: the only honest signal left is to cut the
+                # stream off before its terminating chunk, so the client sees it incomplete.
+                log.exception("download of %s from %s broke off", request.query.get("path"), request.path)
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+        await resp.write_eof()
+        return resp
+    finally:
+        await chunks.aclose()

@@ -273,6 +273,47 @@ class SandboxFiles:
             except OSError as e:
                 raise _map_oserror(e, full) from e
 
+    def lstat(self, path: str, *, cwd: str = "/") -> os.stat_result:
+        """The whole lstat of ``path`` (times, links): what :meth:`stat` summarises."""
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            try:
+                return self._lstat_raw(root_fd, full)
+            except OSError as e:
+                raise _map_oserror(e, full) from e
+
+    def readlink(self, path: str, *, cwd: str = "/") -> str:
+        """A symlink's target as stored (read, never followed)."""
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            dir_fd, name = self._open_parent(root_fd, full)
+        try:
+            return os.readlink(name, dir_fd=dir_fd)
+        except OSError as e:
+            raise _map_oserror(e, full) from e
+        finally:
+            _close(dir_fd)
+
+    def chattr(
+        self, path: str, uid: int | None, gid: int | None, mode: int | None, *, cwd: str = "/"
+    ) -> None:
+        """chown/chmod what ``path`` leads to inside the root (a symlink is followed there, as
+        chmod(1) does); ``None`` leaves that attribute as it is."""
+        full = _normalize(path, cwd)
+        with self._root_fd() as root_fd:
+            fd = self._resolve(root_fd, full, os.O_PATH)
+        try:
+            # An O_PATH descriptor takes no fchmod: its /proc/self/fd link names the same inode.
+            target = f"/proc/self/fd/{fd}"
+            if mode is not None:
+                os.chmod(target, mode & 0o7777)
+            if uid is not None or gid is not None:
+                os.chown(target, -1 if uid is None else uid, -1 if gid is None else gid)
+        except OSError as e:
+            raise _map_oserror(e, full) from e
+        finally:
+            _close(fd)
+
     def set_xattrs(self, path: str, prefix: str, attrs: dict[str, str]) -> None:
         """Make ``attrs`` (names without ``prefix``) the regular file's ``prefix`` extended
         attributes, dropping others of that prefix. The file is opened through its confined

@@ -15,6 +15,7 @@ wire; ``err.request_id`` is the ID of the failed request (:mod:`dsec.observe.req
     +-- SandboxNotFound         404  unknown or already reclaimed sandbox
     +-- FileNotFound            404  a path inside the sandbox that does not exist
     +-- ProcessNotFound         404  no such running process (ended, or not the API's)
+    +-- VolumeNotFound          404  unknown or deleted shared volume, or another project's
     +-- Conflict                409  the sandbox is not in a state that allows the request
     +-- QuotaExceeded           429  a project quota would be exceeded
     +-- CapacityExhausted       503  no node can admit the sandbox right now
@@ -225,6 +226,11 @@ class ProcessNotFound(DSecError):
     takes a lost sandbox for the platform's failure (``rl.failures``) must not see one."""
 
     code = "process_not_found"
+    status = 404
+
+
+class VolumeNotFound(DSecError):
+    code = "volume_not_found"
     status = 404
 
 

@@ -39,7 +39,7 @@ from dsec.protocol.bounds import (
     UserName,
     no_nul_env,
 )
-from dsec.protocol.errors import InvalidRequest
+from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.files import Change as Change
 from dsec.protocol.files import ChangeKind as ChangeKind
 from dsec.protocol.files import FileStat as FileStat
@@ -89,6 +89,16 @@ MAX_NETWORK_RULES = 256
 MAX_TMPFS = 8
 # What a tmpfs may not cover: the runtime's own mounts (/.dsec holds the sandbox's init).
 _TMPFS_FORBIDDEN = ("/proc", "/sys", "/dev", "/.dsec")
+
+
+def _mount_point(path: str, what: str) -> None:
+    """A path a sandbox mount may take: normalized, not / and not over the runtime's own."""
+    if posixpath.normpath(path) != path or path == "/":
+        raise ValueError(f"{what} {path!r}: a normalized absolute path other than /")
+    if any(path == d or path.startswith(d + "/") for d in _TMPFS_FORBIDDEN):
+        raise ValueError(f"{what} {path!r}: not over {', '.join(_TMPFS_FORBIDDEN)}")
+
+
 NetworkRules = Annotated[
     dict[Annotated[str, Field(min_length=1, max_length=64)], Grant], Field(max_length=MAX_NETWORK_RULES)
 ]
@@ -206,6 +216,12 @@ class ContainerSpec(_Model):
         "start): what is written there counts against memory_limit_mb and is in no layer or "
         "snapshot made of the sandbox. crun containers only",
     )
+    volumes: dict[AbsPath, str] = Field(
+        default_factory=dict,
+        description="shared volumes (protocol/volumes.py) mounted read-write, nosuid and nodev: "
+        "path -> volume ID, the project's own (or its subtree's). The sandbox is placed on the "
+        "volumes' node. crun containers only",
+    )
     allow_setuid: bool = Field(
         default=False,
         description="processes start without no_new_privs, so setuid programs work (sudo to root "
@@ -221,7 +237,32 @@ class ContainerSpec(_Model):
         # runsc puts a /tmp of its own over the spec's mounts; a VM's disk is its guest's.
         if self.tmpfs and (self.type != "container" or self.runtime != "crun"):
             raise ValueError("tmpfs applies to crun containers only")
+        if self.volumes and (self.type != "container" or self.runtime != "crun"):
+            raise ValueError("volumes apply to crun containers only")
+        if set(self.volumes) & set(self.tmpfs):
+            raise ValueError("a path is either a tmpfs or a volume mount")
         return self
+
+    @field_validator("volumes")
+    @classmethod
+    def _volumes(cls, v: dict[str, str]) -> dict[str, str]:
+        from dsec.protocol.volumes import MAX_VOLUME_MOUNTS, VolumeId  # it imports this module
+
+        if len(v) > MAX_VOLUME_MOUNTS:
+            raise ValueError(f"at most {MAX_VOLUME_MOUNTS} volume mounts")
+        nodes = set()
+        for path, vid in v.items():
+            _mount_point(path, "volume")
+            try:
+                nodes.add(VolumeId.parse(vid).node)
+            except DSecError:
+                raise ValueError(f"volume {path!r}: {vid[:80]!r} is no volume ID") from None
+        if len(nodes) > 1:
+            raise ValueError(
+                f"the volumes are on different nodes ({', '.join(sorted(nodes))}): "
+                "one sandbox mounts one node's"
+            )
+        return v
 
     @field_validator("tmpfs")
     @classmethod
@@ -229,10 +270,7 @@ class ContainerSpec(_Model):
         if len(v) > MAX_TMPFS:
             raise ValueError(f"at most {MAX_TMPFS} tmpfs directories")
         for path, mb in v.items():
-            if posixpath.normpath(path) != path or path == "/":
-                raise ValueError(f"tmpfs {path!r}: a normalized absolute path other than /")
-            if any(path == d or path.startswith(d + "/") for d in _TMPFS_FORBIDDEN):
-                raise ValueError(f"tmpfs {path!r}: not over {', '.join(_TMPFS_FORBIDDEN)}")
+            _mount_point(path, "tmpfs")
             if not 1 <= mb <= 1024 * 1024:
                 raise ValueError(f"tmpfs {path!r}: size must be 1 to 1048576 MiB")
         return v

@@ -24,6 +24,7 @@ from dsec.apiserver.e2b.snapshots import SnapshotRoutes
 from dsec.apiserver.e2b.templates import Templates
 from dsec.apiserver.e2b.tokens import EnvdTokens
 from dsec.apiserver.e2b.traffic import TrafficRoutes
+from dsec.apiserver.e2b.volumes import VolumeRoutes
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.images.store import LayerStore
 from dsec.protocol.errors import DSecError
@@ -36,7 +37,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DEFAULT_TEMPLATE = "debian:bookworm"  # what `dsec up` builds as its base layer
 # Where E2B's control-plane API lives; DSec's own is under /v1/ and never collides.
 E2B_API_PREFIXES = ("/sandboxes", "/v2/sandboxes", "/templates", "/v2/templates", "/v3/templates",
-                    "/default-templates", "/snapshots", "/volumes", "/secrets")  # fmt: skip
+                    "/default-templates", "/snapshots", "/volumes", "/volumecontent/",
+                    "/secrets")  # fmt: skip
 _NO_TEMPLATE_ROUTE = "this template route is not supported by DSec: build with Template() (e2b/templates.py)"
 # Paths of E2B's API that DSec does not offer, each with the reason the 501 gives.
 _UNSUPPORTED = (
@@ -45,7 +47,6 @@ _UNSUPPORTED = (
     ("/v2/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/v3/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/default-templates", "templates are DSec layers: `dsec layer ls` lists them"),
-    ("/volumes{tail:.*}", "volumes are not supported by DSec"),
     ("/secrets{tail:.*}", "secrets are not supported by DSec"),
 )
 
@@ -106,6 +107,8 @@ class E2BFront:
         self.templates = Templates(sandboxes, store, lc._default, lc._offers_internet)
         self.templates.delete_fallback = self.snapshots.delete  # an ID no template has
         lc.templates = self.templates
+        self.volumes = VolumeRoutes(sandboxes, self.tokens)
+        lc.volumes = self.volumes
 
     def register(self, r: web.UrlDispatcher) -> None:
         self.templates.register(r)  # first: its DELETE /templates/{id} hands snapshots on
@@ -113,6 +116,7 @@ class E2BFront:
         # First: /sandboxes/metrics must not be taken for the sandbox "metrics".
         self.metrics.register(r)
         self.logs.register(r)
+        self.volumes.register(r)
         for path, why in _UNSUPPORTED:
             r.add_route("*", path, _unsupported(why))
         self.lifecycle.register(r)

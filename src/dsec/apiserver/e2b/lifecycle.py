@@ -62,6 +62,7 @@ from dsec.protocol.models import ContainerSpec, DeadlineAction, SandboxInfo, San
 
 if TYPE_CHECKING:
     from dsec.apiserver.e2b.templates import Templates
+    from dsec.apiserver.e2b.volumes import VolumeRoutes
 
 NEXT_TOKEN_HEADER = "X-Next-Token"
 BASE_TEMPLATE = "base"  # what the SDKs send when the caller names no template
@@ -197,6 +198,7 @@ class LifecycleRoutes:
         self.domain: Callable[[], str | None] = lambda: None  # the front's --e2b-domain
         self._offers: dict[str, tuple[float, bool]] = {}  # node -> (when learned, offers internet)
         self.templates: Templates | None = None  # built templates (e2b/templates.py), set by the front
+        self.volumes: VolumeRoutes | None = None  # shared volumes (e2b/volumes.py), set by the front
 
     def register(self, r: web.UrlDispatcher) -> None:
         for prefix in ("", "/v2"):
@@ -261,8 +263,6 @@ class LifecycleRoutes:
 
     async def create(self, request: web.Request) -> web.Response:
         req = await read_body(request, NewSandbox)
-        if req.volume_mounts:
-            raise NotSupported("volume mounts are not supported by DSec")
         if req.mcp:
             raise NotSupported("MCP gateways are not supported by DSec")
         if AUTO_RESUME_LABEL in (req.metadata or {}):
@@ -297,6 +297,9 @@ class LifecycleRoutes:
                 # ...whose passwordless sudo needs setuid to work. An E2B client already runs
                 # anything as root (user="root"): sudo gives `user` no more than that.
                 allow_setuid=on_e2b_base,
+                volumes=await self.volumes.mounts(request[PRINCIPAL].project, req.volume_mounts)
+                if req.volume_mounts and self.volumes is not None
+                else {},
             )
         except ValidationError as exc:
             raise InvalidRequest(f"metadata or envVars: {invalid_request(exc)}") from exc

@@ -232,6 +232,7 @@ class ContainerBackend:
             resolv_conf=self._resolv_conf(ctx.nameserver),
             cpu_quota_set=kept_quota == oci.cpu_quota(ctx.spec),
             lxcfs=self.nodefs.lxcfs.path if rt.lxcfs else None,
+            volume_mounts=ctx.volume_mounts,
         )
         config = rt.adapt_config(config, root, ctx.link)
         (bundle / "config.json").write_text(json.dumps(config))

@@ -108,6 +108,7 @@ def build_config(
     resolv_conf: str | None = None,
     cpu_quota_set: bool = False,
     lxcfs: str | None = None,
+    volume_mounts: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``cpu_quota_set``: the sandbox's cgroups are a spare's that has its quota already
     (spares.py), so crun is not told to write it. ``lxcfs``: the node's LXCFS mount
@@ -165,6 +166,16 @@ def build_config(
                     "options": ["nosuid", "nodev", "mode=1777", f"size={mb}m"],
                 }
                 for path, mb in spec.tmpfs.items()
+            ),
+            # Shared volumes: a tenant's files, so neither setuid programs nor device nodes work.
+            *(
+                {
+                    "destination": path,
+                    "type": "bind",
+                    "source": source,
+                    "options": ["bind", "rw", "nosuid", "nodev"],
+                }
+                for path, source in (volume_mounts or {}).items()
             ),
             *(_lxcfs_binds(lxcfs) if lxcfs else []),
             {

@@ -56,20 +56,25 @@ class DiskVolumes:
         except OSError as exc:
             log.error("disk quotas: cannot mount %s: %s", self.fs.image, exc)
 
-    async def create(self, sandbox_id: str, workdir: Path, limit_mb: int) -> Path:
-        """The sandbox's working directory in a subvolume limited to ``limit_mb``; ``workdir``
-        becomes a symlink to it."""
+    async def ready(self, what: str = "disk_limit_mb") -> int:
+        """The file system made and mounted if it was not; its size in MiB. ``what`` names
+        what needs it in the error of a node that cannot have one."""
         async with self._lock:
             if not self._ready:
                 why = await asyncio.to_thread(lambda: self.why_not)
                 if why is not None:
-                    raise CapacityExhausted(f"this node cannot enforce disk_limit_mb: {why}")
+                    raise CapacityExhausted(f"this node cannot enforce {what}: {why}")
                 try:
                     await asyncio.to_thread(self.fs.ensure)
                 except OSError as exc:
                     raise InfraFailure(f"disk quota file system: {exc}", reason=InfraReason.storage) from exc
                 self._ready = True
-        size_mb = await asyncio.to_thread(self.fs.size_bytes) >> 20
+        return await asyncio.to_thread(self.fs.size_bytes) >> 20
+
+    async def create(self, sandbox_id: str, workdir: Path, limit_mb: int) -> Path:
+        """The sandbox's working directory in a subvolume limited to ``limit_mb``; ``workdir``
+        becomes a symlink to it."""
+        size_mb = await self.ready()
         if limit_mb > size_mb:
             raise CapacityExhausted(
                 f"disk_limit_mb={limit_mb} exceeds this node's quota file system ({size_mb} MiB)"
@@ -97,7 +102,7 @@ class DiskVolumes:
         """The sandbox's volume, if it has one; its space comes back within a commit interval."""
         try:
             if await asyncio.to_thread(self.fs.destroy_volume, sandbox_id):
-                self._free_destroyed()
+                self.free_soon()
         except OSError as exc:
             why = f"cannot remove the disk volume of {sandbox_id}: {exc}"
             raise InfraFailure(why, reason=InfraReason.storage) from exc
@@ -115,7 +120,7 @@ class DiskVolumes:
             if await asyncio.to_thread(self.fs.release):
                 self._ready = False
 
-    def _free_destroyed(self) -> None:
+    def free_soon(self) -> None:
         """Have the kernel drop destroyed volumes soon (their space and qgroups come back)
         rather than after its next periodic commit (up to 30 s): one commit at a time, at most
         one per interval however many sandboxes stop (a commit flushes every volume's dirty
