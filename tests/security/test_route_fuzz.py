@@ -35,6 +35,7 @@ from dsec.apiserver.e2b.models import (
     ResumeSandbox,
     TimeoutRequest,
 )
+from dsec.apiserver.e2b.volumes import UpdateBody
 from dsec.apiserver.fncall import FnCallRequest
 from dsec.apiserver.sandboxfusion import RunCodeRequest
 from dsec.edge.server import EdgeServer
@@ -72,12 +73,21 @@ from dsec.protocol.ops import (
     Trajectory,
     WatchDir,
 )
+from dsec.protocol.volumes import ListDir, MakeDir, UpdatePath
 from tests.conftest import Sandboxes
 
 EXAMPLES = 800  # seconds of requests; every route gets a dozen or more
 REQUEST_TIMEOUT_S = 60.0  # far above any answer here: past it the server hangs
 NOWHERE = "fuzz-no-such-template:1"
-HOLE = "\x00__fuzz__\x00"  # stands for the raw JSON value put into a body
+HOLE = "\x00__fuzz__\x00"
+GHOST_VOLUME = "vol-fuzz-0000000000000000"  # well-formed, of no volume
+_WRITE = {
+    "path": "/f",
+    "uid": "1",
+    "gid": "1",
+    "mode": "420",
+    "force": "true",
+}  # stands for the raw JSON value put into a body
 
 # Raw JSON values: what json.dumps cannot write (1e400, NaN) is exactly what a client may send.
 RAW_VALUES = [
@@ -155,6 +165,12 @@ def _routes(project: str) -> list[Route]:
         Route("POST", "/sandboxes/{ghost}/timeout", TimeoutRequest, {"timeout": 300}, e2b=True),
         Route("POST", "/sandboxes/{ghost}/refreshes", RefreshRequest, {"duration": 60}, e2b=True),
         Route("POST", "/sandboxes/{ghost}/resume", ResumeSandbox, {"timeout": 300}, e2b=True),
+        # Volumes: aimed at one that is not there (a made one would outlive the test).
+        Route("GET", "/volumes/{vol}", e2b=True),
+        Route("GET", "/volumecontent/{vol}/dir", params={"path": "/", "depth": "1"}, e2b=True),
+        Route("PUT", "/volumecontent/{vol}/file", params=_WRITE, e2b=True),
+        Route("PATCH", "/volumecontent/{vol}/path", UpdateBody, {"mode": 420}, params={"path": "/f"},
+              e2b=True),
     ]  # fmt: skip
 
 
@@ -163,6 +179,7 @@ def _edge_routes(project: str) -> list[Route]:
     e = "/edge/v1"
     o, st_ = e + "/sandboxes/{id}/ops", e + "/sandboxes/{id}/streams"
     quick = {"timeout": 5}
+    vol = {"volume_id": GHOST_VOLUME, "within": project}
     return [
         Route("POST", f"{e}/sandboxes", ContainerSpec, {"type": "container", "image": NOWHERE}),
         Route("GET", f"{e}/sandboxes", params={"label": "fuzz=none"}),
@@ -184,6 +201,10 @@ def _edge_routes(project: str) -> list[Route]:
         Route("POST", o + "/resize_process", ResizeProcess, {"pid": 999999, "rows": 24, "cols": 80}),
         # A valid watch runs until closed: aimed at no sandbox, every case still meets validation.
         Route("POST", e + "/sandboxes/{ghost}/streams/watch_dir", WatchDir, {"path": "/tmp"}),
+        Route("POST", f"{e}/volumes/list_dir", ListDir, {**vol, "path": "/", "depth": 2}),
+        Route("POST", f"{e}/volumes/make_dir", MakeDir, {**vol, "path": "/d", "mode": 493, "force": True}),
+        Route("POST", f"{e}/volumes/update", UpdatePath, {**vol, "path": "/d", "uid": 1}),
+        Route("PUT", e + "/volumes/{vol}/content", params={**_WRITE, "within": project}),
         Route("POST", f"{e}/fncall", FnTask, {"language": "python", "code": "print(1)", "run_timeout_s": 1}),
     ]  # fmt: skip
 
@@ -321,7 +342,7 @@ async def _fuzz(
     before = {info.id for info in await node.link.list_sandboxes({})}
     sid = SandboxId.parse(target.id)
     ghost = str(SandboxId(sid.node, sid.epoch, SandboxId.new_tag()))
-    subs = {"id": target.id, "ghost": ghost, "key": node.api_key, "job": "fuzz-job"}
+    subs = {"id": target.id, "ghost": ghost, "key": node.api_key, "job": "fuzz-job", "vol": GHOST_VOLUME}
     cases = _cases(routes)
     assert {c.route.path for c in cases} == {r.path for r in routes}  # every route drawn
     try:

@@ -42,6 +42,7 @@ from dsec.apiserver.projects import ProjectRoutes, sync_storage_quotas
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.apiserver.tenancy import Tenancy
 from dsec.apiserver.vm_images import VmImageRoutes, vm_image_store
+from dsec.apiserver.volumes import VolumeApi, VolumeDirectory
 from dsec.edge.link import EdgeLink
 from dsec.iam import IamStore
 from dsec.images.oci import import_oci
@@ -176,6 +177,7 @@ class ApiServer:
         r.add_post("/v1/layers/gc", self.gc)
         VmImageRoutes(self.store).register(r)
         ProjectRoutes(self.iam, self.store).register(r)
+        VolumeApi(VolumeDirectory(self.sandboxes.links, self.placement)).register(r)  # apiserver/volumes.py
         app.on_startup.append(lambda _: sync_storage_quotas(self.iam, self.store))
         register_console(r, self.sandboxes, self.iam)  # the web console: apiserver/console/
         self.e2b.register(r)

@@ -119,7 +119,9 @@ class _VolumeOp(BaseModel):
 
 class _OnVolume(_VolumeOp):
     volume_id: str = Field(max_length=64)
-    within: str = Field(max_length=1024)  # the caller's project: its subtree's volumes only
+    # The caller's project, set by the apiserver from the key (never the client's say): the
+    # edge shows its subtree's volumes only. "" sees nothing.
+    within: str = Field(default="", max_length=1024)
 
 
 class _OnPath(_OnVolume):
@@ -129,13 +131,13 @@ class _OnPath(_OnVolume):
 class CreateVolume(_VolumeOp):
     kind: Literal["create"] = "create"
     name: VolumeName
-    project: str = Field(min_length=1, max_length=1024)
+    project: str = Field(default="", max_length=1024)  # "": the key's (the apiserver fills it in)
     size_mb: int = Field(default=DEFAULT_SIZE_MB, ge=1, le=1 << 20)
 
 
 class ListVolumes(_VolumeOp):
     kind: Literal["list"] = "list"
-    within: str = Field(max_length=1024)
+    within: str = Field(default="", max_length=1024)
 
 
 class GetVolume(_OnVolume):

@@ -30,6 +30,7 @@ from dsec.protocol.models import (
     TrajectoryEntry,
 )
 from dsec.protocol.processes import ProcessEvent
+from dsec.protocol.volumes import DEFAULT_SIZE_MB, VolumeEntry, VolumeInfo
 from dsec.sdk._sync import SyncWrapper
 from dsec.sdk._transport import Transport
 from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
@@ -632,6 +633,62 @@ class DSec(SyncWrapper, async_cls=_client.DSecClient, wrap=[SyncSandbox]):
     def import_layer(self, path: str | os.PathLike[str], ref: str) -> LayerInfo:
         """Import a directory or tar archive as layer ``ref`` (``name:version``)."""
         return cast("LayerInfo", self._dsec_call("import_layer", path, ref))
+
+    def create_volume(
+        self, name: str, *, size_mb: int = DEFAULT_SIZE_MB, project: str | None = None
+    ) -> VolumeInfo:
+        """A new empty volume (``name``: 1-128 of ``A-Za-z0-9_-``, unique in its project on
+        its node).
+        """
+        return cast("VolumeInfo", self._dsec_call("create_volume", name, size_mb=size_mb, project=project))
+
+    def list_volumes(self) -> builtins.list[VolumeInfo]:
+        """The volumes of the key's project and below, on every node, oldest first."""
+        return cast("builtins.list[VolumeInfo]", self._dsec_call("list_volumes"))
+
+    def get_volume(self, volume_id: str) -> VolumeInfo:
+        return cast("VolumeInfo", self._dsec_call("get_volume", volume_id))
+
+    def delete_volume(self, volume_id: str) -> None:
+        """Delete it and everything in it (``Conflict`` while a sandbox mounts it)."""
+        self._dsec_call("delete_volume", volume_id)
+
+    def volume_list_dir(
+        self, volume_id: str, path: str = "/", *, depth: int = 1
+    ) -> builtins.list[VolumeEntry]:
+        """Entries under ``path`` to ``depth`` (1-10), depth first in name order."""
+        return cast(
+            "builtins.list[VolumeEntry]", self._dsec_call("volume_list_dir", volume_id, path, depth=depth)
+        )
+
+    def volume_stat(self, volume_id: str, path: str) -> VolumeEntry:
+        return cast("VolumeEntry", self._dsec_call("volume_stat", volume_id, path))
+
+    def volume_mkdir(
+        self, volume_id: str, path: str, *, parents: bool = True, mode: int = 0o755
+    ) -> VolumeEntry:
+        return cast(
+            "VolumeEntry", self._dsec_call("volume_mkdir", volume_id, path, parents=parents, mode=mode)
+        )
+
+    def volume_remove(self, volume_id: str, path: str) -> None:
+        """Remove a file, or a directory and everything below it."""
+        self._dsec_call("volume_remove", volume_id, path)
+
+    def read_volume_stream(self, volume_id: str, path: str) -> Iterator[bytes]:
+        return cast("Iterator[bytes]", self._dsec_call("read_volume_stream", volume_id, path))
+
+    def read_volume_file(self, volume_id: str, path: str) -> bytes:
+        return cast("bytes", self._dsec_call("read_volume_file", volume_id, path))
+
+    def write_volume_file(
+        self, volume_id: str, path: str, data: bytes | str, *, mode: int = 0o644, uid: int = 0, gid: int = 0
+    ) -> VolumeEntry:
+        """Write ``path`` whole (replacing it, making missing parents), atomically."""
+        return cast(
+            "VolumeEntry",
+            self._dsec_call("write_volume_file", volume_id, path, data, mode=mode, uid=uid, gid=gid),
+        )
 
     def __enter__(self) -> DSec:
         return cast("DSec", self._dsec_call("__aenter__"))

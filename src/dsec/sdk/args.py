@@ -35,6 +35,7 @@ class DSecContainerRunArgs(BaseModel):
     hardware: Hardware = Field(default_factory=Hardware)  # arch, GPUs, node labels to run on
     allow_setuid: bool = False  # setuid programs (sudo) work: no no_new_privs; crun only
     tmpfs: dict[str, int] = Field(default_factory=dict)  # path -> MiB, memory-backed; crun only
+    volumes: dict[str, str] = Field(default_factory=dict)  # path -> volume ID (create_volume); crun only
 
     def to_spec(self) -> ContainerSpec:
         """Validate against the wire model now, so bad input fails before any request."""
@@ -69,6 +70,7 @@ class DSecContainerRunArgs(BaseModel):
             hardware=self.hardware,
             allow_setuid=self.allow_setuid,
             tmpfs=self.tmpfs,
+            volumes=self.volumes,
         )
 
 

@@ -43,6 +43,7 @@ from dsec.sdk._projects import ProjectCalls
 from dsec.sdk._pty import SandboxPtyCalls
 from dsec.sdk._rl import JobCalls, SandboxRlCalls
 from dsec.sdk._transport import Transport, file_chunks
+from dsec.sdk._volumes import VolumeCalls
 from dsec.sdk.args import DSecContainerRunArgs, DSecMicroVMRunArgs, DSecVMRunArgs
 from dsec.sdk.build import BuildEvent, build_layer
 from dsec.sdk.config import load_client_config
@@ -278,7 +279,7 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
         return await self._call(Move(source=source, destination=destination))
 
 
-class DSecClient(ProjectCalls, FnCalls, JobCalls, LayerCalls):
+class DSecClient(ProjectCalls, FnCalls, JobCalls, LayerCalls, VolumeCalls):
     """Connects to DSec: by default the local node that ``dsec up`` wrote into the config file."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 300) -> None:

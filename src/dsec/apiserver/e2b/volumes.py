@@ -11,14 +11,12 @@ sandbox now, and sandboxes mounting it (``volumeMounts``) are placed on that nod
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import datetime as dt
 import hmac
 import posixpath
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -27,9 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dsec.apiserver._http import PRINCIPAL, read_body
 from dsec.apiserver.e2b.tokens import EnvdTokens
 from dsec.apiserver.sandboxes import SandboxRoutes
+from dsec.apiserver.volumes import VolumeDirectory, request_chunks, send_chunks
 from dsec.edge.link import EdgeLink
-from dsec.executor.file_ops import CHUNK
-from dsec.protocol.errors import Conflict, DSecError, InvalidRequest, Unauthorized, VolumeNotFound
+from dsec.protocol.errors import Conflict, InvalidRequest, Unauthorized, VolumeNotFound
 from dsec.protocol.files import FileType
 from dsec.protocol.models import invalid_request
 from dsec.protocol.volumes import (
@@ -38,13 +36,11 @@ from dsec.protocol.volumes import (
     DeleteVolume,
     GetVolume,
     ListDir,
-    ListVolumes,
     MakeDir,
     RemovePath,
     StatPath,
     UpdatePath,
     VolumeEntry,
-    VolumeId,
     VolumeInfo,
     WriteOptions,
 )
@@ -125,7 +121,7 @@ def _path_query(request: web.Request) -> str:
 
 class VolumeRoutes:
     def __init__(self, sandboxes: SandboxRoutes, tokens: EnvdTokens) -> None:
-        self.sandboxes = sandboxes
+        self.directory = VolumeDirectory(sandboxes.links, sandboxes.placement)
         self.tokens = tokens
 
     def register(self, r: web.UrlDispatcher) -> None:
@@ -171,24 +167,10 @@ class VolumeRoutes:
     # -- the REST API -----------------------------------------------------------------------------
 
     def _link(self, volume_id: str) -> EdgeLink:
-        link = self.sandboxes.links.get(VolumeId.parse(volume_id).node)
-        if link is None:
-            raise VolumeNotFound("Volume not found")
-        return link
-
-    async def _all(self, within: str) -> list[VolumeInfo]:
-        links = list(self.sandboxes.links.values())
-        found = await asyncio.gather(
-            *(ln.volume(ListVolumes(within=within)) for ln in links), return_exceptions=True
-        )
-        out: list[VolumeInfo] = []
-        for answer in found:
-            if isinstance(answer, BaseException):
-                if not isinstance(answer, DSecError):
-                    raise answer
-                continue  # a node without volumes, or out of reach: its volumes are not listed
-            out.extend(answer)
-        return sorted(out, key=lambda r: r.created_at)
+        try:
+            return self.directory.link(volume_id)
+        except VolumeNotFound:
+            raise VolumeNotFound("Volume not found") from None
 
     async def _record(self, request: web.Request) -> VolumeInfo:
         vid = request.match_info["id"]
@@ -210,18 +192,19 @@ class VolumeRoutes:
             op = CreateVolume(name=body.name, project=project)
         except InvalidRequest:
             raise InvalidRequest("Invalid volume name") from None
-        if any(r.name == body.name and r.project == project for r in await self._all(project)):
+        if any(r.name == body.name and r.project == project for r in await self.directory.list(project)):
             raise InvalidRequest(f"Volume with name '{body.name}' already exists")
-        node = await self.sandboxes.placement.choose("container")
         try:
-            rec: VolumeInfo = await self.sandboxes.links[node].volume(op)
+            rec = await self.directory.create(op)
         except Conflict as exc:
             raise InvalidRequest(f"Volume with name '{body.name}' already exists") from exc
         return web.json_response(self._with_token(rec), status=201)
 
     async def list_volumes(self, request: web.Request) -> web.Response:
         project = request[PRINCIPAL].project
-        return web.json_response([{"volumeID": r.id, "name": r.name} for r in await self._all(project)])
+        return web.json_response(
+            [{"volumeID": r.id, "name": r.name} for r in await self.directory.list(project)]
+        )
 
     async def get(self, request: web.Request) -> web.Response:
         return web.json_response(self._with_token(await self._record(request)))
@@ -275,18 +258,7 @@ class VolumeRoutes:
 
     async def read(self, request: web.Request) -> web.StreamResponse:
         link, vid, project = self._target(request)
-        chunks = link.volume_read(vid, project, _path_query(request))
-        try:
-            chunk = await anext(chunks, None)  # a missing file is a 404, not an empty 200
-            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-            await resp.prepare(request)
-            while chunk is not None:
-                await resp.write(chunk)
-                chunk = await anext(chunks, None)
-            await resp.write_eof()
-            return resp
-        finally:
-            await chunks.aclose()
+        return await send_chunks(request, link.volume_read(vid, project, _path_query(request)))
 
     async def write(self, request: web.Request) -> web.Response:
         link, vid, project = self._target(request)
@@ -295,12 +267,7 @@ class VolumeRoutes:
             opts = WriteOptions(force=_bool_query(request, "force"), **kw)
         except ValidationError as exc:
             raise invalid_request(exc) from exc
-
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in request.content.iter_chunked(CHUNK):
-                yield chunk
-
-        entry = await link.volume_write(vid, project, _path_query(request), body(), opts)
+        entry = await link.volume_write(vid, project, _path_query(request), request_chunks(request), opts)
         return web.json_response(entry_json(entry), status=201)
 
     # -- mounts -----------------------------------------------------------------------------------
@@ -314,7 +281,9 @@ class VolumeRoutes:
             mounts = [VolumeMount.model_validate(m) for m in raw]
         except ValidationError as exc:
             raise invalid_request(exc) from exc
-        by_name = {r.name: r for r in await self._all(principal_project) if r.project == principal_project}
+        by_name = {
+            r.name: r for r in await self.directory.list(principal_project) if r.project == principal_project
+        }
         out: dict[str, str] = {}
         bad: list[str] = []
         for i, m in enumerate(mounts):

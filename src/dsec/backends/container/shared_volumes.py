@@ -23,6 +23,7 @@ from dsec.protocol.errors import (
     Conflict,
     InfraFailure,
     InfraReason,
+    InvalidRequest,
     QuotaExceeded,
     QuotaReason,
     VolumeNotFound,
@@ -71,6 +72,8 @@ class SharedVolumes:
         return out
 
     async def create(self, project: str, name: str, size_mb: int) -> VolumeInfo:
+        if not project:
+            raise InvalidRequest("a volume belongs to a project: none was given")
         size_limit = await self.disk.ready("shared volumes")
         if size_mb > size_limit:
             raise QuotaExceeded(
