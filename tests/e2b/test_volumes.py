@@ -1,5 +1,6 @@
-"""E2B's volumes through the official SDKs (sync and async, each SDK version): the REST API, the
-content API with the volume's token, mounts that outlive sandboxes, and the walls around them.
+"""E2B's volumes (and its list of default templates) through the official SDKs (sync and
+async, each SDK version): the REST API, the content API with the volume's token, mounts that
+outlive sandboxes, and the walls around them.
 
 What the SDK is told is checked against the node too: the volume's files are in a subvolume
 of the node's quota file system, and a symlink a sandbox plants there leads nowhere outside.
@@ -181,3 +182,18 @@ async def test_volumes_are_their_projects_and_their_tokens_only(e2b: E2B, node: 
         assert Path(root.root(rec)).stat().st_uid == DEFAULT_OWNER
     finally:
         await e2b.run(f'from e2b import Volume\nprint(json.dumps(Volume.destroy("{vid}")))')
+
+
+async def test_default_templates_name_the_base_this_apiserver_starts(
+    e2b_latest: E2B, node: EmbeddedNode
+) -> None:
+    out = await e2b_latest.run(
+        """
+        from e2b.api.client.api.templates import get_default_templates
+        from e2b.api.client_sync import get_api_client
+        from e2b.connection_config import ConnectionConfig
+        res = get_default_templates.sync_detailed(client=get_api_client(ConnectionConfig()))
+        print(json.dumps([res.status_code, [[t.template_id, t.public, t.aliases] for t in res.parsed]]))
+        """
+    )
+    assert out == [200, [["base", True, ["base"]]]]

@@ -8,7 +8,10 @@ the SDKs parse the body before they look at the status.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -46,7 +49,6 @@ _UNSUPPORTED = (
     ("/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/v2/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/v3/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
-    ("/default-templates", "templates are DSec layers: `dsec layer ls` lists them"),
     ("/secrets{tail:.*}", "secrets are not supported by DSec"),
 )
 
@@ -95,6 +97,7 @@ class E2BFront:
         self, sandboxes: SandboxRoutes, store: LayerStore, options: E2BOptions | None = None
     ) -> None:
         self.options = options or E2BOptions()
+        self.store = store
         self.tokens = EnvdTokens(self.options.token_secret)
         self.lifecycle = LifecycleRoutes(sandboxes, store, self.tokens, self.options.default_template)
         self.envd = EnvdRoutes(sandboxes, self.tokens)
@@ -117,10 +120,26 @@ class E2BFront:
         self.metrics.register(r)
         self.logs.register(r)
         self.volumes.register(r)
+        r.add_get("/default-templates", self.default_templates)
         for path, why in _UNSUPPORTED:
             r.add_route("*", path, _unsupported(why))
         self.lifecycle.register(r)
         self.envd.register(r)
+
+    async def default_templates(self, request: web.Request) -> web.Response:
+        """E2B's platform templates (the SDKs' generated client still asks; E2B's own API no
+        longer serves it): ``base``, as this apiserver means it, made on its layers."""
+        ref = await self.lifecycle._default()
+        layers = await asyncio.to_thread(self.store.resolve_image, ref)
+        build = uuid.uuid5(uuid.NAMESPACE_URL, "dsec:" + "+".join(layer.digest for layer in layers))
+        made = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(max(layer.created_at for layer in layers)))
+        base = {
+            "templateID": "base", "buildID": str(build), "cpuCount": 2, "memoryMB": 1024,
+            "diskSizeMB": 0, "public": True, "isDefault": True, "aliases": ["base"], "names": ["base"],
+            "createdAt": made, "updatedAt": made, "createdBy": None, "lastSpawnedAt": None,
+            "spawnCount": 0, "buildCount": 1, "envdVersion": "dsec", "buildStatus": "ready",
+        }  # fmt: skip
+        return web.json_response([base])
 
     async def close(self) -> None:
         await self.templates.close()
