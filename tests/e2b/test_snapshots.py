@@ -38,7 +38,7 @@ async def _status(e2b: E2B, method: str, path: str, body: object = None, key: st
 async def test_snapshot_create_list_create_from_and_delete(e2b: E2B, node: EmbeddedNode) -> None:
     out = await e2b.run(
         """
-        sbx = Sandbox.create("e2b:base", timeout=120)
+        sbx = Sandbox.create("e2b:base", timeout=120, envs={"SNAP_ENV": "kept"})
         sbx.commands.run("mkdir -p /data && echo from-snapshot > /data/snap.txt", user="root")
         snap = sbx.create_snapshot()
         sbx.commands.run("echo after > /data/snap.txt", user="root")  # not in the snapshot
@@ -47,6 +47,7 @@ async def test_snapshot_create_list_create_from_and_delete(e2b: E2B, node: Embed
         child = Sandbox.create(snap.snapshot_id, timeout=120)
         seen = child.commands.run("cat /data/snap.txt", user="root").stdout
         who = [sbx.commands.run("whoami").stdout, child.commands.run("whoami").stdout]
+        env = child.commands.run("echo $SNAP_ENV").stdout
         deleted = Sandbox.delete_snapshot(snap.snapshot_id)
         again = Sandbox.delete_snapshot(snap.snapshot_id)
         left = [s.snapshot_id for s in sbx.list_snapshots().next_items()]
@@ -58,7 +59,7 @@ async def test_snapshot_create_list_create_from_and_delete(e2b: E2B, node: Embed
         print(json.dumps({"id": sbx.sandbox_id, "snap": snap.snapshot_id, "names": snap.names,
                           "mine": mine, "every": every, "seen": seen, "deleted": deleted,
                           "again": again, "left": left, "err": err, "child": child.sandbox_id,
-                          "who": who}))
+                          "who": who, "env": env}))
         """,
         timeout=240,
     )
@@ -67,6 +68,7 @@ async def test_snapshot_create_list_create_from_and_delete(e2b: E2B, node: Embed
     assert out["mine"] == [snap] and snap in out["every"]
     assert out["seen"] == "from-snapshot\n", "the snapshot's files, as they were when it was taken"
     assert out["who"] == ["user\n", "user\n"], "a snapshot of E2B's base runs commands as its user"
+    assert out["env"] == "kept\n", "a snapshot starts with its source's environment, as envd's memory does"
     assert (out["deleted"], out["again"], out["left"]) == (True, False, [])
     assert out["err"] is not None and out["err"].startswith("404: ")
     assert not node.store.has_image(snap), "deleted from DSec's store"

@@ -106,6 +106,7 @@ class E2BFront:
         self.metrics = MetricsRoutes(sandboxes)
         self.logs = LogRoutes(sandboxes)
         self.snapshots = SnapshotRoutes(sandboxes, store, self.lifecycle._created)
+        self.lifecycle.snapshot_defaults = self.snapshots.defaults_for
         lc = self.lifecycle
         self.templates = Templates(sandboxes, store, lc._default, lc._offers_internet)
         self.templates.delete_fallback = self.snapshots.delete  # an ID no template has

@@ -27,7 +27,7 @@ import datetime as dt
 import math
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -50,6 +50,7 @@ from dsec.apiserver.e2b.models import (
     TimeoutRequest,
 )
 from dsec.apiserver.e2b.network import INTERNET, to_info, to_rules
+from dsec.apiserver.e2b.template_models import TemplateConfig
 from dsec.apiserver.e2b.tokens import EnvdTokens
 from dsec.apiserver.layer_access import resolve_digests
 from dsec.apiserver.sandboxes import SandboxRoutes
@@ -61,6 +62,7 @@ from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec, DeadlineAction, SandboxInfo, SandboxState, invalid_request
 
 if TYPE_CHECKING:
+    from dsec.apiserver.e2b.snapshot_defaults import SnapshotDefaults
     from dsec.apiserver.e2b.templates import Templates
     from dsec.apiserver.e2b.volumes import VolumeRoutes
 
@@ -199,6 +201,8 @@ class LifecycleRoutes:
         self._offers: dict[str, tuple[float, bool]] = {}  # node -> (when learned, offers internet)
         self.templates: Templates | None = None  # built templates (e2b/templates.py), set by the front
         self.volumes: VolumeRoutes | None = None  # shared volumes (e2b/volumes.py), set by the front
+        # A snapshot's kept user, workdir and env (e2b/snapshots.py), set by the front.
+        self.snapshot_defaults: Callable[[list[str]], Awaitable[SnapshotDefaults | None]] | None = None
 
     def register(self, r: web.UrlDispatcher) -> None:
         for prefix in ("", "/v2"):
@@ -280,6 +284,9 @@ class LifecycleRoutes:
             labels[PRIVATE_TRAFFIC_LABEL] = "false"  # its ports want the trafficAccessToken
         built = await self.templates.resolve(request[PRINCIPAL], req.template_id) if self.templates else None
         refs = built.refs if built is not None else await self._refs(req.template_id)
+        kept = await self.snapshot_defaults(refs) if built is None and self.snapshot_defaults else None
+        if kept is not None:  # a snapshot: its source's user, workdir and env, as envd's memory
+            built = TemplateConfig(refs=refs, env=kept.env, workdir=kept.workdir, user=kept.user)
         on_e2b_base = await self._on_e2b_base(refs)
         try:
             spec = ContainerSpec(

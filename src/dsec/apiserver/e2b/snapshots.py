@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 from aiohttp import web
@@ -33,6 +34,7 @@ from pydantic import Field
 from dsec.apiserver._http import PRINCIPAL, read_body
 from dsec.apiserver.e2b.lifecycle import NotSupported, not_found_message
 from dsec.apiserver.e2b.models import _In, _Out, error_body
+from dsec.apiserver.e2b.snapshot_defaults import SnapshotDefaults, SnapshotDefaultsStore
 from dsec.apiserver.layer_access import layer_viewer
 from dsec.apiserver.sandboxes import WHOLE_FORK, SandboxRoutes
 from dsec.edge.link import EdgeLink
@@ -109,6 +111,7 @@ class SnapshotRoutes:
         self.store = store
         # The lifecycle's answer for a made sandbox (tokens, domain): a fork's is the same.
         self.answer = answer
+        self.defaults = SnapshotDefaultsStore(Path(store.root) / "e2b-snapshots")
 
     def register(self, r: web.UrlDispatcher) -> None:
         # Before front's 501 catch-alls: DELETE /templates/... is a snapshot's delete; an ID
@@ -196,8 +199,25 @@ class SnapshotRoutes:
         except BaseException:
             await asyncio.shield(asyncio.to_thread(self._drop_pack, layer.digest))
             raise
+        kept = SnapshotDefaults(pack=layer.digest, user=spec.init_user, workdir=spec.workdir, env=spec.env)
+        await self.defaults.put(ref, kept)  # what envd's memory would have brought back
         names = [] if named is None else [ref.rpartition(":")[0]]
         return web.json_response(SnapshotInfo(snapshot_id=ref, names=names).wire(), status=201)
+
+    async def defaults_for(self, refs: list[str]) -> SnapshotDefaults | None:
+        """The user, workdir and env a sandbox from snapshot ``refs`` starts with (None: not one
+        snapshot, or one made before these were kept)."""
+        if len(refs) != 1:
+            return None
+        try:
+            name, version = parse_tag(refs[0])
+        except InvalidRequest:
+            return None
+        rec = self.store.catalogue.get(name, version)
+        if rec is None or rec.is_layer:
+            return None
+        kept = await self.defaults.get(rec.ref)
+        return kept if kept is not None and kept.pack == rec.digests[-1] else None
 
     def _name(self, ref: str, layers: list[str], owner: str) -> None:
         """Tag the snapshot's layers ``ref``. A name already a snapshot gets the new content
@@ -258,6 +278,7 @@ class SnapshotRoutes:
             raise LayerNotFound(f"snapshot {raw[:_ID_SHOWN]!r} doesn't exist or you don't have access to it")
         await asyncio.to_thread(self.store.untag, ref, viewer=viewer)
         await asyncio.to_thread(self._drop_pack, rec.digests[-1])
+        await self.defaults.drop(rec.ref)
         return web.Response(status=204)
 
     # -- fork ---------------------------------------------------------------------------------
