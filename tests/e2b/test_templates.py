@@ -290,3 +290,25 @@ async def test_an_identical_build_reuses_the_layers_unless_the_cache_is_skipped(
     assert any(m.startswith("CACHED [1/1] RUN") for m in logs), logs
     assert forced_stamp != first_stamp, "skip_cache() runs every step"
     assert not any(m.startswith("CACHED") for m in forced_logs), forced_logs
+
+
+async def test_a_dockerfile_builds_through_the_v2_builder(e2b: E2B) -> None:
+    """What E2B's v1 flow took (a Dockerfile, pushed to its registry by a local Docker), the
+    SDK's ``from_dockerfile`` sends as v2 steps: DSec builds it with no registry."""
+    name = _name(e2b, "dockerfile")
+    out = await e2b.run(
+        f"""
+        from e2b import Template
+        dockerfile = '''FROM debian:bookworm
+        ENV GREETING=hello
+        RUN echo built > /built.txt
+        WORKDIR /srv
+        RUN pwd > here.txt
+        '''
+        Template.build(Template().skip_cache().from_dockerfile(dockerfile), {name!r})
+        sbx = Sandbox.create({name!r}, timeout=120)
+        print(json.dumps(sbx.commands.run("cat /built.txt /srv/here.txt; echo $GREETING; pwd").stdout))
+        """,
+        timeout=600,
+    )
+    assert out == "built\n/srv\nhello\n/srv\n"

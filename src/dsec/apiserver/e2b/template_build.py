@@ -23,6 +23,7 @@ from dsec.apiserver.e2b.template_models import BuildStart, Step, TemplateConfig
 from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.iam import Principal
+from dsec.images.base import E2B_USER
 from dsec.protocol.errors import BuildFailed, DSecError
 from dsec.protocol.models import CommitRequest, ContainerSpec, NetworkRules
 from dsec.protocol.processes import ProcessStart
@@ -102,6 +103,18 @@ cd /; rm -rf "$t"
 """
 
 
+# E2B's account (images/base.py's E2B_USER): uid 1000 when free, a home, bash when there is one.
+_PROVISION_USER = f"""id -u {E2B_USER} >/dev/null 2>&1 && exit 0
+echo "adding E2B's {E2B_USER} account"
+shell=/bin/sh; [ -x /bin/bash ] && shell=/bin/bash
+if command -v useradd >/dev/null 2>&1; then
+  useradd -m -s "$shell" -u 1000 {E2B_USER} 2>/dev/null || useradd -m -s "$shell" {E2B_USER}
+else
+  adduser -D -s "$shell" {E2B_USER}
+fi
+"""
+
+
 class Build:
     """The steps of one build in its sandbox."""
 
@@ -119,6 +132,7 @@ class Build:
         self.files = files  # files hash -> the uploaded archive
         self.internet = internet  # (link, node) -> awaitable bool: the node offers "internet"
         self.total = len(start.steps)
+        self._provisioned = False
 
     async def run(self, ref: str, cpu: int, memory_mb: int) -> TemplateConfig:
         cfg = self.config
@@ -180,6 +194,11 @@ class Build:
             if cfg.user and cfg.user != "root":
                 await self._run(link, sid, name, f"chown {cfg.user} {shlex.quote(cfg.workdir)}", "root", "/")
         elif step.type == "USER":
+            if step.args[0] == E2B_USER and not self._provisioned:
+                # E2B's builds give every template its `user` (what from_dockerfile ends on):
+                # made here when the base lacks it, as DSec's e2b:base has it.
+                self._provisioned = True
+                await self._run(link, sid, name, _PROVISION_USER, "root", "/")
             cfg.user = step.args[0]
         elif step.type == "RUN":
             user = step.args[1] if len(step.args) > 1 and step.args[1] else cfg.user
