@@ -1,16 +1,20 @@
-"""Shared volumes through DSec's own SDK: files kept across sandboxes, and kept to their project."""
+"""Shared volumes through DSec's own SDK: files kept across sandboxes, edge restarts and node
+stops, and kept to their project."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from dsec import DSecClient, DSecContainerRunArgs
+from dsec.images.mount import find_mount
 from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.errors import Conflict, Forbidden, InvalidRequest, VolumeNotFound
-from tests.conftest import BASE, Sandboxes
+from tests.conftest import BASE, Sandboxes, node_config
+from tests.support import RestartedNode
 
 
 @pytest.fixture
@@ -90,3 +94,35 @@ async def test_a_volume_is_its_project_s_only(
     with pytest.raises(InvalidRequest, match="no volume ID"):
         await make_sandbox(volumes={"/v": "../../etc"})
     assert await b.list_volumes() == [] and [v.id for v in await a.list_volumes()] == [vol.id]
+
+
+async def test_a_volume_survives_an_edge_restart_and_a_node_stop(base_layer: str, tmp_path: Path) -> None:
+    cfg = node_config(tmp_path, data_dir=tmp_path / "node")
+    cfg.microvm = cfg.vm = False
+    vid = ""
+    try:
+        async with RestartedNode(cfg) as nodes:
+            quota_fs = nodes.node.backend.disk_quota
+            async with DSecClient(nodes.node.url, nodes.node.api_key) as c:
+                vid = (await c.create_volume("kept", size_mb=8)).id
+                await c.write_volume_file(vid, "/a", "before")
+                args = DSecContainerRunArgs(container_image=base_layer, volumes={"/v": vid})
+                sb = await c.run_container(args)
+            second = await nodes.restart()  # the edge adopts its sandboxes, never destroying a volume
+            async with DSecClient(second.url, second.api_key) as c:
+                assert [v.id for v in await c.list_volumes()] == [vid]
+                again = await c.get(sb.id)
+                assert (await again.run_shell("cat /v/a; echo after > /v/b")).stdout == "before"
+                await again.stop()
+        assert find_mount(quota_fs.mnt) is None, "a stopped node leaves its quota file system unmounted"
+        assert quota_fs.image.exists(), "...and keeps the image its volumes live in"
+        async with RestartedNode(cfg) as nodes:
+            async with DSecClient(nodes.node.url, nodes.node.api_key) as c:
+                assert await c.read_volume_file(vid, "/b") == b"after\n"
+                await c.delete_volume(vid)
+                vid = ""
+        assert find_mount(quota_fs.mnt) is None and not quota_fs.image.exists(), "nothing left"
+    finally:
+        if vid:  # the test failed with the volume made: the node goes, and so does the volume
+            async with RestartedNode(cfg) as nodes, DSecClient(nodes.node.url, nodes.node.api_key) as c:
+                await c.delete_volume(vid)

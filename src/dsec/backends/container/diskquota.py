@@ -37,6 +37,9 @@ from dsec import _linux
 from dsec.images.mount import find_mount
 
 log = logging.getLogger("dsec.backends.container")
+# Subvolumes of shared volumes (shared_volumes.py): they outlive every sandbox, the edge and the
+# mount; every other subvolume is a sandbox's.
+SHARED_PREFIX = "pv-"
 
 
 def _ioc(direction: int, nr: int, size: int, kind: int = 0x94) -> int:
@@ -235,9 +238,11 @@ class QuotaFs:
     def release(self) -> bool:
         """Unmount if no volume is left (the loop device then detaches by itself) and delete
         the image, so the next start mounts nothing until a sandbox asks for a limit again.
-        Returns whether it is gone now."""
+        Returns whether it is gone now. Shared volumes keep the image (the next start mounts
+        it again); a sandbox's volume keeps it mounted."""
         if self.mounted():
-            if self.volumes():
+            names = self.volumes()
+            if any(not n.startswith(SHARED_PREFIX) for n in names):
                 return False
             try:
                 _linux.umount(self.mnt)
@@ -245,6 +250,8 @@ class QuotaFs:
                 log.warning("disk quotas: cannot unmount %s: %s", self.mnt, exc)
                 return False
             self._fsid = None
+            if names:
+                return True
         # Its loop device may still be detaching (autoclear runs after the last close): it
         # holds the file open, and the blocks go back to the host once it has.
         self.image.unlink(missing_ok=True)

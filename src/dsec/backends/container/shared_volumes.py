@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+from dsec.backends.container.diskquota import SHARED_PREFIX
 from dsec.backends.container.volumes import DiskVolumes
 from dsec.iam.base import in_subtree
 from dsec.protocol.errors import (
@@ -37,7 +38,7 @@ from dsec.protocol.volumes import (
 )
 
 log = logging.getLogger("dsec.backends.container")
-PREFIX = "pv-"
+PREFIX = SHARED_PREFIX
 RECORD = "volume.json"
 DATA = "data"
 

@@ -108,7 +108,10 @@ class DiskVolumes:
             raise InfraFailure(why, reason=InfraReason.storage) from exc
 
     async def volumes(self) -> list[str]:
-        return await asyncio.to_thread(self.fs.volumes)
+        """The sandboxes' volumes (by sandbox ID); shared volumes are not among them, so an
+        edge that reconciles its leftovers never takes one for a dead sandbox's."""
+        names = await asyncio.to_thread(self.fs.volumes)
+        return [n for n in names if not n.startswith(diskquota.SHARED_PREFIX)]
 
     async def release(self) -> None:
         """At the edge's close: no more commits (the kernel drops what is left at its own
