@@ -1,7 +1,8 @@
 """The E2B front: E2B's REST API and envd beside DSec's own, in the same apiserver.
 
-An E2B SDK needs only ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` set to the apiserver's URL and
-``E2B_API_KEY`` set to an ``e2b_`` key DSec issued (``dsec key issue PROJECT --e2b``). Errors on
+An E2B SDK needs only ``E2B_API_URL``, ``E2B_SANDBOX_URL`` (and for volumes'
+content ``E2B_VOLUME_API_URL``) set to the apiserver's URL and ``E2B_API_KEY`` set to an
+``e2b_`` key DSec issued (``dsec key issue PROJECT --e2b``). Errors on
 E2B's routes are E2B's body (``{"code": <status>, "message": ...}``), never DSec's wire form:
 the SDKs parse the body before they look at the status.
 """
