@@ -114,6 +114,19 @@ async def test_dsec_up_then_sdk_and_cli_connect_by_default(
                 with pytest.raises(SandboxNotFound):  # the admin's sandbox is not the team's to see
                     await team.get(sb.id)
                 assert (await client.get(sb.id)).id == sb.id
+            vol = await asyncio.to_thread(run, "volume", "create", "cli-vol", "--size-mb", "16")
+            assert vol.returncode == 0 and vol.stdout.startswith("vol-"), vol.stderr
+            vid = vol.stdout.strip()
+            put = await asyncio.to_thread(
+                run, "volume", "put", vid, str(layer_dir / "opt" / "tool.sh"), "/t.sh"
+            )
+            assert put.returncode == 0 and "/t.sh: 10 bytes" in put.stdout, put.stderr
+            cat = await asyncio.to_thread(run, "volume", "cat", vid, "/t.sh")
+            assert cat.stdout == "echo tool\n"
+            assert vid in (await asyncio.to_thread(run, "volume", "ls")).stdout
+            assert (await asyncio.to_thread(run, "volume", "rm", vid)).returncode == 0
+            gone = await asyncio.to_thread(run, "volume", "cat", vid, "/t.sh")
+            assert gone.returncode != 0 and "not found" in gone.stderr
             bad = await asyncio.to_thread(run, "sandbox", "create", "no-such:1")
             assert bad.returncode == 2 and "no-such:1" in bad.stderr
         finally:

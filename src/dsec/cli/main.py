@@ -41,6 +41,7 @@ from dsec.cli.layers import image_app, layer_app
 from dsec.cli.projects import project_app
 from dsec.cli.sandbox import job_app, sandbox_app
 from dsec.cli.vm_images import vm_image_app
+from dsec.cli.volumes import volume_app
 from dsec.images.store import LayerStore
 from dsec.node.embedded import NodeConfig
 from dsec.protocol.errors import DSecError, InvalidRequest
@@ -55,6 +56,7 @@ app.add_typer(vm_image_app, name="vm-image")
 app.add_typer(project_app, name="project")
 app.add_typer(key_app, name="key")
 app.add_typer(image_app, name="image")
+app.add_typer(volume_app, name="volume")
 app.command("down")(down)  # cli/down.py
 node_app = typer.Typer(help="Nodes: the edges of this DSec (admin keys).", no_args_is_help=True)
 app.add_typer(node_app, name="node")
