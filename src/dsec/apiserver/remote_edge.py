@@ -365,7 +365,7 @@ class RemoteEdgeLink(EdgeLink):
         self, volume_id: str, within: str, path: str, chunks: AsyncIterable[bytes], opts: WriteOptions
     ) -> VolumeEntry:
         url, params = self._volume(volume_id, within, path)
-        params.update({k: str(v).lower() for k, v in opts.model_dump().items()})
+        params.update(opts.to_query())
 
         async def put(body: AsyncIterator[bytes]) -> bytes:
             async with self._call("PUT", url, params=params, data=body) as resp:

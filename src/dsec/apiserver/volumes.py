@@ -15,20 +15,18 @@ DSec's routes (an API key; the volume the key's project's or its subtree's)::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
-from dsec.apiserver._http import PRINCIPAL
+from dsec.apiserver._http import PRINCIPAL, stream_bytes
 from dsec.edge.link import EdgeLink
 from dsec.executor.file_ops import CHUNK
 from dsec.iam.base import Principal, can_access
 from dsec.placement.placement import Placement
 from dsec.protocol.errors import DSecError, Forbidden, VolumeNotFound
 from dsec.protocol.http import text_param
-from dsec.protocol.models import invalid_request
 from dsec.protocol.volumes import (
     CreateVolume,
     ListVolumes,
@@ -92,28 +90,6 @@ class VolumeDirectory:
         return sorted(out, key=lambda r: r.created_at)
 
 
-async def request_chunks(request: web.Request) -> AsyncIterator[bytes]:
-    async for chunk in request.content.iter_chunked(CHUNK):
-        yield chunk
-
-
-async def send_chunks(request: web.Request, chunks: AsyncIterator[bytes]) -> web.StreamResponse:
-    """A file's chunks as the answer; an error before the first is the request's error."""
-    try:
-        chunk = await anext(chunks, None)  # a missing file is a 404, not an empty 200
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        await resp.prepare(request)
-        while chunk is not None:
-            await resp.write(chunk)
-            chunk = await anext(chunks, None)
-        await resp.write_eof()
-        return resp
-    finally:
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
 class VolumeApi:
     def __init__(self, directory: VolumeDirectory) -> None:
         self.directory = directory
@@ -133,22 +109,17 @@ class VolumeApi:
         chunks = self.directory.link(vid).volume_read(
             vid, request[PRINCIPAL].project, text_param(request, "path")
         )
-        return await send_chunks(request, chunks)
+        return await stream_bytes(request, chunks)
 
     async def write(self, request: web.Request) -> web.Response:
         vid = request.match_info["id"]
-        try:
-            opts = WriteOptions.model_validate(
-                {k: v for k, v in request.query.items() if k in WriteOptions.model_fields}
-            )
-        except ValidationError as exc:
-            raise invalid_request(exc) from exc
+        opts = WriteOptions.from_query(request.query)
         link = self.directory.link(vid)
         path = text_param(request, "path")
         entry: VolumeEntry = await link.volume_write(
-            vid, request[PRINCIPAL].project, path, request_chunks(request), opts
+            vid, request[PRINCIPAL].project, path, request.content.iter_chunked(CHUNK), opts
         )
         return web.Response(body=entry.model_dump_json(), status=201, content_type="application/json")
 
 
-__all__ = ["VolumeApi", "VolumeDirectory", "request_chunks", "send_chunks"]
+__all__ = ["VolumeApi", "VolumeDirectory"]

@@ -314,8 +314,7 @@ class EdgeServer:
 
     async def volume_upload(self, request: web.Request) -> web.Response:
         vid, within, path = request.match_info["id"], _param(request, "within"), _param(request, "path")
-        names = WriteOptions.model_fields
-        opts = WriteOptions.model_validate({k: v for k, v in request.query.items() if k in names})
+        opts = WriteOptions.from_query(request.query)
         body = request.content.iter_chunked(CHUNK)
         return respond(await self.link.volume_write(vid, within, path, body, opts), status=201)
 

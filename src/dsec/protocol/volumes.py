@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -185,6 +186,17 @@ class WriteOptions(BaseModel):
     gid: Owner = DEFAULT_OWNER
     mode: Mode = DEFAULT_FILE_MODE
     force: bool = False  # replace an existing file and make missing parents
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> WriteOptions:
+        """The options a ``PUT .../content`` query names (others are the route's own)."""
+        try:
+            return cls.model_validate({k: v for k, v in query.items() if k in cls.model_fields})
+        except ValidationError as exc:
+            raise invalid_request(exc) from exc
+
+    def to_query(self) -> dict[str, str]:
+        return {k: str(v).lower() for k, v in self.model_dump().items()}
 
 
 _ANSWERS: dict[type[_VolumeOp], Any] = {

@@ -102,7 +102,7 @@ class VolumeCalls:
     ) -> VolumeEntry:
         """Write ``path`` whole (replacing it, making missing parents), atomically."""
         opts = WriteOptions(uid=uid, gid=gid, mode=mode, force=True)
-        params = {**path_query("path", path), **{k: str(v).lower() for k, v in opts.model_dump().items()}}
+        params = {**path_query("path", path), **opts.to_query()}
         body = await self._t.request(
             "PUT",
             f"/v1/volumes/{volume_id}/content",

@@ -22,11 +22,12 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dsec.apiserver._http import PRINCIPAL, read_body
+from dsec.apiserver._http import PRINCIPAL, read_body, stream_bytes
 from dsec.apiserver.e2b.tokens import EnvdTokens
 from dsec.apiserver.sandboxes import SandboxRoutes
-from dsec.apiserver.volumes import VolumeDirectory, request_chunks, send_chunks
+from dsec.apiserver.volumes import VolumeDirectory
 from dsec.edge.link import EdgeLink
+from dsec.executor.file_ops import CHUNK
 from dsec.protocol.errors import Conflict, InvalidRequest, Unauthorized, VolumeNotFound
 from dsec.protocol.files import FileType
 from dsec.protocol.models import invalid_request
@@ -258,7 +259,7 @@ class VolumeRoutes:
 
     async def read(self, request: web.Request) -> web.StreamResponse:
         link, vid, project = self._target(request)
-        return await send_chunks(request, link.volume_read(vid, project, _path_query(request)))
+        return await stream_bytes(request, link.volume_read(vid, project, _path_query(request)))
 
     async def write(self, request: web.Request) -> web.Response:
         link, vid, project = self._target(request)
@@ -267,7 +268,9 @@ class VolumeRoutes:
             opts = WriteOptions(force=_bool_query(request, "force"), **kw)
         except ValidationError as exc:
             raise invalid_request(exc) from exc
-        entry = await link.volume_write(vid, project, _path_query(request), request_chunks(request), opts)
+        entry = await link.volume_write(
+            vid, project, _path_query(request), request.content.iter_chunked(CHUNK), opts
+        )
         return web.json_response(entry_json(entry), status=201)
 
     # -- mounts -----------------------------------------------------------------------------------
