@@ -15,7 +15,10 @@ be read as: process start (exec - run_shell), a login shell (bash -l - exec), an
 own cost, Connect framing, its SDK and HTTP client (commands.run - bash -l exec).
 
 Files, same turns: 1 MiB of random bytes written and read back, DSec's ``write_file`` and
-``read_file`` (the baseline) against e2b's ``files.write`` and ``files.read(format="bytes")``.
+``read_file`` (the baseline) against e2b's ``files.write`` and ``files.read(format="bytes")``,
+and into a shared volume: DSec's ``write_volume_file``/``read_volume_file`` and e2b's
+``Volume.write_file``/``read_file`` (the content API with the volume's token), each against
+the same sandbox-file baseline.
 
 A watch event's latency, from the start of a write to the first event naming the written file:
 e2b's async ``files.watch_dir`` with ``files.write`` of a small file, against the edge's own
@@ -51,6 +54,7 @@ MIB = os.urandom(1 << 20)
 async def main(url, key, n):
     async with DSecClient(url, key) as client:
         sb = await client.run_container(DSecContainerRunArgs(container_image="debian:bookworm"))
+        vol = await client.create_volume("bench-dsec", size_mb=64)
         out = {}
         calls = {
             "run_shell": lambda: sb.run_shell("true"),
@@ -58,6 +62,8 @@ async def main(url, key, n):
             "exec_bash_login": lambda: sb.exec(["/bin/bash", "-l", "-c", "true"]),
             "write_1m": lambda: sb.write_file("/tmp/one-mib", MIB),
             "read_1m": lambda: sb.read_file("/tmp/one-mib"),
+            "vol_write_1m": lambda: client.write_volume_file(vol.id, "/one-mib", MIB),
+            "vol_read_1m": lambda: client.read_volume_file(vol.id, "/one-mib"),
         }
         for name, call in calls.items():
             await call()  # warm
@@ -68,20 +74,24 @@ async def main(url, key, n):
                 lat.append(time.perf_counter() - t)
             out[name] = lat
         await sb.stop()
+        await client.delete_volume(vol.id)
     print(json.dumps(out))
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 
 E2B_CLIENT = """
 import json, os, sys, time
-from e2b import Sandbox
+from e2b import Sandbox, Volume
 n = int(sys.argv[1])
 MIB = os.urandom(1 << 20)
 sbx = Sandbox.create(timeout=600)
+vol = Volume.create("bench-e2b")
 calls = {
     "e2b_commands_run": lambda: sbx.commands.run("true"),
     "e2b_files_write_1m": lambda: sbx.files.write("/tmp/one-mib", MIB),
     "e2b_files_read_1m": lambda: sbx.files.read("/tmp/one-mib", format="bytes"),
+    "e2b_volume_write_1m": lambda: vol.write_file("/one-mib", MIB, force=True),
+    "e2b_volume_read_1m": lambda: vol.read_file("/one-mib", format="bytes"),
 }
 out = {}
 for name, call in calls.items():
@@ -93,7 +103,9 @@ for name, call in calls.items():
         lat.append(time.perf_counter() - t)
     out[name] = lat
 assert sbx.files.read("/tmp/one-mib", format="bytes") == MIB
+assert vol.read_file("/one-mib", format="bytes") == MIB
 sbx.kill()
+Volume.destroy(vol.volume_id)
 print(json.dumps(out))
 sys.stdout.flush()
 os._exit(0)  # e2b 2.63's client may abort at interpreter exit (docs/e2b.md)
@@ -199,6 +211,7 @@ async def main() -> None:
         key = await node.iam.issue_key("root", format="e2b", name="bench/e2b")
         base = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
         e2b_env = {**base, "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url, "E2B_API_KEY": key}
+        e2b_env["E2B_VOLUME_API_URL"] = node.url
         lat: dict[str, list[float]] = {}
         for _ in range(a.rounds):
             dsec_argv = [sys.executable, "-c", textwrap.dedent(DSEC_CLIENT), node.url, key, str(a.n)]
@@ -222,6 +235,10 @@ async def main() -> None:
             ("e2b_files_write_1m", "e2b files.write 1 MiB", "write_1m"),
             ("read_1m", "DSec read_file 1 MiB (baseline)", "read_1m"),
             ("e2b_files_read_1m", 'e2b files.read 1 MiB (format="bytes")', "read_1m"),
+            ("vol_write_1m", "DSec write_volume_file 1 MiB", "write_1m"),
+            ("e2b_volume_write_1m", "e2b Volume.write_file 1 MiB", "write_1m"),
+            ("vol_read_1m", "DSec read_volume_file 1 MiB", "read_1m"),
+            ("e2b_volume_read_1m", 'e2b Volume.read_file 1 MiB (format="bytes")', "read_1m"),
             ("link_watch_event", "edge watch via the link, write to event (baseline)", "link_watch_event"),
             ("e2b_watch_event", "e2b async watch_dir, files.write to event", "link_watch_event"),
         ):
