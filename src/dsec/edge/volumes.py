@@ -91,7 +91,7 @@ class VolumeService:
         self._handlers: dict[type[VolumeOp], Callable[[Any], Awaitable[Any]]] = {
             CreateVolume: lambda op: self._volumes.create(op.project, op.name, op.size_mb),
             ListVolumes: lambda op: self._volumes.list(op.within),
-            GetVolume: lambda op: self._volumes.get(op.volume_id, op.within),
+            GetVolume: lambda op: self._volumes.describe(op.volume_id, op.within),
             DeleteVolume: self._delete,
             StatPath: lambda op: self._on(op, lambda f: _entry(f, op.path)),
             ListDir: self._list_dir,

@@ -94,6 +94,9 @@ class VolumeInfo(BaseModel):
     project: str
     size_mb: int
     created_at: float
+    # What it holds (data and metadata, as of btrfs's last commit: up to 30 s behind), read
+    # for get and list; None in what a create or the record on disk says.
+    used_bytes: int | None = None
 
 
 class VolumeEntry(FileStat):

@@ -116,15 +116,28 @@ class SharedVolumes:
 
     async def list(self, within: str) -> list[VolumeInfo]:
         records = await self._loaded()
-        return sorted(
+        mine = sorted(
             (r for r in records.values() if in_subtree(r.project, within)), key=lambda r: r.created_at
         )
+        return await asyncio.to_thread(lambda: [self._with_usage(r) for r in mine])
 
     async def get(self, volume_id: str, within: str) -> VolumeInfo:
         rec = (await self._loaded()).get(volume_id)
         if rec is None or not in_subtree(rec.project, within):
             raise VolumeNotFound(f"volume {volume_id[:80]!r} not found")
         return rec
+
+    async def describe(self, volume_id: str, within: str) -> VolumeInfo:
+        """:meth:`get` with what the volume holds now."""
+        rec = await self.get(volume_id, within)
+        return await asyncio.to_thread(self._with_usage, rec)
+
+    def _with_usage(self, rec: VolumeInfo) -> VolumeInfo:
+        try:
+            used = self.disk.fs.usage(self._subvolume(rec.id))
+        except (OSError, ValueError):  # deleted meanwhile, or its qgroup not readable yet
+            return rec
+        return rec.model_copy(update={"used_bytes": used})
 
     async def delete(self, volume_id: str, within: str) -> None:
         async with self._lock:
@@ -140,9 +153,6 @@ class SharedVolumes:
     def root(self, rec: VolumeInfo) -> Path:
         """The volume's content directory on the host (what sandboxes mount)."""
         return self.disk.fs.path(self._subvolume(rec.id)) / DATA
-
-    async def usage_bytes(self, rec: VolumeInfo) -> int:
-        return await asyncio.to_thread(self.disk.fs.usage, self._subvolume(rec.id))
 
     async def mount_sources(self, mounts: dict[str, str], project: str) -> dict[str, str]:
         """Sandbox path -> host directory for a sandbox of ``project`` mounting ``mounts``
