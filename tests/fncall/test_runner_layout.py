@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsec.edge.fncall import RUNNER_PATH
-from tests.fncall.client import SYSTEM_PYTHON, Runner, kill_leftovers
+from tests.fncall.client import SYSTEM_PYTHON, Runner, fresh_uid, kill_leftovers
 from tests.support import mapping_flags
 
 # What a call sees of its own layout: its personality (0x40000 is ADDR_NO_RANDOMIZE: what it
@@ -105,10 +105,16 @@ def test_programs_a_call_execs_get_address_randomization_back(runners: list[Runn
 def test_an_operators_persona_is_left_as_it_is(tmp_path: Path) -> None:
     # Under `setarch -R` the runner starts without randomization already: it does not re-exec,
     # and what its calls exec keeps the operator's choice.
+    # A call uid of its own: a runner kills every process of its call uid after each call, so a
+    # fixed one killed this call when a suite beside ran the same test (CI's beside-node run).
+    uid = str(fresh_uid())
     argv = ["setarch", "-R", SYSTEM_PYTHON, str(RUNNER_PATH), "--workdir", str(tmp_path / "w")]
-    argv += ["--uid", "3999777", "--gid", "3999777", "--mergeable", "7"]
+    argv += ["--uid", uid, "--gid", uid, "--mergeable", "7"]
     task = b'{"language": "bash", "code": "cat /proc/self/personality"}\n'
-    done = subprocess.run(argv, input=task, capture_output=True, timeout=60, check=True)
+    try:
+        done = subprocess.run(argv, input=task, capture_output=True, timeout=60, check=True)
+    finally:
+        assert kill_leftovers(int(uid)) == []
     ready, result = (line for line in done.stdout.decode().splitlines())
     assert '"fixed_layout": false' in ready and '"mergeable_bytes": 0' not in ready
     assert '"stdout": "00040000\\n"' in result
