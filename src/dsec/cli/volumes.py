@@ -30,10 +30,12 @@ def volume_create(
 @volume_app.command("ls")
 def volume_ls() -> None:
     """The volumes the key sees, on every node."""
-    table = Table("volume id", "name", "project", "size MiB", "created")
+    table = Table("name", "project", "MiB used / size", "created")
+    table.add_column("volume id", no_wrap=True, min_width=30)  # IDs are copied from here: never fold one
     for v in _client_call(lambda c: c.list_volumes()):
-        made = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v.created_at))
-        table.add_row(v.id, v.name, v.project, str(v.size_mb), made)
+        made = time.strftime("%Y-%m-%d %H:%M", time.localtime(v.created_at))
+        used = "?" if v.used_bytes is None else str(v.used_bytes >> 20)
+        table.add_row(v.name, v.project, f"{used} / {v.size_mb}", made, v.id)
     console.print(table)
 
 
