@@ -181,6 +181,10 @@ async def test_an_edge_restart_reuses_the_quota_fs_and_keeps_the_limit(
         quota_fs = nodes.node.backend.disk_quota
         mounted = find_mount(quota_fs.mnt)
         assert mounted is not None
+        # Tenants' files live there: no setuid program or device node of theirs works on the
+        # host, and no host user but root walks in.
+        assert {"nosuid", "nodev"} <= set(mounted.options.split(","))
+        assert quota_fs.root.stat().st_mode & 0o777 == 0o700
         second = await nodes.restart()  # the sandbox keeps running meanwhile
         assert find_mount(quota_fs.mnt) == mounted, "re-used as it is, not mounted again"
         async with DSecClient(second.url, second.api_key) as c:

@@ -40,6 +40,7 @@ log = logging.getLogger("dsec.backends.container")
 # Subvolumes of shared volumes (shared_volumes.py): they outlive every sandbox, the edge and the
 # mount; every other subvolume is a sandbox's.
 SHARED_PREFIX = "pv-"
+_HOST_FLAGS = _linux.MS_NOSUID | _linux.MS_NODEV
 
 
 def _ioc(direction: int, nr: int, size: int, kind: int = 0x94) -> int:
@@ -166,17 +167,21 @@ class QuotaFs:
         """Make, attach and mount the file system as needed, and turn its quotas on. Idempotent:
         a file system still mounted (an edge restart) is used as it is."""
         self.root.mkdir(parents=True, exist_ok=True)
+        # What tenants wrote lives below (sandboxes' upper layers, shared volumes, some world-
+        # writable): no host user but root walks in, and nothing there is setuid or a device
+        # to the host (inside, each sandbox's own mounts decide).
+        os.chmod(self.root, 0o700)
         self.mnt.mkdir(exist_ok=True)
         if not self.mounted():
             if not self.image.exists():
                 self._make()
             dev = _loop_for(self.image)
             if dev is not None:  # still attached: its file system lives on in some namespace
-                _linux.mount(dev, self.mnt, "btrfs", 0, None)
+                _linux.mount(dev, self.mnt, "btrfs", _HOST_FLAGS, None)
             else:
                 dev, fd = _attach_loop(self.image)
                 try:
-                    _linux.mount(dev, self.mnt, "btrfs", 0, None)
+                    _linux.mount(dev, self.mnt, "btrfs", _HOST_FLAGS, None)
                 finally:
                     os.close(fd)
         self._fsid = self._read_fsid()
