@@ -23,6 +23,7 @@ from dsec import (
     SandboxState,
 )
 from dsec.backends.container import cgroups
+from dsec.node.embedded import EmbeddedNode
 from tests.conftest import BASE, Sandboxes
 
 
@@ -378,3 +379,17 @@ async def test_stop_all_of_a_job_in_one_call(client: DSecClient, make_sandbox: S
     assert (await other.run_shell("echo alive")).stdout == "alive\n"
     with pytest.raises(InvalidRequest):
         await client.stop_all({})
+
+
+async def test_what_a_sandbox_writes_is_out_of_every_host_user_s_reach(
+    node: EmbeddedNode, make_sandbox: Sandboxes
+) -> None:
+    # Root in the sandbox makes a setuid-root program; on the host it sits in the sandbox's upper
+    # layer, below a directory only root may enter (and on the quota file system, nosuid).
+    sb = await make_sandbox()
+    made = await sb.run_shell("cp /bin/true /tmp/suid && chmod 4755 /tmp/suid && stat -c %a /tmp/suid")
+    assert made.stdout == "4755\n"
+    workdir = node.edge.config.workdir(sb.id)
+    assert workdir.parent.stat().st_mode & 0o777 == 0o700
+    disk_quota = node.backend.disk_quota.root
+    assert not disk_quota.exists() or disk_quota.stat().st_mode & 0o777 == 0o700

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -161,6 +162,11 @@ class Edge:
 
     async def _take_node(self) -> None:
         watch_children_with_pidfds()
+        # Sandboxes' work directories hold what tenants wrote (upper layers: setuid programs of
+        # theirs too): no host user but root walks in.
+        sandboxes = self.config.workdir("x").parent
+        sandboxes.mkdir(parents=True, exist_ok=True)
+        os.chmod(sandboxes, 0o700)
         for each in self.backends.values():
             await each.prepare_node()
         await asyncio.to_thread(self.swap.ensure)
