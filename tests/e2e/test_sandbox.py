@@ -385,11 +385,13 @@ async def test_what_a_sandbox_writes_is_out_of_every_host_user_s_reach(
     node: EmbeddedNode, make_sandbox: Sandboxes
 ) -> None:
     # Root in the sandbox makes a setuid-root program; on the host it sits in the sandbox's upper
-    # layer, below a directory only root may enter (and on the quota file system, nosuid).
+    # layer, in the node's data directory, which only root may enter (as the journal and the
+    # trajectory, which hold tenants' commands and env); the quota file system is nosuid too.
     sb = await make_sandbox()
     made = await sb.run_shell("cp /bin/true /tmp/suid && chmod 4755 /tmp/suid && stat -c %a /tmp/suid")
     assert made.stdout == "4755\n"
-    workdir = node.edge.config.workdir(sb.id)
-    assert workdir.parent.stat().st_mode & 0o777 == 0o700
+    data_dir = node.edge.config.data_dir
+    assert node.edge.config.workdir(sb.id).is_relative_to(data_dir)
+    assert data_dir.stat().st_mode & 0o777 == 0o700
     disk_quota = node.backend.disk_quota.root
     assert not disk_quota.exists() or disk_quota.stat().st_mode & 0o777 == 0o700

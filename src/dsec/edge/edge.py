@@ -162,11 +162,11 @@ class Edge:
 
     async def _take_node(self) -> None:
         watch_children_with_pidfds()
-        # Sandboxes' work directories hold what tenants wrote (upper layers: setuid programs of
-        # theirs too): no host user but root walks in.
-        sandboxes = self.config.workdir("x").parent
-        sandboxes.mkdir(parents=True, exist_ok=True)
-        os.chmod(sandboxes, 0o700)
+        # The node's state is tenants' (their upper layers, setuid programs of theirs among
+        # them; the journal's specs and env; the trajectory's commands and outputs): no host
+        # user but root walks in.
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.config.data_dir, 0o700)
         for each in self.backends.values():
             await each.prepare_node()
         await asyncio.to_thread(self.swap.ensure)
