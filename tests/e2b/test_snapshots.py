@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -69,6 +70,8 @@ async def test_snapshot_create_list_create_from_and_delete(e2b: E2B, node: Embed
     assert out["seen"] == "from-snapshot\n", "the snapshot's files, as they were when it was taken"
     assert out["who"] == ["user\n", "user\n"], "a snapshot of E2B's base runs commands as its user"
     assert out["env"] == "kept\n", "a snapshot starts with its source's environment, as envd's memory does"
+    kept = Path(node.store.root) / "e2b-snapshots"
+    assert kept.stat().st_mode & 0o777 == 0o700, "tenants' env is kept for root's eyes only"
     assert (out["deleted"], out["again"], out["left"]) == (True, False, [])
     assert out["err"] is not None and out["err"].startswith("404: ")
     assert not node.store.has_image(snap), "deleted from DSec's store"

@@ -8,6 +8,7 @@ two steps: each runs a build sandbox.
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -292,7 +293,7 @@ async def test_an_identical_build_reuses_the_layers_unless_the_cache_is_skipped(
     assert not any(m.startswith("CACHED") for m in forced_logs), forced_logs
 
 
-async def test_a_dockerfile_builds_through_the_v2_builder(e2b: E2B) -> None:
+async def test_a_dockerfile_builds_through_the_v2_builder(e2b: E2B, node: EmbeddedNode) -> None:
     """What E2B's v1 flow took (a Dockerfile, pushed to its registry by a local Docker), the
     SDK's ``from_dockerfile`` sends as v2 steps: DSec builds it with no registry."""
     name = _name(e2b, "dockerfile")
@@ -312,3 +313,5 @@ async def test_a_dockerfile_builds_through_the_v2_builder(e2b: E2B) -> None:
         timeout=600,
     )
     assert out == "built\n/srv\nhello\n/srv\n"
+    records = Path(node.store.root) / "e2b-templates"
+    assert records.stat().st_mode & 0o777 == 0o700, "tenants' env and files are root's alone"

@@ -54,6 +54,7 @@ class SnapshotDefaultsStore:
 
         def write() -> None:
             self.file.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.file.parent, 0o700)  # tenants' env: root's alone
             tmp = self.file.with_name(f".{self.file.name}.{os.getpid()}")
             tmp.write_text(data)
             os.replace(tmp, self.file)

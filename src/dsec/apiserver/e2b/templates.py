@@ -155,6 +155,7 @@ class Templates:
 
         def write() -> None:
             self.dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.dir, 0o700)  # tenants' env, commands and uploaded files: root's alone
             tmp = self._file().with_suffix(".tmp")
             tmp.write_text(data)
             os.replace(tmp, self._file())
@@ -306,6 +307,7 @@ class Templates:
             raise TooLarge(f"the files are larger than {MAX_UPLOAD >> 20} MiB")
         folder = self._files(up.template_id)
         await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(os.chmod, self.dir, 0o700)  # a tenant's files: root's alone
         tmp = folder / f".{secrets.token_hex(8)}.part"
         size = 0
         try:
