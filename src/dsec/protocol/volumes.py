@@ -24,11 +24,11 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from dsec.protocol.bounds import MAX_PATH_LEN, no_nul
 from dsec.protocol.errors import InvalidRequest, VolumeNotFound
 from dsec.protocol.files import FileStat
 from dsec.protocol.ids import validate_node_name
 from dsec.protocol.models import invalid_request
+from dsec.protocol.ops import SandboxPath
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # E2B's rule (volume_create.go), bounded
 _ID_RE = re.compile(r"^vol-(?P<node>[a-z0-9-]{1,40})-(?P<tag>[0-9a-f]{16})$")
@@ -54,7 +54,7 @@ class VolumeId:
 
     @classmethod
     def parse(cls, text: str) -> VolumeId:
-        """``NotFound`` for what no volume could be named (E2B answers a bad ID as missing)."""
+        """``VolumeNotFound`` for what names no volume (E2B's SDK takes a bad ID for a missing one)."""
         m = _ID_RE.fullmatch(text) if len(text) <= 64 else None
         if m is None:
             raise VolumeNotFound(f"volume {text[:80]!r} not found")
@@ -74,14 +74,8 @@ def _name(value: str) -> str:
     return value
 
 
-def _path(value: str) -> str:
-    if not 0 < len(value) <= MAX_PATH_LEN:
-        raise ValueError(f"a path of 1 to {MAX_PATH_LEN} characters")
-    return no_nul(value)
-
-
 VolumeName = Annotated[str, AfterValidator(_name)]
-VolumePath = Annotated[str, AfterValidator(_path)]  # inside the volume: "/" is its root
+VolumePath = SandboxPath  # inside the volume: "/" is its root
 Owner = Annotated[int, Field(ge=0, lt=1 << 31)]
 Mode = Annotated[int, Field(ge=0, le=0o7777)]
 
