@@ -84,3 +84,37 @@ async def test_listings_and_watch_entries_carry_metadata_and_directories_a_size(
     assert out["listed"] == {"empty": [None, 4096], "f.txt": [{"tag": "listed"}, 1], "g.txt": [None, 1]}
     assert out["empty"] == 4096
     assert out["writes"] == [[["f.txt", n + 1]] for n in range(5)], out["writes"]
+
+
+async def test_a_background_command_cut_by_kill_says_the_sandbox_was_killed(e2b: E2B) -> None:
+    """E2B's test_kill_sandbox_while_command_is_running (sync and async): `wait()` on a
+    background command whose sandbox is killed raises TimeoutException saying so. The cut is a
+    reset for the SDKs whose HTTP stack takes only that for a transport failure (pyqwest, from
+    2.35; 2.45 raised a generic timeout on a FIN), a FIN for the others."""
+    out = await e2b.run(
+        """
+        import asyncio
+        from e2b import AsyncSandbox, TimeoutException
+        def sync():
+            sbx = Sandbox.create(timeout=120)
+            cmd = sbx.commands.run("sleep 60", background=True)
+            sbx.kill()
+            try:
+                cmd.wait()
+                return None
+            except Exception as e:
+                return [isinstance(e, TimeoutException), "sandbox was killed" in str(e)]
+        async def main():
+            sbx = await AsyncSandbox.create(timeout=120)
+            cmd = await sbx.commands.run("sleep 60", background=True)
+            await sbx.kill()
+            try:
+                await cmd.wait()
+                return None
+            except Exception as e:
+                return [isinstance(e, TimeoutException), "sandbox was killed" in str(e)]
+        print(json.dumps([sync(), asyncio.run(main())]))
+        """,
+        timeout=180,
+    )
+    assert out == [[True, True], [True, True]]

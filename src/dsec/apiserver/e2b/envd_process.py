@@ -12,6 +12,8 @@ import asyncio
 import base64
 import contextlib
 import signal as signals
+import socket
+import struct
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -180,10 +182,29 @@ async def _pump_or_cut(
     try:
         return await pump(stream, events, _wrap, _KEEPALIVE)
     except SandboxCut:
-        # What was sent is flushed; the stream's end never comes, as when E2B's proxy loses envd.
+        # The stream's end never comes, as when E2B's proxy resets the HTTP/2 stream of a VM
+        # that went; the SDK then probes /health and raises its "sandbox was killed" error.
+        # HTTP/1.1 has no stream reset: each client stack is cut the way it reads as a
+        # transport failure (_resets).
+        transport = stream.request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None and _resets(stream.request):
+            with contextlib.suppress(OSError):  # closed with a RST
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         if stream.request.protocol is not None:
             stream.request.protocol.force_close()
         return stream.response
+
+
+def _resets(request: web.Request) -> bool:
+    """Whether a cut stream is closed with a TCP reset rather than a FIN: for the Python SDK
+    from 2.35, whose envd calls go through connect-python over pyqwest (``User-Agent:
+    connectrpc/...``; 2.45 and 2.63 measured). pyqwest takes a body cut at a FIN for an HTTP
+    protocol error (2.45 then raises a generic timeout, no health probe) and a reset for a
+    transport failure. 2.34 and earlier (httpx, ``e2b-python-sdk/...``) and the JS SDK read a
+    FIN as the transport failure, and a reset as an error of their own (2.34: httpx's
+    ReadError)."""
+    return request.headers.get("User-Agent", "").startswith("connectrpc/")
 
 
 class ProcessService:
