@@ -168,6 +168,11 @@ async def test_volumes_are_their_projects_and_their_tokens_only(e2b: E2B, node: 
                 headers={"Authorization": f"Bearer {token}"},
             ) as resp:
                 assert resp.status == 400, "depth is bounded as E2B bounds it"
+            async with http.get(
+                f"{e2b.url}/volumecontent/{vid}/dir?path=/&depth=-3",
+                headers={"Authorization": f"Bearer {token}"},
+            ) as resp:
+                assert resp.status == 200, "below 1 is 1, as E2B's max(depth, minDepth)"
             async with http.post(
                 f"{e2b.url}/volumes", json={"name": "no spaces"}, headers={"X-API-Key": e2b.key}
             ) as resp:

@@ -92,6 +92,8 @@ async def test_a_volume_is_its_project_s_only(
         await a.create_volume("private")
     with pytest.raises(InvalidRequest, match="crun containers only"):
         await make_sandbox(volumes={"/v": vol.id}, runtime="gvisor")
+    with pytest.raises(InvalidRequest, match="normalized"):  # "//proc" is /proc to crun
+        await make_sandbox(volumes={"//proc": vol.id})
     with pytest.raises(InvalidRequest, match="no volume ID"):
         await make_sandbox(volumes={"/v": "../../etc"})
     assert await b.list_volumes() == [] and [v.id for v in await a.list_volumes()] == [vol.id]

@@ -296,6 +296,7 @@ class SandboxRoutes:
             if node not in self.links:
                 raise VolumeNotFound(f"volume node {node!r} is not part of this cluster")
             tried = set(self.links) - {node}
+        excluded = len(tried)  # nodes never asked: not among those that said it never fits
         never_fits: list[CapacityExhausted] = []
         try:
             async with asyncio.timeout(timeout):
@@ -305,7 +306,7 @@ class SandboxRoutes:
                             spec.type, tried, spec.hardware, tuple(spec.required_capabilities())
                         )
                     except CapacityExhausted as exc:
-                        if never_fits and len(never_fits) == len(tried):
+                        if never_fits and len(never_fits) == len(tried) - excluded:
                             # Every node asked can never take it: waiting will not help.
                             raise InvalidRequest(never_fits[-1].message) from exc
                         raise

@@ -93,7 +93,8 @@ _TMPFS_FORBIDDEN = ("/proc", "/sys", "/dev", "/.dsec")
 
 def _mount_point(path: str, what: str) -> None:
     """A path a sandbox mount may take: normalized, not / and not over the runtime's own."""
-    if posixpath.normpath(path) != path or path == "/":
+    # normpath keeps a leading "//" (POSIX leaves it to the system): "//proc" is /proc to crun.
+    if posixpath.normpath(path) != path or path == "/" or path.startswith("//"):
         raise ValueError(f"{what} {path!r}: a normalized absolute path other than /")
     if any(path == d or path.startswith(d + "/") for d in _TMPFS_FORBIDDEN):
         raise ValueError(f"{what} {path!r}: not over {', '.join(_TMPFS_FORBIDDEN)}")

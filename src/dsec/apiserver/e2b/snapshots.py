@@ -213,11 +213,13 @@ class SnapshotRoutes:
             name, version = parse_tag(refs[0])
         except InvalidRequest:
             return None
-        rec = self.store.catalogue.get(name, version)
-        if rec is None or rec.is_layer:
+        kept = await self.defaults.get(f"{name}:{version}")  # in memory: most creates stop here
+        if kept is None:
             return None
-        kept = await self.defaults.get(rec.ref)
-        return kept if kept is not None and kept.pack == rec.digests[-1] else None
+        rec = self.store.catalogue.get(name, version)
+        if rec is None or rec.is_layer or kept.pack != rec.digests[-1]:
+            return None  # another content under the name now
+        return kept
 
     def _name(self, ref: str, layers: list[str], owner: str) -> None:
         """Tag the snapshot's layers ``ref``. A name already a snapshot gets the new content

@@ -32,6 +32,7 @@ from dsec.protocol.errors import Conflict, InvalidRequest, Unauthorized, VolumeN
 from dsec.protocol.files import FileType
 from dsec.protocol.models import invalid_request
 from dsec.protocol.volumes import (
+    MAX_LIST_DEPTH,
     MAX_VOLUME_MOUNTS,
     CreateVolume,
     DeleteVolume,
@@ -249,9 +250,9 @@ class VolumeRoutes:
 
     async def list_dir(self, request: web.Request) -> web.Response:
         link, vid, project = self._target(request)
-        depth = _int_query(request, "depth", 1) or 1
-        if not 1 <= depth <= 10:
-            raise InvalidRequest("depth must be between 1 and 10")
+        depth = max(_int_query(request, "depth", 1) or 1, 1)  # E2B's max(depth, minDepth)
+        if depth > MAX_LIST_DEPTH:
+            raise InvalidRequest(f"depth must be between 1 and {MAX_LIST_DEPTH}")
         entries = await link.volume(
             ListDir(volume_id=vid, within=project, path=_path_query(request), depth=depth)
         )
