@@ -68,6 +68,27 @@ def netns_name() -> str:
 POOL = os.environ.get("DSEC_TEST_EGRESS_POOL", "10.230.0.0/16")
 
 
+def tls_files() -> tuple[Path, Path]:
+    """The HTTPS server's certificate (for DNS_NAME) and key, made once per test data directory:
+    the nodes' egress trusts the certificate when it re-encrypts (``upstream_ca``), so it
+    exists before any node starts."""
+    root = Path(os.environ.get("DSEC_TEST_DATA_DIR", "/var/lib/dsec-test")) / "mirror-tls"
+    cert, key = root / "cert.pem", root / "key.pem"
+    if cert.exists() and key.exists():
+        return cert, key
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"tmp-{os.getpid()}"
+    tmp.mkdir(exist_ok=True)
+    req = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650"]
+    names = ["-subj", f"/CN={DNS_NAME}", "-addext", f"subjectAltName=DNS:{DNS_NAME}"]
+    out = ["-keyout", str(tmp / "key.pem"), "-out", str(tmp / "cert.pem")]
+    subprocess.run([*req, *names, *out], check=True, capture_output=True)
+    os.replace(tmp / "key.pem", key)  # the key first: a cert present means its key is
+    os.replace(tmp / "cert.pem", cert)
+    tmp.rmdir()
+    return cert, key
+
+
 def egress_config(pool: str = POOL) -> EgressConfig:
     """Permissions of the test nodes: ``mirror`` and ``other`` open one port each on the mirror;
     ``pypi``/``npm`` name documentation addresses (nothing answers there)."""
@@ -95,6 +116,7 @@ def egress_config(pool: str = POOL) -> EgressConfig:
             "npm": Registry(kind="npm", index=f"{REGISTRY_URL}/npm/", port=13142),
         },
         grace_s=0,  # an answer's addresses go with its TTL: the expiry test waits for that alone
+        upstream_ca=tls_files()[0],
     )
 
 
@@ -133,20 +155,7 @@ def mirror(root: Path) -> Iterator[None]:
             servers.append(proc)
             assert proc.stdout is not None
             assert proc.stdout.readline() == b"ready\n", f"mirror server on {port} did not start"
-        cert, key = root / "cert.pem", root / "key.pem"
-        req = [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            f"/CN={DNS_NAME}",
-        ]
-        subprocess.run([*req, "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+        cert, key = tls_files()
         proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, *serve, str(HTTPS_PORT), str(root), str(cert), str(key)],
             stdout=subprocess.PIPE,

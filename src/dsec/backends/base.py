@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from dsec.backends.handle import ForkSource, Handle
 from dsec.executor.file_ops import FileOps
 from dsec.executor.process import SandboxProcess
+from dsec.protocol.egress_headers import CA_ENV
 from dsec.protocol.models import ContainerSpec, InputEvent
 
 
@@ -49,6 +50,8 @@ def sandbox_env(spec: ContainerSpec, user: User, extra: dict[str, str] | None = 
     cores = math.ceil(spec.cpu_cores_limit)
     if cores < (os.cpu_count() or cores + 1):
         env["OMP_NUM_THREADS"] = str(cores)
+    if spec.egress_headers:  # the node's CA is in the system bundle: Node and requests too
+        env.update(CA_ENV)
     env.update(spec.env)
     env.update(extra or {})
     return env

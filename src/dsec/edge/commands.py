@@ -254,7 +254,7 @@ class Commands:
         """Pack what the sandbox changed into layer ``req.ref`` (a bare name: the next version),
         residue scrubbed from the packed copy. The sandbox keeps running, untouched."""
         patterns = [NODE_TOOLS, *(DEFAULT_SCRUB if req.scrub_defaults else ()), *req.exclude]
-        patterns += self.networking.package_client_files(sandbox_id)  # the node's, pointing at this node
+        patterns += self.networking.node_files(sandbox_id)  # the node's, pointing at this node
 
         async def run() -> dict[str, Any]:
             return (await self._pack(sandbox_id, req.ref, patterns)).model_dump()

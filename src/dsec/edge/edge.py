@@ -44,6 +44,7 @@ from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.netpolicy.policy import EgressPolicy
 from dsec.observe.edge_metrics import EdgeMetrics
+from dsec.protocol.egress_headers import filled
 from dsec.protocol.errors import (
     CapacityExhausted,
     DSecError,
@@ -172,7 +173,11 @@ class Edge:
         await asyncio.to_thread(self.swap.ensure)
         self.ksm.ensure()  # before the pools start: their runners mark memory only for a ksmd
         await self._reconcile()
-        await self.egress.start({sid: live.record.spec.network_rules for sid, live in self._live.items()})
+        specs = {sid: live.record.spec for sid, live in self._live.items()}
+        await self.egress.start(
+            {sid: spec.network_rules for sid, spec in specs.items()},
+            {sid: filled(s.egress_headers, s.egress_secrets) for sid, s in specs.items() if s.egress_headers},
+        )
         self.reclaimer.start()
         self.metrics.start()
         # Pool sandboxes do not outlive their runners' pipes, which died with the last edge.

@@ -114,6 +114,7 @@ class Record:
             paused_at=self.paused_at,
             pause_reason=self.pause_reason,
             network_rules=self.spec.network_rules,
+            egress_headers=self.spec.egress_headers,
             refs=self.spec.layer_refs(),
             deadline_at=self.deadline_at,
             deadline_s=self.deadline_s,

@@ -219,8 +219,17 @@ class EdgeLink(Protocol):
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return await self.call(sandbox_id, Resume())
 
-    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
-        return await self.call(sandbox_id, SetNetworkRules(network_rules=rules))
+    async def set_network_rules(
+        self,
+        sandbox_id: str,
+        rules: NetworkRules,
+        egress_headers: dict[str, dict[str, str]] | None = None,
+        egress_secrets: dict[str, str] | None = None,
+    ) -> SandboxInfo:
+        op = SetNetworkRules(
+            network_rules=rules, egress_headers=egress_headers, egress_secrets=egress_secrets or {}
+        )
+        return await self.call(sandbox_id, op)
 
     async def set_deadline(
         self, sandbox_id: str, timeout_s: float | None, on_timeout: DeadlineAction = "stop"

@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from dsec.backends.base import Backend, CreateContext, GuestLink, Networked, Tapped, User
+from dsec.edge import egress_trust
 from dsec.edge.journal import Journal, Record
 from dsec.edge.tally import LiveSandboxes
 from dsec.edge.trajectory import Recorder
 from dsec.netpolicy import grants
 from dsec.netpolicy.policy import EgressPolicy
+from dsec.protocol.egress_headers import filled, used
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.models import ContainerSpec, NetworkRules, SandboxInfo
 from dsec.registry import clients as registry_clients
@@ -41,11 +43,20 @@ class Networking:
         self.node = node
 
     def check(self, spec: ContainerSpec, backend: Backend) -> None:
-        """Before anything is made: known permission names, and a backend that can be linked."""
+        """Before anything is made: known permission names, a backend that can be linked, and
+        egress headers for hosts the name check sees."""
         self.egress.check(spec.network_rules)
         linkable = isinstance(backend, Networked | Tapped)
         if self.egress.rules_need_link(spec.network_rules) and not linkable:
             raise InvalidRequest(f"network permissions are not available for {backend.name} sandboxes yet")
+        self.egress.check_headers(spec.network_rules, spec.egress_headers)
+
+    async def _trust_node_ca(self, rec: Record, trusted: bool = True) -> None:
+        """The node's egress CA trusted by the sandbox (or no longer: ``trusted`` False)."""
+        ca = self.egress.node_ca()
+        if ca is not None:
+            files = self.backend_of(rec).files(rec.handle, User("root", 0, 0, "/root"))
+            await (egress_trust.trust if trusted else egress_trust.distrust)(files, ca)
 
     async def open_link(self, ctx: CreateContext, backend: Backend) -> None:
         """A sandbox that names network rules (even all False: it may be granted later) and
@@ -88,17 +99,17 @@ class Networking:
         its earlier ones did not). Kept in the journal, so an edge restart forgets none."""
         return sorted(self.journal.network_held(sandbox_id) | set(grants.describe(rules)))
 
-    def package_client_files(self, sandbox_id: str) -> list[str]:
-        """The package clients' files the edge wrote into the sandbox (paths relative to /),
-        if it ever held a registry: a layer packed from it must not carry them (they point at
-        this node's proxy, for this sandbox's grants)."""
-        held = {
-            n.split("@", 1)[0]
-            for n in self.network_held(sandbox_id, self.live.touch(sandbox_id).record.spec.network_rules)
-        }
-        if not held & set(self.egress.config.registries):
-            return []
-        return [p.lstrip("/") for p in registry_clients.ALL]
+    def node_files(self, sandbox_id: str) -> list[str]:
+        """The files the edge wrote into the sandbox (paths relative to /) that a layer packed
+        from it must not carry: the package clients' if it ever held a registry (they point at
+        this node's proxy, for this sandbox's grants), the node's CA while it has egress headers
+        (the system bundle with it: the image's own is what a layer keeps)."""
+        spec = self.live.touch(sandbox_id).record.spec
+        held = {n.split("@", 1)[0] for n in self.network_held(sandbox_id, spec.network_rules)}
+        out = (
+            [p.lstrip("/") for p in registry_clients.ALL] if held & set(self.egress.config.registries) else []
+        )
+        return out + (egress_trust.written() if spec.egress_headers else [])
 
     def _note_network(self, sandbox_id: str, rules: NetworkRules) -> None:
         if held := set(grants.describe(rules)):
@@ -118,11 +129,23 @@ class Networking:
         if self.egress.rules_need_link(rec.spec.network_rules):
             await self.egress.set_rules(rec.id, self._netns_pid(rec), rec.spec.network_rules)
             await self._point_package_clients(rec, {}, rec.spec.network_rules)
+        if rec.spec.egress_headers:
+            await self._trust_node_ca(rec)
+            await self.egress.set_headers(rec.id, filled(rec.spec.egress_headers, rec.spec.egress_secrets))
 
-    async def set_network_rules(self, sandbox_id: str, rules: NetworkRules) -> SandboxInfo:
-        """Replace the sandbox's network rules; effective in the kernel when this returns."""
+    async def set_network_rules(
+        self,
+        sandbox_id: str,
+        rules: NetworkRules,
+        headers: dict[str, dict[str, str]] | None = None,
+        secrets: dict[str, str] | None = None,
+    ) -> SandboxInfo:
+        """Replace the sandbox's network rules (and its egress headers, unless ``headers`` is
+        None); effective in the kernel and the proxy when this returns."""
         live = self.live.touch(sandbox_id)  # a paused sandbox's rules change without waking it
         self.egress.check(rules)
+        if headers:
+            self.egress.check_headers(rules, headers)
         backend = self.backend_of(live.record)
         if self.egress.rules_need_link(rules):
             if isinstance(backend, Tapped) and not backend.has_link(live.record.handle):
@@ -145,11 +168,23 @@ class Networking:
                 await self.egress.set_rules(sandbox_id, self._netns_pid(rec), rules)
                 await self._point_package_clients(rec, before, rules)
                 self._note_network(sandbox_id, rules)
-                rec.spec = rec.spec.model_copy(update={"network_rules": dict(rules)})
+                update: dict[str, Any] = {"network_rules": dict(rules)}
+                if headers is not None:
+                    if bool(headers) != bool(rec.spec.egress_headers):
+                        await self._trust_node_ca(rec, trusted=bool(headers))
+                    await self.egress.set_headers(sandbox_id, filled(headers, secrets or {}))
+                    names = used(headers)  # a spec keeps only the secrets its headers name
+                    kept = {k: v for k, v in (secrets or {}).items() if k in names}
+                    update |= {"egress_headers": headers, "egress_secrets": kept}
+                rec.spec = rec.spec.model_copy(update=update)
                 self.journal.set_spec(sandbox_id, rec.spec)
-            return {"network_rules": grants.to_wire(rules)}
+            return wire
 
-        await self.recorder.call(sandbox_id, "network", None, {"network_rules": grants.to_wire(rules)}, run)
+        # What the trajectory keeps: the headers as given, never a secret's value.
+        wire: dict[str, Any] = {"network_rules": grants.to_wire(rules)}
+        if headers is not None:
+            wire["egress_headers"] = headers
+        await self.recorder.call(sandbox_id, "network", None, wire, run)
         return live.record.info(self.node)
 
 

@@ -123,7 +123,9 @@ CALLS: dict[type, CallHandler] = {
     Changes: lambda e, s, o: e.commands.changes(s, o.under),
     Pause: lambda e, s, o: e.pausing.pause(s),
     Resume: lambda e, s, o: e.pausing.resume(s),
-    SetNetworkRules: lambda e, s, o: e.networking.set_network_rules(s, o.network_rules),
+    SetNetworkRules: lambda e, s, o: e.networking.set_network_rules(
+        s, o.network_rules, o.egress_headers, o.egress_secrets
+    ),
     SetDeadline: lambda e, s, o: _now(e.reclaimer.set_deadline(s, o.timeout_s, o.on_timeout)),
     Trajectory: lambda e, s, o: _now(e.commands.trajectory(s, o.after, o.limit)),
     Metrics: _metrics,

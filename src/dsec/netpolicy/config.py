@@ -206,6 +206,11 @@ class EgressConfig(BaseModel):
         description="permissions served through the edge's package proxy (dsec.registry), by name",
     )
     registry_cache: CacheConfig = Field(default_factory=CacheConfig)
+    upstream_ca: Path = Field(
+        default=Path("/etc/ssl/certs/ca-certificates.crt"),
+        description="PEM bundle the egress trusts when it re-encrypts a request it added headers "
+        "to (egress_headers) on its way to the host",
+    )
 
     @field_validator("permissions")
     @classmethod
@@ -304,6 +309,14 @@ class EgressConfig(BaseModel):
                         f"network permission {name!r} takes no 'before' cutoff: only a package registry"
                         f" whose uploads are dated can hide newer releases (here: {dated or 'none'})"
                     )
+
+    def reaches_by_name(self, rules: NetworkRules, host: str) -> bool:
+        """``rules`` reach ``host`` by a domain rule on port 443 or 80: a connection the name
+        check sees, so one egress headers can be added to."""
+        return any(
+            isinstance(r, Rule) and {80, 443} & set(r.ports) and r.matches(host)
+            for r in self.endpoints(rules)
+        )
 
     def endpoints(self, rules: NetworkRules) -> list[Endpoint | Rule]:
         """What the granted permission names open (addresses and ranges aside)."""

@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from dsec.netpolicy import links, nft, pools
+from dsec.netpolicy import intercept, links, nft, pools
 from dsec.netpolicy.config import EgressConfig, Endpoint, range_text
 from dsec.netpolicy.dns import NameServer, Responder
 from dsec.netpolicy.grants import cutoff_of
@@ -62,6 +63,7 @@ class _Link:
     rules: NetworkRules = field(default_factory=dict)
     answers: LinkNames | None = None
     checked_names: set[str] = field(default_factory=set)  # the proxy's keys for this link
+    headers: dict[str, str] = field(default_factory=dict)  # its egress headers' map entries
 
 
 class EgressPolicy:
@@ -94,7 +96,7 @@ class EgressPolicy:
         # The name check runs only where some permission names domains (no HAProxy otherwise).
         self.proxy: SniProxy | None = None
         if any(getattr(r, "domains", None) for perm in config.permissions.values() for r in perm):
-            self.proxy = SniProxy(state_dir, config.gateway)
+            self.proxy = SniProxy(state_dir, config.gateway, config.upstream_ca, node)
         # The package registries' caching proxy, in this process (it reads the links' grants).
         self.registry: RegistryProxy | None = None
         if config.registries:
@@ -113,6 +115,33 @@ class EgressPolicy:
 
     def check(self, rules: NetworkRules) -> None:
         self.config.check(rules)
+
+    def check_headers(self, rules: NetworkRules, hosts: Iterable[str]) -> None:
+        """Egress headers go only to hosts the name check sees: reached by a permission naming
+        their domain on 443 or 80 (an address or ``internet`` is spliced unread)."""
+        for host in hosts:
+            if self.proxy is None or not self.config.reaches_by_name(rules, host):
+                raise InvalidRequest(
+                    f"egress headers for {host}: the sandbox must reach it by a network permission naming"
+                    " its domain on port 443 or 80 (the node reads no other traffic); this node's"
+                    f" permissions: {', '.join(sorted(self.config.permissions)) or 'none'}"
+                )
+
+    async def set_headers(self, sandbox_id: str, headers: dict[str, dict[str, str]]) -> None:
+        """The sandbox's requests to each host of ``headers`` (filled) get those headers."""
+        async with self._lock:
+            link = self._links.get(sandbox_id)
+            if link is None or self.proxy is None:
+                if headers:
+                    raise InvalidRequest("egress headers need a network permission naming their hosts")
+                return
+            new = intercept.entries(headers, link.address)
+            await self.proxy.set_headers(link.headers, new)
+            link.headers = new
+
+    def node_ca(self) -> bytes | None:
+        """The certificate sandboxes with egress headers trust (None: no name check here)."""
+        return None if self.proxy is None else self.proxy.ca.certificate()
 
     def rules_need_link(self, rules: NetworkRules) -> bool:
         opened = any(on for _, on in self.config.address_rules(rules))
@@ -158,9 +187,14 @@ class EgressPolicy:
     def has_link(self, sandbox_id: str) -> bool:
         return sandbox_id in self._links
 
-    async def start(self, live_rules: dict[str, NetworkRules]) -> None:
-        """Re-learn the links of sandboxes still live (``live_rules``: ID -> their rules),
-        forget the rest, and (re)install the table and the name server."""
+    async def start(
+        self,
+        live_rules: dict[str, NetworkRules],
+        live_headers: dict[str, dict[str, dict[str, str]]] | None = None,
+    ) -> None:
+        """Re-learn the links of sandboxes still live (``live_rules``: ID -> their rules;
+        ``live_headers``: ID -> their filled egress headers), forget the rest, and (re)install
+        the table, the name check and the name server."""
         self._node_addresses = frozenset(await links.host_addresses())
         journaled = self._store.links()
         for sid, index in journaled.items():
@@ -171,6 +205,7 @@ class EgressPolicy:
                 continue
             link = _Link(index, ifname, self.config.sandbox_address(index))
             self._grant_locally(link, live_rules[sid])
+            link.headers = intercept.entries((live_headers or {}).get(sid, {}), link.address)
             self._links[sid] = link
         if not self.enabled and not self._links:
             if journaled:  # permissions were configured before: take their table away
@@ -189,7 +224,10 @@ class EgressPolicy:
         )
         if self.proxy is not None:
             try:
-                await self.proxy.start({k for link in self._links.values() for k in link.checked_names})
+                await self.proxy.start(
+                    {k for link in self._links.values() for k in link.checked_names},
+                    {k: v for link in self._links.values() for k, v in link.headers.items()},
+                )
             except InfraFailure as exc:
                 # Fail closed: learned addresses on the checked ports are redirected to a port
                 # nothing listens on, while everything else keeps working.
@@ -279,6 +317,7 @@ class EgressPolicy:
             if self.proxy is not None:
                 try:
                     await self.proxy.update(link.checked_names, set())
+                    await self.proxy.set_headers(link.headers, {})
                 except InfraFailure as exc:  # its next start writes the map from the links
                     log.warning("forgetting %s's names in the proxy: %s", sandbox_id, exc)
             try:

@@ -16,6 +16,9 @@ HAProxy rather than our own splice loop: it is well kept, splices in the kernel,
 change at run time through its admin socket, so a grant is one ``add map`` line. One HAProxy
 serves every sandbox of the edge; it outlives an edge restart (the next edge finds it by its
 pid file and re-sends the map), and goes when the edge closes with no link left.
+
+A host a sandbox has egress headers for (:mod:`.intercept`) is the one exception to "spliced
+untouched": its TLS goes to the ``intercept`` frontend, which terminates and re-encrypts it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dsec.native import spawner
+from dsec.netpolicy import intercept
 from dsec.protocol.errors import InfraFailure, InfraReason
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,7 @@ _STATS_MAX = 1 << 20  # its answer is a few KiB (four rows): more is not HAProxy
 _CONFIG = """\
 global
   stats socket {sock} mode 600 level admin
+  lua-load {lua}
   # One listener per port: a second HAProxy on the same address fails to start instead of
   # silently taking half of the connections (with its own, empty, map).
   noreuseport
@@ -76,6 +81,8 @@ frontend tls
   tcp-request content reject unless {{ req.ssl_hello_type 1 }}
   tcp-request content set-var-fmt(txn.key) "|%[req.ssl_sni,lower]|%[src]"
   tcp-request content reject unless {{ var(txn.key),map_end({map}) -m found }}
+  tcp-request content set-var-fmt(txn.first) "%[var(txn.key)]#0"
+  use_backend to_intercept if {{ var(txn.first),map({headers}) -m found }}
   default_backend to_original_tcp
 
 frontend web
@@ -83,7 +90,25 @@ frontend web
   bind {gateway}:{http} transparent
   http-request set-var-fmt(txn.key) "|%[req.hdr(host),field(1,:),lower]|%[src]"
   http-request deny deny_status 403 unless {{ var(txn.key),map_end({map}) -m found }}
+  http-request lua.dsec_headers
   default_backend to_original_http
+
+# A host with egress headers: TLS ends here (a certificate for its name, signed by the node's
+# CA) and starts again towards the original destination, which must prove the same name.
+backend to_intercept
+  mode tcp
+  server intercept unix@{intercept_sock} send-proxy-v2
+
+frontend intercept
+  mode http
+  bind unix@{intercept_sock} mode 600 accept-proxy {intercept_tls}
+  http-request set-var-fmt(txn.key) "|%[ssl_fc_sni,lower]|%[src]"
+  http-request lua.dsec_headers
+  default_backend to_original_https
+
+backend to_original_https
+  mode http
+  server original 0.0.0.0:0 ssl verify required ca-file {upstream_ca} sni ssl_fc_sni alpn http/1.1
 
 backend to_original_tcp
   mode tcp
@@ -106,42 +131,64 @@ MAX_SOCKET_PATH = 80
 SHORT_SOCKET_DIR = Path("/run/dsec")
 
 
-def admin_socket_path(state: Path) -> Path:
-    """The admin socket of the proxy whose files are in ``state``: there, unless the path is too
-    long for a Unix socket, then under /run/dsec named by a hash of ``state`` (one per node)."""
-    path = state / "admin.sock"
+def admin_socket_path(state: Path, name: str = "admin") -> Path:
+    """The socket ``name`` of the proxy whose files are in ``state``: there, unless the path is
+    too long for a Unix socket, then under /run/dsec named by a hash of ``state`` (one per node)."""
+    path = state / f"{name}.sock"
     if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
         return path
     digest = hashlib.sha256(os.fsencode(state.resolve())).hexdigest()[:20]
-    return SHORT_SOCKET_DIR / f"haproxy-{digest}.sock"
+    return SHORT_SOCKET_DIR / f"haproxy-{digest}{'' if name == 'admin' else '-' + name}.sock"
 
 
 class SniProxy:
     """One HAProxy for the edge's sandboxes, its files under ``state_dir``."""
 
-    def __init__(self, state_dir: Path, gateway: str) -> None:
+    def __init__(
+        self, state_dir: Path, gateway: str, upstream_ca: Path | None = None, node: str = "dsec"
+    ) -> None:
         self.dir = state_dir / "sniproxy"
         self.gateway = gateway
         self.config = self.dir / "haproxy.cfg"
         self.map = self.dir / "names.map"
+        self.headers_map = self.dir / "headers.map"
+        self.lua = self.dir / "headers.lua"
         self.sock = admin_socket_path(self.dir)
+        self.intercept_sock = admin_socket_path(self.dir, "intercept")
         self.pidfile = self.dir / "haproxy.pid"
+        self.ca = intercept.NodeCa(self.dir, node)
+        self.upstream_ca = upstream_ca or Path(intercept.SYSTEM_BUNDLE)
         self._keys: set[str] = set()
+        self._headers: dict[str, str] = {}
+        self._hosts: set[str] = set()  # hosts whose certificate the running HAProxy holds
 
-    async def start(self, wanted: set[str]) -> None:
-        """Run HAProxy (or adopt the one an earlier edge left) with exactly ``wanted`` keys."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+    async def start(self, wanted: set[str], headers: dict[str, str] | None = None) -> None:
+        """Run HAProxy (or adopt the one an earlier edge left) with exactly ``wanted`` keys and
+        ``headers`` entries (:func:`.intercept.entries`)."""
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.sock.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.ca.ensure)
+        self.ca.hosts_dir.mkdir(mode=0o700, exist_ok=True)
+        self.lua.write_text(intercept.LUA.format(map=self.headers_map))
         text = _CONFIG.format(
-            sock=self.sock, gateway=self.gateway, tls=TLS_PORT, http=HTTP_PORT, map=self.map
-        )
+            sock=self.sock, gateway=self.gateway, tls=TLS_PORT, http=HTTP_PORT, map=self.map,
+            lua=self.lua, headers=self.headers_map, intercept_sock=self.intercept_sock,
+            upstream_ca=self.upstream_ca,
+            intercept_tls=f"ssl crt {self.ca.default_file} crt {self.ca.hosts_dir} alpn http/1.1",
+        )  # fmt: skip
         self._keys = set(wanted)
+        self._headers = dict(headers or {})
         self._write_map()
         pids = await asyncio.to_thread(self._running)
+        self._hosts = {p.name.removesuffix(".pem") for p in self.ca.hosts_dir.glob("*.pem")}
         if len(pids) == 1 and self.config.exists() and self.config.read_text() == text:
-            await self._command("clear map " + str(self.map))
-            for key in sorted(self._keys):
-                await self._command(f"add map {self.map} {key} 1")
+            for path, entries in (
+                (self.map, dict.fromkeys(self._keys, "1")),
+                (self.headers_map, self._headers),
+            ):
+                await self._command(f"clear map {path}")
+                for key, value in sorted(entries.items()):
+                    await self._command(f"add map {path} {key} {value}")
             return
         for pid in pids:
             await self._stop(pid)
@@ -172,6 +219,23 @@ class SniProxy:
         for key in sorted(new - old):
             await self._command(f"add map {self.map} {key} 1")
 
+    async def set_headers(self, old: dict[str, str], new: dict[str, str]) -> None:
+        """A sandbox's header entries changed (:func:`.intercept.entries`): the map follows,
+        after the proxy holds a certificate for each of their hosts."""
+        if old == new:
+            return
+        for host in sorted({intercept.host_of(k) for k in new} - self._hosts):
+            await self._add_certificate(host)
+        self._headers = {k: v for k, v in self._headers.items() if k not in old} | new
+        self._write_map()
+        for key in sorted(old):
+            if key not in new:
+                await self._command(f"del map {self.headers_map} {key}")
+        for key, value in sorted(new.items()):
+            if old.get(key) != value:
+                verb = "set" if key in old else "add"
+                await self._command(f"{verb} map {self.headers_map} {key} {value}")
+
     async def counts(self, timeout: float = STATS_TIMEOUT_S) -> dict[tuple[str, str], int]:
         """What the name check decided since HAProxy started, (kind, verdict) -> count (see
         :data:`STATS`); empty when it does not answer within ``timeout`` (not running, or being
@@ -187,16 +251,23 @@ class SniProxy:
             await self._stop(pid)
         with contextlib.suppress(FileNotFoundError):
             self.pidfile.unlink()
-        if self.sock.parent != self.dir:  # the short name outside the node's files
-            with contextlib.suppress(FileNotFoundError):
-                self.sock.unlink()
+        for sock in (self.sock, self.intercept_sock):
+            if sock.parent != self.dir:  # the short name outside the node's files
+                with contextlib.suppress(FileNotFoundError):
+                    sock.unlink()
 
     # -- internals --------------------------------------------------------------------------
 
     def _write_map(self) -> None:
-        tmp = self.map.with_suffix(".tmp")
-        tmp.write_text("".join(f"{k} 1\n" for k in sorted(self._keys)))
-        os.replace(tmp, self.map)
+        for path, lines in (
+            (self.map, (f"{k} 1\n" for k in sorted(self._keys))),
+            (self.headers_map, (f"{k} {v}\n" for k, v in sorted(self._headers.items()))),
+        ):
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # headers hold secrets
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(lines))
+            os.replace(tmp, path)
 
     def _running(self) -> list[int]:
         """Every HAProxy started on this edge's configuration that still runs (found by its
@@ -232,7 +303,36 @@ class SniProxy:
         except OSError as exc:
             raise InfraFailure(f"haproxy's admin socket: {exc}", reason=InfraReason.network) from exc
         if answer and not answer.startswith(("Done", "Entry")):
-            log.warning("haproxy %r: %s", line, answer)
+            # The verb, map and key only: a header entry's value may be a secret.
+            log.warning("haproxy %r: %s", " ".join(line.split()[:4]), answer[:300])
+
+    async def _add_certificate(self, host: str) -> None:
+        """The running HAProxy holds a certificate for ``host`` (made if need be), or an
+        InfraFailure says why; a file it did not take is removed (the next start loads what
+        the directory holds)."""
+        pem = (await asyncio.to_thread(self.ca.host_pem, host)).decode()
+        path = self.ca.host_file(host)
+        steps = (
+            (f"new ssl cert {path}", "New empty certificate store"),
+            (f"set ssl cert {path} <<\n{pem}", "Transaction created"),
+            (f"commit ssl cert {path}", "Success!"),
+            (f"add ssl crt-list {self.ca.hosts_dir} {path}", "Success!"),
+        )
+        try:
+            for line, answer in steps:
+                said = await self._query(line)
+                if answer not in said:
+                    raise InfraFailure(
+                        f"haproxy took no certificate for {host}: {said.strip()[:300]}",
+                        reason=InfraReason.network,
+                    )
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise InfraFailure(f"haproxy's admin socket: {exc}", reason=InfraReason.network) from exc
+        except InfraFailure:
+            path.unlink(missing_ok=True)
+            raise
+        self._hosts.add(host)
 
     async def _query(self, line: str) -> str:
         """``line``'s whole answer: HAProxy closes the socket after it (not interactive mode)."""

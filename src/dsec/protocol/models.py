@@ -39,6 +39,7 @@ from dsec.protocol.bounds import (
     UserName,
     no_nul_env,
 )
+from dsec.protocol.egress_headers import EgressHeaders, EgressSecrets, filled
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.files import Change as Change
 from dsec.protocol.files import ChangeKind as ChangeKind
@@ -223,6 +224,16 @@ class ContainerSpec(_Model):
         "path -> volume ID, the project's own (or its subtree's). The sandbox is placed on the "
         "volumes' node. crun containers only",
     )
+    egress_headers: EgressHeaders = Field(
+        default_factory=dict,
+        description="host -> headers the node's egress sets on every HTTP(S) request of the "
+        "sandbox to that host (protocol/egress_headers.py); values may name egress_secrets as "
+        "${secrets.<name>}. The host must be reached by a permission naming its domain",
+    )
+    egress_secrets: EgressSecrets = Field(
+        default_factory=dict,
+        description="name -> value filled into egress_headers at the edge; never shown by any read",
+    )
     allow_setuid: bool = Field(
         default=False,
         description="processes start without no_new_privs, so setuid programs work (sudo to root "
@@ -242,6 +253,7 @@ class ContainerSpec(_Model):
             raise ValueError("volumes apply to crun containers only")
         if set(self.volumes) & set(self.tmpfs):
             raise ValueError("a path is either a tmpfs or a volume mount")
+        filled(self.egress_headers, self.egress_secrets)  # every secret named is given
         return self
 
     @field_validator("volumes")
@@ -440,6 +452,7 @@ class SandboxInfo(_Model):
     paused_at: float | None = None
     pause_reason: str | None = None  # requested, idle, lease_lapsed, admission, memory_pressure
     network_rules: NetworkRules = Field(default_factory=dict)
+    egress_headers: dict[str, dict[str, str]] = Field(default_factory=dict)  # as given: no secret
     refs: list[str] = Field(default_factory=list, description="the image or layers as the caller named them")
     deadline_at: float | None = Field(default=None, description="when the reaper acts (set_deadline)")
     deadline_s: float | None = None
@@ -457,9 +470,19 @@ class DeadlineRequest(_Model):
 
 
 class NetworkRulesRequest(_Model):
-    """The sandbox's network permissions from now on (names the node's operator configured)."""
+    """The sandbox's network permissions from now on (names the node's operator configured),
+    and its egress headers and their secrets when ``egress_headers`` is given (None: kept)."""
 
     network_rules: NetworkRules
+    egress_headers: EgressHeaders | None = None
+    egress_secrets: EgressSecrets = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _secrets_given(self) -> NetworkRulesRequest:
+        if self.egress_headers is None and self.egress_secrets:
+            raise ValueError("egress_secrets come with the egress_headers that name them")
+        filled(self.egress_headers or {}, self.egress_secrets)
+        return self
 
 
 BulkAction = Literal["stop", "pause", "resume"]

@@ -135,11 +135,20 @@ class SyncSandbox(SyncWrapper, async_cls=_client.Sandbox, wrap=[SyncPty]):
     def stop(self) -> SandboxInfo:
         return cast("SandboxInfo", self._dsec_call("stop"))
 
-    def set_network_rules(self, rules: NetworkRules) -> SandboxInfo:
+    def set_network_rules(
+        self,
+        rules: NetworkRules,
+        egress_headers: dict[str, dict[str, str]] | None = None,
+        egress_secrets: dict[str, str] | None = None,
+    ) -> SandboxInfo:
         """Replace this sandbox's network permissions (names the node's operator configured,
-        e.g. ``{"pypi": True}``); they are in force in the kernel when this returns.
+        e.g. ``{"pypi": True}``); they are in force in the kernel when this returns. Given
+        ``egress_headers`` (host -> headers, values may name ``egress_secrets`` as
+        ``${secrets.<name>}``) replace the sandbox's; None keeps them.
         """
-        return cast("SandboxInfo", self._dsec_call("set_network_rules", rules))
+        return cast(
+            "SandboxInfo", self._dsec_call("set_network_rules", rules, egress_headers, egress_secrets)
+        )
 
     def run_shell(
         self,

@@ -36,6 +36,10 @@ class DSecContainerRunArgs(BaseModel):
     allow_setuid: bool = False  # setuid programs (sudo) work: no no_new_privs; crun only
     tmpfs: dict[str, int] = Field(default_factory=dict)  # path -> MiB, memory-backed; crun only
     volumes: dict[str, str] = Field(default_factory=dict)  # path -> volume ID (create_volume); crun only
+    # host -> headers the node's egress sets on the sandbox's HTTP(S) requests to it; values may
+    # name egress_secrets as ${secrets.<name>} (never shown by any read of the sandbox)
+    egress_headers: dict[str, dict[str, str]] = Field(default_factory=dict)
+    egress_secrets: dict[str, str] = Field(default_factory=dict)
 
     def to_spec(self) -> ContainerSpec:
         """Validate against the wire model now, so bad input fails before any request."""
@@ -71,6 +75,8 @@ class DSecContainerRunArgs(BaseModel):
             allow_setuid=self.allow_setuid,
             tmpfs=self.tmpfs,
             volumes=self.volumes,
+            egress_headers=self.egress_headers,
+            egress_secrets=self.egress_secrets,
         )
 
 

@@ -95,10 +95,20 @@ class Sandbox(SandboxRlCalls, SandboxDisplayCalls, SandboxPtyCalls):
         self.info = SandboxInfo.model_validate(await self._t.request("DELETE", self._base))
         return self.info
 
-    async def set_network_rules(self, rules: NetworkRules) -> SandboxInfo:
+    async def set_network_rules(
+        self,
+        rules: NetworkRules,
+        egress_headers: dict[str, dict[str, str]] | None = None,
+        egress_secrets: dict[str, str] | None = None,
+    ) -> SandboxInfo:
         """Replace this sandbox's network permissions (names the node's operator configured,
-        e.g. ``{"pypi": True}``); they are in force in the kernel when this returns."""
-        self.info = await self._call(SetNetworkRules(network_rules=rules))
+        e.g. ``{"pypi": True}``); they are in force in the kernel when this returns. Given
+        ``egress_headers`` (host -> headers, values may name ``egress_secrets`` as
+        ``${secrets.<name>}``) replace the sandbox's; None keeps them."""
+        op = SetNetworkRules(
+            network_rules=rules, egress_headers=egress_headers, egress_secrets=egress_secrets or {}
+        )
+        self.info = await self._call(op)
         return self.info
 
     # -- commands ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -24,6 +25,8 @@ from dsec.apiserver.e2b.lifecycle import LifecycleRoutes, NotSupported
 from dsec.apiserver.e2b.logs import LogRoutes
 from dsec.apiserver.e2b.metrics import MetricsRoutes
 from dsec.apiserver.e2b.models import error_body
+from dsec.apiserver.e2b.secret_store import SecretStore
+from dsec.apiserver.e2b.secrets import SecretRoutes, is_secrets_path
 from dsec.apiserver.e2b.snapshots import SnapshotRoutes
 from dsec.apiserver.e2b.templates import Templates
 from dsec.apiserver.e2b.tokens import EnvdTokens
@@ -50,7 +53,6 @@ _UNSUPPORTED = (
     ("/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/v2/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
     ("/v3/templates{tail:.*}", _NO_TEMPLATE_ROUTE),
-    ("/secrets{tail:.*}", "secrets are not supported by DSec"),
 )
 
 
@@ -76,6 +78,13 @@ async def e2b_errors_middleware(request: web.Request, handler: Handler) -> web.S
     """Errors of E2B's REST routes in E2B's form (envd routes answer their own)."""
     if not is_e2b_api_path(request.path):
         return await handler(request)
+    response = await _e2b_answer(request, handler)
+    if is_secrets_path(request.path):
+        response.headers["Cache-Control"] = "no-store"  # E2B's NoStoreSecrets: errors too
+    return response
+
+
+async def _e2b_answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except (DSecError, NotSupported) as exc:
@@ -114,6 +123,10 @@ class E2BFront:
         lc.templates = self.templates
         self.volumes = VolumeRoutes(sandboxes, self.tokens)
         lc.volumes = self.volumes
+        # E2B's secrets, kept beside its templates; values sealed under the token secret.
+        self.secrets = SecretStore(Path(store.root) / "e2b-secrets", self.options.token_secret)
+        self.secret_routes = SecretRoutes(self.secrets)
+        lc.secrets = self.secrets  # network rules' ${e2b.secrets.*}
 
     def register(self, r: web.UrlDispatcher) -> None:
         self.templates.register(r)  # first: its DELETE /templates/{id} hands snapshots on
@@ -122,6 +135,7 @@ class E2BFront:
         self.metrics.register(r)
         self.logs.register(r)
         self.volumes.register(r)
+        self.secret_routes.register(r)
         r.add_get("/default-templates", self.default_templates)
         for path, why in _UNSUPPORTED:
             r.add_route("*", path, _unsupported(why))

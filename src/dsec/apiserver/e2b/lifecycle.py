@@ -49,7 +49,8 @@ from dsec.apiserver.e2b.models import (
     SandboxDetail,
     TimeoutRequest,
 )
-from dsec.apiserver.e2b.network import INTERNET, to_info, to_rules
+from dsec.apiserver.e2b.network import INTERNET, headers_info, to_headers, to_info, to_rules
+from dsec.apiserver.e2b.secret_store import SecretStore
 from dsec.apiserver.e2b.template_models import TemplateConfig
 from dsec.apiserver.e2b.tokens import EnvdTokens
 from dsec.apiserver.layer_access import resolve_digests
@@ -57,6 +58,7 @@ from dsec.apiserver.sandboxes import SandboxRoutes
 from dsec.edge.link import EdgeLink
 from dsec.images.base import E2B_BASE_REF, E2B_USER
 from dsec.images.store import LayerStore
+from dsec.protocol.egress_headers import used
 from dsec.protocol.errors import Conflict, InvalidRequest, LayerNotFound, SandboxNotFound
 from dsec.protocol.ids import SandboxId
 from dsec.protocol.models import ContainerSpec, DeadlineAction, SandboxInfo, SandboxState, invalid_request
@@ -201,6 +203,7 @@ class LifecycleRoutes:
         self._offers: dict[str, tuple[float, bool]] = {}  # node -> (when learned, offers internet)
         self.templates: Templates | None = None  # built templates (e2b/templates.py), set by the front
         self.volumes: VolumeRoutes | None = None  # shared volumes (e2b/volumes.py), set by the front
+        self.secrets: SecretStore | None = None  # the projects' secrets (e2b/secret_store.py), likewise
         # A snapshot's kept user, workdir and env (e2b/snapshots.py), set by the front.
         self.snapshot_defaults: Callable[[list[str]], Awaitable[SnapshotDefaults | None]] | None = None
 
@@ -277,6 +280,8 @@ class LifecycleRoutes:
             update={"allow_internet_access": req.allow_internet_access}
         )
         to_rules(network, internet_offered=False)  # refuse what cannot be mapped before creating
+        headers = to_headers(network)
+        secrets = await self._secrets(request, headers)  # a missing secret: nothing is created
         labels = dict(req.metadata or {})
         if req.auto_resume is not None and req.auto_resume.enabled:
             labels[AUTO_RESUME_LABEL] = "true"
@@ -317,8 +322,8 @@ class LifecycleRoutes:
         link = self.sandboxes.link_for(info.id)
         try:
             rules = to_rules(network, internet_offered=await self._offers_internet(link, info.node))
-            if rules:
-                info = await link.set_network_rules(info.id, rules)
+            if rules or headers:
+                info = await link.set_network_rules(info.id, rules, headers or None, secrets)
             if req.timeout > 0:
                 info = await link.set_deadline(info.id, req.timeout, "pause" if req.auto_pause else "stop")
             if built is not None and self.templates is not None:
@@ -369,7 +374,7 @@ class LifecycleRoutes:
                 **_listed(info),
                 "envd_access_token": self.tokens.issue(info.id),
                 "lifecycle": Lifecycle(on_timeout=on_timeout, auto_resume=auto_resumes(info)),
-                "network": to_info(info.network_rules),
+                "network": to_info(info.network_rules, headers_info(info.egress_headers)),
                 "domain": self.domain(),
             }
         )
@@ -441,8 +446,19 @@ class LifecycleRoutes:
         req = await read_body(request, NetworkUpdate)
         link, info = await self._live(request)
         rules = to_rules(req, internet_offered=await self._offers_internet(link, info.node))
-        await link.set_network_rules(info.id, rules)
+        headers = to_headers(req)  # replaced too: rules left out are cleared
+        await link.set_network_rules(info.id, rules, headers, await self._secrets(request, headers))
         return web.Response(status=204)
+
+    async def _secrets(self, request: web.Request, headers: dict[str, dict[str, str]]) -> dict[str, str]:
+        """The values of the secrets ``headers`` name, from the key's project (400 naming the
+        first it lacks)."""
+        names = used(headers)
+        if not names:
+            return {}
+        if self.secrets is None:
+            raise NotSupported("secrets are not kept by this apiserver")
+        return await self.secrets.resolve(request[PRINCIPAL].project, names)
 
     async def refresh(self, request: web.Request) -> web.Response:
         req = await read_body(request, RefreshRequest)

@@ -126,6 +126,7 @@ class ListedSandbox(_Out):
 class NetworkInfo(_Out):
     allow_out: list[str] | None = Field(default=None, alias="allowOut")
     deny_out: list[str] | None = Field(default=None, alias="denyOut")
+    rules: dict[str, list[dict[str, Any]]] | None = None
 
 
 class SandboxDetail(ListedSandbox):

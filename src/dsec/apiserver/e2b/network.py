@@ -18,16 +18,24 @@ open or take out of ``internet`` (:func:`dsec.netpolicy.config.address_of`). The
   no ``internet``, is denied already and adds nothing.
 
 Everything else is a 400 naming the entry: an address or range allowed that holds private,
-loopback, link-local or IPv6 addresses (DSec opens those by operator permission only), header
-transforms (``rules``), an egress proxy, DNS servers. A ``denyOut`` entry that is no address or
-range is E2B's own 400 ("invalid denied CIDR").
+loopback, link-local or IPv6 addresses (DSec opens those by operator permission only), an
+egress proxy, DNS servers. A ``denyOut`` entry that is no address or range is E2B's own 400
+("invalid denied CIDR").
+
+``rules`` (per-host header transforms, :func:`to_headers`) become the sandbox's egress headers
+(:mod:`dsec.protocol.egress_headers`), checked with E2B's bounds and messages
+(``validateNetworkRules``); ``${e2b.secrets.<name>}`` is DSec's ``${secrets.<name>}``, filled
+from the project's secrets (:mod:`.secret_store`); ``${e2b.identity.tokens.<name>}`` (workload
+identity) is a 400.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 
 from dsec.apiserver.e2b.models import NetworkInfo, NetworkUpdate
+from dsec.apiserver.e2b.secret_store import normalize_name
 from dsec.netpolicy.config import address_of, range_text
 from dsec.netpolicy.nft import NONPUBLIC
 from dsec.protocol.errors import InvalidRequest
@@ -64,8 +72,6 @@ def _public(net: Network) -> bool:
 
 def to_rules(net: NetworkUpdate, *, internet_offered: bool) -> NetworkRules:
     """The DSec network rules an E2B egress configuration stands for (400 if none does)."""
-    if net.rules:
-        raise InvalidRequest(f"network rules (header transforms) are not supported: {_HOW}")
     if net.egress_proxy is not None:
         raise InvalidRequest("an egress proxy is not supported: sandboxes reach the network through the node")
     if net.dns_servers:
@@ -103,11 +109,121 @@ def to_rules(net: NetworkUpdate, *, internet_offered: bool) -> NetworkRules:
     return rules
 
 
-def to_info(rules: NetworkRules) -> NetworkInfo:
-    """The rules as E2B's ``network`` of a sandbox's info (what :func:`to_rules` reads back)."""
+def to_info(rules: NetworkRules, transforms: dict[str, list[dict[str, object]]] | None = None) -> NetworkInfo:
+    """The rules as E2B's ``network`` of a sandbox's info (what :func:`to_rules` reads back),
+    with its header ``transforms`` (:func:`headers_info`)."""
     granted = sorted(name for name, on in rules.items() if on)
     allow = [n for n in granted if n != INTERNET]
     refused = sorted(k for k, on in rules.items() if not on and address_of(k) is not None)
     if INTERNET in granted:
-        return NetworkInfo(allow_out=allow or None, deny_out=refused or None)
-    return NetworkInfo(allow_out=allow, deny_out=[ALL_TRAFFIC])
+        return NetworkInfo(allow_out=allow or None, deny_out=refused or None, rules=transforms or None)
+    return NetworkInfo(allow_out=allow, deny_out=[ALL_TRAFFIC], rules=transforms or None)
+
+
+# E2B's bounds (sandbox_create.go, networktransform.MaxMarkerNames).
+_MAX_DOMAINS, _MAX_DOMAIN_LEN, _MAX_HEADERS, _MAX_NAME, _MAX_VALUE, _MAX_SECRETS = 10, 128, 20, 64, 2048, 32
+_E2B_SECRET, _E2B_TOKEN, _DSEC_SECRET = "${e2b.secrets.", "${e2b.identity.tokens.", "${secrets."
+_LABEL = r"[A-Za-z0-9_][A-Za-z0-9_-]{0,62}"  # govalidator's IsDNSName, as E2B checks a rule's domain
+_DNS_NAME = re.compile(rf"^{_LABEL}(\.{_LABEL})*[._]?$")
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def to_headers(net: NetworkUpdate) -> dict[str, dict[str, str]]:
+    """E2B's ``rules`` as DSec egress headers (host -> header -> value, DSec's placeholders);
+    E2B's 400 and message for each rule it refuses."""
+    rules = net.rules or {}
+    if len(rules) > _MAX_DOMAINS:
+        raise InvalidRequest(f"Network rules can have at most {_MAX_DOMAINS} domains.")
+    out: dict[str, dict[str, str]] = {}
+    for domain, domain_rules in rules.items():
+        if not domain:
+            raise InvalidRequest("Rule domain must not be empty.")
+        if len(domain) > _MAX_DOMAIN_LEN:
+            raise InvalidRequest(
+                f"Rule domain {domain[:_MAX_DOMAIN_LEN]!r} exceeds maximum length of 128 characters."
+            )
+        if not _DNS_NAME.match(domain):
+            raise InvalidRequest(f"Rule domain {domain!r} is not a valid domain name.")
+        if not isinstance(domain_rules, list):
+            raise InvalidRequest(f"Rules of domain {domain!r} must be a list.")
+        if len(domain_rules) > 1:
+            raise InvalidRequest(f"Domain {domain!r} can have at most 1 transform rule.")
+        headers: dict[str, str] = {}
+        for rule in domain_rules:
+            transform = rule.get("transform") if isinstance(rule, dict) else None
+            given = transform.get("headers") if isinstance(transform, dict) else None
+            if given is not None and not isinstance(given, dict):
+                raise InvalidRequest(f"Headers of the rule for domain {domain!r} must be an object.")
+            headers = _headers(domain, given or {})
+        out[domain.lower().rstrip(".")] = headers
+    return out
+
+
+def _headers(domain: str, given: dict[str, object]) -> dict[str, str]:
+    if len(given) > _MAX_HEADERS:
+        raise InvalidRequest(f"Domain {domain!r} can have at most {_MAX_HEADERS} headers per rule.")
+    headers: dict[str, str] = {}
+    secrets: set[str] = set()
+    for name, value in given.items():
+        if not name:
+            raise InvalidRequest(f"Header name in rule for domain {domain!r} must not be empty.")
+        if not _TOKEN.match(name):
+            raise InvalidRequest(
+                f"Header name {name[:_MAX_NAME]!r} in rule for domain {domain!r} must contain only valid HTTP"
+                " token characters."
+            )
+        if len(name) > _MAX_NAME:
+            raise InvalidRequest(
+                f"Header name {name[:_MAX_NAME]!r} in rule for domain {domain!r} exceeds maximum length of"
+                f" {_MAX_NAME} characters."
+            )
+        if not isinstance(value, str) or _BAD_VALUE.search(value):
+            raise InvalidRequest(
+                f"Value for header {name!r} in rule for domain {domain!r} contains invalid characters."
+            )
+        if len(value) > _MAX_VALUE:
+            raise InvalidRequest(
+                f"Value for header {name!r} in rule for domain {domain!r} exceeds maximum length of"
+                f" {_MAX_VALUE} characters."
+            )
+        headers[name], names = _placeholders(value)
+        secrets |= names
+        if len(secrets) > _MAX_SECRETS:
+            raise InvalidRequest(f"Rule domain {domain!r} references more than {_MAX_SECRETS} secrets.")
+    return headers
+
+
+def _placeholders(value: str) -> tuple[str, set[str]]:
+    """``value`` in DSec's spelling, and the secrets it names (E2B's ParsePlaceholders: text
+    outside the two prefixes is opaque; an unclosed, empty or nested one is malformed)."""
+    out, names, cursor = "", set[str](), 0
+    malformed = "Network transform header contains a malformed E2B placeholder."
+    while True:
+        starts = [(i, p) for p in (_E2B_SECRET, _E2B_TOKEN) if (i := value.find(p, cursor)) >= 0]
+        if not starts:
+            return out + value[cursor:], names
+        start, prefix = min(starts)
+        end = value.find("}", start + len(prefix))
+        name = value[start + len(prefix) : end] if end >= 0 else ""
+        if not name or _E2B_SECRET in name or _E2B_TOKEN in name:
+            raise InvalidRequest(malformed)
+        if prefix == _E2B_TOKEN:
+            raise InvalidRequest(
+                "workload identity tokens (${e2b.identity.tokens.*}, iam) are not supported by DSec: "
+                "put the credential in a secret (${e2b.secrets.<name>})"
+            )
+        canonical = normalize_name(name)
+        if canonical is None:
+            raise InvalidRequest(malformed)
+        names.add(canonical)
+        out += value[cursor:start] + _DSEC_SECRET + canonical + "}"
+        cursor = end + 1
+
+
+def headers_info(headers: dict[str, dict[str, str]]) -> dict[str, list[dict[str, object]]]:
+    """The sandbox's egress headers as E2B's ``network.rules`` of its info (E2B's spelling)."""
+    return {
+        host: [{"transform": {"headers": {k: v.replace(_DSEC_SECRET, _E2B_SECRET) for k, v in hs.items()}}}]
+        for host, hs in headers.items()
+    }

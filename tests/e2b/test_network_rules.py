@@ -1,0 +1,117 @@
+"""E2B's network ``rules`` (per-host header transforms) and ``Secret.fill`` placeholders through
+the official SDK (2.63): a request from inside to the host gets the headers with the secret's
+value, the sandbox's info shows the placeholder and never the value, ``update_network``
+replaces them, and E2B's validation answers as E2B's (``validateNetworkRules``).
+
+The host is the mirror's ``web.dns.test`` (tests/netpolicy/mirror.py), reached by the test
+node's ``mirror-dns`` permission, which names its domain (egress headers need a host the edge
+reads by name).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.e2b.conftest import E2B
+from tests.e2e.test_egress import the_mirror  # noqa: F401 (a fixture)
+from tests.netpolicy import mirror
+
+RUN = uuid.uuid4().hex[:8]
+
+_SNIPPET = """
+import asyncio
+from e2b import AsyncSandbox, Secret
+NAME, HOST, VALUE = {name!r}, {host!r}, {value!r}
+RULES = {{HOST: [{{"transform": {{"headers": {{"Authorization": "Bearer " + Secret.fill(NAME)}}}}}}]}}
+NET = {{"allow_out": ["mirror-dns"], "deny_out": ["0.0.0.0/0"], "rules": RULES}}
+FETCH = f"curl -sS --max-time 20 -H 'Authorization: mine' https://{{HOST}}/headers"
+Secret.create(NAME, VALUE)
+try:
+    sbx = Sandbox.create(timeout=120, network=NET)
+    sent = json.loads(sbx.commands.run(FETCH).stdout)
+    info = sbx.get_info()
+    sbx.update_network({{"allow_out": ["mirror-dns"], "deny_out": ["0.0.0.0/0"]}})
+    # Spliced end to end again: the mirror's own (self-signed) certificate, hence -k.
+    after = json.loads(sbx.commands.run(FETCH + " -k").stdout)
+    sbx.kill()
+
+    async def main():
+        a = await AsyncSandbox.create(timeout=120, network=NET)
+        out = json.loads((await a.commands.run(FETCH)).stdout)
+        await a.kill()
+        return out
+
+    print(json.dumps({{"sent": sent, "after": after, "async": asyncio.run(main()),
+                      "info": str(info), "rules": info.network and info.network.get("rules")}}))
+finally:
+    Secret.destroy(NAME)
+"""
+
+
+def header(sent: list[list[str]], name: str) -> list[str]:
+    return [v for k, v in sent if k.lower() == name.lower()]
+
+
+async def test_a_rule_s_headers_reach_the_host_with_the_secret_filled(
+    the_mirror: None,  # noqa: F811
+    e2b_latest: E2B,
+) -> None:
+    name, value = f"nr-{RUN}", f"sk-{uuid.uuid4().hex}"
+    out = await e2b_latest.run(_SNIPPET.format(name=name, host=mirror.DNS_NAME, value=value), timeout=240)
+    assert header(out["sent"], "Authorization") == [f"Bearer {value}"]  # set, not added
+    assert header(out["async"], "Authorization") == [f"Bearer {value}"]
+    assert header(out["after"], "Authorization") == ["mine"]  # update_network cleared the rule
+    assert value not in out["info"]
+    placeholder = "Bearer ${e2b.secrets." + name + "}"
+    assert out["rules"] == {mirror.DNS_NAME: [{"transform": {"headers": {"Authorization": placeholder}}}]}
+
+
+def _rules(**headers: str) -> dict[str, Any]:
+    return {mirror.DNS_NAME: [{"transform": {"headers": headers}}]}
+
+
+@pytest.mark.parametrize(
+    ("rules", "message"),
+    [
+        ({f"h{i}.dns.test": [] for i in range(11)}, "Network rules can have at most 10 domains."),
+        ({"bad domain": []}, "Rule domain 'bad domain' is not a valid domain name."),
+        ({mirror.DNS_NAME: [{}, {}]}, f"Domain '{mirror.DNS_NAME}' can have at most 1 transform rule."),
+        (_rules(**{"Bad Name": "x"}), "must contain only valid HTTP token characters"),
+        (_rules(A="x\ny"), "contains invalid characters"),
+        (_rules(A="${e2b.secrets.}"), "Network transform header contains a malformed E2B placeholder."),
+        (_rules(A="${e2b.secrets.a"), "Network transform header contains a malformed E2B placeholder."),
+        (_rules(A="${e2b.identity.tokens.aws}"), "workload identity tokens"),
+        (_rules(A="${e2b.secrets.nr-missing-" + RUN + "}"), "does not exist in this project"),
+        (_rules(Host="evil"), "frames the request"),
+    ],
+)
+async def test_e2b_s_rule_checks_answer_400_before_anything_is_made(
+    e2b_latest: E2B, rules: dict[str, Any], message: str
+) -> None:
+    body = {"templateID": "base", "timeout": 60, "network": {"allow_out": ["mirror-dns"], "rules": rules}}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{e2b_latest.url}/sandboxes", json=body, headers={"X-API-Key": e2b_latest.key}) as r,
+    ):
+        answer = await r.json()
+    assert r.status == 400 and message in answer["message"], answer
+
+
+async def test_a_rule_for_a_host_reached_only_by_address_is_refused(e2b_latest: E2B) -> None:
+    """``public-web`` opens addresses, which the edge splices unread: no header could be added
+    there, so the create says so instead of sending the request without it."""
+    body = {
+        "templateID": "base",
+        "timeout": 60,
+        "network": {"allow_out": ["public-web"], "rules": _rules(A="b")},
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{e2b_latest.url}/sandboxes", json=body, headers={"X-API-Key": e2b_latest.key}) as r,
+    ):
+        answer = await r.json()
+    assert r.status == 400 and "naming its domain" in answer["message"], answer
