@@ -10,7 +10,7 @@ import pytest
 
 from dsec.apiserver.e2b.envd_entries import dir_size
 from dsec.apiserver.e2b.models import NetworkUpdate
-from dsec.apiserver.e2b.network import ALL_TRAFFIC, INTERNET, to_info, to_rules
+from dsec.apiserver.e2b.network import ALL_TRAFFIC, INTERNET, headers_info, to_headers, to_info, to_rules
 from dsec.protocol.errors import InvalidRequest
 
 
@@ -71,13 +71,47 @@ def test_the_info_reads_back_as_the_same_rules(rules: dict[str, Any]) -> None:
         ({"allowOut": ["10.0.0.5"]}, True, "allow_out '10.0.0.5': a sandbox opens public IPv4"),
         ({"allowOut": ["100.0.0.0/1"]}, True, "allow_out '100.0.0.0/1'"),  # holds private ranges
         ({"allowOut": ["2001:db8::1"]}, True, "allow_out '2001:db8::1'"),
-        ({"rules": {"a.com": [{}]}}, True, "header transforms"),
+        ({"egressProxy": {"address": "proxy.example.com:1080"}}, True, "an egress proxy is not supported"),
     ],
 )
 def test_what_dsec_cannot_enforce_is_a_400_naming_it(body: dict[str, Any], internet: bool, said: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         _rules(body, internet)
     assert said in caught.value.message
+
+
+def test_rules_become_egress_headers_in_dsec_s_spelling_and_read_back_as_e2b_s() -> None:
+    given = {
+        "API.Example.com": [{"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.Open-AI}x"}}}],
+        "plain.example.com": [{"transform": {"headers": {"X-A": "$notaplaceholder ${e2b.secret.x}"}}}],
+        "empty.example.com": [],
+    }
+    headers = to_headers(NetworkUpdate.model_validate({"rules": given}))
+    assert headers == {
+        # A secret's name as E2B canonicalizes it (NormalizeName: lower case); text around is kept.
+        "api.example.com": {"Authorization": "Bearer ${secrets.open-ai}x"},
+        "plain.example.com": {"X-A": "$notaplaceholder ${e2b.secret.x}"},  # opaque: no known prefix
+        "empty.example.com": {},
+    }
+    assert headers_info(headers)["api.example.com"] == [
+        {"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.open-ai}x"}}}
+    ]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "${e2b.secrets.a${e2b.secrets.b}}",
+        "${e2b.secrets.has space}",
+        "${e2b.secrets.sec_x}",
+        "${e2b.secrets.}",
+    ],
+)
+def test_a_malformed_placeholder_is_e2b_s_400(value: str) -> None:
+    with pytest.raises(InvalidRequest, match="malformed E2B placeholder"):
+        to_headers(
+            NetworkUpdate.model_validate({"rules": {"a.com": [{"transform": {"headers": {"A": value}}}]}})
+        )
 
 
 def test_a_directory_size_is_whole_ext4_blocks() -> None:
