@@ -171,6 +171,9 @@ def _routes(project: str) -> list[Route]:
         Route("PUT", "/volumecontent/{vol}/file", params=_WRITE, e2b=True),
         Route("PATCH", "/volumecontent/{vol}/path", UpdateBody, {"mode": 420}, params={"path": "/f"},
               e2b=True),
+        # Secrets: listed, and one that is not there deleted (a created one would outlive the test).
+        Route("GET", "/secrets", params={"limit": "10", "nextToken": "sec_" + "0" * 26}, e2b=True),
+        Route("DELETE", "/secrets/{ghost}", e2b=True),
     ]  # fmt: skip
 
 

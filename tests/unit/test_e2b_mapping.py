@@ -29,7 +29,6 @@ def test_internet_is_the_default_where_it_is_offered() -> None:
         back = NetworkUpdate.model_validate(info)
         assert to_rules(back, internet_offered=INTERNET in rules) == rules
     for bad in (
-        {"rules": {"a.com": [{}]}},
         {"egressProxy": {"address": "p:1080"}},
         {"dnsServers": ["1.1.1.1"]},
     ):

@@ -16,6 +16,7 @@ wire; ``err.request_id`` is the ID of the failed request (:mod:`dsec.observe.req
     +-- FileNotFound            404  a path inside the sandbox that does not exist
     +-- ProcessNotFound         404  no such running process (ended, or not the API's)
     +-- VolumeNotFound          404  unknown or deleted shared volume, or another project's
+    +-- SecretNotFound          404  unknown or deleted E2B secret, or another project's
     +-- Conflict                409  the sandbox is not in a state that allows the request
     +-- QuotaExceeded           429  a project quota would be exceeded
     +-- CapacityExhausted       503  no node can admit the sandbox right now
@@ -231,6 +232,11 @@ class ProcessNotFound(DSecError):
 
 class VolumeNotFound(DSecError):
     code = "volume_not_found"
+    status = 404
+
+
+class SecretNotFound(DSecError):
+    code = "secret_not_found"
     status = 404
 
 

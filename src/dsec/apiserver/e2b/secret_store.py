@@ -38,7 +38,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from dsec.iam.base import in_subtree
-from dsec.protocol.errors import Conflict, DSecError, InvalidRequest
+from dsec.protocol.errors import Conflict, InvalidRequest, SecretNotFound
 
 # E2B's fixed texts (packages/api/internal/middleware/secrets.go); a DSec reason may follow
 # after ": ", and never quotes the request (a name is a confidential selector there too).
@@ -67,12 +67,8 @@ _NONCE_BYTES = 12
 T = TypeVar("T")
 
 
-class SecretNotFound(DSecError):
-    code = "secret_not_found"
-    status = 404
-
-    def __init__(self) -> None:
-        super().__init__(NOT_FOUND_MESSAGE)
+def not_found() -> SecretNotFound:
+    return SecretNotFound(NOT_FOUND_MESSAGE)
 
 
 def invalid(reason: str) -> InvalidRequest:
@@ -259,7 +255,7 @@ class SecretStore:
                 return own[0]
         found = [r for r in self._subtree(within) if (r.id if kind == "id" else r.name) == value]
         if not found:
-            raise SecretNotFound()
+            raise not_found()
         if len(found) > 1:
             raise invalid("projects below this key's hold several secrets of this name: use the secretID")
         return found[0]
@@ -352,9 +348,9 @@ __all__ = [
     "MAX_NAME_BYTES",
     "MAX_SECRETS_PER_PROJECT",
     "MAX_VALUE_BYTES",
-    "SecretNotFound",
     "SecretRecord",
     "SecretStore",
     "normalize_name",
+    "not_found",
     "parse_selector",
 ]
