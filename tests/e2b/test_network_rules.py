@@ -1,7 +1,8 @@
 """E2B's network ``rules`` (per-host header transforms) and ``Secret.fill`` placeholders through
 the official SDK (2.63): a request from inside to the host gets the headers with the secret's
-value, the sandbox's info shows the placeholder and never the value, ``update_network``
-replaces them, and E2B's validation answers as E2B's (``validateNetworkRules``).
+value, an update of the secret reaches running sandboxes and a delete takes its header away,
+the sandbox's info shows the placeholder and never the value, ``update_network`` replaces
+them, and E2B's validation answers as E2B's (``validateNetworkRules``).
 
 The host is the mirror's ``web.dns.test`` (tests/netpolicy/mirror.py), reached by the test
 node's ``mirror-dns`` permission, which names its domain (egress headers need a host the edge
@@ -33,6 +34,8 @@ Secret.create(NAME, VALUE)
 try:
     sbx = Sandbox.create(timeout=120, network=NET)
     sent = json.loads(sbx.commands.run(FETCH).stdout)
+    Secret.update(NAME, VALUE + "-2")  # running sandboxes follow, as E2B's egress resolves per request
+    updated = json.loads(sbx.commands.run(FETCH).stdout)
     info = sbx.get_info()
     sbx.update_network({{"allow_out": ["mirror-dns"], "deny_out": ["0.0.0.0/0"]}})
     # Spliced end to end again: the mirror's own (self-signed) certificate, hence -k.
@@ -42,10 +45,12 @@ try:
     async def main():
         a = await AsyncSandbox.create(timeout=120, network=NET)
         out = json.loads((await a.commands.run(FETCH)).stdout)
+        Secret.destroy(NAME)  # the header naming it goes, and the host is spliced again (-k)
+        gone = json.loads((await a.commands.run(FETCH + " -k")).stdout)
         await a.kill()
-        return out
+        return [out, gone]
 
-    print(json.dumps({{"sent": sent, "after": after, "async": asyncio.run(main()),
+    print(json.dumps({{"sent": sent, "updated": updated, "after": after, "async": asyncio.run(main()),
                       "info": str(info), "rules": info.network and info.network.get("rules")}}))
 finally:
     Secret.destroy(NAME)
@@ -63,7 +68,10 @@ async def test_a_rule_s_headers_reach_the_host_with_the_secret_filled(
     name, value = f"nr-{RUN}", f"sk-{uuid.uuid4().hex}"
     out = await e2b_latest.run(_SNIPPET.format(name=name, host=mirror.DNS_NAME, value=value), timeout=240)
     assert header(out["sent"], "Authorization") == [f"Bearer {value}"]  # set, not added
-    assert header(out["async"], "Authorization") == [f"Bearer {value}"]
+    assert header(out["updated"], "Authorization") == [f"Bearer {value}-2"]
+    made, gone = out["async"]
+    assert header(made, "Authorization") == [f"Bearer {value}-2"]
+    assert header(gone, "Authorization") == ["mine"]
     assert header(out["after"], "Authorization") == ["mine"]  # update_network cleared the rule
     assert value not in out["info"]
     placeholder = "Bearer ${e2b.secrets." + name + "}"

@@ -25,6 +25,7 @@ from dsec.apiserver.e2b.lifecycle import LifecycleRoutes, NotSupported
 from dsec.apiserver.e2b.logs import LogRoutes
 from dsec.apiserver.e2b.metrics import MetricsRoutes
 from dsec.apiserver.e2b.models import error_body
+from dsec.apiserver.e2b.secret_refill import SecretRefill
 from dsec.apiserver.e2b.secret_store import SecretStore
 from dsec.apiserver.e2b.secrets import SecretRoutes, is_secrets_path
 from dsec.apiserver.e2b.snapshots import SnapshotRoutes
@@ -125,7 +126,7 @@ class E2BFront:
         lc.volumes = self.volumes
         # E2B's secrets, kept beside its templates; values sealed under the token secret.
         self.secrets = SecretStore(Path(store.root) / "e2b-secrets", self.options.token_secret)
-        self.secret_routes = SecretRoutes(self.secrets)
+        self.secret_routes = SecretRoutes(self.secrets, SecretRefill(sandboxes, self.secrets).changed)
         lc.secrets = self.secrets  # network rules' ${e2b.secrets.*}
 
     def register(self, r: web.UrlDispatcher) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -35,6 +36,7 @@ from dsec.apiserver.e2b.secret_store import (
 )
 
 PREFIX = "/secrets"
+Changed = Callable[[str, str, bool], Awaitable[None]]
 MAX_BODY_BYTES = 512 << 10  # a 64 KiB value all escapes (\u0001: 6 bytes a byte) and its metadata
 MAX_LIST_LIMIT = 100  # E2B's paginationLimit: minimum 1, default and maximum 100
 _SPEC_NAME_RE = re.compile(rf"[a-zA-Z0-9_-]{{1,{MAX_NAME_BYTES}}}")  # NewSecret.name's pattern
@@ -121,8 +123,12 @@ def _limit(request: web.Request) -> int:
 
 
 class SecretRoutes:
-    def __init__(self, store: SecretStore) -> None:
+    """``changed(project, name, deleted)`` hears of every update and delete (running sandboxes
+    follow: :mod:`.secret_refill`)."""
+
+    def __init__(self, store: SecretStore, changed: Changed | None = None) -> None:
         self.store = store
+        self.changed = changed
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_post(PREFIX, self.create)
@@ -169,10 +175,16 @@ class SecretRoutes:
         body = await _body(request)
         value, metadata = _value(body), _metadata(body)
         rec = await self.store.update(request[PRINCIPAL].project, selector, value, metadata)
+        if self.changed is not None:
+            await self.changed(rec.project, rec.name, False)
         return _answer(rec.wire())
 
     async def delete(self, request: web.Request) -> web.Response:
-        await self.store.delete(request[PRINCIPAL].project, self._selector(request))
+        project, selector = request[PRINCIPAL].project, self._selector(request)
+        rec = await self.store.get(project, selector)
+        await self.store.delete(project, selector)
+        if self.changed is not None:
+            await self.changed(rec.project, rec.name, True)
         return web.Response(status=204, headers={"Cache-Control": "no-store"})
 
 
