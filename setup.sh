@@ -175,7 +175,7 @@ case "$cmd" in
     exec .venv/bin/python "bench/$which.py" "$@"
     ;;
   *)
-    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|egress_names|exec|density|e2b|gvisor|ksm|seccomp|socket_tables|create_phases|lxcfs|burst|layer_reads" >&2
+    echo "usage: ./setup.sh up [dsec up options] | ./setup.sh test [pytest options] | ./setup.sh bench create|ondemand|controlplane|fncall|rl|vm|cpuclass|egress|egress_names|egress_headers|exec|density|e2b|gvisor|ksm|seccomp|socket_tables|create_phases|lxcfs|burst|layer_reads" >&2
     exit 2
     ;;
 esac

@@ -159,6 +159,7 @@ def mirror(root: Path) -> Iterator[None]:
         proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, *serve, str(HTTPS_PORT), str(root), str(cert), str(key)],
             stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # its request log
             cwd=repo,
         )
         servers.append(proc)
