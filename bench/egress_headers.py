@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from _node import scratch_node
-from _stats import pct
 from dsec import DSecClient, DSecContainerRunArgs
 from dsec.density.swap import SwapConfig
 from dsec.netpolicy.config import EgressConfig
-from egress_names import the_tests_mirror
+from egress_names import row, the_tests_mirror
 
 INSIDE = r"""
 import http.client, json, socket, ssl, sys, time
@@ -53,15 +52,6 @@ out["https"] = [https()[0] for _ in range(n)]
 out["http"] = [plain()[0] for _ in range(n)]
 print(json.dumps(out))
 """
-
-
-def row(name: str, xs: list[float], base: list[float] | None = None) -> str:
-    p50, p99 = pct(xs, 50) * 1e3, pct(xs, 99) * 1e3
-    extra = ""
-    if base is not None:
-        b50 = pct(base, 50) * 1e3
-        extra = f"  {p50 / b50:.2f}x the baseline, {p50 - b50:+.2f} ms at p50"
-    return f"  {name:<52} p50 {p50:7.2f} ms  p99 {p99:7.2f} ms{extra}"
 
 
 async def inside(sb: Any, n: int, host: str, cafile: str | None) -> dict[str, Any]:
