@@ -84,7 +84,8 @@ async def main() -> None:
         }
     )
     print(f"cores {os.cpu_count()}  n {a.n}")
-    headers = {mirror.DNS_NAME: {"Authorization": "Bearer ${secrets.key}"}}
+    # A secret (HTTPS only) and a plain header (plain HTTP gets it too: the Lua action's cost).
+    headers = {mirror.DNS_NAME: {"Authorization": "Bearer ${secrets.key}", "X-Team": "rl"}}
     with tempfile.TemporaryDirectory() as tmp, mirror.mirror(Path(tmp)):
         async with scratch_node(
             "egress-headers", a.layers, lambda scratch: {"swap": SwapConfig("none"), "egress": egress}
@@ -101,7 +102,7 @@ async def main() -> None:
                 await plain.stop()
                 await added.stop()
     sent = {k.lower(): v for k, v in with_headers["sent"]}
-    assert sent.get("authorization") == "Bearer s3cret", sent  # what was measured added the header
+    assert sent.get("authorization") == "Bearer s3cret", sent  # what was measured added the headers
     print(row("HTTPS GET, spliced end to end (baseline)", base["https"]))
     print(row("HTTPS GET, TLS ended, header added, TLS again", with_headers["https"], base["https"]))
     print(row("HTTP GET through the name check (baseline)", base["http"]))

@@ -44,7 +44,6 @@ from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
 from dsec.netpolicy.policy import EgressPolicy
 from dsec.observe.edge_metrics import EdgeMetrics
-from dsec.protocol.egress_headers import filled
 from dsec.protocol.errors import (
     CapacityExhausted,
     DSecError,
@@ -176,7 +175,7 @@ class Edge:
         specs = {sid: live.record.spec for sid, live in self._live.items()}
         await self.egress.start(
             {sid: spec.network_rules for sid, spec in specs.items()},
-            {sid: filled(s.egress_headers, s.egress_secrets) for sid, s in specs.items() if s.egress_headers},
+            {sid: (s.egress_headers, s.egress_secrets) for sid, s in specs.items() if s.egress_headers},
         )
         self.reclaimer.start()
         self.metrics.start()

@@ -15,7 +15,7 @@ from dsec.edge.tally import LiveSandboxes
 from dsec.edge.trajectory import Recorder
 from dsec.netpolicy import grants
 from dsec.netpolicy.policy import EgressPolicy
-from dsec.protocol.egress_headers import filled, used
+from dsec.protocol.egress_headers import used
 from dsec.protocol.errors import DSecError, InvalidRequest
 from dsec.protocol.models import ContainerSpec, NetworkRules, SandboxInfo
 from dsec.registry import clients as registry_clients
@@ -131,7 +131,7 @@ class Networking:
             await self._point_package_clients(rec, {}, rec.spec.network_rules)
         if rec.spec.egress_headers:
             await self._trust_node_ca(rec)
-            await self.egress.set_headers(rec.id, filled(rec.spec.egress_headers, rec.spec.egress_secrets))
+            await self.egress.set_headers(rec.id, rec.spec.egress_headers, rec.spec.egress_secrets)
 
     async def set_network_rules(
         self,
@@ -172,7 +172,7 @@ class Networking:
                 if headers is not None:
                     if bool(headers) != bool(rec.spec.egress_headers):
                         await self._trust_node_ca(rec, trusted=bool(headers))
-                    await self.egress.set_headers(sandbox_id, filled(headers, secrets or {}))
+                    await self.egress.set_headers(sandbox_id, headers, secrets or {})
                     names = used(headers)  # a spec keeps only the secrets its headers name
                     kept = {k: v for k, v in (secrets or {}).items() if k in names}
                     update |= {"egress_headers": headers, "egress_secrets": kept}

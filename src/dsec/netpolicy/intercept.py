@@ -6,8 +6,11 @@ such a sandbox, to a second HAProxy frontend that terminates it with a certifica
 name signed by the node's CA (which the sandbox is given to trust: :data:`SANDBOX_CA_PATHS`),
 sets the headers (a Lua action reading :data:`LUA`'s map), and re-encrypts to the original
 destination, verifying the host's own certificate for that name
-(``EgressConfig.upstream_ca``). Plain HTTP to such a host gets the headers in the HTTP
-frontend. Every other connection is spliced as before, end to end.
+(``EgressConfig.upstream_ca``). Every other connection is spliced as before, end to end.
+
+Plain HTTP to such a host gets, in the HTTP frontend, only the headers that hold no secret: there
+nothing proves where the request goes (the sandbox picks the address and the ``Host``), and a
+secret would cross the network in clear.
 
 The certificates are made here, one per host, before the host's first header entry, and
 handed to the running HAProxy (``add ssl crt-list``), not by HAProxy's own
@@ -18,9 +21,10 @@ The secret goes only to a server proving it is the host (the upstream check), wh
 sandbox puts in its ``Host`` header, and only to hosts its grants reach by name.
 
 The map holds, per (host, sandbox address), one entry per header, ``|host|source#i`` -> the
-hex of ``name NUL value`` (a map value is one word; a CLI line stays within HAProxy's 16 KiB
-buffer: 64 + 2048 bytes at most, doubled). It is written to a 0600 file under the edge's
-0700 data directory (HAProxy reloads it if it restarts alone).
+hex of ``name NUL value``, and ``|host|source#pi`` for those plain HTTP gets (a map value is
+one word; a CLI line stays within HAProxy's 16 KiB buffer: 64 + 2048 bytes at most, doubled).
+It is written to a 0600 file under the edge's 0700 data directory (HAProxy reloads it if it
+restarts alone).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from dsec.protocol.egress_headers import CA_BUNDLE, CA_ENV
+from dsec.protocol.egress_headers import CA_BUNDLE, CA_ENV, filled, placeholders
 
 CA_DAYS = 3650
 LEAF_DAYS = 825
@@ -47,13 +51,15 @@ local function unhex(s)
   return (s:gsub("%x%x", function(h) return string.char(tonumber(h, 16)) end))
 end
 
--- Every header the map holds for this request's key (|host|source), set in order.
-core.register_action("dsec_headers", {{ "http-req" }}, function(txn)
+-- Every header the map holds for this request's key (|host|source), set in order: all of
+-- them on a connection whose TLS was ended here ("tls"), those without a secret on plain HTTP.
+core.register_action("dsec_headers", {{ "http-req" }}, function(txn, kind)
   local key = txn:get_var("txn.key")
   if key == nil then return end
+  local suffix = (kind == "tls") and "#" or "#p"
   local i = 0
   while i < 64 do
-    local v = headers:lookup(key .. "#" .. i)
+    local v = headers:lookup(key .. suffix .. i)
     if v == nil or v == "" then return end
     local pair = unhex(v)
     local sep = pair:find("\\0", 1, true)
@@ -61,16 +67,24 @@ core.register_action("dsec_headers", {{ "http-req" }}, function(txn)
     txn.http:req_set_header(pair:sub(1, sep - 1), pair:sub(sep + 1))
     i = i + 1
   end
-end)
+end, 1)
 """
 
 
-def entries(headers: Mapping[str, Mapping[str, str]], source: str) -> dict[str, str]:
-    """The map entries that give ``source`` (a link's address) ``headers`` (host -> filled)."""
+def entries(
+    headers: Mapping[str, Mapping[str, str]], secrets: Mapping[str, str], source: str
+) -> dict[str, str]:
+    """The map entries that give ``source`` (a link's address) ``headers`` (host -> header ->
+    value, placeholders filled from ``secrets``)."""
     out = {}
-    for host, hs in headers.items():
+    for host, hs in filled(headers, secrets).items():
+        plain = 0
         for i, (name, value) in enumerate(hs.items()):
-            out[f"|{host}|{source}#{i}"] = (name.encode() + b"\0" + value.encode()).hex()
+            entry = (name.encode() + b"\0" + value.encode()).hex()
+            out[f"|{host}|{source}#{i}"] = entry
+            if not placeholders(headers[host][name]):  # no secret in it: plain HTTP gets it too
+                out[f"|{host}|{source}#p{plain}"] = entry
+                plain += 1
     return out
 
 

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 _IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
 
+Headers = dict[str, dict[str, str]]  # egress headers: host -> header -> value (placeholders kept)
+
+
 class LinkStore(Protocol):
     def links(self) -> dict[str, int]: ...
 
@@ -127,15 +130,16 @@ class EgressPolicy:
                     f" permissions: {', '.join(sorted(self.config.permissions)) or 'none'}"
                 )
 
-    async def set_headers(self, sandbox_id: str, headers: dict[str, dict[str, str]]) -> None:
-        """The sandbox's requests to each host of ``headers`` (filled) get those headers."""
+    async def set_headers(self, sandbox_id: str, headers: Headers, secrets: dict[str, str]) -> None:
+        """The sandbox's requests to each host of ``headers`` get those headers (placeholders
+        filled from ``secrets``)."""
         async with self._lock:
             link = self._links.get(sandbox_id)
             if link is None or self.proxy is None:
                 if headers:
                     raise InvalidRequest("egress headers need a network permission naming their hosts")
                 return
-            new = intercept.entries(headers, link.address)
+            new = intercept.entries(headers, secrets, link.address)
             await self.proxy.set_headers(link.headers, new)
             link.headers = new
 
@@ -190,10 +194,10 @@ class EgressPolicy:
     async def start(
         self,
         live_rules: dict[str, NetworkRules],
-        live_headers: dict[str, dict[str, dict[str, str]]] | None = None,
+        live_headers: dict[str, tuple[Headers, dict[str, str]]] | None = None,
     ) -> None:
         """Re-learn the links of sandboxes still live (``live_rules``: ID -> their rules;
-        ``live_headers``: ID -> their filled egress headers), forget the rest, and (re)install
+        ``live_headers``: ID -> their egress headers and secrets), forget the rest, and (re)install
         the table, the name check and the name server."""
         self._node_addresses = frozenset(await links.host_addresses())
         journaled = self._store.links()
@@ -205,7 +209,8 @@ class EgressPolicy:
                 continue
             link = _Link(index, ifname, self.config.sandbox_address(index))
             self._grant_locally(link, live_rules[sid])
-            link.headers = intercept.entries((live_headers or {}).get(sid, {}), link.address)
+            headers, secrets = (live_headers or {}).get(sid, ({}, {}))
+            link.headers = intercept.entries(headers, secrets, link.address)
             self._links[sid] = link
         if not self.enabled and not self._links:
             if journaled:  # permissions were configured before: take their table away

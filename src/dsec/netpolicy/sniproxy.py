@@ -90,7 +90,7 @@ frontend web
   bind {gateway}:{http} transparent
   http-request set-var-fmt(txn.key) "|%[req.hdr(host),field(1,:),lower]|%[src]"
   http-request deny deny_status 403 unless {{ var(txn.key),map_end({map}) -m found }}
-  http-request lua.dsec_headers
+  http-request lua.dsec_headers plain
   default_backend to_original_http
 
 # A host with egress headers: TLS ends here (a certificate for its name, signed by the node's
@@ -103,7 +103,7 @@ frontend intercept
   mode http
   bind unix@{intercept_sock} mode 600 accept-proxy {intercept_tls}
   http-request set-var-fmt(txn.key) "|%[ssl_fc_sni,lower]|%[src]"
-  http-request lua.dsec_headers
+  http-request lua.dsec_headers tls
   default_backend to_original_https
 
 backend to_original_https

@@ -1,7 +1,8 @@
 """Headers the node's egress adds to a sandbox's outbound HTTP(S) requests, per host.
 
-``egress_headers`` maps a host name to the headers every request of the sandbox to that host
-gets (set: a header of that name the sandbox sent is replaced). A value may hold placeholders
+``egress_headers`` maps a host name to the headers every HTTPS request of the sandbox to that
+host gets (set: a header of that name the sandbox sent is replaced; plain HTTP gets only the
+headers that name no secret). A value may hold placeholders
 ``${secrets.<name>}``, filled at the edge from ``egress_secrets`` (name -> value): the
 spec's headers are what any read of the sandbox shows; the secrets' values are never shown.
 The edge terminates the sandbox's TLS to those hosts only, with a CA of its node that the
