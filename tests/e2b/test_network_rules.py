@@ -4,9 +4,9 @@ value, an update of the secret reaches running sandboxes and a delete takes its 
 the sandbox's info shows the placeholder and never the value, ``update_network`` replaces
 them, and E2B's validation answers as E2B's (``validateNetworkRules``).
 
-The host is the mirror's ``web.dns.test`` (tests/netpolicy/mirror.py), reached by the test
-node's ``mirror-dns`` permission, which names its domain (egress headers need a host the edge
-reads by name).
+The host is the mirror's ``web.public.test`` (tests/netpolicy/mirror.py), in ``allow_out`` as
+E2B's users write it: a domain of the sandbox's own, opened by name where the node opens public
+addresses (the test node's ``public-web``), so the edge reads its requests.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import asyncio
 from e2b import AsyncSandbox, Secret
 NAME, HOST, VALUE = {name!r}, {host!r}, {value!r}
 RULES = {{HOST: [{{"transform": {{"headers": {{"Authorization": "Bearer " + Secret.fill(NAME)}}}}}}]}}
-NET = {{"allow_out": ["mirror-dns"], "deny_out": ["0.0.0.0/0"], "rules": RULES}}
+NET = {{"allow_out": [HOST], "deny_out": ["0.0.0.0/0"], "rules": RULES}}
 FETCH = f"curl -sS --max-time 20 -H 'Authorization: mine' https://{{HOST}}/headers"
 Secret.create(NAME, VALUE)
 try:
@@ -37,7 +37,7 @@ try:
     Secret.update(NAME, VALUE + "-2")  # running sandboxes follow, as E2B's egress resolves per request
     updated = json.loads(sbx.commands.run(FETCH).stdout)
     info = sbx.get_info()
-    sbx.update_network({{"allow_out": ["mirror-dns"], "deny_out": ["0.0.0.0/0"]}})
+    sbx.update_network({{"allow_out": [HOST], "deny_out": ["0.0.0.0/0"]}})
     # Spliced end to end again: the mirror's own (self-signed) certificate, hence -k.
     after = json.loads(sbx.commands.run(FETCH + " -k").stdout)
     sbx.kill()
@@ -66,7 +66,7 @@ async def test_a_rule_s_headers_reach_the_host_with_the_secret_filled(
     e2b_latest: E2B,
 ) -> None:
     name, value = f"nr-{RUN}", f"sk-{uuid.uuid4().hex}"
-    out = await e2b_latest.run(_SNIPPET.format(name=name, host=mirror.DNS_NAME, value=value), timeout=240)
+    out = await e2b_latest.run(_SNIPPET.format(name=name, host=mirror.PUBLIC_NAME, value=value), timeout=240)
     assert header(out["sent"], "Authorization") == [f"Bearer {value}"]  # set, not added
     assert header(out["updated"], "Authorization") == [f"Bearer {value}-2"]
     made, gone = out["async"]
@@ -75,7 +75,7 @@ async def test_a_rule_s_headers_reach_the_host_with_the_secret_filled(
     assert header(out["after"], "Authorization") == ["mine"]  # update_network cleared the rule
     assert value not in out["info"]
     placeholder = "Bearer ${e2b.secrets." + name + "}"
-    assert out["rules"] == {mirror.DNS_NAME: [{"transform": {"headers": {"Authorization": placeholder}}}]}
+    assert out["rules"] == {mirror.PUBLIC_NAME: [{"transform": {"headers": {"Authorization": placeholder}}}]}
 
 
 def _rules(**headers: str) -> dict[str, Any]:
@@ -111,7 +111,8 @@ async def test_e2b_s_rule_checks_answer_400_before_anything_is_made(
 
 async def test_a_rule_for_a_host_reached_only_by_address_is_refused(e2b_latest: E2B) -> None:
     """``public-web`` opens addresses, which the edge splices unread: no header could be added
-    there, so the create says so instead of sending the request without it."""
+    there (the host must be in ``allow_out`` too, as E2B asks), so the create says so instead of
+    sending the request without it."""
     body = {
         "templateID": "base",
         "timeout": 60,

@@ -67,7 +67,6 @@ HTTP_URL = f"http://{mirror.DNS_NAME}/headers"
 
 async def fetch(sb: Sandbox, *urls: str) -> list[list[object]]:
     await sb.write_file("/tmp/fetch.py", FETCH.encode())
-    await probe(sb, resolve=[mirror.DNS_NAME])  # the name's address is learned for this sandbox
     res = await sb.run_shell(f"python3 /tmp/fetch.py '{json.dumps(list(urls))}'", timeout=120)
     assert res.exit_code == 0, res.stderr
     out: list[list[object]] = json.loads(res.stdout)
@@ -219,3 +218,41 @@ async def test_headers_change_live_and_the_ca_stays_out_of_packed_layers(
     assert (await sb.run_shell(f"cat {CA_BUNDLE}")).stdout == bundle
     assert await issuer(sb, mirror.tls_files()[0].read_bytes()) == mirror.DNS_NAME
     assert sb.info.egress_headers == {}
+
+
+async def test_a_sandbox_s_own_domain_is_opened_by_name_and_takes_headers(
+    the_mirror: None,  # noqa: F811
+    make_sandbox: Sandboxes,
+) -> None:
+    """A name no permission names (E2B's ``allow_out`` of a domain), on a node that opens public
+    addresses: resolved, reached on 443 and 80 by that name only, and headers for it work."""
+    sb = await make_sandbox(
+        network_rules={mirror.PUBLIC_NAME: True},
+        egress_headers={mirror.PUBLIC_NAME: {"Authorization": "${secrets.k}"}},
+        egress_secrets={"k": SECRET},
+    )
+    out = await probe(sb, resolve=[mirror.PUBLIC_NAME, mirror.DNS_NAME])
+    assert out["names"] == {mirror.PUBLIC_NAME: [mirror.PUBLIC_A], mirror.DNS_NAME: None}
+    # Its 443 and 80, by name; not the address's other ports, not by address alone.
+    assert (await probe(sb, connect=[[mirror.PUBLIC_A, mirror.PORT]]))["open"] == []
+    https, http = await fetch(
+        sb, f"https://{mirror.PUBLIC_NAME}/headers", f"http://{mirror.PUBLIC_NAME}/headers"
+    )
+    assert sent(https)["authorization"] == SECRET and sent(http)["authorization"] == "mine"
+    (literal,) = await fetch(sb, f"http://{mirror.PUBLIC_A}/headers")  # no name: refused
+    assert literal[0] != 200, literal
+
+
+@pytest.mark.parametrize(
+    ("rules", "why"),
+    [
+        ({mirror.PUBLIC_NAME: False}, "opened \\(true\\), never taken out"),
+        ({mirror.PUBLIC_NAME: {"before": "2025-01-01"}}, "options apply to package registries"),
+        ({"no-dot": True}, "unknown network permission"),
+    ],
+)
+async def test_own_domains_are_opened_only(
+    make_sandbox: Sandboxes, rules: dict[str, object], why: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=why):
+        await make_sandbox(network_rules=rules)

@@ -4,6 +4,7 @@ server there (:mod:`tests.netpolicy.fake_dns`) for the permissions that name dom
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -52,6 +53,10 @@ ZONE = {
     DNS_OUTSIDE: [("A", ADDRESS, 300)],
     "tunnel.dns.test": [("TXT", "secret", 300)],
 }
+# A public name: no permission names it; a sandbox opens it by its own rules (own domains,
+# where the node opens public addresses), served on PUBLIC_A with the same certificate.
+PUBLIC_NAME = "web.public.test"
+ZONE[PUBLIC_NAME] = [("A", PUBLIC_A, DNS_TTL)]
 # The package registries' upstream (tests/registry/fake_registry.py), as the node's registry
 # proxy reaches it: by a name its upstream resolver answers.
 REGISTRY_NAME, REGISTRY_PORT = "registry.upstream.test", 8090
@@ -72,7 +77,10 @@ def tls_files() -> tuple[Path, Path]:
     """The HTTPS server's certificate (for DNS_NAME) and key, made once per test data directory:
     the nodes' egress trusts the certificate when it re-encrypts (``upstream_ca``), so it
     exists before any node starts."""
-    root = Path(os.environ.get("DSEC_TEST_DATA_DIR", "/var/lib/dsec-test")) / "mirror-tls"
+    names = (DNS_NAME, PUBLIC_NAME)
+    # Named by what it certifies: a certificate made for fewer names is not taken for this one.
+    tag = hashlib.sha256(" ".join(names).encode()).hexdigest()[:8]
+    root = Path(os.environ.get("DSEC_TEST_DATA_DIR", "/var/lib/dsec-test")) / f"mirror-tls-{tag}"
     cert, key = root / "cert.pem", root / "key.pem"
     if cert.exists() and key.exists():
         return cert, key
@@ -80,9 +88,10 @@ def tls_files() -> tuple[Path, Path]:
     tmp = root / f"tmp-{os.getpid()}"
     tmp.mkdir(exist_ok=True)
     req = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650"]
-    names = ["-subj", f"/CN={DNS_NAME}", "-addext", f"subjectAltName=DNS:{DNS_NAME}"]
+    san = ",".join(f"DNS:{n}" for n in names)
+    subject = ["-subj", f"/CN={DNS_NAME}", "-addext", f"subjectAltName={san}"]
     out = ["-keyout", str(tmp / "key.pem"), "-out", str(tmp / "cert.pem")]
-    subprocess.run([*req, *names, *out], check=True, capture_output=True)
+    subprocess.run([*req, *subject, *out], check=True, capture_output=True)
     os.replace(tmp / "key.pem", key)  # the key first: a cert present means its key is
     os.replace(tmp / "cert.pem", cert)
     tmp.rmdir()
@@ -142,9 +151,8 @@ def mirror(root: Path) -> Iterator[None]:
             _ip("-n", ns, "addr", "add", f"{public}/32", "dev", "eth0")
             _ip("route", "add", f"{public}/32", "via", ADDRESS, "dev", host_if)
         repo = Path(__file__).resolve().parents[2]
-        serve = [sys.executable, "-m", "tests.netpolicy.file_server", ADDRESS]
         serve_at = [(ADDRESS, port) for port in (PORT, OTHER_PORT, HTTP_PORT)]
-        for address, port in [*serve_at, (PUBLIC_A, PORT), (PUBLIC_B, PORT)]:
+        for address, port in [*serve_at, (PUBLIC_A, PORT), (PUBLIC_A, HTTP_PORT), (PUBLIC_B, PORT)]:
             argv = [sys.executable, "-m", "tests.netpolicy.file_server", address, str(port), str(root)]
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", ns, *argv],
@@ -156,15 +164,17 @@ def mirror(root: Path) -> Iterator[None]:
             assert proc.stdout is not None
             assert proc.stdout.readline() == b"ready\n", f"mirror server on {port} did not start"
         cert, key = tls_files()
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *serve, str(HTTPS_PORT), str(root), str(cert), str(key)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # its request log
-            cwd=repo,
-        )
-        servers.append(proc)
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == b"ready\n", "the mirror's HTTPS server did not start"
+        for address in (ADDRESS, PUBLIC_A):  # web.dns.test's, web.public.test's
+            tls = [sys.executable, "-m", "tests.netpolicy.file_server", address, str(HTTPS_PORT)]
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", ns, *tls, str(root), str(cert), str(key)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,  # its request log
+                cwd=repo,
+            )
+            servers.append(proc)
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == b"ready\n", "the mirror's HTTPS server did not start"
         dns_argv = [sys.executable, "-m", "tests.netpolicy.fake_dns", ADDRESS, "53", json.dumps(ZONE)]
         proc = subprocess.Popen(["ip", "netns", "exec", ns, *dns_argv], stdout=subprocess.PIPE, cwd=repo)
         servers.append(proc)

@@ -7,7 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from dsec.netpolicy import intercept
+from dsec.netpolicy.config import EgressConfig, Rule, own_domain
 from dsec.protocol.egress_headers import filled, placeholders, used
+from dsec.protocol.errors import InvalidRequest
 from dsec.protocol.models import ContainerSpec, NetworkRulesRequest
 
 HEADERS = {"api.example.com": {"Authorization": "Bearer ${secrets.k}", "X-Team": "rl"}}
@@ -75,3 +77,23 @@ def test_map_entries_give_plain_http_only_the_headers_without_a_secret() -> None
     assert {intercept.host_of(k) for k in got} == {"api.example.com"}
     # Every entry is one word on the admin socket's line: no spaces, no line breaks.
     assert all(v.isalnum() for v in got.values())
+
+
+def test_a_sandbox_s_own_domains_need_a_node_that_opens_public_addresses() -> None:
+    named = {"web": [{"domains": ["*.example.org"], "ports": [443]}]}
+    closed = EgressConfig.model_validate({"permissions": named})
+    open_ = EgressConfig.model_validate({"permissions": {**named, "internet": [{"public": True}]}})
+    rules = {"api.example.com": True, "*.cdn.example.net": True}
+    with pytest.raises(InvalidRequest, match="opens no public addresses"):
+        closed.check(rules)
+    open_.check(rules)
+    assert [r.domains for r in open_.endpoints(rules) if isinstance(r, Rule)] == [
+        ["*.cdn.example.net"],
+        ["api.example.com"],
+    ]
+    assert open_.reaches_by_name(rules, "api.example.com")
+    assert not open_.reaches_by_name(rules, "cdn.example.net")  # a wildcard: below it only
+    assert not open_.reaches_by_name({"internet": True}, "api.example.com")  # addresses: unread
+    assert own_domain("pypi") is None and own_domain("10.0.0.1") is None
+    with pytest.raises(InvalidRequest, match="at most 64 domains"):
+        open_.check({f"h{i}.example.com": True for i in range(65)})

@@ -63,6 +63,7 @@ _HOST = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 _ADDRESS_KEY = re.compile(r"^\d{1,3}(\.\d{1,3}){3}(/\d{1,2})?$")
 _NONPUBLIC = [ipaddress.IPv4Network(n) for n in NONPUBLIC]
 MAX_ADDRESS_RULES = 64
+MAX_OWN_DOMAINS = 64
 
 
 class Endpoint(BaseModel):
@@ -107,6 +108,17 @@ def address_of(key: str) -> ipaddress.IPv4Network | None:
         return ipaddress.IPv4Network(key)
     except ValueError as exc:
         raise InvalidRequest(f"{key!r} is no IPv4 address or range: {exc}") from None
+
+
+def own_domain(key: str) -> Rule | None:
+    """The rule a sandbox's own domain key opens (``"api.example.com"``, ``"*.example.com"``:
+    HTTPS and HTTP, resolved when asked, checked by name, answers pointing inside dropped), or
+    None for a key that is no DNS name with a dot. Granted only where the node opens public
+    addresses: it is a narrower ``internet`` (E2B's ``allow_out`` of a domain)."""
+    name = key.lower().rstrip(".")
+    if "." not in name or _ADDRESS_KEY.match(name) or not _HOST.match(name.removeprefix("*.")):
+        return None
+    return Rule(domains=[name], ports=[443, 80])
 
 
 def range_text(net: ipaddress.IPv4Network) -> str:
@@ -296,7 +308,10 @@ class EgressConfig(BaseModel):
                 )
         if addresses > MAX_ADDRESS_RULES:
             raise InvalidRequest(f"at most {MAX_ADDRESS_RULES} addresses or ranges in a sandbox's rules")
-        unknown = sorted(k for k in rules if address_of(k) is None and k not in self.permissions)
+        self._check_own_domains(rules)
+        unknown = sorted(
+            k for k in rules if address_of(k) is None and k not in self.permissions and own_domain(k) is None
+        )
         if unknown:
             known = ", ".join(sorted(self.permissions)) or "none"
             raise InvalidRequest(f"unknown network permission(s) {unknown}; this node offers: {known}")
@@ -319,8 +334,31 @@ class EgressConfig(BaseModel):
         )
 
     def endpoints(self, rules: NetworkRules) -> list[Endpoint | Rule]:
-        """What the granted permission names open (addresses and ranges aside)."""
-        return [e for name, on in sorted(rules.items()) if on for e in self.permissions.get(name, [])]
+        """What the granted permission names and domains open (addresses and ranges aside)."""
+        return [e for name, on in sorted(rules.items()) if on for e in self.rules_of(name)]
+
+    def rules_of(self, key: str) -> list[Endpoint | Rule]:
+        """What a rule's key opens: the permission of that name, or a sandbox's own domain
+        (:func:`own_domain`) where the node opens public addresses; nothing otherwise."""
+        if key in self.permissions:
+            return list(self.permissions[key])
+        rule = own_domain(key) if self.offers_public else None
+        return [rule] if rule is not None else []
+
+    def _check_own_domains(self, rules: NetworkRules) -> None:
+        own = [(k, grant) for k, grant in rules.items() if k not in self.permissions and own_domain(k)]
+        if len(own) > MAX_OWN_DOMAINS:
+            raise InvalidRequest(f"at most {MAX_OWN_DOMAINS} domains of a sandbox's own in its rules")
+        for key, grant in own:
+            if isinstance(grant, GrantOptions):
+                raise InvalidRequest(f"{key}: options apply to package registries, not to domains")
+            if not grant:
+                raise InvalidRequest(f"{key}: a sandbox's own domain is opened (true), never taken out")
+            if not self.offers_public:
+                raise InvalidRequest(
+                    f"{key}: this node opens no public addresses (no permission with public = true),"
+                    " so a sandbox cannot open a domain itself; name one of its permissions"
+                )
 
     @classmethod
     def load(cls, path: Path | None, *, catalogue: bool = False) -> EgressConfig:

@@ -96,9 +96,11 @@ class EgressPolicy:
         self._node_addresses: frozenset[str] = frozenset()
         self._firewall: dict[str, int] = {}  # the table's counters at the last read_firewall
         self._name_checks: dict[tuple[str, str], int] = {}  # the proxy's, likewise
-        # The name check runs only where some permission names domains (no HAProxy otherwise).
+        # The name check runs only where some permission names domains, or sandboxes may name
+        # their own (a node that opens public addresses); no HAProxy otherwise.
         self.proxy: SniProxy | None = None
-        if any(getattr(r, "domains", None) for perm in config.permissions.values() for r in perm):
+        named = any(getattr(r, "domains", None) for perm in config.permissions.values() for r in perm)
+        if named or config.offers_public:
             self.proxy = SniProxy(state_dir, config.gateway, config.upstream_ca, node)
         # The package registries' caching proxy, in this process (it reads the links' grants).
         self.registry: RegistryProxy | None = None
@@ -392,7 +394,7 @@ class EgressPolicy:
             # Under a cutoff the registry is reached through the proxy only: its upstream
             # names stay closed, or the sandbox would fetch newer releases around it.
             through_proxy_only = perm in self.config.registries and cutoff_of(on) is not None
-            for rule in self.config.permissions.get(perm, []) if on and not through_proxy_only else []:
+            for rule in self.config.rules_of(perm) if on and not through_proxy_only else []:
                 if isinstance(rule, Endpoint):
                     address = str(rule.address)
                     grants.update((link.ifname, address, rule.protocol, port) for port in rule.ports)

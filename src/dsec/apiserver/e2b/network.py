@@ -12,6 +12,8 @@ open or take out of ``internet`` (:func:`dsec.netpolicy.config.address_of`). The
   ``allowOut`` (``0.0.0.0/0`` there is ``internet``);
 - an ``allowOut`` address or range of public IPv4 addresses: opened for the sandbox, on every
   port (the node refuses it when it opens no public address at all);
+- an ``allowOut`` domain no permission is named after: a domain of the sandbox's own, reached
+  on 443 and 80 by that name (again only where the node opens public addresses);
 - a ``denyOut`` address or range holding public addresses beside ``internet``: taken out of it,
   unless an ``allowOut`` range holds it (E2B: allow wins; DSec's opened ranges and permissions
   win over a denied range too). One that holds no public address, or any when the sandbox has
@@ -90,7 +92,9 @@ def to_rules(net: NetworkUpdate, *, internet_offered: bool) -> NetworkRules:
         elif (found := _network(entry)) is not None:
             allowed.append((entry, found))
         else:
-            rules[entry] = True  # the edge refuses a name its node does not offer (400)
+            # A permission, or a domain of the sandbox's own (netpolicy.config.own_domain); the
+            # edge refuses a name it cannot open (400).
+            rules[entry] = True
     closed = net.allow_internet_access is False or ALL_TRAFFIC in (e for e, _ in denied)
     if not closed and internet_offered:
         rules[INTERNET] = True
