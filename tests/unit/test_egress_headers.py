@@ -59,6 +59,13 @@ def test_a_filled_value_past_the_bound_is_refused() -> None:
         )
 
 
+def test_all_of_a_sandbox_s_headers_are_bounded_together() -> None:
+    many = {f"h{i}.example.com": {f"H{j}": "x" * 1000 for j in range(2)} for i in range(9)}
+    with pytest.raises(ValidationError, match="at most 16384 in all"):
+        spec(egress_headers=many)
+    spec(egress_headers=dict(list(many.items())[:8]))  # 8 x 2 x 1002 bytes: within
+
+
 def test_network_rules_requests_keep_or_replace_headers() -> None:
     kept = NetworkRulesRequest(network_rules={})
     assert kept.egress_headers is None  # None keeps the sandbox's; {} clears them

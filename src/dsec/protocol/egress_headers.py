@@ -10,7 +10,8 @@ sandbox is given to trust, and re-encrypts to the host (netpolicy/intercept.py);
 be one the sandbox reaches by name (a permission naming its domain, port 443 or 80).
 
 The bounds are E2B's (``sandbox_create.go``): 10 hosts, one rule of 20 headers each, names
-of 64 token characters, values of 2048 characters, no control characters.
+of 64 token characters, values of 2048 characters, no control characters; and DSec's: 16 KiB
+of headers in all, filled.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ MAX_VALUE_LEN = 2048
 MAX_SECRETS = 32
 MAX_SECRET_NAME_LEN = 128
 MAX_SECRET_LEN = 2048  # a filled value is a header value: the same bound
+# All of a sandbox's headers, filled (names and values): E2B's per-header bounds allow 400 KiB,
+# which the edge's proxy would hold (and its map file repeat) for every sandbox; credentials
+# are a few hundred bytes.
+MAX_TOTAL = 16 << 10
 
 # The environment of every process of a sandbox with egress headers, unless its spec sets these:
 # runtimes that keep a CA bundle of their own pointed at the system's, which holds the node's
@@ -121,6 +126,9 @@ def filled(headers: Mapping[str, Mapping[str, str]], secrets: Mapping[str, str])
             if len(text) > MAX_VALUE_LEN:
                 raise ValueError(f"egress_headers {host}: {header!r} is longer than {MAX_VALUE_LEN} filled")
             out[host][header] = text
+    total = sum(len(h.encode()) + len(v.encode()) for hs in out.values() for h, v in hs.items())
+    if total > MAX_TOTAL:
+        raise ValueError(f"egress_headers: {total} bytes filled, at most {MAX_TOTAL} in all")
     return out
 
 
