@@ -167,6 +167,12 @@ class SniProxy:
         ``headers`` entries (:func:`.intercept.entries`)."""
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.sock.parent.mkdir(parents=True, exist_ok=True)
+        if not self.upstream_ca.is_file():  # HAProxy would not start, saying less
+            raise InfraFailure(
+                f"upstream_ca {self.upstream_ca} is not a file (the authorities egress headers'"
+                " hosts are checked against; Debian's ca-certificates)",
+                reason=InfraReason.network,
+            )
         await asyncio.to_thread(self.ca.ensure)
         self.ca.hosts_dir.mkdir(mode=0o700, exist_ok=True)
         self.lua.write_text(intercept.LUA.format(map=self.headers_map))
