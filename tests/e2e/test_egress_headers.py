@@ -183,8 +183,10 @@ async def test_headers_survive_an_edge_restart(the_mirror: None, tmp_path: Path)
             sb = await c.get(sb.id)
             assert sent((await fetch(sb, HTTPS_URL))[0])["authorization"] == f"Bearer {SECRET}"
             await sb.stop()
-        # Gone with its sandbox: the map holds nothing of it.
+        # Gone with its sandbox: the map holds nothing of it, nor does its journal record.
         assert SECRET.encode().hex() not in sniproxy.headers_map.read_text()
+        rec = n.node.edge.journal.get(sb.id)
+        assert rec is not None and rec.spec.egress_secrets == {} and rec.spec.egress_headers == {}
 
 
 async def test_headers_change_live_and_the_ca_stays_out_of_packed_layers(

@@ -192,6 +192,10 @@ class Journal:
 
     def update(self, rec: Record) -> None:
         started = time.perf_counter()
+        ended = rec.state not in LIVE_STATES and (rec.spec.egress_headers or rec.spec.egress_secrets)
+        if ended:  # a secret's value outlives no sandbox, not even in its record
+            rec.spec = rec.spec.model_copy(update={"egress_headers": {}, "egress_secrets": {}})
+            self.set_spec(rec.id, rec.spec)
         with self._lock:
             self._db.execute(
                 "UPDATE sandboxes SET state=?, handle=?, last_active_at=?, stop_reason=?, paused_at=?,"
