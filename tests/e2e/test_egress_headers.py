@@ -17,7 +17,7 @@ from dsec import DSecClient, DSecContainerRunArgs, InvalidRequest
 from dsec.protocol.egress_headers import CA_BUNDLE
 from dsec.sdk.client import Sandbox
 from tests.conftest import BASE, Sandboxes, node_config
-from tests.e2e.test_egress import probe, the_mirror  # noqa: F401 (a fixture)
+from tests.e2e.test_egress import probe, runtime, the_mirror  # noqa: F401 (fixtures)
 from tests.netpolicy import mirror
 from tests.support import RestartedNode
 
@@ -83,9 +83,13 @@ def sent(result: list[object]) -> dict[str, str]:
 async def test_requests_to_the_host_get_its_headers_with_the_secret_filled(
     the_mirror: None,  # noqa: F811
     make_sandbox: Sandboxes,
+    runtime: str,  # noqa: F811
 ) -> None:
     sb = await make_sandbox(
-        network_rules={"mirror-dns": True}, egress_headers=HEADERS, egress_secrets={"api-key": SECRET}
+        runtime=runtime,
+        network_rules={"mirror-dns": True},
+        egress_headers=HEADERS,
+        egress_secrets={"api-key": SECRET},
     )
     https, http = await fetch(sb, HTTPS_URL, HTTP_URL)
     # Set, not added: the sandbox's own Authorization and X-Team are replaced.
