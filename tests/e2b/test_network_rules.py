@@ -109,6 +109,19 @@ async def test_e2b_s_rule_checks_answer_400_before_anything_is_made(
     assert r.status == 400 and message in answer["message"], answer
 
 
+async def test_workload_identity_tokens_are_a_400_naming_them(e2b_latest: E2B) -> None:
+    body = {
+        "templateID": "base",
+        "iam": {"tokens": {"aws": {"audience": "sts.amazonaws.com", "tokenType": "JWT-SVID"}}},
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{e2b_latest.url}/sandboxes", json=body, headers={"X-API-Key": e2b_latest.key}) as r,
+    ):
+        answer = await r.json()
+    assert r.status == 400 and answer["message"].startswith("iam.tokens: workload identity"), answer
+
+
 async def test_a_rule_for_a_host_reached_only_by_address_is_refused(e2b_latest: E2B) -> None:
     """``public-web`` opens addresses, which the edge splices unread: no header could be added
     there (the host must be in ``allow_out`` too, as E2B asks), so the create says so instead of

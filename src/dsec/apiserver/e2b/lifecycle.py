@@ -272,6 +272,11 @@ class LifecycleRoutes:
         req = await read_body(request, NewSandbox)
         if req.mcp:
             raise NotSupported("MCP gateways are not supported by DSec")
+        if req.iam and req.iam.get("tokens"):
+            raise InvalidRequest(
+                "iam.tokens: workload identity tokens are not supported by DSec (E2B's issuer is its"
+                " own); put the credential in a secret and name it in network rules (${e2b.secrets.<name>})"
+            )
         if AUTO_RESUME_LABEL in (req.metadata or {}):
             raise InvalidRequest(f"metadata key {AUTO_RESUME_LABEL!r} is kept for the sandbox's autoResume")
         if PRIVATE_TRAFFIC_LABEL in (req.metadata or {}):

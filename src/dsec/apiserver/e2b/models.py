@@ -70,6 +70,7 @@ class NewSandbox(_In):
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
     mcp: dict[str, Any] | None = None
+    iam: dict[str, Any] | None = None  # workload identity tokens: not DSec's (a 400)
     volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
 
 
