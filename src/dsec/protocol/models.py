@@ -226,9 +226,10 @@ class ContainerSpec(_Model):
     )
     egress_headers: EgressHeaders = Field(
         default_factory=dict,
-        description="host -> headers the node's egress sets on every HTTP(S) request of the "
-        "sandbox to that host (protocol/egress_headers.py); values may name egress_secrets as "
-        "${secrets.<name>}. The host must be reached by a permission naming its domain",
+        description="host -> headers the node's egress sets on every HTTPS request of the "
+        "sandbox to that host, plain HTTP getting those that name no secret "
+        "(protocol/egress_headers.py); values may name egress_secrets as ${secrets.<name>}. The "
+        "host must be reached by name (a permission naming its domain, or its own domain rule)",
     )
     egress_secrets: EgressSecrets = Field(
         default_factory=dict,
