@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import subprocess
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ import pytest
 from dsec.node.embedded import EmbeddedNode
 from dsec.protocol.models import ShellRequest
 from tests.e2b.conftest import REPO, SnippetFailed
+from tests.e2e.test_egress import the_mirror  # noqa: F401 (a fixture)
+from tests.netpolicy import mirror
 
 JS_VERSION = "2.51.0"  # .node-e2b/package.json, and its lock file
 JS_DIR = REPO / ".node-e2b"
@@ -327,3 +330,32 @@ async def test_pause_and_connect_resume_keeping_files_and_processes(js: JS) -> N
         """
     )
     assert out == {"paused": True, "state": "paused", "after": "running", "text": "kept", "alive": True}
+
+
+async def test_network_rules_with_a_secret(the_mirror: None, js: JS) -> None:  # noqa: F811
+    """``network.rules`` with ``Secret.fill`` on a host in ``allowOut``: the header reaches the
+    host with the secret's value (README, "Egress headers"), and the sandbox's info never shows
+    it."""
+    name, value = f"js-{uuid.uuid4().hex[:10]}", f"sk-{uuid.uuid4().hex}"
+    out = await js.run(
+        f"""
+        import {{ Secret }} from 'e2b';
+        const HOST = {mirror.PUBLIC_NAME!r}, NAME = {name!r};
+        await Secret.create(NAME, {value!r});
+        try {{
+          const headers = {{ Authorization: `Bearer ${{Secret.fill(NAME)}}` }};
+          const rules = {{ [HOST]: [{{ transform: {{ headers }} }}] }};
+          const sbx = await Sandbox.create({{ timeoutMs: 120_000,
+            network: {{ allowOut: [HOST], denyOut: ['0.0.0.0/0'], rules }} }});
+          const got = await sbx.commands.run(`curl -sS --max-time 20 https://${{HOST}}/headers`);
+          const info = await sbx.getInfo();
+          await sbx.kill();
+          out({{ sent: JSON.parse(got.stdout), shown: JSON.stringify(info) }});
+        }} finally {{
+          await Secret.destroy(NAME);
+        }}
+        """,
+        timeout=180,
+    )
+    assert [v for k, v in out["sent"] if k.lower() == "authorization"] == [f"Bearer {value}"]
+    assert value not in out["shown"]
