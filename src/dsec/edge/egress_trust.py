@@ -12,9 +12,8 @@ bundle of their own are pointed at those by the sandbox's environment
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
-from dsec.executor.file_ops import FileOps
+from dsec.executor.file_ops import FileOps, one_chunk
 from dsec.netpolicy import intercept
 from dsec.protocol.errors import DSecError
 
@@ -31,11 +30,11 @@ def written() -> list[str]:
 async def trust(files: FileOps, ca: bytes) -> None:
     for path in intercept.SANDBOX_CA_PATHS:
         await files.mkdir(path.rsplit("/", 1)[0], parents=True)
-        await files.write_stream(path, _once(ca), 0o444)
+        await files.write_stream(path, one_chunk(ca), 0o444)
     old = await _bundle(files)
     if old is not None and ca not in old:
         sep = b"\n" if old and not old.endswith(b"\n") else b""
-        await files.write_stream(intercept.SYSTEM_BUNDLE, _once(old + sep + ca), 0o644)
+        await files.write_stream(intercept.SYSTEM_BUNDLE, one_chunk(old + sep + ca), 0o644)
 
 
 async def distrust(files: FileOps, ca: bytes) -> None:
@@ -46,7 +45,7 @@ async def distrust(files: FileOps, ca: bytes) -> None:
             pass  # removed from inside already
     old = await _bundle(files)
     if old is not None and ca in old:
-        await files.write_stream(intercept.SYSTEM_BUNDLE, _once(old.replace(ca, b"")), 0o644)
+        await files.write_stream(intercept.SYSTEM_BUNDLE, one_chunk(old.replace(ca, b"")), 0o644)
 
 
 async def _bundle(files: FileOps) -> bytes | None:
@@ -61,7 +60,3 @@ async def _bundle(files: FileOps) -> bytes | None:
     except DSecError:
         return b""
     return data
-
-
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data

@@ -5,7 +5,7 @@ The mechanics live in :mod:`dsec.netpolicy`."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from dsec.backends.base import Backend, CreateContext, GuestLink, Networked, Tapped, User
@@ -13,6 +13,7 @@ from dsec.edge import egress_trust
 from dsec.edge.journal import Journal, Record
 from dsec.edge.tally import LiveSandboxes
 from dsec.edge.trajectory import Recorder
+from dsec.executor.file_ops import one_chunk
 from dsec.netpolicy import grants
 from dsec.netpolicy.policy import EgressPolicy
 from dsec.protocol.egress_headers import used
@@ -87,7 +88,7 @@ class Networking:
             for path in registry_clients.ALL:
                 if path in wanted and had.get(path) != wanted[path]:
                     await files.mkdir(path.rsplit("/", 1)[0], parents=True)
-                    await files.write_stream(path, _once(wanted[path].encode()), 0o444)
+                    await files.write_stream(path, one_chunk(wanted[path].encode()), 0o444)
                 elif path in had and path not in wanted:
                     await files.remove(path)
         except (DSecError, OSError) as exc:
@@ -186,7 +187,3 @@ class Networking:
             wire["egress_headers"] = headers
         await self.recorder.call(sandbox_id, "network", None, wire, run)
         return live.record.info(self.node)
-
-
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data

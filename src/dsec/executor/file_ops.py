@@ -21,6 +21,11 @@ CHUNK = 1 << 20
 DEFAULT_FILE_MODE = 0o644
 
 
+async def one_chunk(data: bytes) -> AsyncGenerator[bytes, None]:
+    """``data`` as :meth:`FileOps.write_stream` takes it (the edge's own small files)."""
+    yield data
+
+
 class FileOps(Protocol):
     def read_stream(self, path: str) -> AsyncGenerator[bytes, None]:
         """A regular file's content in chunks; errors (missing, not a file) from the first."""

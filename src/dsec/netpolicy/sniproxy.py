@@ -219,7 +219,7 @@ class SniProxy:
         if old == new:
             return
         self._keys = (self._keys - old) | new
-        self._write_map()
+        self._write_map(headers=False)
         for key in sorted(old - new):
             await self._command(f"del map {self.map} {key}")
         for key in sorted(new - old):
@@ -233,7 +233,7 @@ class SniProxy:
         for host in sorted({intercept.host_of(k) for k in new} - self._hosts):
             await self._add_certificate(host)
         self._headers = {k: v for k, v in self._headers.items() if k not in old} | new
-        self._write_map()
+        self._write_map(names=False)
         for key in sorted(old):
             if key not in new:
                 await self._command(f"del map {self.headers_map} {key}")
@@ -264,11 +264,13 @@ class SniProxy:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _write_map(self) -> None:
-        for path, lines in (
-            (self.map, (f"{k} 1\n" for k in sorted(self._keys))),
-            (self.headers_map, (f"{k} {v}\n" for k, v in sorted(self._headers.items()))),
+    def _write_map(self, names: bool = True, headers: bool = True) -> None:
+        for path, lines, wanted in (
+            (self.map, (f"{k} 1\n" for k in sorted(self._keys)), names),
+            (self.headers_map, (f"{k} {v}\n" for k, v in sorted(self._headers.items())), headers),
         ):
+            if not wanted:
+                continue
             tmp = path.with_suffix(".tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # headers hold secrets
             with os.fdopen(fd, "w") as f:

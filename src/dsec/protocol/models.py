@@ -254,7 +254,11 @@ class ContainerSpec(_Model):
             raise ValueError("volumes apply to crun containers only")
         if set(self.volumes) & set(self.tmpfs):
             raise ValueError("a path is either a tmpfs or a volume mount")
-        filled(self.egress_headers, self.egress_secrets)  # every secret named is given
+        return self
+
+    @model_validator(mode="after")
+    def _secrets_named(self) -> ContainerSpec:
+        filled(self.egress_headers, self.egress_secrets)  # every secret named is given, in bounds
         return self
 
     @field_validator("volumes")
