@@ -51,12 +51,18 @@ async def job(client: DSecClient, base_layer: str) -> AsyncIterator[list[Sandbox
 
 
 async def read_until(ws: aiohttp.ClientWebSocketResponse, needle: bytes) -> bytes:
+    """The terminal's output up to ``needle``. One that never comes fails the test naming what
+    came instead, and the socket closes (hanging its shell up) rather than waiting for good."""
     seen = b""
-    while needle not in seen:
-        msg = await ws.receive()
-        assert msg.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT), msg
-        if msg.type == aiohttp.WSMsgType.BINARY:
-            seen += msg.data
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while needle not in seen:
+                msg = await ws.receive()
+                assert msg.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT), msg
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    seen += msg.data
+    except TimeoutError:
+        raise AssertionError(f"{needle!r} never came; the terminal's last output: {seen[-300:]!r}") from None
     return seen
 
 

@@ -28,13 +28,17 @@ PROMPT = r"[#$] $"  # bash's prompt, the last thing it printed
 EXPECT_S = 60  # what one answer may take on a loaded CI machine; never reached when it works
 
 # A full-screen program the minimal base surely runs: the alternate screen, the cursor put at
-# the corners, keys read one by one without Enter, the screen given back on 'q'.
+# the corners, keys read one by one without Enter, the screen given back on 'q'. Its reads
+# time out every 100 ms: ncurses notices a SIGWINCH only as a read begins or is interrupted,
+# so one landing between that check and a blocking read would wait for the next key (seen
+# once in 40 resizes on a loaded machine; top, which redraws on a timer, never waits so).
 CURSES_APP = """python3 -c '
 import curses
 def main(w):
+    w.timeout(100)
     w.addstr(0, 0, "FULLSCREEN %dx%d" % w.getmaxyx()); w.refresh()
-    while (key := w.getkey()) != "q":
-        if key == "KEY_RESIZE":
+    while (key := w.getch()) != ord("q"):
+        if key == curses.KEY_RESIZE:
             w.clear(); w.addstr(0, 0, "RESIZED %dx%d" % w.getmaxyx()); w.refresh()
 curses.wrapper(main)'"""
 
