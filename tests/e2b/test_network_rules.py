@@ -109,17 +109,47 @@ async def test_e2b_s_rule_checks_answer_400_before_anything_is_made(
     assert r.status == 400 and message in answer["message"], answer
 
 
-async def test_workload_identity_tokens_are_a_400_naming_them(e2b_latest: E2B) -> None:
-    body = {
-        "templateID": "base",
-        "iam": {"tokens": {"aws": {"audience": "sts.amazonaws.com", "tokenType": "JWT-SVID"}}},
-    }
-    async with (
-        aiohttp.ClientSession() as http,
-        http.post(f"{e2b_latest.url}/sandboxes", json=body, headers={"X-API-Key": e2b_latest.key}) as r,
-    ):
-        answer = await r.json()
-    assert r.status == 400 and answer["message"].startswith("iam.tokens: workload identity"), answer
+async def test_workload_identity_gets_e2b_s_checks_then_e2b_s_answer_to_a_team_without_it(
+    e2b_latest: E2B,
+) -> None:
+    """``iam`` as E2B's API takes it (``buildSandboxIam``): its checks and messages, then the 400
+    it gives every team whose ``enable-sandbox-iam-tokens`` flag is off. An empty token map is
+    no workload identity at all: the sandbox is made."""
+    out = await e2b_latest.run(
+        """
+        import asyncio
+        from e2b import AsyncSandbox, Secret
+        def tried(iam):
+            try:
+                Sandbox.create(timeout=60, iam=iam).kill()
+                return "made"
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+        async def tried_async(iam):
+            try:
+                await (await AsyncSandbox.create(timeout=60, iam=iam)).kill()
+                return "made"
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+        tok = Secret.iam_token(audience="sts.amazonaws.com", token_type="JWT-SVID")
+        print(json.dumps({
+            "one": tried({"tokens": {"aws": tok}}),
+            "one async": asyncio.run(tried_async({"tokens": {"aws": tok}})),
+            "many": tried({"tokens": {f"t{i}": tok for i in range(6)}}),
+            "audience": tried({"tokens": {"aws": {"audience": "", "token_type": "JWT-SVID"}}}),
+            "type": tried({"tokens": {"aws": {"audience": "x", "token_type": "OIDC"}}}),
+            "empty": tried({"tokens": {}}),
+        }))
+        """,
+        timeout=120,
+    )
+    assert out["one"].endswith("Sandbox IAM workload tokens are not available for your team."), out
+    assert out["one async"] == out["one"]
+    assert out["many"].endswith("iam.tokens: too many tokens: 6 (max 5)"), out
+    assert out["audience"].endswith("iam.tokens.aws.audience: audience is required"), out
+    assert out["type"].endswith('iam.tokens.aws.tokenType: only "JWT-SVID" is supported'), out
+    assert out["empty"] == "made"
+    assert all(v.startswith("SandboxException: 400: ") for k, v in out.items() if k != "empty"), out
 
 
 async def test_a_rule_for_a_host_reached_only_by_address_is_refused(e2b_latest: E2B) -> None:

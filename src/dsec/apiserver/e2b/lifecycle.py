@@ -49,7 +49,7 @@ from dsec.apiserver.e2b.models import (
     SandboxDetail,
     TimeoutRequest,
 )
-from dsec.apiserver.e2b.network import INTERNET, headers_info, to_headers, to_info, to_rules
+from dsec.apiserver.e2b.network import INTERNET, check_iam, headers_info, to_headers, to_info, to_rules
 from dsec.apiserver.e2b.secret_store import SecretStore
 from dsec.apiserver.e2b.template_models import TemplateConfig
 from dsec.apiserver.e2b.tokens import EnvdTokens
@@ -272,11 +272,7 @@ class LifecycleRoutes:
         req = await read_body(request, NewSandbox)
         if req.mcp:
             raise NotSupported("MCP gateways are not supported by DSec")
-        if req.iam and req.iam.get("tokens"):
-            raise InvalidRequest(
-                "iam.tokens: workload identity tokens are not supported by DSec (E2B's issuer is its"
-                " own); put the credential in a secret and name it in network rules (${e2b.secrets.<name>})"
-            )
+        check_iam(req.iam)
         if AUTO_RESUME_LABEL in (req.metadata or {}):
             raise InvalidRequest(f"metadata key {AUTO_RESUME_LABEL!r} is kept for the sandbox's autoResume")
         if PRIVATE_TRAFFIC_LABEL in (req.metadata or {}):

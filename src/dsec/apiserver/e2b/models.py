@@ -58,6 +58,17 @@ class AutoResume(_In):
     enabled: bool = False
 
 
+class IamToken(_In):
+    """One workload token of ``iam.tokens`` (E2B's ``SandboxIamToken``)."""
+
+    audience: str = Field(default="", max_length=2048)
+    token_type: str = Field(default="", alias="tokenType", max_length=64)
+
+
+class Iam(_In):
+    tokens: dict[Annotated[str, StringConstraints(max_length=256)], IamToken] | None = None
+
+
 class NewSandbox(_In):
     """``POST /sandboxes`` (2.34) and ``POST /v2/sandboxes`` (2.63)."""
 
@@ -70,7 +81,7 @@ class NewSandbox(_In):
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
     mcp: dict[str, Any] | None = None
-    iam: dict[str, Any] | None = None  # workload identity tokens: not DSec's (a 400)
+    iam: Iam | None = None  # workload identity tokens: E2B's checks, then its flag's 400
     volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
 
 

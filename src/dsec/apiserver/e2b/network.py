@@ -28,7 +28,7 @@ egress proxy, DNS servers. A ``denyOut`` entry that is no address or range is E2
 (:mod:`dsec.protocol.egress_headers`), checked with E2B's bounds and messages
 (``validateNetworkRules``); ``${e2b.secrets.<name>}`` is DSec's ``${secrets.<name>}``, filled
 from the project's secrets (:mod:`.secret_store`); ``${e2b.identity.tokens.<name>}`` (workload
-identity) is a 400.
+identity) is a 400, and so is ``iam`` on create (:func:`check_iam`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from dsec.apiserver.e2b.models import NetworkInfo, NetworkUpdate
+from dsec.apiserver.e2b.models import Iam, NetworkInfo, NetworkUpdate
 from dsec.apiserver.e2b.secret_store import normalize_name
 from dsec.netpolicy.config import address_of, range_text
 from dsec.netpolicy.nft import NONPUBLIC
@@ -231,3 +231,29 @@ def headers_info(headers: dict[str, dict[str, str]]) -> dict[str, list[dict[str,
         host: [{"transform": {"headers": {k: v.replace(_DSEC_SECRET, _E2B_SECRET) for k, v in hs.items()}}}]
         for host, hs in headers.items()
     }
+
+
+MAX_IAM_TOKENS = 5  # E2B's maxIamTokens
+IAM_TOKEN_TYPE = "JWT-SVID"  # the only type E2B's API takes
+# E2B's answer to a team without its `enable-sandbox-iam-tokens` feature flag, which is off
+# outside E2B's development environment.
+IAM_UNAVAILABLE = "Sandbox IAM workload tokens are not available for your team."
+
+
+def check_iam(iam: Iam | None) -> None:
+    """``iam`` on create as E2B's API takes it (``buildSandboxIam``: its checks, in its order,
+    with its messages), then the 400 it gives a team whose feature flag is off. DSec mints no
+    workload tokens: E2B's issuer is not in e2b-dev/infra, so neither are its claims."""
+    tokens = iam.tokens if iam is not None else None
+    if not tokens:  # absent or empty: workload identity off, as E2B reads it
+        return
+    if len(tokens) > MAX_IAM_TOKENS:
+        raise InvalidRequest(f"iam.tokens: too many tokens: {len(tokens)} (max {MAX_IAM_TOKENS})")
+    for name, token in tokens.items():
+        if not name:
+            raise InvalidRequest("iam.tokens: token name must not be empty")
+        if not token.audience:
+            raise InvalidRequest(f"iam.tokens.{name}.audience: audience is required")
+        if token.token_type != IAM_TOKEN_TYPE:
+            raise InvalidRequest(f'iam.tokens.{name}.tokenType: only "{IAM_TOKEN_TYPE}" is supported')
+    raise InvalidRequest(IAM_UNAVAILABLE)
