@@ -184,7 +184,8 @@ class SniProxy:
         )  # fmt: skip
         self._keys = set(wanted)
         self._headers = dict(headers or {})
-        self._write_map()
+        self._write_names()
+        self._write_headers()
         pids = await asyncio.to_thread(self._running)
         self._hosts = {p.name.removesuffix(".pem") for p in self.ca.hosts_dir.glob("*.pem")}
         if len(pids) == 1 and self.config.exists() and self.config.read_text() == text:
@@ -219,7 +220,7 @@ class SniProxy:
         if old == new:
             return
         self._keys = (self._keys - old) | new
-        self._write_map(headers=False)
+        self._write_names()
         for key in sorted(old - new):
             await self._command(f"del map {self.map} {key}")
         for key in sorted(new - old):
@@ -233,7 +234,7 @@ class SniProxy:
         for host in sorted({intercept.host_of(k) for k in new} - self._hosts):
             await self._add_certificate(host)
         self._headers = {k: v for k, v in self._headers.items() if k not in old} | new
-        self._write_map(names=False)
+        self._write_headers()
         for key in sorted(old):
             if key not in new:
                 await self._command(f"del map {self.headers_map} {key}")
@@ -264,18 +265,11 @@ class SniProxy:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _write_map(self, names: bool = True, headers: bool = True) -> None:
-        for path, lines, wanted in (
-            (self.map, (f"{k} 1\n" for k in sorted(self._keys)), names),
-            (self.headers_map, (f"{k} {v}\n" for k, v in sorted(self._headers.items())), headers),
-        ):
-            if not wanted:
-                continue
-            tmp = path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # headers hold secrets
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(lines))
-            os.replace(tmp, path)
+    def _write_names(self) -> None:
+        _write_map_file(self.map, (f"{k} 1\n" for k in sorted(self._keys)))
+
+    def _write_headers(self) -> None:
+        _write_map_file(self.headers_map, (f"{k} {v}\n" for k, v in sorted(self._headers.items())))
 
     def _running(self) -> list[int]:
         """Every HAProxy started on this edge's configuration that still runs (found by its
@@ -378,3 +372,12 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
+
+
+def _write_map_file(path: Path, lines: Iterable[str]) -> None:
+    """A map file HAProxy loads at start, replaced whole; 0600: the headers map holds secrets."""
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(lines))
+    os.replace(tmp, path)
